@@ -1,0 +1,5 @@
+"""Pure functions on tensors: the attention ops of lapse."""
+
+from .forgetting import AttentionStats, forgetting_attention
+
+__all__ = ["AttentionStats", "forgetting_attention"]

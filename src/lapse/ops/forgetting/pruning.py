@@ -1,0 +1,101 @@
+"""ACP boundary search on the GPU (SPEC section 3).
+
+For every query block ``m`` the pruned tiles are a prefix of its key blocks, so the first
+kept key block is the number of pruned ones: a monotone count. One program takes a chunk
+of query blocks of one (sequence, head) and counts, in vector compares, the strictly-causal
+key blocks whose largest bias ``c[first query of m] - c[last key of n]`` is below delta.
+The count only looks at key blocks before the chunk's last query block (all later ones
+are diagonal or masked), and reads ``c`` in float64 so the decision is the same as
+:func:`~lapse.ops.forgetting.common.acp_block_start`, the reference it is tested against.
+The backward's view of the same staircase (for key block ``n``, the kept query blocks
+end at ``block_end[n]``) is a ``searchsorted`` over it.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+from torch import Tensor
+
+from .common import ACP_BLOCK, Problem
+
+
+@triton.jit
+def _block_start_kernel(
+    C, DELTA, CU, BS,
+    TQ, TK, TC, HQ, MB,
+    G: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, IS_VARLEN: tl.constexpr,
+):
+    i_c = tl.program_id(0).to(tl.int64)
+    i_bh = tl.program_id(1).to(tl.int64)
+    i_b = i_bh // HQ
+    i_h = i_bh % HQ
+    if IS_VARLEN:
+        bos = tl.load(CU + i_b).to(tl.int64)
+        tq = tl.load(CU + i_b + 1).to(tl.int64) - bos
+        tk = tq
+        i_bt = i_b * 0
+    else:
+        bos = i_b * 0
+        tq = TQ
+        tk = TK
+        i_bt = i_b
+    off = tk - tq
+    o_mb = i_c * BLOCK_M + tl.arange(0, BLOCK_M)
+    m_mb = o_mb * G < tq
+    first_q = o_mb * G + off
+    p_c = C + (i_bt * TC + bos) * HQ + i_h
+    b_cf = tl.load(p_c + tl.minimum(first_q, tk - 1) * HQ, mask=m_mb, other=0.0)  # [BLOCK_M] f64
+    delta = tl.load(DELTA + i_b * HQ + i_h)
+    last_first_q = tl.minimum(i_c * BLOCK_M + BLOCK_M - 1, (tq - 1) // G) * G + off
+    n_hi = (last_first_q + 1 + G - 1) // G  # key blocks that can be strictly before a query
+    n_hi = tl.where(tq > 0, n_hi, 0)  # an empty packed sequence reads nothing
+    count = tl.zeros([BLOCK_M], dtype=tl.int32)
+    for n0 in range(0, n_hi, BLOCK_N):
+        o_nb = n0 + tl.arange(0, BLOCK_N)
+        last_k = tl.minimum(o_nb * G + G - 1, tk - 1)
+        m_nb = o_nb < n_hi
+        b_cl = tl.load(p_c + last_k * HQ, mask=m_nb, other=0.0)
+        pruned = (last_k[None, :] < first_q[:, None]) & m_nb[None, :] & \
+            ((b_cf[:, None] - b_cl[None, :]) < delta)
+        count += tl.sum(pruned.to(tl.int32), 1)
+    count = tl.where(m_mb, count, 0)
+    tl.store(BS + (i_b * HQ + i_h) * MB + o_mb, count, mask=o_mb < MB)
+
+
+def triton_block_start(c: Tensor, delta: Tensor, p: Problem) -> Tensor:
+    """First kept key block per query block, ``[B, HQ, M]`` int32 (see module docstring).
+
+    c: ``[B, Tc, HQ]`` float64 cumulative gate; delta: ``[B, HQ]`` float64.
+    """
+    mb = -(-p.tq // ACP_BLOCK)
+    bs = torch.empty(p.batch, p.hq, mb, dtype=torch.int32, device=c.device)
+    block_m = 64
+    grid = (triton.cdiv(mb, block_m), p.batch * p.hq)
+    _block_start_kernel[grid](
+        c, delta.contiguous(), p.cu_seqlens if p.cu_seqlens is not None else c, bs,
+        p.tq, p.tk, c.shape[1], p.hq, mb,
+        G=ACP_BLOCK, BLOCK_M=block_m, BLOCK_N=64, IS_VARLEN=p.cu_seqlens is not None,
+        num_warps=4,
+    )
+    return bs
+
+
+def block_end_from_start(block_start: Tensor, p: Problem) -> Tensor:
+    """For every key block n, the number of query blocks m with block_start[m] <= n.
+
+    Query blocks past a sequence's end are excluded. Returns ``[B, HQ, N]`` int32.
+    """
+    nb = -(-p.tk // ACP_BLOCK)
+    mb = block_start.shape[-1]
+    if p.seqlens is None:
+        valid_blocks = torch.full((p.batch,), -(-p.tq // ACP_BLOCK), device=block_start.device)
+    else:
+        valid_blocks = -(-torch.tensor(p.seqlens, device=block_start.device) // ACP_BLOCK)
+    m = torch.arange(mb, device=block_start.device)
+    big = torch.iinfo(torch.int32).max
+    bs = torch.where(m[None, None, :] < valid_blocks[:, None, None], block_start, big)
+    n = torch.arange(nb, device=block_start.device, dtype=torch.int32)
+    n = n.expand(p.batch, p.hq, nb).contiguous()
+    return torch.searchsorted(bs.contiguous(), n, right=True).to(torch.int32)

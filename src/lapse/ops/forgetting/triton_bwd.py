@@ -1,0 +1,317 @@
+"""Fused backward kernels of forgetting attention with ACP (SPEC sections 1 and 3).
+
+Two kernels, no atomics:
+- ``_bwd_dkdv_kernel``: one program per (key tile, batch x key head); loops over the
+  query heads of the group and over query tiles; writes dK, dV and the column sums of dS
+  per query head.
+- ``_bwd_dq_kernel``: one program per (query tile, batch x query head); loops over key
+  tiles; writes dQ and the row sums of dS.
+The gate gradient is ``dc_i = rowsum_i(dS) - colsum_i(dS)`` then a reverse cumulative sum
+(host side, float64). Both kernels skip exactly the tiles the forward skipped: for a key
+tile the kept query rows are a contiguous range ending at ``block_end * ACP_BLOCK``.
+The same three-loop split as the forward keeps the interior loop free of masks.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _dkdv_inner(
+    b_dk, b_dv, b_dcc,
+    b_k, b_v, b_ck, o_n,
+    p_q, p_do, p_lse, p_delta, p_chi, p_clo, p_bs, c_ref,
+    stride_qt, stride_dot,
+    lo, hi, tq, off, qk_scale,
+    o_d, m_d,
+    BM: tl.constexpr, G: tl.constexpr, MASKED: tl.constexpr, USE_ACP: tl.constexpr,
+    DOT_PREC: tl.constexpr,
+):
+    for start in range(lo, hi, BM):
+        o_m = start + tl.arange(0, BM)
+        m_m = o_m < tq
+        # [BM, BD]
+        b_q = tl.load(p_q + o_m[:, None] * stride_qt + o_d[None, :],
+                      mask=m_m[:, None] & m_d[None, :], other=0.0)
+        b_do = tl.load(p_do + o_m[:, None] * stride_dot + o_d[None, :],
+                       mask=m_m[:, None] & m_d[None, :], other=0.0)
+        b_lse = tl.load(p_lse + o_m, mask=m_m, other=0.0)
+        b_delta = tl.load(p_delta + o_m, mask=m_m, other=0.0)
+        o_abs = o_m + off
+        o_absc = tl.minimum(o_abs, tq + off - 1)
+        b_cq = ((tl.load(p_chi + o_absc) - c_ref) + tl.load(p_clo + o_absc)) * 1.4426950408889634
+        # [BN, BM] transposed scores, base 2
+        b_st = tl.dot(b_k, tl.trans(b_q), input_precision=DOT_PREC) * qk_scale \
+            + (b_cq[None, :] - b_ck[:, None])
+        if MASKED:
+            keep = (o_n[:, None] <= o_abs[None, :]) & m_m[None, :]
+            if USE_ACP:
+                b_kstart = tl.load(p_bs + o_m // G, mask=m_m, other=0) * G
+                keep = keep & (o_n[:, None] >= b_kstart[None, :])
+            b_st = tl.where(keep, b_st, float("-inf"))
+        b_pt = tl.math.exp2(b_st - b_lse[None, :])
+        b_dv = tl.dot(b_pt.to(b_do.dtype), b_do, b_dv, input_precision=DOT_PREC)
+        # [BN, BM]
+        b_dpt = tl.dot(b_v, tl.trans(b_do), input_precision=DOT_PREC)
+        b_dst = b_pt * (b_dpt - b_delta[None, :])
+        b_dcc += tl.sum(b_dst, 1)
+        b_dk = tl.dot(b_dst.to(b_q.dtype), b_q, b_dk, input_precision=DOT_PREC)
+    return b_dk, b_dv, b_dcc
+
+
+@triton.jit
+def _bwd_dkdv_kernel(
+    Q, K, V, DO, LSE, DELTA, CHI, CLO, BSTART, BEND, CU, DK, DV, DCC,
+    stride_qb, stride_qt, stride_qh,
+    stride_kb, stride_kt, stride_kh,
+    stride_vb, stride_vt, stride_vh,
+    stride_dob, stride_dot, stride_doh,
+    stride_dkb, stride_dkt, stride_dkh,
+    stride_dvb, stride_dvt, stride_dvh,
+    qk_scale, scale, TQ, TK, TC, HQ, H, GROUP, MB, NB,
+    D: tl.constexpr, BD: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
+    G: tl.constexpr, IS_VARLEN: tl.constexpr, USE_ACP: tl.constexpr, DOT_PREC: tl.constexpr,
+):
+    i_n = tl.program_id(0).to(tl.int64)
+    i_bh = tl.program_id(1).to(tl.int64)
+    i_b = i_bh // H
+    i_hk = i_bh % H
+    if IS_VARLEN:
+        bos = tl.load(CU + i_b).to(tl.int64)
+        tq = tl.load(CU + i_b + 1).to(tl.int64) - bos
+        tk = tq
+        i_bt = i_b * 0
+    else:
+        bos = i_b * 0
+        tq = TQ
+        tk = TK
+        i_bt = i_b
+    k0 = i_n * BN
+    if k0 >= tk:
+        return
+    off = tk - tq
+    o_n = k0 + tl.arange(0, BN)
+    m_n = o_n < tk
+    o_d = tl.arange(0, BD)
+    m_d = o_d < D
+    # [BN, BD]
+    b_k = tl.load(K + i_bt * stride_kb + (bos + o_n[:, None]) * stride_kt + i_hk * stride_kh
+                  + o_d[None, :], mask=m_n[:, None] & m_d[None, :], other=0.0)
+    b_v = tl.load(V + i_bt * stride_vb + (bos + o_n[:, None]) * stride_vt + i_hk * stride_vh
+                  + o_d[None, :], mask=m_n[:, None] & m_d[None, :], other=0.0)
+    b_dk = tl.zeros([BN, BD], dtype=tl.float32)
+    b_dv = tl.zeros([BN, BD], dtype=tl.float32)
+
+    # query rows that see some key of this tile: abs position >= k0
+    q_lo = (tl.maximum(k0 - off, 0) // BM) * BM
+    # rows from diag_end on see every key of the tile causally
+    # (clamped before dividing: integer division in Triton truncates toward zero)
+    diag_rows = tl.maximum(k0 + BN - 1 - off, 0)
+    diag_end = tl.minimum(((diag_rows + BM - 1) // BM) * BM, ((tq + BM - 1) // BM) * BM)
+    diag_end = tl.maximum(diag_end, q_lo)
+    tq_floor = (tq // BM) * BM
+    for g in range(0, GROUP):
+        i_h = i_hk * GROUP + g
+        if USE_ACP:
+            p_be = BEND + (i_b * HQ + i_h) * NB
+            q_full = tl.load(p_be + k0 // G) * G
+            q_end = tl.minimum(tl.load(p_be + (tl.minimum(k0 + BN, tk) - 1) // G) * G, tq)
+        else:
+            q_full = tq
+            q_end = tq
+        a = tl.minimum(diag_end, q_end)
+        b = tl.maximum(a, tl.minimum(q_full, tq_floor))
+        p_chi = CHI + (i_bt * HQ + i_h) * TC + bos
+        p_clo = CLO + (i_bt * HQ + i_h) * TC + bos
+        c_ref = tl.load(p_chi + k0)
+        b_ck = ((tl.load(p_chi + o_n, mask=m_n, other=0.0) - c_ref)
+                + tl.load(p_clo + o_n, mask=m_n, other=0.0)) * 1.4426950408889634
+        p_q = Q + i_bt * stride_qb + bos * stride_qt + i_h * stride_qh
+        p_do = DO + i_bt * stride_dob + bos * stride_dot + i_h * stride_doh
+        p_lse = LSE + (i_bt * HQ + i_h) * TC + bos
+        p_delta = DELTA + (i_bt * HQ + i_h) * TC + bos
+        p_bs = BSTART + (i_b * HQ + i_h) * MB
+        b_dcc = tl.zeros([BN], dtype=tl.float32)
+        b_dk, b_dv, b_dcc = _dkdv_inner(b_dk, b_dv, b_dcc, b_k, b_v, b_ck, o_n, p_q, p_do, p_lse,
+                                        p_delta, p_chi, p_clo, p_bs, c_ref, stride_qt, stride_dot,
+                                        q_lo, a, tq, off, qk_scale, o_d, m_d,
+                                        BM, G, True, USE_ACP, DOT_PREC)
+        b_dk, b_dv, b_dcc = _dkdv_inner(b_dk, b_dv, b_dcc, b_k, b_v, b_ck, o_n, p_q, p_do, p_lse,
+                                        p_delta, p_chi, p_clo, p_bs, c_ref, stride_qt, stride_dot,
+                                        a, b, tq, off, qk_scale, o_d, m_d,
+                                        BM, G, False, USE_ACP, DOT_PREC)
+        b_dk, b_dv, b_dcc = _dkdv_inner(b_dk, b_dv, b_dcc, b_k, b_v, b_ck, o_n, p_q, p_do, p_lse,
+                                        p_delta, p_chi, p_clo, p_bs, c_ref, stride_qt, stride_dot,
+                                        b, q_end, tq, off, qk_scale, o_d, m_d,
+                                        BM, G, True, USE_ACP, DOT_PREC)
+        tl.store(DCC + (i_bt * HQ + i_h) * TC + bos + o_n, b_dcc, mask=m_n)
+    p_dk = DK + i_bt * stride_dkb + (bos + o_n[:, None]) * stride_dkt + i_hk * stride_dkh + o_d[None, :]
+    p_dv = DV + i_bt * stride_dvb + (bos + o_n[:, None]) * stride_dvt + i_hk * stride_dvh + o_d[None, :]
+    tl.store(p_dk, (b_dk * scale).to(DK.dtype.element_ty), mask=m_n[:, None] & m_d[None, :])
+    tl.store(p_dv, b_dv.to(DV.dtype.element_ty), mask=m_n[:, None] & m_d[None, :])
+
+
+@triton.jit
+def _dq_inner(
+    b_dq, b_dcr,
+    b_q, b_do, b_lse, b_delta, b_cq, o_abs, b_kstart,
+    p_k, p_v, p_chi, p_clo, c_ref,
+    stride_kt, stride_vt,
+    lo, hi, tk, qk_scale,
+    o_d, m_d,
+    BN: tl.constexpr, MASKED: tl.constexpr, DOT_PREC: tl.constexpr,
+):
+    for start in range(lo, hi, BN):
+        o_n = start + tl.arange(0, BN)
+        m_n = o_n < tk
+        # [BD, BN]
+        b_kt = tl.load(p_k + o_n[None, :] * stride_kt + o_d[:, None],
+                       mask=m_d[:, None] & m_n[None, :], other=0.0)
+        b_vt = tl.load(p_v + o_n[None, :] * stride_vt + o_d[:, None],
+                       mask=m_d[:, None] & m_n[None, :], other=0.0)
+        b_ck = ((tl.load(p_chi + o_n, mask=m_n, other=0.0) - c_ref)
+                + tl.load(p_clo + o_n, mask=m_n, other=0.0)) * 1.4426950408889634
+        # [BM, BN]
+        b_s = tl.dot(b_q, b_kt, input_precision=DOT_PREC) * qk_scale + (b_cq[:, None] - b_ck[None, :])
+        if MASKED:
+            keep = (o_n[None, :] <= o_abs[:, None]) & (o_n[None, :] >= b_kstart[:, None])
+            b_s = tl.where(keep, b_s, float("-inf"))
+        b_p = tl.math.exp2(b_s - b_lse[:, None])
+        b_dp = tl.dot(b_do, b_vt, input_precision=DOT_PREC)
+        b_ds = b_p * (b_dp - b_delta[:, None])
+        b_dcr += tl.sum(b_ds, 1)
+        b_dq = tl.dot(b_ds.to(b_kt.dtype), tl.trans(b_kt), b_dq, input_precision=DOT_PREC)
+    return b_dq, b_dcr
+
+
+@triton.jit
+def _bwd_dq_kernel(
+    Q, K, V, DO, LSE, DELTA, CHI, CLO, BSTART, CU, DQ, DCR,
+    stride_qb, stride_qt, stride_qh,
+    stride_kb, stride_kt, stride_kh,
+    stride_vb, stride_vt, stride_vh,
+    stride_dob, stride_dot, stride_doh,
+    stride_dqb, stride_dqt, stride_dqh,
+    qk_scale, scale, TQ, TK, TC, HQ, GROUP, MB,
+    D: tl.constexpr, BD: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
+    G: tl.constexpr, IS_VARLEN: tl.constexpr, USE_ACP: tl.constexpr, DOT_PREC: tl.constexpr,
+):
+    i_m = tl.program_id(0).to(tl.int64)
+    i_bh = tl.program_id(1).to(tl.int64)
+    i_b = i_bh // HQ
+    i_h = i_bh % HQ
+    i_hk = i_h // GROUP
+    if IS_VARLEN:
+        bos = tl.load(CU + i_b).to(tl.int64)
+        tq = tl.load(CU + i_b + 1).to(tl.int64) - bos
+        tk = tq
+        i_bt = i_b * 0
+    else:
+        bos = i_b * 0
+        tq = TQ
+        tk = TK
+        i_bt = i_b
+    if i_m * BM >= tq:
+        return
+    off = tk - tq
+    o_m = i_m * BM + tl.arange(0, BM)
+    m_m = o_m < tq
+    o_abs = o_m + off
+    o_d = tl.arange(0, BD)
+    m_d = o_d < D
+    m_md = m_m[:, None] & m_d[None, :]
+    b_q = tl.load(Q + i_bt * stride_qb + (bos + o_m[:, None]) * stride_qt + i_h * stride_qh
+                  + o_d[None, :], mask=m_md, other=0.0)
+    b_do = tl.load(DO + i_bt * stride_dob + (bos + o_m[:, None]) * stride_dot + i_h * stride_doh
+                   + o_d[None, :], mask=m_md, other=0.0)
+    p_row = (i_bt * HQ + i_h) * TC + bos
+    b_lse = tl.load(LSE + p_row + o_m, mask=m_m, other=0.0)
+    b_delta = tl.load(DELTA + p_row + o_m, mask=m_m, other=0.0)
+    p_chi = CHI + p_row
+    p_clo = CLO + p_row
+    first_abs = i_m * BM + off
+    last_abs = tl.minimum(i_m * BM + BM, tq) - 1 + off
+    c_ref = tl.load(p_chi + first_abs)
+    o_absc = tl.minimum(o_abs, tk - 1)
+    b_cq = ((tl.load(p_chi + o_absc) - c_ref) + tl.load(p_clo + o_absc)) * 1.4426950408889634
+    if USE_ACP:
+        p_bs = BSTART + (i_b * HQ + i_h) * MB
+        b_kstart = tl.load(p_bs + o_m // G, mask=m_m, other=0) * G
+        ks_lo = tl.load(p_bs + (i_m * BM) // G) * G
+        ks_hi = tl.load(p_bs + (tl.minimum(i_m * BM + BM, tq) - 1) // G) * G
+    else:
+        b_kstart = tl.zeros([BM], dtype=tl.int32)
+        ks_lo = 0
+        ks_hi = 0
+    diag = ((first_abs + 1) // BN) * BN
+    mid = tl.maximum(diag, ks_hi)
+    p_k = K + i_bt * stride_kb + bos * stride_kt + i_hk * stride_kh
+    p_v = V + i_bt * stride_vb + bos * stride_vt + i_hk * stride_vh
+    b_dq = tl.zeros([BM, BD], dtype=tl.float32)
+    b_dcr = tl.zeros([BM], dtype=tl.float32)
+    b_dq, b_dcr = _dq_inner(b_dq, b_dcr, b_q, b_do, b_lse, b_delta, b_cq, o_abs, b_kstart, p_k, p_v,
+                            p_chi, p_clo, c_ref, stride_kt, stride_vt, ks_lo, ks_hi, tk, qk_scale,
+                            o_d, m_d, BN, True, DOT_PREC)
+    b_dq, b_dcr = _dq_inner(b_dq, b_dcr, b_q, b_do, b_lse, b_delta, b_cq, o_abs, b_kstart, p_k, p_v,
+                            p_chi, p_clo, c_ref, stride_kt, stride_vt, ks_hi, mid, tk, qk_scale,
+                            o_d, m_d, BN, False, DOT_PREC)
+    b_dq, b_dcr = _dq_inner(b_dq, b_dcr, b_q, b_do, b_lse, b_delta, b_cq, o_abs, b_kstart, p_k, p_v,
+                            p_chi, p_clo, c_ref, stride_kt, stride_vt, mid, last_abs + 1, tk,
+                            qk_scale, o_d, m_d, BN, True, DOT_PREC)
+    p_dq = DQ + i_bt * stride_dqb + (bos + o_m[:, None]) * stride_dqt + i_h * stride_dqh + o_d[None, :]
+    tl.store(p_dq, (b_dq * scale).to(DQ.dtype.element_ty), mask=m_md)
+    tl.store(DCR + p_row + o_m, b_dcr, mask=m_m)
+
+
+def bwd_config(d: int) -> tuple[dict, dict]:
+    """(dK/dV config, dQ config). dK/dV: BM divides ACP_BLOCK; dQ: BN divides it."""
+    if d <= 64:
+        return (dict(BM=32, BN=128, num_warps=4, num_stages=3),
+                dict(BM=128, BN=32, num_warps=4, num_stages=3))
+    if d <= 128:
+        return (dict(BM=32, BN=64, num_warps=4, num_stages=2),
+                dict(BM=64, BN=32, num_warps=4, num_stages=2))
+    return (dict(BM=16, BN=32, num_warps=4, num_stages=1),
+            dict(BM=32, BN=16, num_warps=4, num_stages=1))
+
+
+def launch_bwd(q, k, v, do, lse2, delta, c_hi, c_lo, block_start, block_end, cu, p,
+               dq, dk, dv, dcc, dcr, configs=None):
+    """Runs both backward kernels; dk/dv/dq in the inputs' dtypes, dcc/dcr float32 [B, HQ, Tc]."""
+    cfg_kv, cfg_q = configs or bwd_config(p.d)
+    cfg_kv, cfg_q = dict(cfg_kv), dict(cfg_q)
+    bd = max(16, triton.next_power_of_2(p.d))
+    use_acp = block_start is not None
+    mb = block_start.shape[-1] if use_acp else 1
+    nb = block_end.shape[-1] if use_acp else 1
+    dummy = c_hi
+    common = dict(D=p.d, BD=bd, G=64, IS_VARLEN=cu is not None, USE_ACP=use_acp,
+                  DOT_PREC="ieee" if q.dtype.itemsize == 4 else "tf32")
+    bm, bn = cfg_kv.pop("BM"), cfg_kv.pop("BN")
+    _bwd_dkdv_kernel[(triton.cdiv(p.tk, bn), p.batch * p.h)](
+        q, k, v, do, lse2, delta, c_hi, c_lo,
+        block_start if use_acp else dummy, block_end if use_acp else dummy,
+        cu if cu is not None else dummy, dk, dv, dcc,
+        q.stride(0), q.stride(1), q.stride(2),
+        k.stride(0), k.stride(1), k.stride(2),
+        v.stride(0), v.stride(1), v.stride(2),
+        do.stride(0), do.stride(1), do.stride(2),
+        dk.stride(0), dk.stride(1), dk.stride(2),
+        dv.stride(0), dv.stride(1), dv.stride(2),
+        p.scale * 1.4426950408889634, p.scale, p.tq, p.tk, c_hi.shape[-1], p.hq, p.h,
+        p.hq // p.h, mb, nb, BM=bm, BN=bn, **common, **cfg_kv,
+    )
+    bm, bn = cfg_q.pop("BM"), cfg_q.pop("BN")
+    _bwd_dq_kernel[(triton.cdiv(p.tq, bm), p.batch * p.hq)](
+        q, k, v, do, lse2, delta, c_hi, c_lo, block_start if use_acp else dummy,
+        cu if cu is not None else dummy, dq, dcr,
+        q.stride(0), q.stride(1), q.stride(2),
+        k.stride(0), k.stride(1), k.stride(2),
+        v.stride(0), v.stride(1), v.stride(2),
+        do.stride(0), do.stride(1), do.stride(2),
+        dq.stride(0), dq.stride(1), dq.stride(2),
+        p.scale * 1.4426950408889634, p.scale, p.tq, p.tk, c_hi.shape[-1], p.hq,
+        p.hq // p.h, mb, BM=bm, BN=bn, **common, **cfg_q,
+    )

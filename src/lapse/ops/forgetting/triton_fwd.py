@@ -1,0 +1,176 @@
+"""Fused forward kernel of forgetting attention with ACP (SPEC sections 1 and 3).
+
+One program per (query tile, batch x query head). The key range of a query tile is cut
+into three loops so the hot loop carries no mask:
+
+    [ks_lo, ks_hi)                  ACP edge: rows of the tile start at different keys
+    [ks_hi, max(diag, ks_hi))       interior: every pair kept and causal, no mask
+    [max(diag, ks_hi), last + 1)    diagonal: causal mask
+
+``ks_lo``/``ks_hi`` are the first kept keys of the tile's first and last row (multiples
+of ACP_BLOCK; 0 without ACP). Keys before ``ks_lo`` are pruned tiles: never loaded.
+
+The bias ``c_i - c_j`` comes from the float64 cumulative gate split into float32
+``hi + lo``: ``((hi_i - ref) + lo_i) - ((hi_j - ref) + lo_j)`` with ``ref`` the ``hi`` of
+the tile's first query is exact where it matters (nearby values subtract exactly), so
+long contexts do not lose the bias to cancellation. Everything runs in base 2.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+LOG2E = 1.4426950408889634
+
+
+@triton.jit
+def _fwd_inner(
+    acc, l_i, m_i,
+    b_q, b_cq, o_abs, b_kstart,
+    p_k, p_v, p_chi, p_clo, c_ref,
+    stride_kt, stride_vt,
+    lo, hi, tk, qk_scale,
+    o_d, m_d,
+    BN: tl.constexpr, MASKED: tl.constexpr, DOT_PREC: tl.constexpr,
+):
+    for start in range(lo, hi, BN):
+        o_n = start + tl.arange(0, BN)
+        m_n = o_n < tk
+        # [BD, BN]
+        b_kt = tl.load(p_k + o_n[None, :] * stride_kt + o_d[:, None],
+                       mask=m_d[:, None] & m_n[None, :], other=0.0)
+        b_ck = ((tl.load(p_chi + o_n, mask=m_n, other=0.0) - c_ref)
+                + tl.load(p_clo + o_n, mask=m_n, other=0.0)) * 1.4426950408889634
+        # [BM, BN], base-2 logits
+        b_s = tl.dot(b_q, b_kt, input_precision=DOT_PREC) * qk_scale + (b_cq[:, None] - b_ck[None, :])
+        if MASKED:
+            keep = (o_n[None, :] <= o_abs[:, None]) & (o_n[None, :] >= b_kstart[:, None])
+            b_s = tl.where(keep, b_s, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(b_s, 1))
+            # a row with no kept key yet keeps m = -inf; shift by 0 so exp2 gives 0, not NaN
+            m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+        else:
+            m_new = tl.maximum(m_i, tl.max(b_s, 1))
+            m_use = m_new
+        b_p = tl.math.exp2(b_s - m_use[:, None])
+        alpha = tl.math.exp2(m_i - m_use)
+        l_i = l_i * alpha + tl.sum(b_p, 1)
+        # [BN, BD]
+        b_v = tl.load(p_v + o_n[:, None] * stride_vt + o_d[None, :],
+                      mask=m_n[:, None] & m_d[None, :], other=0.0)
+        acc = acc * alpha[:, None]
+        acc = tl.dot(b_p.to(b_v.dtype), b_v, acc, input_precision=DOT_PREC)
+        m_i = m_new
+    return acc, l_i, m_i
+
+
+@triton.jit
+def _fwd_kernel(
+    Q, K, V, CHI, CLO, BSTART, O, LSE, CU,
+    stride_qb, stride_qt, stride_qh,
+    stride_kb, stride_kt, stride_kh,
+    stride_vb, stride_vt, stride_vh,
+    stride_ob, stride_ot, stride_oh,
+    qk_scale, TQ, TK, TC, HQ, GROUP, MB,
+    D: tl.constexpr, BD: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
+    G: tl.constexpr, IS_VARLEN: tl.constexpr, USE_ACP: tl.constexpr, DOT_PREC: tl.constexpr,
+):
+    i_m = tl.program_id(0).to(tl.int64)
+    i_bh = tl.program_id(1).to(tl.int64)
+    i_b = i_bh // HQ
+    i_h = i_bh % HQ
+    i_hk = i_h // GROUP
+    if IS_VARLEN:
+        bos = tl.load(CU + i_b).to(tl.int64)
+        tq = tl.load(CU + i_b + 1).to(tl.int64) - bos
+        tk = tq
+        i_bt = i_b * 0  # packed: tensors have batch 1
+    else:
+        bos = i_b * 0
+        tq = TQ
+        tk = TK
+        i_bt = i_b
+    if i_m * BM >= tq:
+        return
+    off = tk - tq
+    o_m = i_m * BM + tl.arange(0, BM)
+    m_m = o_m < tq
+    o_abs = o_m + off
+    o_d = tl.arange(0, BD)
+    m_d = o_d < D
+
+    p_q = Q + i_bt * stride_qb + (bos + o_m[:, None]) * stride_qt + i_h * stride_qh + o_d[None, :]
+    b_q = tl.load(p_q, mask=m_m[:, None] & m_d[None, :], other=0.0)
+    p_chi = CHI + (i_bt * HQ + i_h) * TC + bos
+    p_clo = CLO + (i_bt * HQ + i_h) * TC + bos
+    first_abs = i_m * BM + off
+    last_abs = tl.minimum(i_m * BM + BM, tq) - 1 + off
+    c_ref = tl.load(p_chi + first_abs)
+    o_absc = tl.minimum(o_abs, tk - 1)
+    b_cq = ((tl.load(p_chi + o_absc) - c_ref) + tl.load(p_clo + o_absc)) * 1.4426950408889634
+
+    if USE_ACP:
+        p_bs = BSTART + (i_b * HQ + i_h) * MB
+        b_kstart = tl.load(p_bs + o_m // G, mask=m_m, other=0) * G
+        ks_lo = tl.load(p_bs + (i_m * BM) // G) * G
+        ks_hi = tl.load(p_bs + (tl.minimum(i_m * BM + BM, tq) - 1) // G) * G
+    else:
+        b_kstart = tl.zeros([BM], dtype=tl.int32)
+        ks_lo = 0
+        ks_hi = 0
+    diag = ((first_abs + 1) // BN) * BN
+    mid = tl.maximum(diag, ks_hi)
+
+    p_k = K + i_bt * stride_kb + bos * stride_kt + i_hk * stride_kh
+    p_v = V + i_bt * stride_vb + bos * stride_vt + i_hk * stride_vh
+    acc = tl.zeros([BM, BD], dtype=tl.float32)
+    l_i = tl.zeros([BM], dtype=tl.float32)
+    m_i = tl.full([BM], float("-inf"), dtype=tl.float32)
+    acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, b_q, b_cq, o_abs, b_kstart, p_k, p_v, p_chi, p_clo,
+                               c_ref, stride_kt, stride_vt, ks_lo, ks_hi, tk, qk_scale, o_d, m_d,
+                               BN, True, DOT_PREC)
+    acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, b_q, b_cq, o_abs, b_kstart, p_k, p_v, p_chi, p_clo,
+                               c_ref, stride_kt, stride_vt, ks_hi, mid, tk, qk_scale, o_d, m_d,
+                               BN, False, DOT_PREC)
+    acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, b_q, b_cq, o_abs, b_kstart, p_k, p_v, p_chi, p_clo,
+                               c_ref, stride_kt, stride_vt, mid, last_abs + 1, tk, qk_scale, o_d,
+                               m_d, BN, True, DOT_PREC)
+    # every valid row has its own key (D_ii = 0), so l_i > 0 there
+    l_safe = tl.where(m_m, l_i, 1.0)
+    b_o = acc / l_safe[:, None]
+    p_o = O + i_bt * stride_ob + (bos + o_m[:, None]) * stride_ot + i_h * stride_oh + o_d[None, :]
+    tl.store(p_o, b_o.to(O.dtype.element_ty), mask=m_m[:, None] & m_d[None, :])
+    # log-sum-exp in base 2 of the true logits (the ref shift cancels between c_i and c_j)
+    p_lse = LSE + (i_bt * HQ + i_h) * TC + bos + o_m
+    tl.store(p_lse, m_i + tl.math.log2(l_safe), mask=m_m)
+
+
+def fwd_config(d: int, dtype_bytes: int) -> dict:
+    """Tile sizes and launch parameters by head dim (BN must divide ACP_BLOCK)."""
+    if d <= 64:
+        return dict(BM=128, BN=64, num_warps=4, num_stages=3)
+    if d <= 128:
+        return dict(BM=128, BN=64, num_warps=8, num_stages=3)
+    return dict(BM=64, BN=32, num_warps=4, num_stages=2)
+
+
+def launch_fwd(q, k, v, c_hi, c_lo, block_start, cu, p, o, lse2, config=None):
+    """Runs the forward kernel; writes o [B, Tq, HQ, D] and base-2 lse [B, HQ, Tc]."""
+    cfg = dict(config or fwd_config(p.d, q.element_size()))
+    bm, bn = cfg.pop("BM"), cfg.pop("BN")
+    grid = (triton.cdiv(p.tq, bm), p.batch * p.hq)
+    mb = block_start.shape[-1] if block_start is not None else 1
+    _fwd_kernel[grid](
+        q, k, v, c_hi, c_lo, block_start if block_start is not None else c_hi, o, lse2,
+        cu if cu is not None else c_hi,
+        q.stride(0), q.stride(1), q.stride(2),
+        k.stride(0), k.stride(1), k.stride(2),
+        v.stride(0), v.stride(1), v.stride(2),
+        o.stride(0), o.stride(1), o.stride(2),
+        p.scale * LOG2E, p.tq, p.tk, c_hi.shape[-1], p.hq, p.hq // p.h, mb,
+        D=p.d, BD=max(16, triton.next_power_of_2(p.d)), BM=bm, BN=bn, G=64,
+        IS_VARLEN=cu is not None, USE_ACP=block_start is not None,
+        DOT_PREC="ieee" if q.dtype.itemsize == 4 else "tf32",
+        **cfg,
+    )
