@@ -102,16 +102,16 @@ def forgetting_attention(
             raise TypeError("backend='triton' takes float16, bfloat16 or float32, got float64")
 
     with torch.no_grad():
-        c = cumulative_log_gates(log_fgate, cu_seqlens)  # [B, Tk, HQ] float64
-        block_start = None
-        if acp is not None:
-            delta = acp_delta(acp, acp_eps, q, k, p)  # [B, HQ]
-            if backend == "triton":
-                from .pruning import triton_block_start
+        delta = None if acp is None else acp_delta(acp, acp_eps, q, k, p)  # [B, HQ]
+        if backend == "triton":
+            from .pruning import triton_block_start
+            from .triton_ops import triton_gate_cumsum
 
-                block_start = triton_block_start(c, delta, p)
-            else:
-                block_start = acp_block_start(c, delta, p)
+            c_hi, c_lo = triton_gate_cumsum(log_fgate, p)  # [B, HQ, Tc] float32 each
+            block_start = None if delta is None else triton_block_start(c_hi, c_lo, delta, p)
+        else:
+            c = cumulative_log_gates(log_fgate, cu_seqlens)  # [B, Tk, HQ] float64
+            block_start = None if delta is None else acp_block_start(c, delta, p)
 
     if backend == "naive":
         o, lse = naive_forgetting_attention(
@@ -124,7 +124,7 @@ def forgetting_attention(
     else:
         from .triton_ops import triton_forgetting_attention
 
-        o, lse = triton_forgetting_attention(q, k, v, log_fgate, c, p, block_start)
+        o, lse = triton_forgetting_attention(q, k, v, log_fgate, c_hi, c_lo, p, block_start)
 
     if not (return_lse or return_stats):
         return o

@@ -223,8 +223,10 @@ def _per_sequence_max(x: Tensor, p: Problem) -> Tensor:
 
 def acp_bound_from_data(q: Tensor, k: Tensor, p: Problem) -> Tensor:
     """U_bh = max_i ||q_i|| * max_j ||k_j|| * scale (SPEC section 3), ``[B, HQ]`` float32."""
-    qn = q.float().norm(dim=-1)  # [B, Tq, HQ]
-    kn = k.float().norm(dim=-1)  # [B, Tk, H]
+    # the dtype argument upcasts inside the reduction (no float32 copy of q and k)
+    acc = torch.float64 if q.dtype == torch.float64 else torch.float32
+    qn = torch.linalg.vector_norm(q, dim=-1, dtype=acc).float()  # [B, Tq, HQ]
+    kn = torch.linalg.vector_norm(k, dim=-1, dtype=acc).float()  # [B, Tk, H]
     group = p.hq // p.h
     kn = kn.repeat_interleave(group, dim=2)  # [B, Tk, HQ]
     return _per_sequence_max(qn, p) * _per_sequence_max(kn, p) * p.scale

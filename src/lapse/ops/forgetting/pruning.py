@@ -5,7 +5,7 @@ kept key block is the number of pruned ones: a monotone count. One program takes
 of query blocks of one (sequence, head) and counts, in vector compares, the strictly-causal
 key blocks whose largest bias ``c[first query of m] - c[last key of n]`` is below delta.
 The count only looks at key blocks before the chunk's last query block (all later ones
-are diagonal or masked), and reads ``c`` in float64 so the decision is the same as
+are diagonal or masked), and compares ``c`` in float64 so the decision is the same as
 :func:`~lapse.ops.forgetting.common.acp_block_start`, the reference it is tested against.
 The backward's view of the same staircase (for key block ``n``, the kept query blocks
 end at ``block_end[n]``) is a ``searchsorted`` over it.
@@ -23,7 +23,7 @@ from .common import ACP_BLOCK, Problem
 
 @triton.jit
 def _block_start_kernel(
-    C, DELTA, CU, BS,
+    CHI, CLO, DELTA, CU, BS,
     TQ, TK, TC, HQ, MB,
     G: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, IS_VARLEN: tl.constexpr,
 ):
@@ -45,8 +45,11 @@ def _block_start_kernel(
     o_mb = i_c * BLOCK_M + tl.arange(0, BLOCK_M)
     m_mb = o_mb * G < tq
     first_q = o_mb * G + off
-    p_c = C + (i_bt * TC + bos) * HQ + i_h
-    b_cf = tl.load(p_c + tl.minimum(first_q, tk - 1) * HQ, mask=m_mb, other=0.0)  # [BLOCK_M] f64
+    # c rebuilt in float64 from its hi + lo halves, so the decision matches the reference
+    p_c = (i_bt * HQ + i_h) * TC + bos
+    o_fq = tl.minimum(first_q, tk - 1)
+    b_cf = tl.load(CHI + p_c + o_fq, mask=m_mb, other=0.0).to(tl.float64) \
+        + tl.load(CLO + p_c + o_fq, mask=m_mb, other=0.0).to(tl.float64)  # [BLOCK_M]
     delta = tl.load(DELTA + i_b * HQ + i_h)
     last_first_q = tl.minimum(i_c * BLOCK_M + BLOCK_M - 1, (tq - 1) // G) * G + off
     n_hi = (last_first_q + 1 + G - 1) // G  # key blocks that can be strictly before a query
@@ -56,7 +59,8 @@ def _block_start_kernel(
         o_nb = n0 + tl.arange(0, BLOCK_N)
         last_k = tl.minimum(o_nb * G + G - 1, tk - 1)
         m_nb = o_nb < n_hi
-        b_cl = tl.load(p_c + last_k * HQ, mask=m_nb, other=0.0)
+        b_cl = tl.load(CHI + p_c + last_k, mask=m_nb, other=0.0).to(tl.float64) \
+            + tl.load(CLO + p_c + last_k, mask=m_nb, other=0.0).to(tl.float64)
         pruned = (last_k[None, :] < first_q[:, None]) & m_nb[None, :] & \
             ((b_cf[:, None] - b_cl[None, :]) < delta)
         count += tl.sum(pruned.to(tl.int32), 1)
@@ -64,18 +68,19 @@ def _block_start_kernel(
     tl.store(BS + (i_b * HQ + i_h) * MB + o_mb, count, mask=o_mb < MB)
 
 
-def triton_block_start(c: Tensor, delta: Tensor, p: Problem) -> Tensor:
+def triton_block_start(c_hi: Tensor, c_lo: Tensor, delta: Tensor, p: Problem) -> Tensor:
     """First kept key block per query block, ``[B, HQ, M]`` int32 (see module docstring).
 
-    c: ``[B, Tc, HQ]`` float64 cumulative gate; delta: ``[B, HQ]`` float64.
+    c_hi, c_lo: ``[B, HQ, Tc]`` float32 halves of the cumulative gate
+    (:func:`~lapse.ops.forgetting.triton_ops.triton_gate_cumsum`); delta: ``[B, HQ]`` float64.
     """
     mb = -(-p.tq // ACP_BLOCK)
-    bs = torch.empty(p.batch, p.hq, mb, dtype=torch.int32, device=c.device)
+    bs = torch.empty(p.batch, p.hq, mb, dtype=torch.int32, device=c_hi.device)
     block_m = 64
     grid = (triton.cdiv(mb, block_m), p.batch * p.hq)
     _block_start_kernel[grid](
-        c, delta.contiguous(), p.cu_seqlens if p.cu_seqlens is not None else c, bs,
-        p.tq, p.tk, c.shape[1], p.hq, mb,
+        c_hi, c_lo, delta.contiguous(), p.cu_seqlens if p.cu_seqlens is not None else c_hi, bs,
+        p.tq, p.tk, c_hi.shape[-1], p.hq, mb,
         G=ACP_BLOCK, BLOCK_M=block_m, BLOCK_N=64, IS_VARLEN=p.cu_seqlens is not None,
         num_warps=4,
     )

@@ -14,8 +14,72 @@ The same three-loop split as the forward keeps the interior loop free of masks.
 
 from __future__ import annotations
 
+import torch
 import triton
 import triton.language as tl
+
+
+@triton.jit
+def _delta_kernel(O, DO, DELTA, CU, stride_ob, stride_ot, stride_oh, stride_dob, stride_dot,
+                  stride_doh, TQ, TC, HQ, D: tl.constexpr, BD: tl.constexpr, BT: tl.constexpr,
+                  IS_VARLEN: tl.constexpr):
+    # Delta_i = rowsum(dO_i * O_i) in float32
+    i_t = tl.program_id(0).to(tl.int64)
+    i_bh = tl.program_id(1).to(tl.int64)
+    i_b = i_bh // HQ
+    i_h = i_bh % HQ
+    if IS_VARLEN:
+        bos = tl.load(CU + i_b).to(tl.int64)
+        tq = tl.load(CU + i_b + 1).to(tl.int64) - bos
+        i_bt = i_b * 0
+    else:
+        bos = i_b * 0
+        tq = TQ
+        i_bt = i_b
+    o_t = i_t * BT + tl.arange(0, BT)
+    m_t = o_t < tq
+    o_d = tl.arange(0, BD)
+    m = m_t[:, None] & (o_d < D)[None, :]
+    b_o = tl.load(O + i_bt * stride_ob + (bos + o_t[:, None]) * stride_ot + i_h * stride_oh
+                  + o_d[None, :], mask=m, other=0.0).to(tl.float32)
+    b_do = tl.load(DO + i_bt * stride_dob + (bos + o_t[:, None]) * stride_dot + i_h * stride_doh
+                   + o_d[None, :], mask=m, other=0.0).to(tl.float32)
+    tl.store(DELTA + (i_bt * HQ + i_h) * TC + bos + o_t, tl.sum(b_o * b_do, 1), mask=m_t)
+
+
+@triton.jit
+def _gate_grad_kernel(DCC, DCR, LG, DLG, CU, TQ, TK, TC, HQ, floor,
+                      BT: tl.constexpr, IS_VARLEN: tl.constexpr):
+    # dc_t = rowsum_t(dS) - colsum_t(dS); d log f_t = sum_{i >= t} dc_i (float64, per sequence)
+    i_bh = tl.program_id(0).to(tl.int64)
+    i_b = i_bh // HQ
+    i_h = i_bh % HQ
+    if IS_VARLEN:
+        bos = tl.load(CU + i_b).to(tl.int64)
+        tk = tl.load(CU + i_b + 1).to(tl.int64) - bos
+        tq = tk
+        i_bt = i_b * 0
+    else:
+        bos = i_b * 0
+        tk = TK
+        tq = TQ
+        i_bt = i_b
+    off = tk - tq
+    p_row = (i_bt * HQ + i_h) * TC + bos
+    p_g = (i_bt * TC + bos) * HQ + i_h
+    carry = tl.zeros([1], dtype=tl.float64)
+    n_chunks = (tk + BT - 1) // BT
+    for i in range(0, n_chunks):
+        o_t = (n_chunks - 1 - i) * BT + tl.arange(0, BT)
+        m_t = o_t < tk
+        b_dc = -tl.load(DCC + p_row + o_t, mask=m_t, other=0.0).to(tl.float64)
+        m_q = m_t & (o_t >= off)
+        b_dc += tl.load(DCR + p_row + o_t - off, mask=m_q, other=0.0).to(tl.float64)
+        b_dr = tl.cumsum(b_dc, 0, reverse=True) + carry
+        carry += tl.sum(b_dc, 0)
+        b_g = tl.load(LG + p_g + o_t * HQ, mask=m_t, other=0.0)
+        b_dr = tl.where(b_g < floor, 0.0, b_dr)
+        tl.store(DLG + p_g + o_t * HQ, b_dr.to(tl.float32), mask=m_t)
 
 
 @triton.jit
@@ -315,3 +379,25 @@ def launch_bwd(q, k, v, do, lse2, delta, c_hi, c_lo, block_start, block_end, cu,
         p.scale * 1.4426950408889634, p.scale, p.tq, p.tk, c_hi.shape[-1], p.hq,
         p.hq // p.h, mb, BM=bm, BN=bn, **common, **cfg_q,
     )
+
+
+def launch_delta(o, do, p, delta):
+    """delta [B, HQ, Tc] float32 = rowsum(dO * O) (positions < Tq of each sequence)."""
+    bd = max(16, triton.next_power_of_2(p.d))
+    bt = max(16, 4096 // bd)
+    _delta_kernel[(triton.cdiv(p.tq, bt), p.batch * p.hq)](
+        o, do, delta, p.cu_seqlens if p.cu_seqlens is not None else delta,
+        o.stride(0), o.stride(1), o.stride(2), do.stride(0), do.stride(1), do.stride(2),
+        p.tq, delta.shape[-1], p.hq, D=p.d, BD=bd, BT=bt, IS_VARLEN=p.cu_seqlens is not None,
+    )
+
+
+def launch_gate_grad(dcc, dcr, log_fgate, p, floor: float):
+    """d log_fgate [B, Tc, HQ] float32 from the column and row sums of dS."""
+    dlg = torch.empty_like(log_fgate)
+    lg = log_fgate.contiguous()
+    _gate_grad_kernel[(p.batch * p.hq,)](
+        dcc, dcr, lg, dlg, p.cu_seqlens if p.cu_seqlens is not None else lg,
+        p.tq, p.tk, dcc.shape[-1], p.hq, floor, BT=1024, IS_VARLEN=p.cu_seqlens is not None,
+    )
+    return dlg

@@ -5,10 +5,10 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from .common import Problem, gate_grad_from_dc, split_hi_lo
+from .common import LOG_GATE_FLOOR, Problem
 from .pruning import block_end_from_start
-from .triton_bwd import launch_bwd
-from .triton_fwd import launch_fwd
+from .triton_bwd import launch_bwd, launch_delta, launch_gate_grad
+from .triton_fwd import gate_cumsum, launch_fwd
 
 LN2 = 0.6931471805599453
 
@@ -17,20 +17,22 @@ def _last_dim_contiguous(x: Tensor) -> Tensor:
     return x if x.stride(-1) == 1 else x.contiguous()
 
 
+def triton_gate_cumsum(log_fgate: Tensor, p: Problem) -> tuple[Tensor, Tensor]:
+    """The cumulative log gate as float32 ``hi + lo``, each ``[B, HQ, Tc]`` (one kernel)."""
+    return gate_cumsum(log_fgate, p, LOG_GATE_FLOOR)
+
+
 class _TritonForgettingAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, log_fgate, c, p: Problem, block_start):
+    def forward(ctx, q, k, v, log_fgate, c_hi, c_lo, p: Problem, block_start):
         ctx.set_materialize_grads(False)
         q, k, v = (_last_dim_contiguous(x) for x in (q, k, v))
-        c_hi, c_lo = split_hi_lo(c)  # [B, HQ, Tc] float32 each
-        cu = p.cu_seqlens
         o = torch.empty_like(q)
         lse2 = torch.empty(c_hi.shape, dtype=torch.float32, device=q.device)  # base 2
-        launch_fwd(q, k, v, c_hi, c_lo, block_start, cu, p, o, lse2)
+        launch_fwd(q, k, v, c_hi, c_lo, block_start, p.cu_seqlens, p, o, lse2)
         ctx.save_for_backward(q, k, v, o, lse2, c_hi, c_lo, log_fgate, block_start)
         ctx.p = p
-        tq = q.shape[1]
-        return o, lse2[..., :tq] * LN2
+        return o, lse2[..., : q.shape[1]] * LN2
 
     @staticmethod
     def backward(ctx, do, dlse):
@@ -38,27 +40,21 @@ class _TritonForgettingAttention(torch.autograd.Function):
         p = ctx.p
         do = torch.zeros_like(o) if do is None else _last_dim_contiguous(do)
         tq = q.shape[1]
-        b, _, hq, _ = q.shape
-        tc = c_hi.shape[-1]
-        delta = torch.zeros(b, hq, tc, dtype=torch.float32, device=q.device)
-        # Delta_i = rowsum(dO * O)_i; a gradient of lse_i adds P_ij * dlse_i to dS_ij,
-        # which is the same as lowering Delta_i by dlse_i.
-        delta[..., :tq] = (do.float() * o.float()).sum(-1).transpose(1, 2)
+        delta = torch.empty_like(lse2)
+        launch_delta(o, do, p, delta)
         if dlse is not None:
+            # a gradient of lse_i adds P_ij * dlse_i to dS_ij: the same as lowering Delta_i
             delta[..., :tq] -= dlse.float()
         block_end = block_end_from_start(block_start, p) if block_start is not None else None
         dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
-        dcc = torch.empty(b, hq, tc, dtype=torch.float32, device=q.device)
-        dcr = torch.zeros(b, hq, tc, dtype=torch.float32, device=q.device)
+        dcc = torch.empty_like(lse2)  # column sums of dS, per key position
+        dcr = torch.empty_like(lse2)  # row sums of dS, per query index
         launch_bwd(q, k, v, do, lse2, delta, c_hi, c_lo, block_start, block_end, p.cu_seqlens,
                    p, dq, dk, dv, dcc, dcr)
-        # dc_i = rowsum_i(dS) - colsum_i(dS); query i sits at key position i + Tk - Tq
-        dc = -dcc.double()
-        dc[..., tc - tq:] += dcr[..., :tq].double()
-        dlog = gate_grad_from_dc(dc.transpose(1, 2), log_fgate, p.cu_seqlens)
-        return dq, dk, dv, dlog, None, None, None
+        dlog = launch_gate_grad(dcc, dcr, log_fgate, p, LOG_GATE_FLOOR)
+        return dq, dk, dv, dlog, None, None, None, None
 
 
-def triton_forgetting_attention(q, k, v, log_fgate, c, p, block_start):
+def triton_forgetting_attention(q, k, v, log_fgate, c_hi, c_lo, p, block_start):
     """(o, lse) through the fused Triton kernels; differentiable in q, k, v, log_fgate."""
-    return _TritonForgettingAttention.apply(q, k, v, log_fgate, c, p, block_start)
+    return _TritonForgettingAttention.apply(q, k, v, log_fgate, c_hi, c_lo, p, block_start)
