@@ -12,6 +12,14 @@ from .triton_fwd import gate_cumsum, launch_fwd
 
 LN2 = 0.6931471805599453
 
+# Tests set this to fill every kernel output with NaN before the launch, so that a tile a
+# kernel skipped (ACP) and left unwritten shows up instead of passing on stale zeros.
+POISON_OUTPUTS = False
+
+
+def _empty_like(x: Tensor) -> Tensor:
+    return torch.full_like(x, float("nan")) if POISON_OUTPUTS else torch.empty_like(x)
+
 
 def _last_dim_contiguous(x: Tensor) -> Tensor:
     return x if x.stride(-1) == 1 else x.contiguous()
@@ -27,8 +35,8 @@ class _TritonForgettingAttention(torch.autograd.Function):
     def forward(ctx, q, k, v, log_fgate, c_hi, c_lo, p: Problem, block_start):
         ctx.set_materialize_grads(False)
         q, k, v = (_last_dim_contiguous(x) for x in (q, k, v))
-        o = torch.empty_like(q)
-        lse2 = torch.empty(c_hi.shape, dtype=torch.float32, device=q.device)  # base 2
+        o = _empty_like(q)
+        lse2 = _empty_like(c_hi)  # [B, HQ, Tc] float32, base 2
         launch_fwd(q, k, v, c_hi, c_lo, block_start, p.cu_seqlens, p, o, lse2)
         ctx.save_for_backward(q, k, v, o, lse2, c_hi, c_lo, log_fgate, block_start)
         ctx.p = p
@@ -40,15 +48,15 @@ class _TritonForgettingAttention(torch.autograd.Function):
         p = ctx.p
         do = torch.zeros_like(o) if do is None else _last_dim_contiguous(do)
         tq = q.shape[1]
-        delta = torch.empty_like(lse2)
+        delta = _empty_like(lse2)
         launch_delta(o, do, p, delta)
         if dlse is not None:
             # a gradient of lse_i adds P_ij * dlse_i to dS_ij: the same as lowering Delta_i
             delta[..., :tq] -= dlse.float()
         block_end = block_end_from_start(block_start, p) if block_start is not None else None
-        dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
-        dcc = torch.empty_like(lse2)  # column sums of dS, per key position
-        dcr = torch.empty_like(lse2)  # row sums of dS, per query index
+        dq, dk, dv = _empty_like(q), _empty_like(k), _empty_like(v)
+        dcc = _empty_like(lse2)  # column sums of dS, per key position
+        dcr = _empty_like(lse2)  # row sums of dS, per query index
         launch_bwd(q, k, v, do, lse2, delta, c_hi, c_lo, block_start, block_end, p.cu_seqlens,
                    p, dq, dk, dv, dcc, dcr)
         dlog = launch_gate_grad(dcc, dcr, log_fgate, p, LOG_GATE_FLOOR)
