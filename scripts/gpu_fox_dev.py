@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 import triton
 
-from lapse.ops.forgetting import forgetting_attention
+from lapse.ops.forgetting import forgetting_attention, set_value_checks
 from lapse.ops.forgetting import triton_bwd, triton_fwd
 from lapse.ops.forgetting.common import acp_delta, validate
 from lapse.ops.forgetting.pruning import block_end_from_start, triton_block_start
@@ -177,6 +177,7 @@ def main():
     ap.add_argument("--tune", action="store_true")
     args = ap.parse_args()
     torch.backends.cuda.matmul.allow_tf32 = False
+    set_value_checks(False)  # no host sync per call while timing (see common.py)
     print(torch.cuda.get_device_name(), torch.__version__, triton.__version__, flush=True)
     results = {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
                "triton": triton.__version__, "checks": [], "timing": []}

@@ -22,6 +22,7 @@ from .common import (
     acp_delta,
     cumulative_log_gates,
     pruned_fraction,
+    set_value_checks,
     validate,
 )
 from .naive import naive_forgetting_attention
@@ -32,6 +33,7 @@ __all__ = [
     "AttentionStats",
     "forgetting_attention",
     "naive_forgetting_attention",
+    "set_value_checks",
 ]
 
 

@@ -29,6 +29,22 @@ LOG_GATE_FLOOR = -1000.0
 
 BACKENDS = ("auto", "triton", "torch", "naive")
 
+_value_checks = True
+
+
+def set_value_checks(enabled: bool) -> bool:
+    """Turns the check of log-gate values (no NaN, none positive) on or off; returns the
+    previous setting.
+
+    On CUDA the check reads a flag back to the host, a synchronisation that stops the CPU
+    from queueing the next kernels while the attention runs. A model whose gates come out
+    of ``logsigmoid`` cannot produce bad values, so training loops and benchmarks turn it
+    off; shapes, dtypes and devices are always checked. On CPU the check always runs.
+    """
+    global _value_checks
+    previous, _value_checks = _value_checks, bool(enabled)
+    return previous
+
 
 @dataclass(frozen=True)
 class AttentionStats:
@@ -62,6 +78,16 @@ class Problem:
 
 def _shape(t: Tensor) -> str:
     return f"shape {tuple(t.shape)}, dtype {t.dtype}, device {t.device}"
+
+
+def _check_gate_values(log_fgate: Tensor) -> None:
+    # Positive log gates would make c increase and break causal decay; NaN is never valid.
+    bad = torch.isnan(log_fgate) | (log_fgate > 0)
+    if bool(bad.any()):
+        raise ValueError(
+            "log_fgate must hold log forget gates in [-inf, 0] (logsigmoid of the gate "
+            f"logits); found {int(bad.sum())} entries that are positive or NaN"
+        )
 
 
 def validate(
@@ -126,12 +152,8 @@ def validate(
     elif not isinstance(scale, (int, float)) or not math.isfinite(scale) or scale <= 0:
         raise ValueError(f"scale must be a positive finite number, got {scale!r}")
     # Positive log gates would make c increase and break causal decay; NaN is never valid.
-    bad = torch.isnan(log_fgate) | (log_fgate > 0)
-    if bool(bad.any()):
-        raise ValueError(
-            "log_fgate must hold log forget gates in [-inf, 0] (logsigmoid of the gate "
-            f"logits); found {int(bad.sum())} entries that are positive or NaN"
-        )
+    if _value_checks or not log_fgate.is_cuda:
+        _check_gate_values(log_fgate)
     seqlens = None
     if cu_seqlens is not None:
         if not isinstance(cu_seqlens, Tensor):
@@ -172,7 +194,7 @@ def cumulative_log_gates(log_fgate: Tensor, cu_seqlens: Tensor | None = None) ->
         seq_id = torch.searchsorted(cu_seqlens[1:-1].long(), torch.arange(c.shape[1], device=c.device), right=True)
         # c at the token before each sequence's first token (0 for the first sequence)
         prefix = torch.cat([c.new_zeros(1, 1, c.shape[2]), c[:, :-1]], dim=1)
-        c = c - prefix[:, starts][:, seq_id]
+        c = c - prefix[:, starts[seq_id]]  # starts[seq_id] <= t: empty sequences never indexed
     return c
 
 
