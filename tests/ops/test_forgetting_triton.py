@@ -209,3 +209,15 @@ def test_long_context_gpu(t):
     print(f"T={t}: |c_T| = {total:.0f}; kernel bf16 rel err {err:.2e}, naive float32 "
           f"{err_f32:.2e}, naive bf16 {err_base:.2e}")
     assert err <= 2 * err_base + FLOOR[torch.bfloat16]
+
+
+def test_acp_bound_kernel_matches_reference():
+    if torch.cuda.is_available():
+        pytest.skip("CPU interpreter test")
+    from lapse.ops.forgetting.common import acp_bound_from_data
+    from lapse.ops.forgetting.pruning import triton_acp_bound
+
+    q, k, v, lg, _ = _inputs(2, 77, 77, 6, 2, 48, "fast", torch.float32, "cpu", seed=5)
+    p = validate(q, k, v, lg, 0.3, None, "triton")
+    torch.testing.assert_close(triton_acp_bound(q, k, p), acp_bound_from_data(q, k, p),
+                               rtol=1e-6, atol=0)

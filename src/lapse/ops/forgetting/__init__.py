@@ -104,7 +104,10 @@ def forgetting_attention(
             raise TypeError("backend='triton' takes float16, bfloat16 or float32, got float64")
 
     with torch.no_grad():
-        delta = None if acp is None else acp_delta(acp, acp_eps, q, k, p)  # [B, HQ]
+        bound = None
+        if backend == "triton":
+            from .pruning import triton_acp_bound as bound
+        delta = None if acp is None else acp_delta(acp, acp_eps, q, k, p, bound)  # [B, HQ]
         if backend == "triton":
             from .pruning import triton_block_start
             from .triton_ops import triton_gate_cumsum

@@ -254,18 +254,19 @@ def acp_bound_from_data(q: Tensor, k: Tensor, p: Problem) -> Tensor:
     return _per_sequence_max(qn, p) * _per_sequence_max(kn, p) * p.scale
 
 
-def acp_delta(acp, acp_eps: float, q: Tensor, k: Tensor, p: Problem) -> Tensor:
+def acp_delta(acp, acp_eps: float, q: Tensor, k: Tensor, p: Problem, bound_from_data=None) -> Tensor:
     """delta = -2U - log L + log eps for every (sequence, head), ``[B, HQ]`` float64.
 
     ``L`` is the key length of each sequence, so every pruned weight is below eps / L and
-    the pruned mass of any row is below eps.
+    the pruned mass of any row is below eps. ``bound_from_data(q, k, p)`` computes U for
+    ``acp="auto"`` (default: :func:`acp_bound_from_data`; the Triton path passes a kernel).
     """
     if not (isinstance(acp_eps, (int, float)) and 0 < acp_eps < 1):
         raise ValueError(f"acp_eps must be in (0, 1), got {acp_eps!r}")
     if isinstance(acp, str):
         if acp != "auto":
             raise ValueError(f"acp must be None, 'auto', a float or a tensor, got {acp!r}")
-        u = acp_bound_from_data(q, k, p)
+        u = (bound_from_data or acp_bound_from_data)(q, k, p)
     elif isinstance(acp, (int, float)) and not isinstance(acp, bool):
         if not math.isfinite(acp) or acp < 0:
             raise ValueError(f"acp (the bound U) must be a finite non-negative number, got {acp}")
@@ -280,7 +281,8 @@ def acp_delta(acp, acp_eps: float, q: Tensor, k: Tensor, p: Problem) -> Tensor:
                 f"acp as a tensor must be [query_heads] = [{p.hq}] or [batch, query_heads] = "
                 f"[{p.batch}, {p.hq}], got shape {tuple(acp.shape)}"
             )
-        if bool((~torch.isfinite(u) | (u < 0)).any()):
+        # a host read (a sync on CUDA), so it follows the value-check setting
+        if (_value_checks or not u.is_cuda) and bool((~torch.isfinite(u) | (u < 0)).any()):
             raise ValueError("acp (the bound U) must be finite and non-negative")
     else:
         raise TypeError(f"acp must be None, 'auto', a float or a tensor, got {type(acp).__name__}")
@@ -334,7 +336,9 @@ def acp_block_start(c: Tensor, delta: Tensor, p: Problem, block: int = ACP_BLOCK
     c_last = torch.gather(cs, 1, last_k.clamp_min(0)[:, :, None].expand(-1, -1, p.hq))  # [B, N, HQ]
     bias = c_first[:, :, None, :] - c_last[:, None, :, :]  # [B, M, N, HQ]
     below = last_k[:, None, :] < first_q[:, :, None]  # [B, M, N] strictly causal tile
-    pruned = below[..., None] & (bias < delta[:, None, None, :])
+    # query blocks past a (packed) sequence's end hold no rows: nothing pruned there
+    in_seq = (torch.arange(m_blocks, device=c.device)[None] * block < tk_b - off)  # [B, M]
+    pruned = (below & in_seq[:, :, None])[..., None] & (bias < delta[:, None, None, :])
     return pruned.sum(dim=2).to(torch.int32).permute(0, 2, 1).contiguous()  # [B, HQ, M]
 
 

@@ -1,0 +1,825 @@
+"""``lapse bench attention``: every attention provider, one process, the same inputs.
+
+Providers (``--providers``):
+
+- ``lapse``: ``forgetting_attention(..., backend="triton")``, dense.
+- ``lapse-acp``: the same with ACP (``acp="auto"``, i.e. ``U`` from the largest query and
+  key norms, or ``--acp-bound qk-norm``: ``U = D * scale`` known from QK-norm), eps e^-10.
+- ``sdpa``: PyTorch SDPA with the flash backend, causal, *no gate* (the speed to match).
+  Inputs are transposed to ``[B, H, T, D]`` outside the timed region; varlen uses
+  ``torch.nn.attention.varlen.varlen_attn``.
+- ``flex``: FlexAttention (compiled) with the decay ``score_mod``
+  ``score + c[b, h, q] - c[b, h, kv]``, ``c`` the float32 cumulative sum of the log gates
+  (computed inside the timed region), causal (and per-document) block mask.
+- ``fla``: flash-linear-attention's ``parallel_forgetting_attn`` (``fla.ops.forgetting_attn``),
+  when importable.
+
+Method. Each workload (one per ``--seq-lens`` value, or one varlen workload) is drawn by
+:mod:`lapse.bench.workloads` on the GPU. First a correctness check: the output (and, when
+``fwd+bwd`` is timed, the gradients of q, k, v and the log gates under a fixed random
+``dO``) of every gated provider is compared with FlexAttention (the lapse ``torch``
+backend if Flex fails); a provider that fails the check is not timed. Then each provider
+is timed with ``triton.testing.do_bench(..., return_mode="median")``: ``fwd`` under
+``torch.no_grad()``; ``fwd+bwd`` as the forward followed by ``torch.autograd.grad`` of
+every differentiable input (the gates included) under ``dO``. FLOPs are those of dense
+causal attention (:func:`lapse.bench.workloads.dense_causal_flops`), pruned or not.
+Failures are caught and reported as ``n/a: reason``; nothing is skipped silently.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import datetime
+import gc
+import inspect
+import json
+import math
+import platform
+import subprocess
+import traceback
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Literal
+
+import torch
+from torch import Tensor
+
+from .workloads import Workload, WorkloadSpec, dense_causal_flops, make_workload
+
+Provider = Literal["lapse", "lapse-acp", "sdpa", "flex", "fla"]
+Mode = Literal["fwd", "fwd+bwd"]
+PROVIDERS: tuple[Provider, ...] = ("lapse", "lapse-acp", "sdpa", "flex", "fla")
+GATED: tuple[Provider, ...] = ("lapse", "lapse-acp", "flex", "fla")
+BWD_FLOP_FACTOR = 2.5
+FLOP_FORMULA = (
+    "fwd FLOPs = sum over sequences of 4 * L^2 * HQ * D / 2 (QK^T and PV, 2*L*L*D each, "
+    "halved for causality; pruned tiles counted as dense); bwd = 2.5 x fwd; "
+    "fwd+bwd = 3.5 x fwd"
+)
+
+
+@dataclass(kw_only=True)
+class AttentionBenchConfig:
+    """Time forgetting attention against its peers on issue 2's benchmark workload."""
+
+    seq_lens: tuple[int, ...] = (4096, 8192, 16384)
+    """Sequence lengths T, one workload each (B = tokens / T). Ignored with --varlen."""
+    tokens: int = 32768
+    """Tokens per batch, B x T."""
+    heads: int = 24
+    """Query heads HQ."""
+    kv_heads: int | None = None
+    """Key/value heads H (grouped-query attention when < heads); None means heads."""
+    head_dim: int = 64
+    """Head dim D."""
+    varlen: bool = False
+    """One packed workload of 8 sequences of mixed lengths summing to --tokens."""
+    providers: tuple[Provider, ...] = PROVIDERS
+    """Providers to time (fla is reported n/a when not importable)."""
+    modes: tuple[Mode, ...] = ("fwd", "fwd+bwd")
+    """What to time: the forward alone, and/or the forward followed by the backward."""
+    acp_bound: Literal["auto", "qk-norm"] = "auto"
+    """ACP bound U: 'auto' (from the largest query/key norms, measured inside the timed
+    call; what issue 2 asks), or 'qk-norm' (the known U = D * scale of unit-gain QK-norm,
+    passed as a float)."""
+    acp_eps: float = math.exp(-10)
+    """ACP's bound on the pruned attention mass per row."""
+    warmup_ms: int = 25
+    """do_bench warmup, in ms."""
+    rep_ms: int = 100
+    """do_bench measuring time, in ms."""
+    seed: int = 0
+    """Seed of the workload and of dO."""
+    check: bool = True
+    """Check every gated provider against FlexAttention before timing it."""
+    check_tol: float = 2e-2
+    """Largest relative error (Frobenius) of outputs allowed by the check."""
+    grad_check_tol: float = 5e-2
+    """Largest relative error of gradients (dq, dk, dv, dlog_fgate) allowed by the check."""
+    out_dir: Path | None = None
+    """Where results.json and results.md go; default runs/bench/attention/<workload>."""
+    commit: str | None = None
+    """Commit to record; default `git rev-parse HEAD` when that works."""
+
+    def __post_init__(self) -> None:
+        if not self.providers:
+            raise ValueError("providers must name at least one provider")
+        if not self.modes:
+            raise ValueError("modes must name at least one of 'fwd', 'fwd+bwd'")
+        if not 0 < self.acp_eps < 1:
+            raise ValueError(f"acp_eps must be in (0, 1), got {self.acp_eps}")
+        for spec in self.specs():  # validates the shapes early
+            del spec
+
+    def specs(self) -> list[WorkloadSpec]:
+        common = dict(
+            tokens=self.tokens, heads=self.heads, kv_heads=self.kv_heads, head_dim=self.head_dim
+        )
+        if self.varlen:
+            return [WorkloadSpec(varlen=True, **common)]
+        return [WorkloadSpec(seq_len=t, **common) for t in self.seq_lens]
+
+    def command(self) -> str:
+        """The command line that reproduces this configuration."""
+        parts = ["lapse bench attention"]
+        if self.varlen:
+            parts.append("--varlen")
+        else:
+            parts.append("--seq-lens " + " ".join(map(str, self.seq_lens)))
+        parts.append(f"--tokens {self.tokens} --heads {self.heads}")
+        if self.kv_heads is not None:
+            parts.append(f"--kv-heads {self.kv_heads}")
+        parts.append(f"--head-dim {self.head_dim}")
+        parts.append("--providers " + " ".join(self.providers))
+        parts.append("--modes " + " ".join(self.modes))
+        parts.append(f"--acp-bound {self.acp_bound}")
+        if self.acp_eps != math.exp(-10):
+            parts.append(f"--acp-eps {self.acp_eps!r}")
+        if (self.warmup_ms, self.rep_ms) != (25, 100):
+            parts.append(f"--warmup-ms {self.warmup_ms} --rep-ms {self.rep_ms}")
+        if self.seed:
+            parts.append(f"--seed {self.seed}")
+        return " ".join(parts)
+
+
+class NotAvailable(Exception):
+    """A provider cannot run here (missing library, unsupported feature); the message says why."""
+
+
+@dataclass
+class Runner:
+    """One provider set up on one workload.
+
+    ``forward()`` runs the op on inputs prepared in the provider's own layout;
+    ``grad_inputs`` are the leaves ``fwd+bwd`` differentiates (gates included where the
+    provider has them). ``to_bthd`` maps its output, and ``grad_to_bthd`` its gradients,
+    to lapse's layout for the check; ``from_bthd`` maps ``dO`` the other way. ``context``
+    wraps every call (the SDPA backend choice).
+    """
+
+    forward: Callable[[], Tensor]
+    grad_inputs: list[Tensor]
+    to_bthd: Callable[[Tensor], Tensor] = lambda o: o
+    from_bthd: Callable[[Tensor], Tensor] = lambda o: o
+    grad_to_bthd: Callable[[list[Tensor]], list[Tensor]] = lambda g: g
+    context: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext
+    notes: list[str] = field(default_factory=list)
+
+
+def _leaf(x: Tensor) -> Tensor:
+    return x.detach().clone().requires_grad_(True)
+
+
+def _lapse_runner(wl: Workload, acp, acp_eps: float) -> Runner:
+    from lapse.ops.forgetting import forgetting_attention
+
+    q, k, v, g = (_leaf(t) for t in (wl.q, wl.k, wl.v, wl.log_fgate))
+
+    def forward() -> Tensor:
+        return forgetting_attention(
+            q, k, v, g, acp=acp, acp_eps=acp_eps, cu_seqlens=wl.cu_seqlens, backend="triton"
+        )
+
+    return Runner(forward, [q, k, v, g])
+
+
+def _sdpa_runner(wl: Workload) -> Runner:
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    spec = wl.spec
+    gqa = spec.heads != spec.num_kv_heads
+    notes: list[str] = ["no forget gate: causal softmax attention only"]
+    if spec.varlen:
+        try:
+            from torch.nn.attention.varlen import varlen_attn
+        except ImportError as e:
+            raise NotAvailable(f"torch.nn.attention.varlen missing ({e})") from e
+        params = inspect.signature(varlen_attn).parameters
+        q, k, v = (_leaf(t[0]) for t in (wl.q, wl.k, wl.v))  # [T, H, D]
+        kw: dict = {}
+        if "window_size" in params:
+            kw["window_size"] = (-1, 0)
+        elif "is_causal" in params:
+            kw["is_causal"] = True
+        else:
+            raise NotAvailable("varlen_attn has neither window_size nor is_causal")
+        if gqa and "enable_gqa" in params:
+            kw["enable_gqa"] = True
+        elif gqa:
+            group = spec.heads // spec.num_kv_heads
+            k, v = (_leaf(x.detach().repeat_interleave(group, dim=1)) for x in (k, v))
+            notes.append("K/V expanded to the query heads outside the timed region")
+        cu = wl.cu_seqlens
+        longest = max(spec.seqlens)
+
+        def forward() -> Tensor:
+            return varlen_attn(q, k, v, cu, cu, longest, longest, **kw)
+
+        return Runner(
+            forward,
+            [q, k, v],
+            to_bthd=lambda o: o[None],
+            from_bthd=lambda o: o[0],
+            notes=notes + ["varlen via torch.nn.attention.varlen.varlen_attn"],
+        )
+
+    q, k, v = (_leaf(t.transpose(1, 2).contiguous()) for t in (wl.q, wl.k, wl.v))
+    F = torch.nn.functional
+    if gqa:
+        try:  # flash SDPA takes grouped K/V natively in recent torch; probe once
+            with sdpa_kernel(SDPBackend.FLASH_ATTENTION), torch.no_grad():
+                F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+        except RuntimeError as e:
+            group = spec.heads // spec.num_kv_heads
+            k, v = (_leaf(x.detach().repeat_interleave(group, dim=1)) for x in (k, v))
+            gqa = False
+            notes.append(f"K/V expanded to the query heads outside the timed region ({_short(e)})")
+
+    def forward() -> Tensor:
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
+
+    return Runner(
+        forward,
+        [q, k, v],
+        to_bthd=lambda o: o.transpose(1, 2),
+        from_bthd=lambda o: o.transpose(1, 2),
+        context=lambda: sdpa_kernel(SDPBackend.FLASH_ATTENTION),
+        notes=notes,
+    )
+
+
+def _flex_fox(q, k, v, log_fgate, block_mask, enable_gqa):
+    """Forgetting attention as FlexAttention: a decay score_mod over the cumulative gate."""
+    from torch.nn.attention.flex_attention import flex_attention
+
+    c_q = log_fgate.float().cumsum(dim=1).transpose(1, 2).contiguous()  # [B, HQ, T]
+    # Flex's backward cannot differentiate one tensor indexed twice in a score_mod, so the
+    # key side reads a copy (autograd sums both paths back into the gates).
+    c_k = c_q.clone()
+
+    def decay(score, b, h, q_idx, kv_idx):
+        return score + c_q[b, h, q_idx] - c_k[b, h, kv_idx]
+
+    return flex_attention(q, k, v, score_mod=decay, block_mask=block_mask, enable_gqa=enable_gqa)
+
+
+def _flex_runner(wl: Workload) -> Runner:
+    try:
+        from torch.nn.attention.flex_attention import create_block_mask
+    except ImportError as e:
+        raise NotAvailable(f"FlexAttention missing ({e})") from e
+    spec = wl.spec
+    t = spec.time
+    if spec.varlen:
+        doc = torch.repeat_interleave(
+            torch.arange(len(spec.seqlens), device=wl.q.device),
+            torch.tensor(spec.seqlens, device=wl.q.device),
+        )  # [T] sequence id of each packed token
+
+        def mask_mod(b, h, q_idx, kv_idx):
+            return (kv_idx <= q_idx) & (doc[q_idx] == doc[kv_idx])
+    else:
+
+        def mask_mod(b, h, q_idx, kv_idx):
+            return kv_idx <= q_idx
+
+    block_mask = create_block_mask(mask_mod, None, None, t, t, device=wl.q.device)
+    q, k, v = (_leaf(x.transpose(1, 2).contiguous()) for x in (wl.q, wl.k, wl.v))
+    g = _leaf(wl.log_fgate)
+    compiled = torch.compile(_flex_fox, dynamic=False)
+    gqa = spec.heads != spec.num_kv_heads
+
+    def forward() -> Tensor:
+        return compiled(q, k, v, g, block_mask, gqa)
+
+    return Runner(
+        forward,
+        [q, k, v, g],
+        to_bthd=lambda o: o.transpose(1, 2),
+        from_bthd=lambda o: o.transpose(1, 2),
+        grad_to_bthd=lambda gs: [x.transpose(1, 2) for x in gs[:3]] + gs[3:],
+        notes=["score_mod: score + c[b,h,q] - c[b,h,kv], c = float32 cumsum of log gates"],
+    )
+
+
+def _fla_runner(wl: Workload) -> Runner:
+    try:
+        import fla
+        from fla.ops.forgetting_attn import parallel_forgetting_attn
+    except Exception as e:  # ImportError, or a broken install of fla's dependencies
+        raise NotAvailable(f"fla not importable ({type(e).__name__}: {e})") from e
+    q, k, v, g = (_leaf(t) for t in (wl.q, wl.k, wl.v, wl.log_fgate))
+    cu = None if wl.cu_seqlens is None else wl.cu_seqlens.long()
+
+    def forward() -> Tensor:
+        return parallel_forgetting_attn(q, k, v, g, scale=wl.spec.scale, cu_seqlens=cu)
+
+    return Runner(forward, [q, k, v, g], notes=[f"fla {fla.__version__}"])
+
+
+def _acp_argument(cfg: AttentionBenchConfig, spec: WorkloadSpec):
+    return "auto" if cfg.acp_bound == "auto" else spec.qk_norm_bound
+
+
+def build_runner(name: Provider, wl: Workload, cfg: AttentionBenchConfig) -> Runner:
+    if name == "lapse":
+        return _lapse_runner(wl, None, cfg.acp_eps)
+    if name == "lapse-acp":
+        return _lapse_runner(wl, _acp_argument(cfg, wl.spec), cfg.acp_eps)
+    if name == "sdpa":
+        return _sdpa_runner(wl)
+    if name == "flex":
+        return _flex_runner(wl)
+    if name == "fla":
+        return _fla_runner(wl)
+    raise ValueError(f"unknown provider {name!r}")
+
+
+def _short(e: BaseException) -> str:
+    msg = str(e).strip().splitlines()[0] if str(e).strip() else ""
+    return f"{type(e).__name__}: {msg}"[:300]
+
+
+def _rel_err(a: Tensor, b: Tensor) -> float:
+    a, b = a.float(), b.float()
+    return float((a - b).norm() / b.norm().clamp_min(1e-30))
+
+
+def _fwd_bwd(r: Runner, d_out: Tensor) -> list[Tensor]:
+    """Gradients of every differentiable input under ``dO`` (given as ``[B, T, HQ, D]``)."""
+    return list(torch.autograd.grad(r.forward(), r.grad_inputs, r.from_bthd(d_out)))
+
+
+def _reference(wl: Workload, d_out: Tensor, want_grads: bool) -> dict:
+    """Output (and gradients) of the same function from FlexAttention, else from lapse's
+    torch backend; records which one gave what, and why."""
+    ref: dict = {"out": None, "grads": None, "out_from": None, "grads_from": None, "notes": []}
+    try:
+        r = _flex_runner(wl)
+        with r.context():
+            with torch.no_grad():
+                ref["out"] = r.to_bthd(r.forward()).detach().clone()
+            ref["out_from"] = "flex"
+            if want_grads:
+                try:
+                    ref["grads"] = [g.detach().clone() for g in r.grad_to_bthd(_fwd_bwd(r, d_out))]
+                    ref["grads_from"] = "flex"
+                except Exception as e:
+                    ref["notes"].append(f"flex backward failed: {_short(e)}")
+    except Exception as e:
+        ref["notes"].append(f"flex forward failed: {_short(e)}")
+    if ref["out"] is None or (want_grads and ref["grads"] is None):
+        try:
+            from lapse.ops.forgetting import forgetting_attention
+
+            q, k, v, g = (_leaf(t) for t in (wl.q, wl.k, wl.v, wl.log_fgate))
+            o = forgetting_attention(q, k, v, g, cu_seqlens=wl.cu_seqlens, backend="torch")
+            if ref["out"] is None:
+                ref["out"], ref["out_from"] = o.detach().clone(), "lapse-torch"
+            if want_grads and ref["grads"] is None:
+                ref["grads"] = [x.detach() for x in torch.autograd.grad(o, [q, k, v, g], d_out)]
+                ref["grads_from"] = "lapse-torch"
+        except Exception as e:
+            ref["notes"].append(f"lapse torch backend failed: {_short(e)}")
+    return ref
+
+
+def _check(r: Runner, ref: dict, d_out: Tensor, want_grads: bool, cfg) -> dict:
+    """Relative errors of one provider against the reference; ``status`` is ``ok``,
+    ``FAILED`` (an error above tolerance) or ``unchecked`` (no reference)."""
+    if ref["out"] is None:
+        return {"status": "unchecked", "reason": "; ".join(ref["notes"]) or "no reference"}
+    out: dict = {"reference": ref["out_from"]}
+    with r.context():
+        with torch.no_grad():
+            out["out_rel_err"] = _rel_err(r.to_bthd(r.forward()), ref["out"])
+        if want_grads and ref["grads"] is not None:
+            out["grads_reference"] = ref["grads_from"]
+            try:
+                grads = r.grad_to_bthd(_fwd_bwd(r, d_out))
+            except Exception as e:  # the fwd+bwd timing reports it too
+                out["grad_error"] = _short(e)
+            else:
+                names = ["dq", "dk", "dv", "dlog_fgate"][: len(grads)]
+                out["grad_rel_err"] = {
+                    n: _rel_err(a, b) for n, a, b in zip(names, grads, ref["grads"], strict=True)
+                }
+    bad = out["out_rel_err"] > cfg.check_tol or any(
+        e > cfg.grad_check_tol for e in out.get("grad_rel_err", {}).values()
+    )
+    out["status"] = "FAILED" if bad else "ok"
+    return out
+
+
+def _time(fn: Callable[[], object], cfg: AttentionBenchConfig) -> float:
+    from triton.testing import do_bench
+
+    return float(do_bench(fn, warmup=cfg.warmup_ms, rep=cfg.rep_ms, return_mode="median"))
+
+
+def _causal_tile_area(length: int, block: int) -> int:
+    """Causal tile area of one sequence (as :func:`pruned_fraction` counts it)."""
+    area = 0
+    for m in range(-(-length // block)):
+        rows = min(block, length - m * block)
+        area += rows * min((m + 1) * block, length)
+    return area
+
+
+def _pruned_fraction(wl: Workload, acp, eps: float) -> float:
+    """Share of the causal tiles that ACP skipped, weighted by each sequence's tile area."""
+    from lapse.ops.forgetting import ACP_BLOCK, forgetting_attention
+
+    with torch.no_grad():
+        _, stats = forgetting_attention(
+            wl.q,
+            wl.k,
+            wl.v,
+            wl.log_fgate,
+            acp=acp,
+            acp_eps=eps,
+            cu_seqlens=wl.cu_seqlens,
+            return_stats=True,
+            backend="triton",
+        )
+    pf = stats.pruned_fraction.double().mean(dim=1).cpu()  # [B]
+    area = torch.tensor([_causal_tile_area(n, ACP_BLOCK) for n in wl.spec.seqlens]).double()
+    return float((pf * area).sum() / area.sum())
+
+
+def _time_boundary_search(wl: Workload, acp, cfg: AttentionBenchConfig) -> dict:
+    """ACP's extra work, timed alone: the boundary search (``triton_block_start``) and the
+    bound ``delta`` (``acp_delta``: with ``acp="auto"`` the query/key norms)."""
+    from lapse.ops.forgetting import common
+    from lapse.ops.forgetting.pruning import triton_acp_bound, triton_block_start
+    from lapse.ops.forgetting.triton_ops import triton_gate_cumsum
+
+    q, k, v, g = wl.q, wl.k, wl.v, wl.log_fgate
+    p = common.validate(q, k, v, g, None, wl.cu_seqlens, "triton")
+    cum = triton_gate_cumsum(g, p)
+
+    def bound() -> Tensor:
+        return common.acp_delta(acp, cfg.acp_eps, q, k, p, triton_acp_bound)
+
+    delta = bound()
+    with torch.no_grad():
+        return {
+            "search_ms": _time(lambda: triton_block_start(*cum, delta, p), cfg),
+            "bound_ms": _time(bound, cfg),
+        }
+
+
+def _free() -> None:
+    gc.collect()
+    torch.cuda.empty_cache()
+
+
+def _bench_provider(
+    name: Provider, wl: Workload, cfg: AttentionBenchConfig, ref, d_out: Tensor, result: dict
+) -> dict:
+    """Sets one provider up, checks it, times it: its row of the result."""
+    row: dict = {"notes": []}
+    try:
+        r = build_runner(name, wl, cfg)
+        row["notes"] += r.notes
+    except Exception as e:
+        row["error"] = _short(e)
+        if not isinstance(e, NotAvailable):
+            row["traceback"] = traceback.format_exc()
+        return row
+
+    if name not in GATED:
+        row["check"] = {"status": "not comparable", "reason": "computes attention without gate"}
+    elif not cfg.check:
+        row["check"] = {"status": "unchecked", "reason": "--no-check"}
+    elif name == "flex" and ref["out_from"] == "flex":
+        row["check"] = {"status": "reference"}
+    else:
+        try:
+            row["check"] = _check(r, ref, d_out, "fwd+bwd" in cfg.modes, cfg)
+        except Exception as e:
+            row["check"] = {"status": "error", "reason": _short(e)}
+    status = row["check"]["status"]
+    if status in ("FAILED", "error"):
+        why = row["check"].get("reason") or _check_cell(row)
+        row["error"] = f"check {status} ({why}): not timed"
+        return row
+
+    for mode in cfg.modes:
+        try:
+            with r.context():
+                if mode == "fwd":
+                    with torch.no_grad():
+                        ms = _time(r.forward, cfg)
+                else:
+                    d = r.from_bthd(d_out).contiguous()
+                    ms = _time(lambda d=d: torch.autograd.grad(r.forward(), r.grad_inputs, d), cfg)
+            row[mode] = {"ms": ms, "tflops": result_flops(result, mode) / ms / 1e9}
+        except Exception as e:
+            row[mode] = {"error": _short(e)}
+            row.setdefault("traceback", traceback.format_exc())
+        _free()
+
+    if name == "lapse-acp":
+        acp = _acp_argument(cfg, wl.spec)
+        row["acp"] = {"bound": acp, "eps": cfg.acp_eps}
+        try:
+            row["pruned"] = _pruned_fraction(wl, acp, cfg.acp_eps)
+        except Exception as e:
+            row["notes"].append(f"pruned fraction n/a: {_short(e)}")
+        try:
+            row["boundary_search"] = _time_boundary_search(wl, acp, cfg)
+        except Exception as e:
+            row["boundary_search"] = {"error": _short(e)}
+    return row
+
+
+def bench_workload(
+    spec: WorkloadSpec, cfg: AttentionBenchConfig, progress, device: str = "cuda"
+) -> dict:
+    """All providers on one workload; returns the JSON-ready result."""
+    wl = make_workload(spec, device=device, seed=cfg.seed)
+    gen = torch.Generator(device=device)
+    gen.manual_seed(cfg.seed + 1)
+    d_out = torch.randn(wl.q.shape, generator=gen, device=device).to(wl.q.dtype)  # [B,T,HQ,D]
+    flops = dense_causal_flops(spec)
+    want_grads = "fwd+bwd" in cfg.modes
+    result: dict = {
+        "workload": spec.label,
+        "spec": {
+            "batch": spec.batch,
+            "seq_len": None if spec.varlen else spec.seq_len,
+            "seqlens": spec.seqlens,
+            "tokens": spec.tokens,
+            "heads": spec.heads,
+            "kv_heads": spec.num_kv_heads,
+            "head_dim": spec.head_dim,
+            "varlen": spec.varlen,
+            "dtype": str(spec.dtype),
+            "qk_norm_bound": spec.qk_norm_bound,
+        },
+        "flops_fwd": flops,
+        "flops_fwd_bwd": flops * (1 + BWD_FLOP_FACTOR),
+        "providers": {},
+    }
+    ref = None
+    if cfg.check and any(p in GATED for p in cfg.providers):
+        progress.set_postfix_str(f"{spec.label} reference")
+        ref = _reference(wl, d_out, want_grads)
+        result["reference"] = {k: ref[k] for k in ("out_from", "grads_from", "notes")}
+        _free()
+
+    for name in cfg.providers:
+        progress.set_postfix_str(f"{spec.label} {name}")
+        result["providers"][name] = _bench_provider(name, wl, cfg, ref, d_out, result)
+        _free()
+        progress.update(1)
+
+    _derive(result)
+    return result
+
+
+def result_flops(result: dict, mode: str) -> float:
+    return result["flops_fwd"] if mode == "fwd" else result["flops_fwd_bwd"]
+
+
+def _derive(result: dict) -> None:
+    """Ratios to SDPA, ACP efficiency and boundary-search share, from the timings."""
+    rows = result["providers"]
+
+    def ms(name: str, mode: str) -> float | None:
+        return rows.get(name, {}).get(mode, {}).get("ms")
+
+    for name, row in rows.items():
+        for mode in ("fwd", "fwd+bwd"):
+            t, t_sdpa = ms(name, mode), ms("sdpa", mode)
+            if t is not None and t_sdpa is not None:
+                row[mode]["vs_sdpa"] = t / t_sdpa
+    acp = rows.get("lapse-acp")
+    if acp is None:
+        return
+    pruned = acp.get("pruned")
+    for mode in ("fwd", "fwd+bwd"):
+        t_dense, t_acp = ms("lapse", mode), ms("lapse-acp", mode)
+        if None not in (pruned, t_dense, t_acp):
+            acp[mode]["efficiency"] = t_dense * (1 - pruned) / t_acp
+    search = acp.get("boundary_search", {})
+    t_acp = ms("lapse-acp", "fwd")
+    if "search_ms" in search and t_acp is not None:
+        search["search_pct_of_acp_fwd"] = 100 * search["search_ms"] / t_acp
+        search["bound_pct_of_acp_fwd"] = 100 * search["bound_ms"] / t_acp
+
+
+def _fmt(x: float | None, spec: str) -> str:
+    return "n/a" if x is None else format(x, spec)
+
+
+def _cell(row: dict, mode: str, key: str, spec: str) -> str:
+    m = row.get(mode)
+    if m is None:
+        return "-"
+    if "error" in m:
+        return "n/a"
+    return _fmt(m.get(key), spec)
+
+
+def _check_cell(row: dict) -> str:
+    c = row.get("check", {})
+    status = c.get("status", "-")
+    if "out_rel_err" in c:
+        worst_grad = max(c.get("grad_rel_err", {}).values(), default=None)
+        s = f"{status}: o {c['out_rel_err']:.1e}"
+        if worst_grad is not None:
+            s += f", grads <= {worst_grad:.1e}"
+        elif "grad_error" in c:
+            s += ", grads n/a"
+        return s
+    return status
+
+
+def markdown_table(result: dict, modes: tuple[str, ...]) -> str:
+    head = ["provider"]
+    for mode in modes:
+        head += [f"{mode} ms", f"{mode} TFLOP/s", f"{mode} / SDPA"]
+    head += ["pruned", "efficiency"]
+    head += ["check"]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    notes = []
+    for name, row in result["providers"].items():
+        if "error" in row and not any(m in row for m in modes):
+            cells = [name] + ["n/a"] * (len(head) - 2) + [_check_cell(row)]
+            lines.append("| " + " | ".join(cells) + " |")
+            notes.append(f"{name}: n/a: {row['error']}")
+            continue
+        cells = [name]
+        for mode in modes:
+            cells += [
+                _cell(row, mode, "ms", ".3f"),
+                _cell(row, mode, "tflops", ".1f"),
+                _cell(row, mode, "vs_sdpa", ".2f"),
+            ]
+            if "error" in row.get(mode, {}):
+                notes.append(f"{name} {mode}: n/a: {row[mode]['error']}")
+        cells.append(_fmt(row.get("pruned"), ".3f") if name == "lapse-acp" else "-")
+        eff = [
+            f"{mode} {row[mode]['efficiency']:.2f}"
+            for mode in modes
+            if "efficiency" in row.get(mode, {})
+        ]
+        cells.append(", ".join(eff) if eff else "-")
+        cells.append(_check_cell(row))
+        lines.append("| " + " | ".join(cells) + " |")
+        for n in row.get("notes", []):
+            if n.startswith("pruned fraction n/a"):
+                notes.append(f"{name}: {n}")
+        search = row.get("boundary_search")
+        if search is not None:
+            if "error" in search:
+                notes.append(f"{name}: boundary search n/a: {search['error']}")
+            else:
+                notes.append(
+                    f"{name}: boundary search (triton_block_start) {search['search_ms']:.3f} ms"
+                    f" = {_fmt(search.get('search_pct_of_acp_fwd'), '.1f')}% of the ACP forward;"
+                    f" bound delta (acp_delta, acp={row['acp']['bound']!r})"
+                    f" {search['bound_ms']:.3f} ms"
+                    f" = {_fmt(search.get('bound_pct_of_acp_fwd'), '.1f')}%"
+                )
+    ref = result.get("reference")
+    if ref is not None:
+        why = f" ({'; '.join(ref['notes'])})" if ref["notes"] else ""
+        grads = f", gradients from {ref['grads_from']}" if ref["grads_from"] else ""
+        notes.append(f"check reference: outputs from {ref['out_from']}{grads}{why}")
+    out = "\n".join(lines)
+    if notes:
+        out += "\n\n" + "\n".join(f"- {n}" for n in notes)
+    return out
+
+
+def environment() -> dict:
+    import triton
+
+    env = {
+        "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda,
+        "triton": triton.__version__,
+        "python": platform.python_version(),
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+    }
+    try:
+        import fla
+
+        env["fla"] = fla.__version__
+    except Exception as e:
+        env["fla"] = f"n/a ({type(e).__name__})"
+    import lapse
+
+    env["lapse"] = lapse.__version__
+    return env
+
+
+def git_commit() -> str | None:
+    try:
+        here = Path(__file__).resolve().parent
+        sha = subprocess.run(
+            ["git", "rev-parse", "HEAD"], cwd=here, capture_output=True, text=True, timeout=10
+        )
+        if sha.returncode != 0:
+            return None
+        dirty = subprocess.run(
+            ["git", "status", "--porcelain", "--untracked-files=no"],
+            cwd=here,
+            capture_output=True,
+            text=True,
+            timeout=10,
+        )
+        return sha.stdout.strip() + ("-dirty" if dirty.stdout.strip() else "")
+    except (OSError, subprocess.SubprocessError):
+        return None
+
+
+def _jsonable(x):
+    if isinstance(x, Path):
+        return str(x)
+    if isinstance(x, torch.dtype):
+        return str(x)
+    if isinstance(x, dict):
+        return {k: _jsonable(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [_jsonable(v) for v in x]
+    if isinstance(x, float) and not math.isfinite(x):
+        return str(x)
+    return x
+
+
+def run(cfg: AttentionBenchConfig) -> dict:
+    """Runs the benchmark, prints the Markdown tables and writes results.json/.md."""
+    from tqdm.auto import tqdm
+
+    if not torch.cuda.is_available():
+        raise SystemExit("lapse bench attention needs a CUDA GPU (none is visible)")
+    try:
+        import triton  # noqa: F401
+    except ImportError as e:
+        raise SystemExit(f"lapse bench attention needs triton ({e})") from e
+    # FlexAttention is compiled once per shape and grad mode (and again for the check);
+    # keep dynamo from falling back to eager flex (very slow) after its default limit.
+    import torch._dynamo as dynamo
+
+    for name in ("recompile_limit", "cache_size_limit"):
+        if hasattr(dynamo.config, name):
+            setattr(dynamo.config, name, max(64, getattr(dynamo.config, name)))
+
+    # The log-gate value check reads a flag back to the host (a sync per call); a model's
+    # logsigmoid gates cannot fail it, and SDPA/Flex/fla check nothing, so time without it.
+    from lapse.ops.forgetting import set_value_checks
+
+    set_value_checks(False)
+    specs = cfg.specs()
+    label = specs[0].label if cfg.varlen else specs[0].label.rsplit("-T", 1)[0]
+    out_dir = cfg.out_dir or Path("runs/bench/attention") / label
+    env = environment()
+    commit = cfg.commit or git_commit()
+    report = {
+        "benchmark": "attention",
+        **env,
+        "commit": commit,
+        "command": cfg.command(),
+        "config": dataclasses.asdict(cfg),
+        "flop_formula": FLOP_FORMULA,
+        "timing": "triton.testing.do_bench, median; fwd under no_grad; fwd+bwd = forward + "
+        "autograd.grad of all differentiable inputs (gates included) under a fixed random dO; "
+        "lapse with set_value_checks(False) (no host sync for the log-gate value check)",
+        "workloads": [],
+    }
+    md = [
+        f"# lapse bench attention: {label}",
+        "",
+        f"{env['device']}, torch {env['torch']} (CUDA {env['cuda']}), triton {env['triton']}, "
+        f"fla {env['fla']}, lapse {env['lapse']}, commit {commit or 'unknown'}, {env['date']}",
+        "",
+        f"`{cfg.command()}`",
+        "",
+        f"TFLOP/s: {FLOP_FORMULA}. Times: median ms of do_bench. x / SDPA: time ratio to "
+        "SDPA flash (no gate). efficiency = t_dense * (1 - pruned) / t_acp.",
+    ]
+    with tqdm(total=len(specs) * len(cfg.providers), desc="bench attention") as progress:
+        for spec in specs:
+            res = bench_workload(spec, cfg, progress)
+            report["workloads"].append(res)
+            if spec.varlen:
+                title = "varlen, lengths " + " + ".join(map(str, spec.seqlens))
+            else:
+                title = f"T = {spec.seq_len}, B = {spec.batch}"
+            table = markdown_table(res, cfg.modes)
+            md += ["", f"## {title}", "", table]
+            tqdm.write(f"\n## {spec.label}\n\n{table}\n")
+            _free()
+
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / "results.json").write_text(json.dumps(_jsonable(report), indent=2) + "\n")
+    (out_dir / "results.md").write_text("\n".join(md) + "\n")
+    print(f"wrote {out_dir / 'results.json'} and {out_dir / 'results.md'}")
+    return report
