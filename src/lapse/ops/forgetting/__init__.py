@@ -25,6 +25,7 @@ from .common import (
     set_value_checks,
     validate,
 )
+from .decoding import forgetting_attention_decode
 from .naive import naive_forgetting_attention
 
 __all__ = [
@@ -32,6 +33,7 @@ __all__ = [
     "LOG_GATE_FLOOR",
     "AttentionStats",
     "forgetting_attention",
+    "forgetting_attention_decode",
     "naive_forgetting_attention",
     "set_value_checks",
 ]
