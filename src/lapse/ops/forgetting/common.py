@@ -169,15 +169,21 @@ def validate(
         if tq != tk:
             raise ValueError("with cu_seqlens, q and k must have the same (packed) length")
         host = cu_seqlens.tolist()
-        if host[0] != 0 or host[-1] != tk or any(e < s for s, e in zip(host, host[1:])):
+        if host[0] != 0 or host[-1] != tk or any(e < s for s, e in zip(host, host[1:], strict=False)):
             raise ValueError(
                 "cu_seqlens must start at 0, be non-decreasing and end at the packed length "
                 f"{tk}, got {host if len(host) <= 12 else host[:6] + ['...'] + host[-3:]}"
             )
-        seqlens = [e - s for s, e in zip(host, host[1:])]
+        seqlens = [e - s for s, e in zip(host, host[1:], strict=False)]
         b = len(seqlens)
         tq = tk = max(seqlens)
     return Problem(b, tq, tk, hq, h, d, float(scale), cu_seqlens, seqlens)
+
+
+def _sequence_ids(cu_seqlens: Tensor, t: int) -> Tensor:
+    """Index of the packed sequence that holds each of the ``t`` tokens, ``[t]`` int64."""
+    tokens = torch.arange(t, device=cu_seqlens.device)
+    return torch.searchsorted(cu_seqlens[1:-1].long(), tokens, right=True)
 
 
 def cumulative_log_gates(log_fgate: Tensor, cu_seqlens: Tensor | None = None) -> Tensor:
@@ -191,7 +197,7 @@ def cumulative_log_gates(log_fgate: Tensor, cu_seqlens: Tensor | None = None) ->
     c = torch.cumsum(r, dim=1)
     if cu_seqlens is not None:
         starts = cu_seqlens[:-1].long()
-        seq_id = torch.searchsorted(cu_seqlens[1:-1].long(), torch.arange(c.shape[1], device=c.device), right=True)
+        seq_id = _sequence_ids(cu_seqlens, c.shape[1])
         # c at the token before each sequence's first token (0 for the first sequence)
         prefix = torch.cat([c.new_zeros(1, 1, c.shape[2]), c[:, :-1]], dim=1)
         c = c - prefix[:, starts[seq_id]]  # starts[seq_id] <= t: empty sequences never indexed
@@ -216,7 +222,7 @@ def reverse_segment_cumsum(dc: Tensor, cu_seqlens: Tensor | None = None) -> Tens
     if cu_seqlens is not None:
         t = dc.shape[1]
         ends = cu_seqlens[1:].long()
-        seq_id = torch.searchsorted(cu_seqlens[1:-1].long(), torch.arange(t, device=dc.device), right=True)
+        seq_id = _sequence_ids(cu_seqlens, t)
         tail = torch.cat([rc, rc.new_zeros(rc.shape[0], 1, rc.shape[2])], dim=1)
         rc = rc - tail[:, ends][:, seq_id]
     return rc
@@ -238,7 +244,7 @@ def _per_sequence_max(x: Tensor, p: Problem) -> Tensor:
     if p.cu_seqlens is None:
         return x.amax(dim=1)
     t = x.shape[1]
-    seq_id = torch.searchsorted(p.cu_seqlens[1:-1].long(), torch.arange(t, device=x.device), right=True)
+    seq_id = _sequence_ids(p.cu_seqlens, t)
     out = x.new_zeros(p.batch, x.shape[2])
     return out.index_reduce_(0, seq_id, x[0], "amax", include_self=True)
 
@@ -298,7 +304,7 @@ def _sequence_view(x: Tensor, p: Problem) -> Tensor:
     if p.cu_seqlens is None:
         return x
     out = x.new_empty(p.batch, p.tk, x.shape[2])
-    for i, (s, n) in enumerate(zip(p.cu_seqlens.tolist()[:-1], p.seqlens)):
+    for i, (s, n) in enumerate(zip(p.cu_seqlens.tolist()[:-1], p.seqlens, strict=False)):
         if n == 0:
             out[i] = 0
             continue

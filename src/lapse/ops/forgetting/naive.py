@@ -75,7 +75,7 @@ def naive_forgetting_attention(
         return torch.stack([o for o, _ in outs]), torch.stack([lse for _, lse in outs])
     bounds = cu_seqlens.tolist()
     o_parts, lse_parts = [], []
-    for i, (s, e) in enumerate(zip(bounds, bounds[1:])):
+    for i, (s, e) in enumerate(zip(bounds, bounds[1:], strict=False)):
         if e == s:
             continue
         o, lse = _one_sequence(q[0, s:e], k[0, s:e], v[0, s:e], r[0, s:e], scale,
