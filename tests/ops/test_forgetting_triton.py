@@ -215,6 +215,8 @@ def test_acp_bound_kernel_matches_reference():
     from lapse.ops.forgetting.pruning import triton_acp_bound
 
     q, k, v, lg, _ = _inputs(2, 77, 77, 6, 2, 48, "fast", torch.float32, "cpu", seed=5)
-    p = validate(q, k, v, lg, 0.3, None, "triton")
-    torch.testing.assert_close(triton_acp_bound(q, k, p), acp_bound_from_data(q, k, p),
-                               rtol=1e-6, atol=0)
+    cu = torch.tensor([0, 1, 40, 40, 77], dtype=torch.int32)
+    for args, c in (((q, k, v, lg), None), ((q[:1], k[:1], v[:1], lg[:1]), cu)):
+        p = validate(*args, 0.3, c, "triton")
+        torch.testing.assert_close(triton_acp_bound(args[0], args[1], p),
+                                   acp_bound_from_data(args[0], args[1], p), rtol=1e-6, atol=0)

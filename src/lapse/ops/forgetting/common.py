@@ -246,7 +246,7 @@ def _per_sequence_max(x: Tensor, p: Problem) -> Tensor:
     t = x.shape[1]
     seq_id = _sequence_ids(p.cu_seqlens, t)
     out = x.new_zeros(p.batch, x.shape[2])
-    return out.index_reduce_(0, seq_id, x[0], "amax", include_self=True)
+    return out.scatter_reduce_(0, seq_id[:, None].expand_as(x[0]), x[0], "amax", include_self=True)
 
 
 def acp_bound_from_data(q: Tensor, k: Tensor, p: Problem) -> Tensor:

@@ -69,45 +69,55 @@ def _block_start_kernel(
 
 
 @triton.jit
-def _max_norm_kernel(X, OUT, stride_xb, stride_xt, stride_xh, T, NH, NT,
-                     D: tl.constexpr, BD: tl.constexpr, BT: tl.constexpr):
-    # per (batch, head, time tile): the largest row norm, float32
+def _max_norm_kernel(X, CU, OUT, stride_xb, stride_xt, stride_xh, T, NH, NT,
+                     D: tl.constexpr, BD: tl.constexpr, BT: tl.constexpr, IS_VARLEN: tl.constexpr):
+    # per (sequence, head, time tile): the largest row norm, float32
     i_t = tl.program_id(0).to(tl.int64)
     i_bh = tl.program_id(1).to(tl.int64)
     i_b = i_bh // NH
     i_h = i_bh % NH
+    if IS_VARLEN:
+        bos = tl.load(CU + i_b).to(tl.int64)
+        t = tl.load(CU + i_b + 1).to(tl.int64) - bos
+        i_bt = i_b * 0
+    else:
+        bos = i_b * 0
+        t = T
+        i_bt = i_b
     o_t = i_t * BT + tl.arange(0, BT)
     o_d = tl.arange(0, BD)
-    m = (o_t < T)[:, None] & (o_d < D)[None, :]
-    b_x = tl.load(X + i_b * stride_xb + o_t[:, None] * stride_xt + i_h * stride_xh + o_d[None, :],
-                  mask=m, other=0.0).to(tl.float32)
+    m = (o_t < t)[:, None] & (o_d < D)[None, :]
+    b_x = tl.load(X + i_bt * stride_xb + (bos + o_t[:, None]) * stride_xt + i_h * stride_xh
+                  + o_d[None, :], mask=m, other=0.0).to(tl.float32)
     tl.store(OUT + i_bh * NT + i_t, tl.max(tl.sqrt(tl.sum(b_x * b_x, 1)), 0))
 
 
-def _max_norm(x: Tensor) -> Tensor:
-    """max over time of ||x_t|| per (batch, head): ``[B, heads]`` float32, two launches."""
-    b, t, nh, d = x.shape
+def _max_norm(x: Tensor, p: Problem) -> Tensor:
+    """max over time of ||x_t|| per (sequence, head): ``[B, heads]`` float32, two launches."""
+    _, t, nh, d = x.shape
     bd = max(16, triton.next_power_of_2(d))
     bt = max(16, 8192 // bd)
-    nt = triton.cdiv(t, bt)
-    part = torch.empty(b, nh, nt, dtype=torch.float32, device=x.device)
-    _max_norm_kernel[(nt, b * nh)](x, part, x.stride(0), x.stride(1), x.stride(2), t, nh, nt,
-                                   D=d, BD=bd, BT=bt)
+    nt = triton.cdiv(p.tk if p.cu_seqlens is not None else t, bt)
+    part = torch.empty(p.batch, nh, nt, dtype=torch.float32, device=x.device)
+    cu = p.cu_seqlens if p.cu_seqlens is not None else part
+    _max_norm_kernel[(nt, p.batch * nh)](x, cu, part, x.stride(0), x.stride(1), x.stride(2),
+                                         t, nh, nt, D=d, BD=bd, BT=bt,
+                                         IS_VARLEN=p.cu_seqlens is not None)
     return part.amax(-1)
 
 
 def triton_acp_bound(q: Tensor, k: Tensor, p: Problem) -> Tensor:
-    """U = max ||q|| * max ||k|| * scale per (batch, query head), ``[B, HQ]`` float32.
+    """U = max ||q|| * max ||k|| * scale per (sequence, query head), ``[B, HQ]`` float32.
 
     The same bound as :func:`~lapse.ops.forgetting.common.acp_bound_from_data` in one pass
-    over q and k without a float32 copy; packed sequences use that reference.
+    over q and k, without a float32 copy, packed sequences included.
     """
-    if p.cu_seqlens is not None or q.stride(-1) != 1 or k.stride(-1) != 1:
+    if q.stride(-1) != 1 or k.stride(-1) != 1:
         from .common import acp_bound_from_data
 
         return acp_bound_from_data(q, k, p)
-    kn = _max_norm(k).repeat_interleave(p.hq // p.h, dim=1)  # [B, HQ]
-    return _max_norm(q) * kn * p.scale
+    kn = _max_norm(k, p).repeat_interleave(p.hq // p.h, dim=1)  # [B, HQ]
+    return _max_norm(q, p) * kn * p.scale
 
 
 def triton_block_start(c_hi: Tensor, c_lo: Tensor, delta: Tensor, p: Problem) -> Tensor:
