@@ -169,12 +169,38 @@ def tune(t=16384, hq=24, h=24, d=64, tokens=32768):
     return out
 
 
+def tune_gqa_dkdv(t=16384, hq=24, h=6, d=64, tokens=32768):
+    """dK/dV tile configs for grouped-query attention (the kernel loops over the group)."""
+    b = tokens // t
+    q, k, v, lg = workload(b, t, hq, h, d, 0)
+    do = torch.randn_like(q)
+    p = validate(q, k, v, lg, None, None, "triton")
+    c_hi, c_lo = triton_gate_cumsum(lg, p)
+    o, lse2 = torch.empty_like(q), torch.empty_like(c_hi)
+    triton_fwd.launch_fwd(q, k, v, c_hi, c_lo, None, None, p, o, lse2)
+    dl = torch.empty_like(lse2)
+    triton_bwd.launch_delta(o, do, p, dl)
+    dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+    dcc, dcr = torch.empty_like(lse2), torch.empty_like(lse2)
+    _, cfg_q = triton_bwd.bwd_config(d)
+    out = []
+    for bm, bn, w, st in [(32, 64, 4, 3), (32, 128, 4, 3), (64, 128, 8, 3), (32, 128, 8, 3),
+                          (64, 64, 4, 3), (16, 128, 4, 3)]:
+        cfg = dict(BM=bm, BN=bn, num_warps=w, num_stages=st)
+        ms = bench(lambda: triton_bwd.launch_bwd(q, k, v, do, lse2, dl, c_hi, c_lo, None, None,
+                                                 None, p, dq, dk, dv, dcc, dcr, (cfg, cfg_q)))
+        out.append((cfg, ms))
+        print(f"gqa bwd dkdv {cfg}: {ms:.3f} ms", flush=True)
+    return out
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     ap.add_argument("--skip-check", action="store_true")
     ap.add_argument("--tune", action="store_true")
+    ap.add_argument("--tune-gqa", action="store_true")
     args = ap.parse_args()
     torch.backends.cuda.matmul.allow_tf32 = False
     set_value_checks(False)  # no host sync per call while timing (see common.py)
@@ -191,13 +217,18 @@ def main():
                 f"{n}={e:.2e}/{eb:.2e}{'NAN' if nan else ''}" for n, (e, eb, nan) in row.items())
                 + f" ({time.time()-t0:.1f}s)", flush=True)
             results["checks"].append({"case": [b, t, hq, h, d, acp], "pruned": pf, "err": row})
+    if args.tune_gqa:
+        results["tune_gqa"] = tune_gqa_dkdv()
+        cfgs_only = True
+    else:
+        cfgs_only = False
     if args.tune:
         results["tune"] = [(n, c, a, ms) for n, c, a, ms in tune()]
         results["tune128"] = [(n, c, a, ms) for n, c, a, ms in tune(hq=12, h=12, d=128)]
     cfgs = [(4096, 24, 24, 64), (8192, 24, 24, 64), (16384, 24, 24, 64)]
     if not args.quick:
         cfgs += [(16384, 12, 12, 128), (16384, 24, 6, 64)]
-    for t, hq, h, d in cfgs:
+    for t, hq, h, d in [] if cfgs_only else cfgs:
         r = time_case(t, hq, h, d)
         r.update(T=t, HQ=hq, H=h, D=d)
         results["timing"].append(r)
