@@ -330,15 +330,16 @@ def _bwd_dq_kernel(
     tl.store(DCR + p_row + o_m, b_dcr, mask=m_m)
 
 
-def bwd_config(d: int, group: int = 1) -> tuple[dict, dict]:
+def bwd_config(d: int, group: int = 1, acp: bool = False) -> tuple[dict, dict]:
     """(dK/dV config, dQ config). dK/dV: BM divides ACP_BLOCK; dQ: BN divides it.
 
-    Chosen by scripts/gpu_fox_dev.py --tune on an H100 (T = 16384, bf16), dense and ACP;
-    with grouped-query heads (the dK/dV kernel loops over the group) 128-key tiles were
-    4% faster than 64 (--tune-gqa, 24 query heads over 6).
+    Chosen by scripts/gpu_fox_dev.py --tune on an H100 (T = 16384, bf16), dense and ACP.
+    With grouped-query heads (the dK/dV kernel loops over the group) 128-key tiles were
+    4% faster dense (--tune-gqa, 24 query heads over 6; fwd+bwd 1.22x -> 1.18x SDPA) but
+    with ACP the coarser tiles skip less (efficiency 0.86 -> 0.80), so ACP keeps 64.
     """
     if d <= 64:
-        kv_bn = 128 if group > 1 else 64
+        kv_bn = 128 if group > 1 and not acp else 64
         return (dict(BM=32, BN=kv_bn, num_warps=4, num_stages=3),
                 dict(BM=64, BN=64, num_warps=4, num_stages=3))
     if d <= 128:
@@ -351,7 +352,7 @@ def bwd_config(d: int, group: int = 1) -> tuple[dict, dict]:
 def launch_bwd(q, k, v, do, lse2, delta, c_hi, c_lo, block_start, block_end, cu, p,
                dq, dk, dv, dcc, dcr, configs=None):
     """Runs both backward kernels; dk/dv/dq in the inputs' dtypes, dcc/dcr float32 [B, HQ, Tc]."""
-    cfg_kv, cfg_q = configs or bwd_config(p.d, p.hq // p.h)
+    cfg_kv, cfg_q = configs or bwd_config(p.d, p.hq // p.h, block_start is not None)
     cfg_kv, cfg_q = dict(cfg_kv), dict(cfg_q)
     bd = max(16, triton.next_power_of_2(p.d))
     use_acp = block_start is not None
