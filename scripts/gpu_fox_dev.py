@@ -18,8 +18,7 @@ import torch
 import torch.nn.functional as F
 import triton
 
-from lapse.ops.forgetting import forgetting_attention, set_value_checks
-from lapse.ops.forgetting import triton_bwd, triton_fwd
+from lapse.ops.forgetting import forgetting_attention, set_value_checks, triton_bwd, triton_fwd
 from lapse.ops.forgetting.common import acp_delta, validate
 from lapse.ops.forgetting.pruning import block_end_from_start, triton_block_start
 from lapse.ops.forgetting.triton_ops import triton_gate_cumsum
@@ -134,8 +133,8 @@ def tune(t=16384, hq=24, h=24, d=64, tokens=32768):
         cfg = dict(BM=bm, BN=bn, num_warps=w, num_stages=st)
         for acp in (False, True):
             try:
-                ms = bench(lambda: triton_fwd.launch_fwd(q, k, v, c_hi, c_lo, bs if acp else None, None,
-                                                         p, o, lse2, cfg))
+                ms = bench(lambda cfg=cfg, acp=acp: triton_fwd.launch_fwd(
+                    q, k, v, c_hi, c_lo, bs if acp else None, None, p, o, lse2, cfg))
             except Exception as e:  # noqa: BLE001 - a config that does not compile is reported
                 ms = float("nan")
                 print("fail", cfg, repr(e)[:200])
@@ -150,15 +149,15 @@ def tune(t=16384, hq=24, h=24, d=64, tokens=32768):
     if d > 64:
         kv_cfgs = [(32, 64, 4, 2), (32, 128, 8, 2), (64, 64, 4, 2), (32, 64, 4, 3), (64, 128, 8, 2)]
         q_cfgs = [(64, 32, 4, 2), (128, 32, 8, 2), (64, 64, 4, 2), (128, 64, 8, 2), (64, 32, 4, 3)]
-    base_q = dict(zip(("BM", "BN", "num_warps", "num_stages"), q_cfgs[0]))
-    base_kv = dict(zip(("BM", "BN", "num_warps", "num_stages"), kv_cfgs[0]))
+    base_q = dict(zip(("BM", "BN", "num_warps", "num_stages"), q_cfgs[0], strict=False))
+    base_kv = dict(zip(("BM", "BN", "num_warps", "num_stages"), kv_cfgs[0], strict=False))
     for name, cfgs in (("dkdv", kv_cfgs), ("dq", q_cfgs)):
         for bm, bn, w, st in cfgs:
             cfg = dict(BM=bm, BN=bn, num_warps=w, num_stages=st)
             for acp in (False, True):
                 pair = (cfg, base_q) if name == "dkdv" else (base_kv, cfg)
                 try:
-                    ms = bench(lambda: triton_bwd.launch_bwd(
+                    ms = bench(lambda acp=acp, pair=pair: triton_bwd.launch_bwd(
                         q, k, v, do, lse2, dl, c_hi, c_lo, bs if acp else None, be if acp else None,
                         None, p, dq, dk, dv, dcc, dcr, pair))
                 except Exception as e:  # noqa: BLE001
@@ -187,7 +186,7 @@ def tune_gqa_dkdv(t=16384, hq=24, h=6, d=64, tokens=32768):
     for bm, bn, w, st in [(32, 64, 4, 3), (32, 128, 4, 3), (64, 128, 8, 3), (32, 128, 8, 3),
                           (64, 64, 4, 3), (16, 128, 4, 3)]:
         cfg = dict(BM=bm, BN=bn, num_warps=w, num_stages=st)
-        ms = bench(lambda: triton_bwd.launch_bwd(q, k, v, do, lse2, dl, c_hi, c_lo, None, None,
+        ms = bench(lambda cfg=cfg: triton_bwd.launch_bwd(q, k, v, do, lse2, dl, c_hi, c_lo, None, None,
                                                  None, p, dq, dk, dv, dcc, dcr, (cfg, cfg_q)))
         out.append((cfg, ms))
         print(f"gqa bwd dkdv {cfg}: {ms:.3f} ms", flush=True)
