@@ -1,0 +1,298 @@
+"""Document sources that need no network: each yields ``(doc_id, text)`` pairs.
+
+Sources (``CorpusConfig.kind``):
+
+- ``"python"`` (the default): the ``*.py`` files of the running interpreter's standard
+  library and installed packages (``sysconfig`` paths ``stdlib``, ``purelib``,
+  ``platlib``): real, long documents that every machine has. Directories are walked in
+  sorted order, so the listing is deterministic; ids are ``"<root>/<relative posix path>"``
+  (``"stdlib/json/decoder.py"``), which do not depend on where Python is installed.
+- ``"text"``: text files, folders (searched recursively for ``patterns``) or glob patterns.
+- ``"jsonl"``: JSON Lines files, one document per line in ``text_field``.
+- ``"hf"``: a Hugging Face ``datasets`` dataset saved with ``save_to_disk`` (``load_from_disk``).
+
+Train/validation split: a document belongs to validation when the SHA-1 of its id, read
+as a fraction of 2**160, is below ``val_fraction``. Membership is a property of the id
+alone, so it does not change when files are added, removed or read in another order.
+A ``datasets.DatasetDict`` that already holds the requested split is used as it is.
+
+Nothing is downloaded: a missing path or a corpus with no documents is a ``ValueError``
+naming the path.
+"""
+
+from __future__ import annotations
+
+import glob
+import hashlib
+import json
+import os
+import sysconfig
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Literal
+
+Document = tuple[str, str]
+"""``(doc_id, text)``."""
+
+Split = Literal["train", "validation", "all"]
+
+DEFAULT_TEXT_PATTERNS = ("*.txt", "*.md")
+
+
+@dataclass(frozen=True, kw_only=True)
+class CorpusConfig:
+    """Where the documents come from, how they split, and how many to read."""
+
+    kind: Literal["python", "text", "jsonl", "hf"] = "python"
+    """Source type; ``"python"`` is the local Python installation's source files."""
+    paths: tuple[str, ...] = ()
+    """Files, folders or glob patterns (``text``, ``jsonl``); one dataset folder (``hf``)."""
+    patterns: tuple[str, ...] = DEFAULT_TEXT_PATTERNS
+    """File-name patterns searched for inside folders (``text``)."""
+    text_field: str = "text"
+    """Field holding the document text (``jsonl``, ``hf``)."""
+    val_fraction: float = 0.01
+    """Share of documents (by hash of their id) in the validation split."""
+    max_documents: int | None = None
+    """Stop after this many documents (per split); ``None``: no limit."""
+    max_bytes: int | None = None
+    """Stop after this many UTF-8 bytes of text (per split; the last document is cut
+    to fit); ``None``: no limit."""
+
+    def __post_init__(self) -> None:
+        if self.kind not in ("python", "text", "jsonl", "hf"):
+            raise ValueError(f"kind must be 'python', 'text', 'jsonl' or 'hf', got {self.kind!r}")
+        if isinstance(self.paths, str):
+            raise TypeError(f"paths must be a tuple of strings, got the string {self.paths!r}")
+        if self.kind != "python" and not self.paths:
+            raise ValueError(f"kind={self.kind!r} needs at least one entry in paths")
+        if self.kind == "hf" and len(self.paths) != 1:
+            raise ValueError(f"kind='hf' takes exactly one dataset folder, got paths={self.paths!r}")
+        if not 0.0 <= self.val_fraction < 1.0:
+            raise ValueError(f"val_fraction must be in [0, 1), got {self.val_fraction}")
+        for name in ("max_documents", "max_bytes"):
+            value = getattr(self, name)
+            if value is not None and value <= 0:
+                raise ValueError(f"{name} must be positive or None, got {value}")
+
+
+def iter_documents(config: CorpusConfig, split: Split = "train") -> Iterator[Document]:
+    """Documents of ``split`` from the source ``config`` describes, within its limits.
+
+    Paths are checked now (a missing one raises ``ValueError`` here); a source that turns
+    out to hold no documents for ``split`` raises ``ValueError`` when the iterator ends.
+    """
+    if split not in ("train", "validation", "all"):
+        raise ValueError(f"split must be 'train', 'validation' or 'all', got {split!r}")
+    if config.kind == "python":
+        docs = python_source_documents(split=split, val_fraction=config.val_fraction)
+        where = "the Python installation (" + ", ".join(str(p) for _, p in python_source_roots()) + ")"
+    elif config.kind == "text":
+        docs = _split_filter(text_documents(config.paths, config.patterns), split, config.val_fraction)
+        where = ", ".join(config.paths)
+    elif config.kind == "jsonl":
+        docs = _split_filter(jsonl_documents(config.paths, config.text_field), split, config.val_fraction)
+        where = ", ".join(config.paths)
+    else:
+        docs = hf_documents(config.paths[0], config.text_field, split=split, val_fraction=config.val_fraction)
+        where = config.paths[0]
+    return _nonempty(limit_documents(docs, config.max_documents, config.max_bytes), where, split)
+
+
+def in_validation(doc_id: str, val_fraction: float) -> bool:
+    """Whether ``doc_id`` falls in the validation split: SHA-1 of the id below the fraction."""
+    digest = int.from_bytes(hashlib.sha1(doc_id.encode("utf-8")).digest(), "big")
+    return digest < val_fraction * (1 << 160)
+
+
+def limit_documents(
+    docs: Iterable[Document], max_documents: int | None = None, max_bytes: int | None = None
+) -> Iterator[Document]:
+    """At most ``max_documents`` documents and ``max_bytes`` UTF-8 bytes of text.
+
+    The document that would cross ``max_bytes`` is cut (at a character boundary) to fit.
+    """
+    count = used = 0
+    for doc_id, text in docs:
+        if max_documents is not None and count >= max_documents:
+            return
+        if max_bytes is not None:
+            data = text.encode("utf-8")
+            if used + len(data) > max_bytes:
+                text = data[: max_bytes - used].decode("utf-8", errors="ignore")
+                if text:
+                    yield doc_id, text
+                return
+            used += len(data)
+        count += 1
+        yield doc_id, text
+
+
+def python_source_roots() -> list[tuple[str, Path]]:
+    """``(label, folder)`` of the interpreter's ``stdlib``, ``purelib`` and ``platlib``,
+    without duplicates (``platlib`` is usually ``purelib``)."""
+    paths = sysconfig.get_paths()
+    roots: list[tuple[str, Path]] = []
+    seen: set[str] = set()
+    for label in ("stdlib", "purelib", "platlib"):
+        path = paths.get(label)
+        if path and os.path.isdir(path) and os.path.realpath(path) not in seen:
+            seen.add(os.path.realpath(path))
+            roots.append((label, Path(path)))
+    return roots
+
+
+def list_python_sources(split: Split = "all", val_fraction: float = 0.01) -> Iterator[tuple[str, Path]]:
+    """``(doc_id, path)`` of every ``*.py`` file under :func:`python_source_roots`, in a
+    deterministic order (each folder sorted by name), without reading the files.
+
+    A root nested in another (``site-packages`` inside ``stdlib`` on most installs) is
+    walked once, under its own label; ``__pycache__`` and hidden folders are skipped.
+    """
+    roots = python_source_roots()
+    real_roots = {os.path.realpath(path) for _, path in roots}
+    for label, root in roots:
+        skip = real_roots - {os.path.realpath(root)}
+        for path in _walk_sorted(root, skip):
+            doc_id = f"{label}/{path.relative_to(root).as_posix()}"
+            if split == "all" or in_validation(doc_id, val_fraction) == (split == "validation"):
+                yield doc_id, path
+
+
+def python_source_documents(split: Split = "train", val_fraction: float = 0.01) -> Iterator[Document]:
+    """Texts of :func:`list_python_sources`; unreadable and non-UTF-8 files are skipped."""
+    for doc_id, path in list_python_sources(split, val_fraction):
+        text = _read_text(path)
+        if text:
+            yield doc_id, text
+
+
+def text_documents(
+    paths: Iterable[str], patterns: Iterable[str] = DEFAULT_TEXT_PATTERNS
+) -> Iterator[Document]:
+    """Text files: each entry of ``paths`` is a file, a folder (searched recursively for
+    ``patterns``, sorted) or a glob pattern (sorted matches). Ids are the file paths as
+    found, relative to the folder for folder entries. Non-UTF-8 files are skipped."""
+    patterns = tuple(patterns)
+    # Listed now, so a missing path fails at the call rather than at the first document.
+    files = [(doc_id, path) for entry in paths for doc_id, path in _text_files(entry, patterns)]
+    return ((doc_id, text) for doc_id, path in files if (text := _read_text(path)))
+
+
+def jsonl_documents(paths: Iterable[str], text_field: str = "text") -> Iterator[Document]:
+    """One document per non-blank line of each JSON Lines file, taken from ``text_field``;
+    ids are ``"<file name>:<line number>"``. A line without the field is a ``ValueError``."""
+    return _jsonl_records([_existing(path) for path in paths], text_field)
+
+
+def _jsonl_records(files: list[Path], text_field: str) -> Iterator[Document]:
+    for path in files:
+        with path.open(encoding="utf-8") as f:
+            for line_no, line in enumerate(f, start=1):
+                if not line.strip():
+                    continue
+                try:
+                    record = json.loads(line)
+                except json.JSONDecodeError as e:
+                    raise ValueError(f"{path}:{line_no}: not valid JSON ({e})") from e
+                if not isinstance(record, dict) or not isinstance(record.get(text_field), str):
+                    raise ValueError(f"{path}:{line_no}: no string field {text_field!r} in this record")
+                if record[text_field]:
+                    yield f"{path.name}:{line_no}", record[text_field]
+
+
+def hf_documents(
+    path: str, text_field: str = "text", split: Split = "train", val_fraction: float = 0.01
+) -> Iterator[Document]:
+    """Rows of a Hugging Face dataset saved at ``path`` (``datasets.load_from_disk``).
+
+    A ``DatasetDict`` holding ``split`` gives that split as it is; otherwise (a single
+    ``Dataset``, or a dict with a ``train`` split only) rows are split by the hash of their
+    id ``"<split name>:<row index>"``.
+    """
+    folder = _existing(path)
+    try:
+        import datasets
+    except ImportError as e:
+        raise ValueError(
+            f"reading the Hugging Face dataset at {folder} needs the `datasets` package: pip install datasets"
+        ) from e
+    loaded = datasets.load_from_disk(str(folder))
+    if isinstance(loaded, datasets.DatasetDict):
+        if split in loaded:
+            table, name, hashed = loaded[split], split, False
+        elif "train" in loaded:
+            table, name, hashed = loaded["train"], "train", True
+        else:
+            raise ValueError(
+                f"dataset at {folder} has splits {sorted(loaded)}; expected {split!r} or 'train'"
+            )
+    else:
+        table, name, hashed = loaded, "data", True
+    if text_field not in table.column_names:
+        raise ValueError(f"dataset at {folder} has columns {table.column_names}, not {text_field!r}")
+    docs = ((f"{name}:{i}", row[text_field]) for i, row in enumerate(table) if row[text_field])
+    return _split_filter(docs, split, val_fraction) if hashed else docs
+
+
+def _split_filter(docs: Iterable[Document], split: Split, val_fraction: float) -> Iterator[Document]:
+    for doc_id, text in docs:
+        if split == "all" or in_validation(doc_id, val_fraction) == (split == "validation"):
+            yield doc_id, text
+
+
+def _nonempty(docs: Iterator[Document], where: str, split: Split) -> Iterator[Document]:
+    empty = True
+    for doc in docs:
+        empty = False
+        yield doc
+    if empty:
+        raise ValueError(f"empty corpus: no documents in split {split!r} of {where}")
+
+
+def _walk_sorted(folder: Path, skip: set[str]) -> Iterator[Path]:
+    """``*.py`` files under ``folder`` in sorted order, depth first, without following
+    symlinked folders (no cycles), skipping the real paths in ``skip``."""
+    try:
+        entries = sorted(os.scandir(folder), key=lambda e: e.name)
+    except OSError:
+        return
+    for entry in entries:
+        if entry.name.startswith(".") or entry.name == "__pycache__":
+            continue
+        if entry.is_dir(follow_symlinks=False):
+            if os.path.realpath(entry.path) not in skip:
+                yield from _walk_sorted(Path(entry.path), skip)
+        elif entry.name.endswith(".py") and entry.is_file():
+            yield Path(entry.path)
+
+
+def _text_files(entry: str, patterns: tuple[str, ...]) -> list[tuple[str, Path]]:
+    if glob.has_magic(entry):
+        matches = sorted(Path(p) for p in glob.glob(entry, recursive=True))
+        files = [(p.as_posix(), p) for p in matches if p.is_file()]
+        if not files:
+            raise ValueError(f"no files match the pattern {entry!r}")
+        return files
+    path = _existing(entry)
+    if path.is_file():
+        return [(path.as_posix(), path)]
+    files = sorted({p for pattern in patterns for p in path.rglob(pattern) if p.is_file()})
+    if not files:
+        raise ValueError(f"empty corpus: no files matching {list(patterns)} in {path}")
+    return [(p.relative_to(path).as_posix(), p) for p in files]
+
+
+def _existing(path: str | os.PathLike) -> Path:
+    path = Path(path)
+    if not path.exists():
+        raise ValueError(f"corpus path does not exist: {path}")
+    return path
+
+
+def _read_text(path: Path) -> str | None:
+    try:
+        return path.read_bytes().decode("utf-8")
+    except (OSError, UnicodeDecodeError):
+        return None

@@ -1,0 +1,226 @@
+"""The typed configuration of the decoder language models, and named presets.
+
+SPEC section 2. One :class:`ModelConfig` describes all four architectures the FoX paper
+compares; the presets are functions that derive from each other (``360m`` is ``125m``
+made wider and deeper, ``tiny`` is ``small`` made smaller), and :func:`preset` looks one
+up by name and applies field overrides (what the CLI does).
+
+Sizes. The nominal sizes (125M, 360M, 760M) match :func:`lapse.models.param_count` with
+``non_embedding=True`` (every parameter except the input embedding table, which is a
+lookup and costs no FLOPs; the untied output head is counted) at the GPT-2-sized
+vocabulary of those presets (50,304): 123.6-124.0M, 359.8-367.4M and 756.8-759.6M over
+the four architectures (the Pro MLP rounds up to a slightly larger width at 360M).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass, fields, replace
+from typing import Literal, get_args
+
+Arch = Literal["fox-llama", "fox-pro", "transformer-llama", "transformer-pro"]
+AttentionBackend = Literal["auto", "triton", "torch", "naive"]
+
+ARCHS: tuple[str, ...] = get_args(Arch)
+ATTENTION_BACKENDS: tuple[str, ...] = get_args(AttentionBackend)
+
+
+@dataclass(kw_only=True)
+class ModelConfig:
+    """A decoder-only language model: FoX or Transformer, LLaMA or Pro (SPEC section 2)."""
+
+    arch: Arch = "fox-pro"
+    """``fox-*``: forgetting attention, no positional encoding; ``transformer-*``: softmax
+    attention with RoPE. ``*-llama``: the LLaMA block; ``*-pro``: plus KV-shift, QK-norm,
+    output norm and output gate."""
+
+    vocab_size: int = 50304
+    """Rows of the embedding and of the (untied) output head. Trainers set it from the
+    tokenizer; 50,304 (GPT-2's 50,257 rounded up to a multiple of 64) gives the nominal
+    preset sizes."""
+
+    d_model: int = 768
+    """Width of the residual stream."""
+
+    n_layers: int = 12
+    """Number of decoder blocks."""
+
+    n_heads: int = 12
+    """Query heads per attention layer; must divide ``d_model`` (head dim = d_model / n_heads)."""
+
+    n_kv_heads: int | None = None
+    """Key/value heads (grouped-query attention); must divide ``n_heads``. ``None``: as
+    many as ``n_heads`` (plain multi-head attention). Read :attr:`kv_heads` for the value."""
+
+    mlp_ratio: float | None = None
+    """SwiGLU size as a multiple of ``d_model`` counted the LLaMA way: the hidden width is
+    ``2/3 * mlp_ratio * d_model`` rounded up to ``mlp_multiple_of``, so the MLP has about
+    ``3 * 2/3 * mlp_ratio = 2 * mlp_ratio`` times ``d_model^2`` weights. ``None``: 4 for
+    ``*-llama`` and 3.5 for ``*-pro`` (SPEC section 2; the smaller MLP pays for the
+    output gate, so the two have the same size). Read :attr:`mlp_hidden` for the width."""
+
+    mlp_multiple_of: int = 256
+    """The SwiGLU hidden width is rounded up to a multiple of this (matmul-friendly sizes)."""
+
+    rope_base: float = 500000.0
+    """RoPE base (theta) of the Transformer architectures; unused by FoX."""
+
+    norm_eps: float = 1e-6
+    """Epsilon of the block RMSNorms, the final norm and the per-head output norm."""
+
+    qk_norm_eps: float = 1e-5
+    """Epsilon of the per-head QK-norm (``*-pro``)."""
+
+    acp: bool = False
+    """Adaptive Computation Pruning in the FoX layers (SPEC section 3). The bound ``U``
+    comes from the QK-norm gains for ``fox-pro`` (no pass over the data) and from the
+    largest query and key norms for ``fox-llama`` (one extra pass)."""
+
+    acp_eps: float = math.exp(-10)
+    """ACP tolerance: the attention mass pruned from any row is below this."""
+
+    max_seq_len: int = 16384
+    """Training context length (the FoX paper's 16k). The model does not enforce it
+    (FoX has no positional table and RoPE is computed on the fly); FLOP estimates and
+    trainers use it as their default."""
+
+    init_std: float = 0.02
+    """Standard deviation of the normal init of every Linear and embedding weight."""
+
+    attn_backend: AttentionBackend = "auto"
+    """Backend of :func:`lapse.ops.forgetting_attention` in the FoX layers (``auto``:
+    Triton on CUDA, the chunked PyTorch path otherwise). The Transformer layers always
+    use ``torch.nn.functional.scaled_dot_product_attention``."""
+
+    def __post_init__(self) -> None:
+        if self.arch not in ARCHS:
+            raise ValueError(f"arch must be one of {ARCHS}, got {self.arch!r}")
+        if self.attn_backend not in ATTENTION_BACKENDS:
+            raise ValueError(f"attn_backend must be one of {ATTENTION_BACKENDS}, got {self.attn_backend!r}")
+        for name in ("vocab_size", "d_model", "n_layers", "n_heads", "mlp_multiple_of", "max_seq_len"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        if self.d_model % self.n_heads != 0:
+            raise ValueError(
+                f"n_heads ({self.n_heads}) must divide d_model ({self.d_model}): the head dim is "
+                "d_model / n_heads"
+            )
+        if self.n_kv_heads is not None:
+            if not isinstance(self.n_kv_heads, int) or self.n_kv_heads < 1:
+                raise ValueError(f"n_kv_heads must be a positive integer or None, got {self.n_kv_heads!r}")
+            if self.n_heads % self.n_kv_heads != 0:
+                raise ValueError(
+                    f"n_kv_heads ({self.n_kv_heads}) must divide n_heads ({self.n_heads}) "
+                    "(grouped-query attention)"
+                )
+        if self.head_dim > 256:
+            raise ValueError(
+                f"head dim d_model / n_heads = {self.head_dim} is above 256, the largest the "
+                "attention kernels take; use more heads"
+            )
+        if self.head_dim % 2 != 0 and self.arch.startswith("transformer"):
+            raise ValueError(f"RoPE needs an even head dim, got d_model / n_heads = {self.head_dim}")
+        if self.mlp_ratio is not None and not (self.mlp_ratio > 0 and math.isfinite(self.mlp_ratio)):
+            raise ValueError(f"mlp_ratio must be a positive number or None, got {self.mlp_ratio!r}")
+        for name in ("norm_eps", "qk_norm_eps", "acp_eps"):
+            value = getattr(self, name)
+            if not 0 < value < 1:
+                raise ValueError(f"{name} must be in (0, 1), got {value!r}")
+        if not self.rope_base > 1:
+            raise ValueError(f"rope_base must be greater than 1, got {self.rope_base!r}")
+        if not self.init_std > 0:
+            raise ValueError(f"init_std must be positive, got {self.init_std!r}")
+        if self.acp and not self.forget_gate:
+            raise ValueError(
+                f"acp=True needs a forgetting-attention architecture (fox-llama, fox-pro); "
+                f"{self.arch} has no forget gate to prune with"
+            )
+
+    @property
+    def forget_gate(self) -> bool:
+        """FoX (forgetting attention, no RoPE) rather than Transformer (RoPE)."""
+        return self.arch.startswith("fox")
+
+    @property
+    def pro(self) -> bool:
+        """The Pro block: KV-shift, QK-norm, output norm and output gate."""
+        return self.arch.endswith("pro")
+
+    @property
+    def head_dim(self) -> int:
+        return self.d_model // self.n_heads
+
+    @property
+    def kv_heads(self) -> int:
+        return self.n_heads if self.n_kv_heads is None else self.n_kv_heads
+
+    @property
+    def mlp_hidden(self) -> int:
+        """SwiGLU hidden width: ``2/3 * ratio * d_model`` rounded up to ``mlp_multiple_of``."""
+        ratio = self.mlp_ratio if self.mlp_ratio is not None else (3.5 if self.pro else 4.0)
+        hidden = int(2 * ratio * self.d_model / 3)
+        return self.mlp_multiple_of * -(-hidden // self.mlp_multiple_of)
+
+
+def preset_125m(arch: Arch = "fox-pro") -> ModelConfig:
+    """12 layers x 768, 12 heads of 64 (SPEC section 2)."""
+    return ModelConfig(arch=arch, d_model=768, n_layers=12, n_heads=12)
+
+
+def preset_360m(arch: Arch = "fox-pro") -> ModelConfig:
+    """24 layers x 1024, 16 heads of 64."""
+    return replace(preset_125m(arch), d_model=1024, n_layers=24, n_heads=16)
+
+
+def preset_760m(arch: Arch = "fox-pro") -> ModelConfig:
+    """24 layers x 1536, 24 heads of 64."""
+    return replace(preset_360m(arch), d_model=1536, n_heads=24)
+
+
+def preset_gpu_20m(arch: Arch = "fox-pro") -> ModelConfig:
+    """5 layers x 512, 8 heads of 64, context 2048, vocabulary 8192 (a locally trained
+    BPE): about 21M parameters without the embedding, for quick runs on one GPU."""
+    return replace(
+        preset_125m(arch), d_model=512, n_layers=5, n_heads=8, vocab_size=8192, max_seq_len=2048
+    )
+
+
+def preset_small(arch: Arch = "fox-pro") -> ModelConfig:
+    """4 layers x 256, 4 heads of 64, context 512, vocabulary 512 (room for the byte-level
+    tokenizer's 256 + specials): a few minutes of training on a laptop CPU."""
+    return replace(
+        preset_gpu_20m(arch), d_model=256, n_layers=4, n_heads=4, vocab_size=512,
+        max_seq_len=512, mlp_multiple_of=64,
+    )
+
+
+def preset_tiny(arch: Arch = "fox-pro") -> ModelConfig:
+    """2 layers x 64, 4 heads of 16, vocabulary 128: for tests."""
+    return replace(preset_small(arch), d_model=64, n_layers=2, n_heads=4, vocab_size=128, max_seq_len=256)
+
+
+PRESETS: dict[str, Callable[..., ModelConfig]] = {
+    "tiny": preset_tiny,
+    "small": preset_small,
+    "gpu-20m": preset_gpu_20m,
+    "125m": preset_125m,
+    "360m": preset_360m,
+    "760m": preset_760m,
+}
+
+
+def preset(name: str, arch: Arch = "fox-pro", **overrides) -> ModelConfig:
+    """The preset ``name`` for architecture ``arch``, with fields replaced by ``overrides``.
+
+    Raises ``ValueError`` naming the valid presets (or fields) on an unknown name; the
+    overridden config is validated again.
+    """
+    if name not in PRESETS:
+        raise ValueError(f"unknown model preset {name!r}; valid presets: {', '.join(PRESETS)}")
+    valid = {f.name for f in fields(ModelConfig)}
+    unknown = sorted(set(overrides) - valid)
+    if unknown:
+        raise ValueError(f"unknown ModelConfig field(s) {unknown}; valid fields: {', '.join(sorted(valid))}")
+    return replace(PRESETS[name](arch), **overrides)
