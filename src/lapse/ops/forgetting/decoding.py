@@ -24,6 +24,8 @@ import os
 import torch
 from torch import Tensor
 
+from .common import _shape
+
 try:
     import triton
     import triton.language as tl
@@ -360,10 +362,6 @@ def _decode_torch(
     return o.to(q.dtype), lse.float()
 
 
-def _describe(t: Tensor) -> str:
-    return f"shape {tuple(t.shape)}, dtype {t.dtype}, device {t.device}"
-
-
 def _validate(q, k_cache, v_cache, c_cache, cache_seqlens, window_start, scale, backend, out,
               check_values) -> float:
     tensors = {"q": q, "k_cache": k_cache, "v_cache": v_cache, "c_cache": c_cache,
@@ -381,11 +379,11 @@ def _validate(q, k_cache, v_cache, c_cache, cache_seqlens, window_start, scale, 
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
     if q.dim() != 3:
-        raise ValueError(f"q must be [batch, query_heads, head_dim], got {_describe(q)}")
+        raise ValueError(f"q must be [batch, query_heads, head_dim], got {_shape(q)}")
     for name, t in (("k_cache", k_cache), ("v_cache", v_cache)):
         if t.dim() != 4:
             raise ValueError(
-                f"{name} must be [batch, capacity, heads, head_dim], got {_describe(t)}"
+                f"{name} must be [batch, capacity, heads, head_dim], got {_shape(t)}"
             )
     if q.dtype not in (torch.float16, torch.bfloat16, torch.float32, torch.float64):
         raise TypeError(f"q must be float16, bfloat16 or float32, got {q.dtype}")
@@ -396,8 +394,8 @@ def _validate(q, k_cache, v_cache, c_cache, cache_seqlens, window_start, scale, 
         )
     if k_cache.shape != v_cache.shape:
         raise ValueError(
-            f"k_cache and v_cache must have the same shape, got {_describe(k_cache)} and "
-            f"{_describe(v_cache)}"
+            f"k_cache and v_cache must have the same shape, got {_shape(k_cache)} and "
+            f"{_shape(v_cache)}"
         )
     b, hq, d = q.shape
     bk, s, h, dk = k_cache.shape
@@ -408,7 +406,7 @@ def _validate(q, k_cache, v_cache, c_cache, cache_seqlens, window_start, scale, 
     if d < 1 or d > 256:
         raise ValueError(f"head_dim must be in [1, 256], got {d}")
     if s < 1:
-        raise ValueError(f"k_cache must have a capacity of at least 1, got {_describe(k_cache)}")
+        raise ValueError(f"k_cache must have a capacity of at least 1, got {_shape(k_cache)}")
     if h < 1 or hq % h != 0:
         raise ValueError(
             f"query heads ({hq}) must be a multiple of key/value heads ({h}) (grouped-query)"
@@ -418,22 +416,22 @@ def _validate(q, k_cache, v_cache, c_cache, cache_seqlens, window_start, scale, 
     if tuple(c_cache.shape) != (b, s, hq):
         raise ValueError(
             f"c_cache must be [batch, capacity, query_heads] = {(b, s, hq)}, "
-            f"got {_describe(c_cache)}"
+            f"got {_shape(c_cache)}"
         )
     if cache_seqlens.dtype != torch.int32 or tuple(cache_seqlens.shape) != (b,):
         raise ValueError(
-            f"cache_seqlens must be int32 [batch] = [{b}], got {_describe(cache_seqlens)}"
+            f"cache_seqlens must be int32 [batch] = [{b}], got {_shape(cache_seqlens)}"
         )
     if window_start is not None and (
         window_start.dtype != torch.int32 or tuple(window_start.shape) != (b, hq)
     ):
         raise ValueError(
             f"window_start must be int32 [batch, query_heads] = {(b, hq)}, "
-            f"got {_describe(window_start)}"
+            f"got {_shape(window_start)}"
         )
     if out is not None:
         if tuple(out.shape) != (b, hq, d) or out.dtype != q.dtype:
-            raise ValueError(f"out must be {q.dtype} {(b, hq, d)}, got {_describe(out)}")
+            raise ValueError(f"out must be {q.dtype} {(b, hq, d)}, got {_shape(out)}")
         if out.stride(-1) != 1:
             raise ValueError(f"out must be contiguous in its last dim, got strides {out.stride()}")
     if scale is None:
