@@ -8,9 +8,12 @@ equation where it is not obvious.
 Shapes: a trailing comment on each line that makes a new shape. Legend: B batch, T time,
 C d_model, H query heads, K key/value heads, D head dim, F SwiGLU hidden width, V vocab.
 
-Layers take whole sequences; incremental decoding will add an optional per-layer state
-(the keys and values, ``c_j`` for FoX, the previous pre-shift projections for KV-shift:
-:func:`kv_shift` already takes the last one as ``prev``).
+Incremental decoding: every layer takes an optional :class:`~lapse.generation.LayerCache`
+(``Decoder.forward(..., cache=DenseCache(...))``). A call with a cache appends its tokens'
+keys and values (and ``c_j`` for FoX, the last pre-shift projections for KV-shift) and
+attends to everything cached: a first call (prefill) runs the same attention as without
+a cache, one new token runs the decode op, a chunk of several tokens after a prefix runs
+a plain masked attention with the queries aligned to the end of the keys.
 """
 
 from __future__ import annotations
@@ -21,7 +24,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from lapse.generation.cache import DenseCache, LayerCache
 from lapse.ops import AttentionStats, forgetting_attention
+from lapse.ops.forgetting import LOG_GATE_FLOOR, forgetting_attention_decode
 
 from .config import ModelConfig
 
@@ -29,6 +34,12 @@ from .config import ModelConfig
 def _compute_dtype(x: Tensor) -> torch.dtype:
     """float32 for half-precision inputs, the input's own dtype for float32/float64."""
     return torch.promote_types(x.dtype, torch.float32)
+
+
+def _causal_mask(tq: int, tk: int, device: torch.device) -> Tensor:
+    """``[Tq, Tk]`` bool, True where query ``i`` (at key position ``i + Tk - Tq``) may read key ``j``."""
+    rows = torch.arange(tq, device=device)[:, None] + (tk - tq)
+    return torch.arange(tk, device=device)[None, :] <= rows
 
 
 class RMSNorm(nn.Module):
@@ -125,35 +136,46 @@ class Attention(nn.Module):
         self.collect_stats = False
         self.last_stats: AttentionStats | None = None
 
-    def forward(self, x: Tensor) -> Tensor:
+    def forward(self, x: Tensor, cache: LayerCache | None = None) -> Tensor:
         b, t, _ = x.shape
         h, k, d = self.n_heads, self.n_kv_heads, self.head_dim
+        past = 0 if cache is None else cache.length  # positions before x's first token
         q = self.q_proj(x).view(b, t, h, d)  # [B, T, H, D]
         key = self.k_proj(x).view(b, t, k, d)  # [B, T, K, D]
         val = self.v_proj(x).view(b, t, k, d)  # [B, T, K, D]
         if self.config.pro:
-            key = kv_shift(key, torch.sigmoid(self.k_shift(x).to(_compute_dtype(x))))
-            val = kv_shift(val, torch.sigmoid(self.v_shift(x).to(_compute_dtype(x))))
+            # KV-shift continues from the cached last pre-shift projections (x_0 = 0 at the start)
+            k_prev, v_prev = (cache.k_prev, cache.v_prev) if past else (None, None)
+            if cache is not None:
+                cache.k_prev, cache.v_prev = key[:, -1:].clone(), val[:, -1:].clone()  # [B, 1, K, D]
+            key = kv_shift(key, torch.sigmoid(self.k_shift(x).to(_compute_dtype(x))), k_prev)
+            val = kv_shift(val, torch.sigmoid(self.v_shift(x).to(_compute_dtype(x))), v_prev)
             q, key = self.q_norm(q), self.k_norm(key)  # QK-norm on q and the shifted k
         if self.config.forget_gate:
-            o = self._forgetting_attention(x, q, key, val)  # [B, T, H, D]
+            # log gates in float32 (SPEC section 1), float64 when the model runs in float64
+            log_fgate = F.logsigmoid(self.fgate(x).to(_compute_dtype(x)))  # [B, T, H]
+            if cache is None or past == 0:
+                o = self._forgetting_attention(q, key, val, log_fgate)  # [B, T, H, D]
+                if cache is not None:
+                    cache.append(key, val, self._cumulative_log_gates(log_fgate, None))
+            else:
+                cache.append(key, val, self._cumulative_log_gates(log_fgate, cache.c_last))
+                o = self._cached_forgetting_attention(q, cache)  # [B, T, H, D]
         else:
-            positions = torch.arange(t, device=x.device)
+            positions = torch.arange(past, past + t, device=x.device)
             q = rope(q, positions, self.config.rope_base)
             key = rope(key, positions, self.config.rope_base)
-            o = F.scaled_dot_product_attention(
-                q.transpose(1, 2), key.transpose(1, 2), val.transpose(1, 2),
-                is_causal=True, scale=self.scale, enable_gqa=h != k,
-            ).transpose(1, 2)  # [B, T, H, D]
+            if cache is not None:
+                cache.append(key, val)
+            o = self._softmax_attention(q, key, val, cache)  # [B, T, H, D]
         if self.config.pro:
             o = self.o_norm(o).reshape(b, t, h * d) * torch.sigmoid(self.o_gate(x))  # [B, T, H*D]
         else:
             o = o.reshape(b, t, h * d)  # [B, T, H*D]
         return self.o_proj(o)  # [B, T, C]
 
-    def _forgetting_attention(self, x: Tensor, q: Tensor, key: Tensor, val: Tensor) -> Tensor:
-        # log gates in float32 (SPEC section 1), float64 when the model runs in float64
-        log_fgate = F.logsigmoid(self.fgate(x).to(_compute_dtype(x)))  # [B, T, H]
+    def _forgetting_attention(self, q: Tensor, key: Tensor, val: Tensor, log_fgate: Tensor) -> Tensor:
+        """FoX attention over the whole sequence (training, or the first call with a cache)."""
         out = forgetting_attention(
             q, key, val, log_fgate,
             scale=self.scale,
@@ -167,6 +189,62 @@ class Attention(nn.Module):
         o, stats = out
         self.last_stats = stats
         return o
+
+    @staticmethod
+    def _cumulative_log_gates(log_fgate: Tensor, c_last: Tensor | None) -> Tensor:
+        """``c`` of the new positions in float64, continued from ``c_last`` ([B, H];
+        ``None``: from 0), each gate floored at ``LOG_GATE_FLOOR`` as the attention op does.
+
+        Float64, as the full-sequence op keeps it: ``c`` grows large and negative and a
+        float32 ``c_t - c_j`` cancels digits (SPEC section 1, Numerics); the decode op
+        takes that difference in float64. On the tiny test models a float32 ``c`` already
+        doubled the cached logits' error after 27 tokens.
+        """
+        c = torch.cumsum(log_fgate.to(torch.float64).clamp_min(LOG_GATE_FLOOR), dim=1)  # [B, T, H]
+        return c if c_last is None else c + c_last[:, None]
+
+    def _cached_forgetting_attention(self, q: Tensor, cache: LayerCache) -> Tensor:
+        """FoX attention of ``T`` new queries over the cache, which already holds them.
+
+        One token: :func:`forgetting_attention_decode` over the preallocated buffers.
+        Several: ``softmax(scale q k^T + c_i - c_j)`` materialised, query ``i`` at key
+        position ``i + past`` (aligned to the end), the bias taken in float64 and the
+        rest in float32 (float64 for a float64 model). Dense either way: ACP prunes only
+        in the full-sequence op.
+        """
+        t, h = q.shape[1], q.shape[2]
+        n = cache.length
+        if t == 1:
+            backend = "torch" if self.config.attn_backend == "naive" else self.config.attn_backend
+            o = forgetting_attention_decode(
+                q[:, 0], cache.k, cache.v, cache.c, cache.seqlens(),
+                scale=self.scale, check_values=False, backend=backend,
+            )  # [B, H, D]
+            return o[:, None]  # [B, 1, H, D]
+        acc = _compute_dtype(q)
+        group = h // self.n_kv_heads
+        key = cache.k[:, :n].repeat_interleave(group, dim=2).to(acc)  # [B, N, H, D]
+        val = cache.v[:, :n].repeat_interleave(group, dim=2).to(acc)  # [B, N, H, D]
+        c = cache.c[:, :n].transpose(1, 2)  # [B, H, N] float64
+        bias = (c[:, :, n - t :, None] - c[:, :, None, :]).to(acc)  # [B, H, T, N]
+        logits = torch.einsum("bthd,bnhd->bhtn", q.to(acc), key) * self.scale + bias
+        allowed = _causal_mask(t, n, q.device)  # [T, N]
+        p = torch.softmax(logits.masked_fill(~allowed, float("-inf")), dim=-1)  # [B, H, T, N]
+        return torch.einsum("bhtn,bnhd->bthd", p, val).to(q.dtype)  # [B, T, H, D]
+
+    def _softmax_attention(self, q: Tensor, key: Tensor, val: Tensor, cache: LayerCache | None) -> Tensor:
+        """Causal SDPA; with a cache the queries attend to every cached key, aligned to the end."""
+        t = q.shape[1]
+        mask = None
+        if cache is not None and cache.length > t:
+            n = cache.length
+            key, val = cache.k[:, :n], cache.v[:, :n]  # [B, N, K, D]
+            mask = _causal_mask(t, n, q.device)  # [T, N]
+        return F.scaled_dot_product_attention(
+            q.transpose(1, 2), key.transpose(1, 2), val.transpose(1, 2),
+            attn_mask=mask, is_causal=mask is None, scale=self.scale,
+            enable_gqa=self.n_heads != self.n_kv_heads,
+        ).transpose(1, 2)  # [B, T, H, D]
 
     @torch.no_grad()
     def acp_bound(self) -> Tensor | str | None:
@@ -197,8 +275,8 @@ class Block(nn.Module):
         self.mlp_norm = RMSNorm(config.d_model, config.norm_eps)
         self.mlp = SwiGLU(config)
 
-    def forward(self, x: Tensor) -> Tensor:
-        x = x + self.attn(self.attn_norm(x))
+    def forward(self, x: Tensor, cache: LayerCache | None = None) -> Tensor:
+        x = x + self.attn(self.attn_norm(x), cache)
         return x + self.mlp(self.mlp_norm(x))
 
 
@@ -214,7 +292,9 @@ class Decoder(nn.Module):
         self.lm_head = nn.Linear(config.d_model, config.vocab_size, bias=False)
         init_weights(self, config.init_std)
 
-    def forward(self, input_ids: Tensor, labels: Tensor | None = None) -> tuple[Tensor, Tensor | None]:
+    def forward(
+        self, input_ids: Tensor, labels: Tensor | None = None, *, cache: DenseCache | None = None
+    ) -> tuple[Tensor, Tensor | None]:
         """Logits and, with ``labels``, the mean cross-entropy.
 
         Args:
@@ -222,6 +302,11 @@ class Decoder(nn.Module):
             labels: ``[B, T]`` the target of every position, already shifted (the token
                 that follows ``input_ids[:, t]``); ``-100`` marks positions left out of
                 the loss.
+            cache: a :class:`~lapse.generation.DenseCache` with one layer per block.
+                ``input_ids`` continue the sequences it holds: their keys and values are
+                appended to it and they attend to everything cached (for a Transformer,
+                their RoPE positions start at ``cache.length``). Empty at first: the
+                first call is the prefill.
 
         Returns:
             ``(logits, loss)``: logits ``[B, T, V]`` in the model's dtype, loss a float32
@@ -237,9 +322,22 @@ class Decoder(nn.Module):
             raise ValueError(
                 f"labels must have the shape of input_ids {tuple(input_ids.shape)}, got {tuple(labels.shape)}"
             )
+        if cache is not None:
+            if not isinstance(cache, DenseCache):
+                raise TypeError(f"cache must be a lapse.generation.DenseCache, got {type(cache).__name__}")
+            if len(cache.layers) != len(self.blocks):
+                raise ValueError(
+                    f"the cache has {len(cache.layers)} layers but the model has {len(self.blocks)}: "
+                    "make it with DenseCache(config.n_layers)"
+                )
+            if cache.batch_size not in (None, input_ids.shape[0]):
+                raise ValueError(
+                    f"the cache holds {cache.batch_size} sequences but input_ids has {input_ids.shape[0]}: "
+                    "use a fresh cache for a new batch"
+                )
         x = self.embed(input_ids)  # [B, T, C]
-        for block in self.blocks:
-            x = block(x)  # [B, T, C]
+        for i, block in enumerate(self.blocks):
+            x = block(x, None if cache is None else cache.layers[i])  # [B, T, C]
         logits = self.lm_head(self.norm(x))  # [B, T, V]
         if labels is None:
             return logits, None
