@@ -1,0 +1,201 @@
+"""Hugging Face ``transformers`` adapter: config, causal-LM wrapper and Auto registration.
+
+Importing this module registers model type ``"lapse"`` with ``AutoConfig`` and
+``AutoModelForCausalLM`` (idempotently), so that ``save_pretrained`` folders load with
+the Auto classes. ``lapse.models`` does not import it: ``transformers`` is needed only
+here (``from lapse.models.hf import LapseForCausalLM``).
+
+- :class:`LapseConfig` holds the :class:`~lapse.models.ModelConfig` fields under the same
+  names (``from_model_config`` / ``to_model_config`` convert); the model checks it.
+- :class:`LapseForCausalLM` wraps a :class:`~lapse.models.Decoder` as ``self.model``.
+  ``labels`` follow the Hugging Face convention (unshifted: the loss of position ``t``
+  is on ``labels[:, t + 1]``), unlike ``Decoder``, whose labels are already shifted.
+  The cache is lapse's own :class:`~lapse.generation.DenseCache`, passed around as
+  ``past_key_values``: the model makes it on the first call with ``use_cache``, so
+  ``generate()`` never makes a ``DynamicCache`` (``_supports_default_dynamic_cache``
+  returns False, the route transformers keeps for models with their own cache).
+
+Not supported: padding (an ``attention_mask`` with zeros raises), ``inputs_embeds``,
+assisted generation (the cache cannot be cropped), hidden states and attention outputs.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, fields
+
+import torch.nn.functional as F
+from torch import Tensor, nn
+from transformers import AutoConfig, AutoModelForCausalLM, GenerationMixin, PretrainedConfig, PreTrainedModel
+from transformers import initialization as init
+from transformers.modeling_outputs import CausalLMOutputWithPast
+
+from lapse.generation.cache import DenseCache
+
+from .config import ModelConfig
+from .decoder import Decoder, RMSNorm
+
+_DEFAULT = ModelConfig()
+
+
+class LapseConfig(PretrainedConfig):
+    """The :class:`~lapse.models.ModelConfig` of a lapse decoder as a ``transformers``
+    config (``config.json``). The fields mean what they mean there; the usual
+    ``transformers`` names (``hidden_size``, ``num_hidden_layers``, ...) are aliases."""
+
+    model_type = "lapse"
+    keys_to_ignore_at_inference = ["past_key_values"]
+    attribute_map = {
+        "hidden_size": "d_model",
+        "num_hidden_layers": "n_layers",
+        "num_attention_heads": "n_heads",
+        "num_key_value_heads": "n_kv_heads",
+        "max_position_embeddings": "max_seq_len",
+    }
+
+    arch: str = _DEFAULT.arch
+    vocab_size: int = _DEFAULT.vocab_size
+    d_model: int = _DEFAULT.d_model
+    n_layers: int = _DEFAULT.n_layers
+    n_heads: int = _DEFAULT.n_heads
+    n_kv_heads: int | None = _DEFAULT.n_kv_heads
+    mlp_ratio: float | None = _DEFAULT.mlp_ratio
+    mlp_multiple_of: int = _DEFAULT.mlp_multiple_of
+    rope_base: float = _DEFAULT.rope_base
+    norm_eps: float = _DEFAULT.norm_eps
+    qk_norm_eps: float = _DEFAULT.qk_norm_eps
+    acp: bool = _DEFAULT.acp
+    acp_eps: float = _DEFAULT.acp_eps
+    max_seq_len: int = _DEFAULT.max_seq_len
+    init_std: float = _DEFAULT.init_std
+    attn_backend: str = _DEFAULT.attn_backend
+    use_cache: bool = True
+    tie_word_embeddings: bool = False  # the output head is untied (SPEC section 2)
+    pad_token_id: int | None = None
+    bos_token_id: int | None = None
+    eos_token_id: int | list[int] | None = None
+
+    def __post_init__(self, **kwargs):
+        super().__post_init__(**kwargs)
+        self.to_model_config()  # ModelConfig's checks, with its error messages
+
+    @classmethod
+    def from_model_config(cls, config: ModelConfig, **kwargs) -> LapseConfig:
+        """A ``LapseConfig`` with ``config``'s fields; ``kwargs`` set ``transformers``
+        fields (``eos_token_id``, ...)."""
+        if not isinstance(config, ModelConfig):
+            raise TypeError(f"config must be a lapse ModelConfig, got {type(config).__name__}")
+        return cls(**asdict(config), **kwargs)
+
+    def to_model_config(self) -> ModelConfig:
+        """The :class:`~lapse.models.ModelConfig` these fields describe (validated)."""
+        return ModelConfig(**{f.name: getattr(self, f.name) for f in fields(ModelConfig)})
+
+
+class LapseForCausalLM(PreTrainedModel, GenerationMixin):
+    """A lapse :class:`~lapse.models.Decoder` (any of the four architectures) as a
+    ``transformers`` causal LM: ``forward``, ``generate``, ``save_pretrained`` /
+    ``from_pretrained`` (safetensors). The decoder is ``self.model``; its state-dict keys
+    are the decoder's with the prefix ``model.``."""
+
+    config_class = LapseConfig
+    _no_split_modules = ["Block"]
+    _skip_keys_device_placement = ["past_key_values"]
+    # The lapse cache is not a transformers Cache: the forward makes it (see the module doc).
+    _is_stateful = True  # refuses assisted generation, which would need to crop the cache
+
+    def __init__(self, config: LapseConfig):
+        super().__init__(config)
+        self.model = Decoder(config.to_model_config())
+        self.post_init()
+
+    @classmethod
+    def _supports_default_dynamic_cache(cls) -> bool:
+        return False
+
+    def _init_weights(self, module: nn.Module) -> None:
+        """SPEC section 2: Linear and embedding weights ~ N(0, init_std), biases 0, norm
+        gains 1 (:func:`lapse.models.init_weights`, in the form ``transformers`` calls it
+        module by module, skipping weights loaded from a checkpoint)."""
+        if isinstance(module, (nn.Linear, nn.Embedding)):
+            init.normal_(module.weight, mean=0.0, std=self.config.init_std)
+        if isinstance(module, nn.Linear) and module.bias is not None:
+            init.zeros_(module.bias)
+        if isinstance(module, RMSNorm):
+            init.ones_(module.weight)
+
+    def get_input_embeddings(self) -> nn.Embedding:
+        return self.model.embed
+
+    def set_input_embeddings(self, value: nn.Embedding) -> None:
+        self.model.embed = value
+
+    def get_output_embeddings(self) -> nn.Linear:
+        return self.model.lm_head
+
+    def set_output_embeddings(self, value: nn.Linear) -> None:
+        self.model.lm_head = value
+
+    def forward(
+        self,
+        input_ids: Tensor | None = None,
+        attention_mask: Tensor | None = None,
+        past_key_values: DenseCache | None = None,
+        labels: Tensor | None = None,
+        use_cache: bool | None = None,
+        return_dict: bool | None = None,
+        **kwargs,
+    ) -> CausalLMOutputWithPast | tuple:
+        """Logits ``[B, T, V]`` for ``input_ids`` ``[B, T]``, continuing ``past_key_values``.
+
+        Args:
+            input_ids: ``[B, T]`` token ids (required: ``inputs_embeds`` is not supported).
+            attention_mask: optional ``[B, past + T]``; must be all ones (no padding).
+            past_key_values: a :class:`~lapse.generation.DenseCache` from an earlier call,
+                which this call appends to; ``None`` starts a new one when ``use_cache``.
+            labels: ``[B, T]`` unshifted targets (``labels[:, t + 1]`` is the target of
+                position ``t``), ``-100`` left out: the mean cross-entropy is ``loss``.
+            use_cache: return the cache as ``past_key_values`` (``config.use_cache`` by
+                default).
+            return_dict: ``False`` returns a tuple.
+            kwargs: other ``generate`` inputs, ignored.
+        """
+        if input_ids is None:
+            raise ValueError("LapseForCausalLM needs input_ids (inputs_embeds is not supported)")
+        if kwargs.get("inputs_embeds") is not None:
+            raise ValueError("LapseForCausalLM does not take inputs_embeds; pass input_ids")
+        if attention_mask is not None and bool((attention_mask == 0).any()):
+            raise ValueError(
+                "attention_mask has zeros, but lapse models do not support padding: "
+                "generate from prompts of one length (or one prompt at a time)"
+            )
+        use_cache = self.config.use_cache if use_cache is None else use_cache
+        if past_key_values is None and use_cache:
+            past_key_values = DenseCache(self.config.n_layers)
+        shifted = None
+        if labels is not None:
+            shifted = F.pad(labels[:, 1:], (0, 1), value=-100)  # [B, T]: the target of every position
+        logits, loss = self.model(input_ids, shifted, cache=past_key_values)  # [B, T, V]
+        out = CausalLMOutputWithPast(
+            loss=loss, logits=logits, past_key_values=past_key_values if use_cache else None
+        )
+        return out if return_dict is not False else out.to_tuple()
+
+    def prepare_inputs_for_generation(self, input_ids: Tensor, past_key_values=None, **kwargs) -> dict:
+        """``transformers``' own preparation (it slices ``input_ids`` to the new tokens when
+        a cache is passed), after checking that a given cache is a lapse one."""
+        if past_key_values is not None and not isinstance(past_key_values, DenseCache):
+            raise TypeError(
+                f"past_key_values must be a lapse.generation.DenseCache, got {type(past_key_values).__name__}"
+            )
+        return super().prepare_inputs_for_generation(input_ids, past_key_values=past_key_values, **kwargs)
+
+
+def _register() -> None:
+    """Lets ``AutoConfig`` / ``AutoModelForCausalLM`` load ``model_type: "lapse"`` folders."""
+    AutoConfig.register(LapseConfig.model_type, LapseConfig, exist_ok=True)
+    AutoModelForCausalLM.register(LapseConfig, LapseForCausalLM, exist_ok=True)
+
+
+_register()
+
+__all__ = ["LapseConfig", "LapseForCausalLM"]

@@ -1,0 +1,137 @@
+"""The Hugging Face adapter (``lapse.models.hf``) on tiny CPU models.
+
+``generate`` with the lapse cache must equal ``generate`` without one (and lapse's own
+:func:`lapse.generation.generate`) token for token; a ``save_pretrained`` folder must load
+back, through the Auto classes too, with identical logits and config.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+pytest.importorskip("transformers")
+
+from transformers import AutoConfig, AutoModelForCausalLM  # noqa: E402
+
+from lapse.generation import DenseCache, generate  # noqa: E402
+from lapse.models import ARCHS, PRESETS, ModelConfig, preset  # noqa: E402
+from lapse.models.hf import LapseConfig, LapseForCausalLM  # noqa: E402
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    """Tiny models gain nothing from intra-op threads, and on a shared CPU the threads'
+    barriers stall (2 threads ran these tests 10-100x slower on a busy 2-core machine)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def _hf_model(arch: str, **overrides) -> LapseForCausalLM:
+    """init_std 0.1 as in test_generation: greedy choices are not near-ties."""
+    torch.manual_seed(0)
+    config = LapseConfig.from_model_config(preset("tiny", arch, init_std=0.1, **overrides))
+    return LapseForCausalLM(config).eval()
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("name", PRESETS)
+def test_config_round_trip(name, arch):
+    config = preset(name, arch, n_kv_heads=2 if name == "tiny" else None, acp=arch.startswith("fox"))
+    hf = LapseConfig.from_model_config(config, eos_token_id=3)
+    assert hf.to_model_config() == config
+    assert hf.hidden_size == config.d_model and hf.num_hidden_layers == config.n_layers
+    assert LapseConfig.from_dict(hf.to_dict()).to_model_config() == config
+
+
+def test_config_fields_mirror_model_config():
+    assert {f for f in vars(ModelConfig()) if not f.startswith("_")} <= set(LapseConfig().to_dict())
+
+
+def test_bad_config_raises():
+    with pytest.raises(ValueError, match="must divide d_model"):
+        LapseConfig(d_model=64, n_heads=5)
+    with pytest.raises(TypeError, match="ModelConfig"):
+        LapseConfig.from_model_config({"arch": "fox-pro"})
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_generate_cached_equals_uncached(arch):
+    model = _hf_model(arch, n_kv_heads=2)
+    ids = torch.randint(0, model.config.vocab_size, (2, 7))
+    kwargs = {"max_new_tokens": 20, "do_sample": False}
+    cached = model.generate(ids, use_cache=True, **kwargs)
+    uncached = model.generate(ids, use_cache=False, **kwargs)
+    assert cached.shape == (2, 27)
+    assert torch.equal(cached, uncached)
+    assert torch.equal(cached, generate(model.model, ids, 20))
+
+
+def test_generate_sampling_and_beam_search():
+    model = _hf_model("fox-pro")
+    ids = torch.randint(0, model.config.vocab_size, (2, 5))
+    runs = []
+    for use_cache in (True, False):
+        torch.manual_seed(1)
+        runs.append(model.generate(ids, max_new_tokens=12, do_sample=True, top_k=20, use_cache=use_cache))
+    assert torch.equal(runs[0], runs[1])
+    assert not torch.equal(runs[0], model.generate(ids, max_new_tokens=12, do_sample=False))
+    # beam search reorders the cache's batch rows (DenseCache.reorder_cache)
+    beams = [
+        model.generate(ids, max_new_tokens=8, num_beams=3, do_sample=False, use_cache=use_cache)
+        for use_cache in (True, False)
+    ]
+    assert torch.equal(beams[0], beams[1])
+
+
+def test_forward_cache_and_loss():
+    model = _hf_model("transformer-pro")
+    ids = torch.randint(0, model.config.vocab_size, (2, 9))
+    out = model(ids, labels=ids)
+    assert isinstance(out.past_key_values, DenseCache) and out.past_key_values.length == 9
+    # Hugging Face labels are unshifted: position t predicts labels[:, t + 1]
+    expected = F.cross_entropy(out.logits[:, :-1].flatten(0, 1), ids[:, 1:].flatten())
+    torch.testing.assert_close(out.loss, expected)
+    step = model(ids[:, :6])
+    step = model(ids[:, 6:], past_key_values=step.past_key_values)
+    torch.testing.assert_close(step.logits, out.logits[:, 6:], atol=2e-5, rtol=0)
+    assert model(ids, use_cache=False).past_key_values is None
+    assert isinstance(model(ids, return_dict=False), tuple)
+
+
+def test_unsupported_inputs_raise():
+    model = _hf_model("fox-llama")
+    ids = torch.randint(0, model.config.vocab_size, (2, 6))
+    mask = torch.ones_like(ids)
+    mask[0, 0] = 0
+    with pytest.raises(ValueError, match="do not support padding"):
+        model(ids, attention_mask=mask)
+    with pytest.raises(ValueError, match="inputs_embeds"):
+        model(inputs_embeds=torch.zeros(2, 6, 64))
+
+
+@pytest.mark.parametrize("arch", ["fox-pro", "transformer-llama"])
+def test_save_and_load(tmp_path, arch):
+    model = _hf_model(arch, n_kv_heads=2, acp=arch.startswith("fox"))
+    model.save_pretrained(tmp_path)
+    assert (tmp_path / "model.safetensors").exists()
+    ids = torch.randint(0, model.config.vocab_size, (2, 10))
+    for cls in (LapseForCausalLM, AutoModelForCausalLM):
+        loaded = cls.from_pretrained(tmp_path).eval()
+        assert type(loaded) is LapseForCausalLM
+        assert loaded.config.to_model_config() == model.config.to_model_config()
+        assert loaded.model.config == model.model.config
+        with torch.no_grad():
+            assert torch.equal(loaded(ids).logits, model(ids).logits)
+    assert isinstance(AutoConfig.from_pretrained(tmp_path), LapseConfig)
+
+
+def test_lapse_models_does_not_import_transformers():
+    code = "import sys, lapse.models, lapse.generation; sys.exit('transformers' in sys.modules)"
+    assert subprocess.run([sys.executable, "-c", code]).returncode == 0
