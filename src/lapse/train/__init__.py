@@ -1,0 +1,30 @@
+"""Training: typed run configs with presets, the loop, checkpoints, metrics and reports.
+
+``lapse train PRESET`` runs :func:`train`; ``lapse resume RUN_DIR`` runs :func:`resume`.
+Under ``torchrun`` the same code trains with FSDP2 or DDP (:mod:`.distributed`).
+"""
+
+from lapse.train.checkpoint import latest_checkpoint, load_checkpoint, load_weights, save_checkpoint
+from lapse.train.config import TRAIN_PRESETS, TrainConfig, train_preset
+from lapse.train.data import RunData, prepare_data
+from lapse.train.metrics import plot_losses, read_metrics, write_report
+from lapse.train.trainer import config_from_json, lr_at, resume, train
+
+__all__ = [
+    "TRAIN_PRESETS",
+    "RunData",
+    "TrainConfig",
+    "config_from_json",
+    "latest_checkpoint",
+    "load_checkpoint",
+    "load_weights",
+    "lr_at",
+    "plot_losses",
+    "prepare_data",
+    "read_metrics",
+    "resume",
+    "save_checkpoint",
+    "train",
+    "train_preset",
+    "write_report",
+]

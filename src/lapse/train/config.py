@@ -1,0 +1,269 @@
+"""The typed configuration of a training run, and named run presets.
+
+A :class:`TrainConfig` holds the model (:class:`~lapse.models.ModelConfig`), the corpus
+(:class:`~lapse.data.CorpusConfig`) and everything the loop needs. Presets are functions
+that derive from each other: ``cpu-small`` (the README's main job: a small FoX (Pro)
+with ACP on the local Python sources, a few minutes on a 2-core CPU) and ``cpu-tiny``
+(tests), ``gpu-20m`` (a quick run on one GPU), ``125m-16k`` (the FoX paper's 125M model
+at context 16384). The CLI (``lapse train PRESET --field value``) only overrides fields.
+"""
+
+from __future__ import annotations
+
+import glob
+import math
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Literal
+
+from lapse.data import CorpusConfig
+from lapse.models import ModelConfig, preset
+
+
+@dataclass(kw_only=True)
+class TrainConfig:
+    """One training run: model, data, optimisation, logging and checkpoints."""
+
+    model: ModelConfig = field(default_factory=lambda: preset("small", "fox-pro", acp=True))
+    """The model (SPEC section 2). ``vocab_size`` must hold the tokenizer's ids."""
+
+    corpus: CorpusConfig = field(default_factory=CorpusConfig)
+    """Where the documents come from (default: the local Python installation's sources)."""
+
+    tokenizer: str = "byte"
+    """``"byte"`` (UTF-8 bytes + eos/bos, 258 ids), ``"bpe"`` (a byte-level BPE of
+    ``model.vocab_size`` ids trained locally on the training split), or the path of a
+    saved tokenizer (see :func:`lapse.data.load_tokenizer`)."""
+
+    data_dir: Path = Path("runs/data")
+    """Cache of tokenised corpora: one folder per (corpus, tokenizer), reused by later runs."""
+
+    run_dir: Path | None = None
+    """Where the checkpoint, metrics, plot and report go; ``None``:
+    ``runs/<preset>-<arch>-<date>-<time>``. It must not hold a checkpoint already (resume
+    such a folder with ``lapse resume``)."""
+
+    seq_len: int | None = None
+    """T, tokens per training row; ``None``: ``model.max_seq_len``."""
+
+    batch_size: int = 8
+    """Rows per optimizer step over all ranks and accumulation steps (the global batch)."""
+
+    micro_batch_size: int | None = None
+    """Rows per forward and backward on each rank; gradients accumulate over
+    ``batch_size / (micro_batch_size * world_size)`` micro-batches. ``None``: the whole
+    per-rank share of the batch at once (no accumulation)."""
+
+    steps: int = 300
+    """Optimizer steps."""
+
+    lr: float = 3e-3
+    """Peak learning rate."""
+
+    min_lr_ratio: float = 0.1
+    """The cosine decays the learning rate to ``min_lr_ratio * lr`` at the last step."""
+
+    warmup_steps: int = 30
+    """Linear warm-up from ``lr / warmup_steps`` to ``lr``."""
+
+    weight_decay: float = 0.1
+    """AdamW decoupled weight decay on matmul and embedding weights (none on norm gains
+    and biases)."""
+
+    beta1: float = 0.9
+    beta2: float = 0.95
+    adam_eps: float = 1e-8
+
+    grad_clip: float | None = 1.0
+    """Clip the global gradient norm to this; ``None``: no clipping."""
+
+    precision: Literal["auto", "float32", "bfloat16"] = "auto"
+    """Autocast dtype of the forward and backward (parameters and optimizer state stay
+    float32). ``auto``: bfloat16 on CUDA, float32 on CPU."""
+
+    activation_checkpointing: bool = False
+    """Recompute each block's activations in the backward instead of keeping them."""
+
+    compile: bool = False
+    """``torch.compile`` each block (the forgetting-attention kernels stay eager)."""
+
+    parallel: Literal["auto", "fsdp", "ddp"] = "auto"
+    """Data parallelism under ``torchrun``: FSDP2 (``fully_shard``, per block) or DDP.
+    ``auto``: FSDP2. Ignored in a single process."""
+
+    device: str = "auto"
+    """``auto``: ``cuda`` (this rank's GPU) when available, else ``cpu``."""
+
+    seed: int = 0
+    """Seeds the initialisation and, with the step, every batch."""
+
+    log_every: int = 10
+    """Steps between metrics lines (train loss averaged over the interval)."""
+
+    val_every: int = 100
+    """Steps between validation losses (and one at the end); 0: never."""
+
+    val_batches: int = 4
+    """Batches of ``batch_size`` rows per validation (the same windows every time)."""
+
+    acp_stats_every: int = 50
+    """Steps between ACP pruned-fraction statistics (per layer and head); 0: never."""
+
+    checkpoint_every: int = 100
+    """Steps between checkpoints (and one at the end or on interruption); 0: only those."""
+
+    time_limit_minutes: float | None = None
+    """Stop cleanly (checkpoint, report) after this much training time; ``None``: no limit."""
+
+    stop_at_step: int | None = None
+    """End this session after this step with a checkpoint, as an interruption would (the
+    schedule still spans ``steps``); continue with ``lapse resume``. For jobs run in slices."""
+
+    peak_tflops: float | None = None
+    """Peak dense bf16 TFLOP/s of one device for MFU; ``None``: looked up from the device
+    name (H100/H200/A100), MFU not reported when unknown (e.g. CPU)."""
+
+    progress: bool = True
+    """Show a progress bar (loss, tokens/s, MFU)."""
+
+    preset_name: str = "custom"
+    """The preset this config came from (recorded in the run folder and the report)."""
+
+    def __post_init__(self) -> None:
+        for name in ("batch_size", "steps", "val_batches"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        for name in ("warmup_steps", "log_every", "val_every", "acp_stats_every", "checkpoint_every"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 0:
+                raise ValueError(f"{name} must be a non-negative integer, got {value!r}")
+        if self.stop_at_step is not None and self.stop_at_step < 1:
+            raise ValueError(f"stop_at_step must be positive or None, got {self.stop_at_step}")
+        if self.log_every == 0:
+            raise ValueError("log_every must be at least 1")
+        if self.seq_len is not None and self.seq_len < 1:
+            raise ValueError(f"seq_len must be positive or None, got {self.seq_len}")
+        if self.micro_batch_size is not None:
+            if self.micro_batch_size < 1 or self.batch_size % self.micro_batch_size:
+                raise ValueError(
+                    f"micro_batch_size ({self.micro_batch_size}) must be a positive divisor of "
+                    f"batch_size ({self.batch_size})"
+                )
+        if not (self.lr > 0 and math.isfinite(self.lr)):
+            raise ValueError(f"lr must be a positive number, got {self.lr}")
+        if not 0 <= self.min_lr_ratio <= 1:
+            raise ValueError(f"min_lr_ratio must be in [0, 1], got {self.min_lr_ratio}")
+        if self.weight_decay < 0:
+            raise ValueError(f"weight_decay must be non-negative, got {self.weight_decay}")
+        if not (0 <= self.beta1 < 1 and 0 <= self.beta2 < 1):
+            raise ValueError(f"beta1 and beta2 must be in [0, 1), got {self.beta1}, {self.beta2}")
+        if self.grad_clip is not None and not self.grad_clip > 0:
+            raise ValueError(f"grad_clip must be positive or None, got {self.grad_clip}")
+        if self.time_limit_minutes is not None and not self.time_limit_minutes > 0:
+            raise ValueError(f"time_limit_minutes must be positive or None, got {self.time_limit_minutes}")
+        if self.tokenizer not in ("byte", "bpe") and not Path(self.tokenizer).exists():
+            raise ValueError(
+                f"tokenizer must be 'byte', 'bpe' or the path of a saved tokenizer; "
+                f"{self.tokenizer!r} does not exist"
+            )
+        if self.tokenizer == "byte" and self.model.vocab_size < 258:
+            raise ValueError(
+                f"the byte tokenizer has 258 ids (256 bytes + eos + bos); model.vocab_size is "
+                f"{self.model.vocab_size}"
+            )
+        if self.corpus.kind != "python":
+            for p in self.corpus.paths:
+                if not glob.glob(p) and not Path(p).exists():
+                    raise ValueError(f"corpus path {p!r} does not exist (corpus.kind={self.corpus.kind!r})")
+
+    @property
+    def context(self) -> int:
+        """T, the training row length."""
+        return self.model.max_seq_len if self.seq_len is None else self.seq_len
+
+
+def preset_cpu_small() -> TrainConfig:
+    """The README's main job: FoX (Pro) ``small`` (4 x 256) with ACP, context 512, on the
+    local Python sources read as bytes; 300 steps of 8 x 512 tokens, a few minutes on 2 cores."""
+    return TrainConfig(
+        model=preset("small", "fox-pro", acp=True),
+        corpus=CorpusConfig(max_bytes=24_000_000),
+        preset_name="cpu-small",
+    )
+
+
+def preset_cpu_tiny() -> TrainConfig:
+    """For tests: the ``tiny`` model (2 x 64, vocabulary 258 bytes + specials rounded to
+    320), context 64, on a 200 kB slice of the Python sources."""
+    base = preset_cpu_small()
+    return replace(
+        base,
+        model=preset("tiny", "fox-pro", acp=True, vocab_size=320, max_seq_len=64),
+        corpus=replace(base.corpus, max_bytes=200_000),
+        batch_size=4,
+        steps=20,
+        warmup_steps=4,
+        log_every=1,
+        val_every=10,
+        val_batches=2,
+        acp_stats_every=5,
+        checkpoint_every=10,
+        progress=False,
+        preset_name="cpu-tiny",
+    )
+
+
+def preset_gpu_20m() -> TrainConfig:
+    """FoX (Pro) ``gpu-20m`` with ACP at context 2048 on one GPU, bytes tokenised with a
+    locally trained 8k BPE; 2000 steps of 32 x 2048 tokens (131M tokens)."""
+    return replace(
+        preset_cpu_small(),
+        model=preset("gpu-20m", "fox-pro", acp=True),
+        corpus=CorpusConfig(max_bytes=600_000_000),
+        tokenizer="bpe",
+        batch_size=32,
+        steps=2000,
+        lr=2e-3,
+        warmup_steps=200,
+        log_every=20,
+        val_every=250,
+        acp_stats_every=100,
+        checkpoint_every=500,
+        preset_name="gpu-20m",
+    )
+
+
+def preset_125m_16k() -> TrainConfig:
+    """The FoX paper's 125M FoX (Pro) at context 16384 with ACP (0.5M tokens per step as
+    in the paper: 32 rows, one row per forward), BPE vocabulary 50,304."""
+    return replace(
+        preset_gpu_20m(),
+        model=preset("125m", "fox-pro", acp=True),
+        batch_size=32,
+        micro_batch_size=1,
+        lr=2e-3,
+        steps=5000,
+        warmup_steps=500,
+        activation_checkpointing=False,
+        preset_name="125m-16k",
+    )
+
+
+TRAIN_PRESETS: dict[str, tuple[str, Callable[[], TrainConfig]]] = {
+    "cpu-small": (
+        "FoX (Pro) small with ACP on the local Python sources, CPU, a few minutes (the README's main job)",
+        preset_cpu_small,
+    ),
+    "cpu-tiny": ("the tiny model for a smoke test in seconds", preset_cpu_tiny),
+    "gpu-20m": ("FoX (Pro) 20M with ACP at context 2048, one GPU", preset_gpu_20m),
+    "125m-16k": ("FoX (Pro) 125M with ACP at context 16384 (FoX paper scale)", preset_125m_16k),
+}
+
+
+def train_preset(name: str, **overrides) -> TrainConfig:
+    """The run preset ``name`` with top-level fields replaced by ``overrides``."""
+    if name not in TRAIN_PRESETS:
+        raise ValueError(f"unknown training preset {name!r}; valid presets: {', '.join(TRAIN_PRESETS)}")
+    return replace(TRAIN_PRESETS[name][1](), **overrides)

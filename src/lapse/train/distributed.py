@@ -1,0 +1,115 @@
+"""Processes, devices and data parallelism, kept out of the model code.
+
+Under ``torchrun`` (``WORLD_SIZE > 1``) every rank trains a replica on its rows of the
+global batch: FSDP2 (``torch.distributed.fsdp.fully_shard``, one unit per block, then the
+whole model) or DDP. In one process the model is used as it is. The model module keeps
+its parameter names in every mode, so checkpoints move between them.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+
+@dataclass(frozen=True)
+class World:
+    """This process's place: ``rank`` of ``size`` processes, on ``device``."""
+
+    rank: int
+    size: int
+    local_rank: int
+    device: torch.device
+
+    @property
+    def main(self) -> bool:
+        """Rank 0 writes files and prints."""
+        return self.rank == 0
+
+    @property
+    def distributed(self) -> bool:
+        return self.size > 1
+
+
+def init_world(device: str = "auto") -> World:
+    """Join the process group when launched by ``torchrun`` and pick this rank's device."""
+    size = int(os.environ.get("WORLD_SIZE", "1"))
+    rank = int(os.environ.get("RANK", "0"))
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    dev = torch.device(device)
+    if dev.type == "cuda" and dev.index is None:
+        dev = torch.device("cuda", local_rank)
+    if dev.type == "cuda":
+        torch.cuda.set_device(dev)
+    if size > 1 and not dist.is_initialized():
+        dist.init_process_group(
+            backend="nccl" if dev.type == "cuda" else "gloo", device_id=dev if dev.type == "cuda" else None
+        )
+    return World(rank=rank, size=size, local_rank=local_rank, device=dev)
+
+
+def close_world(world: World) -> None:
+    if world.distributed and dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def parallelize(model: nn.Module, world: World, mode: str) -> nn.Module:
+    """The module the training loop calls: the model itself in one process, sharded with
+    FSDP2 per block (``mode`` "fsdp" or "auto") or wrapped in DDP across processes."""
+    if not world.distributed:
+        return model
+    if mode in ("auto", "fsdp"):
+        from torch.distributed.fsdp import fully_shard
+
+        for block in model.blocks:
+            fully_shard(block)
+        fully_shard(model)
+        return model
+    if mode == "ddp":
+        from torch.nn.parallel import DistributedDataParallel
+
+        return DistributedDataParallel(
+            model, device_ids=[world.device] if world.device.type == "cuda" else None
+        )
+    raise ValueError(f"parallel must be 'auto', 'fsdp' or 'ddp', got {mode!r}")
+
+
+def unwrap(module: nn.Module) -> nn.Module:
+    """The model inside a DDP wrapper (FSDP2 shards in place and needs no unwrapping)."""
+    return module.module if isinstance(module, nn.parallel.DistributedDataParallel) else module
+
+
+def gradient_sync(module: nn.Module, enabled: bool):
+    """A context in which backward passes do (or do not) all-reduce gradients: off for every
+    micro-batch of an accumulation but the last."""
+    if isinstance(module, nn.parallel.DistributedDataParallel):
+        return contextlib.nullcontext() if enabled else module.no_sync()
+    if hasattr(module, "set_requires_gradient_sync"):  # FSDP2
+        module.set_requires_gradient_sync(enabled)
+    return contextlib.nullcontext()
+
+
+def all_reduce_mean(value: torch.Tensor, world: World) -> torch.Tensor:
+    """The mean of ``value`` over ranks (the value itself in one process)."""
+    if world.distributed:
+        value = value.clone()
+        dist.all_reduce(value, op=dist.ReduceOp.AVG if value.device.type == "cuda" else dist.ReduceOp.SUM)
+        if value.device.type != "cuda":  # gloo has no AVG
+            value /= world.size
+    return value
+
+
+def any_rank(flag: bool, world: World) -> bool:
+    """Whether ``flag`` is set on any rank (so all ranks stop at the same step)."""
+    if not world.distributed:
+        return flag
+    t = torch.tensor([int(flag)], device=world.device)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return bool(t.item())

@@ -1,0 +1,186 @@
+"""What a run leaves to look at: JSONL metrics, a loss plot, a Markdown report, and MFU.
+
+``metrics.jsonl`` holds one JSON object per line with a ``kind``: ``train`` (step, tokens,
+loss averaged over the logging interval, lr, gradient norm, tokens/s, MFU), ``val``
+(validation loss) and ``acp`` (pruned fraction per layer and head). Lines are appended and
+flushed as they come; on resume the file is cut back to the checkpoint's step so the curve
+continues without duplicates.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import torch
+
+METRICS_FILE = "metrics.jsonl"
+
+# Dense bf16 tensor-core peaks (TFLOP/s, no sparsity) by a substring of the device name.
+PEAK_TFLOPS = {"H200": 989.0, "H100": 989.0, "H800": 989.0, "A100": 312.0, "L40S": 362.0, "4090": 165.0}
+
+
+def peak_tflops(device: torch.device, override: float | None = None) -> float | None:
+    """Peak bf16 TFLOP/s of ``device`` for MFU; ``None`` when unknown (CPU, other GPUs)."""
+    if override is not None:
+        return override
+    if device.type != "cuda":
+        return None
+    name = torch.cuda.get_device_name(device)
+    return next((v for k, v in PEAK_TFLOPS.items() if k in name), None)
+
+
+def read_metrics(run_dir: Path) -> list[dict]:
+    """Every complete line of ``metrics.jsonl`` (a torn last line is skipped)."""
+    path = Path(run_dir) / METRICS_FILE
+    if not path.exists():
+        return []
+    records = []
+    for line in path.read_text().splitlines():
+        try:
+            records.append(json.loads(line))
+        except json.JSONDecodeError:
+            continue
+    return records
+
+
+class MetricsLog:
+    """Appends records to ``run_dir/metrics.jsonl`` (rank 0 only)."""
+
+    def __init__(self, run_dir: Path, enabled: bool, resume_step: int | None = None):
+        self.path = Path(run_dir) / METRICS_FILE
+        self.enabled = enabled
+        if enabled and resume_step is not None:
+            kept = [r for r in read_metrics(run_dir) if r.get("step", 0) <= resume_step]
+            tmp = self.path.with_name(f"{self.path.name}.tmp-{os.getpid()}")
+            tmp.write_text("".join(json.dumps(r) + "\n" for r in kept))
+            os.replace(tmp, self.path)
+        self._file = self.path.open("a") if enabled else None
+
+    def write(self, record: dict) -> None:
+        if self._file is not None:
+            self._file.write(json.dumps(record) + "\n")
+            self._file.flush()
+
+    def close(self) -> None:
+        if self._file is not None:
+            self._file.close()
+            self._file = None
+
+
+def plot_losses(run_dir: Path) -> Path | None:
+    """``loss.png``: train and validation loss against tokens seen (and the ACP pruned
+    fraction when recorded). ``None`` when there is nothing to plot yet."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    records = read_metrics(run_dir)
+    train = [r for r in records if r["kind"] == "train"]
+    val = [r for r in records if r["kind"] == "val"]
+    acp = [r for r in records if r["kind"] == "acp"]
+    if not train:
+        return None
+    panels = 2 if acp else 1
+    fig, axes = plt.subplots(1, panels, figsize=(6.5 * panels, 4.2), squeeze=False)
+    ax = axes[0, 0]
+    ax.plot([r["tokens"] for r in train], [r["loss"] for r in train], label="train", lw=1.2)
+    if val:
+        ax.plot([r["tokens"] for r in val], [r["loss"] for r in val], "o-", label="validation", ms=4)
+    ax.set_xlabel("tokens")
+    ax.set_ylabel("loss (nats / token)")
+    ax.set_title("loss")
+    ax.grid(alpha=0.3)
+    ax.legend()
+    if acp:
+        ax = axes[0, 1]
+        ax.plot([r["tokens"] for r in acp], [r["pruned"] for r in acp], "o-", ms=3, label="all layers")
+        layers = len(acp[-1]["pruned_per_layer"])
+        for i in range(layers):
+            ax.plot(
+                [r["tokens"] for r in acp],
+                [r["pruned_per_layer"][i] for r in acp],
+                lw=0.8,
+                alpha=0.7,
+                label=f"layer {i}",
+            )
+        ax.set_xlabel("tokens")
+        ax.set_ylabel("fraction of attention tiles pruned")
+        ax.set_title("ACP pruning")
+        ax.set_ylim(0, 1)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    path = Path(run_dir) / "loss.png"
+    tmp = path.with_name(f"loss.tmp-{os.getpid()}.png")
+    fig.savefig(tmp, dpi=110)
+    plt.close(fig)
+    os.replace(tmp, path)
+    return path
+
+
+def write_report(run_dir: Path, summary: dict) -> Path:
+    """``report.md`` (and ``summary.json``): what was trained, on what, how it went."""
+    run_dir = Path(run_dir)
+    records = read_metrics(run_dir)
+    train = [r for r in records if r["kind"] == "train"]
+    val = [r for r in records if r["kind"] == "val"]
+    acp = [r for r in records if r["kind"] == "acp"]
+    s = summary
+    lines = [
+        f"# lapse training run: {run_dir.name}",
+        "",
+        f"- status: **{s['status']}** at step {s['step']} of {s['steps']}",
+        f"- preset: `{s['preset']}`, model `{s['arch']}` with {s['params'] / 1e6:.2f}M parameters "
+        f"(without the embedding), ACP {'on' if s['acp'] else 'off'}",
+        f"- data: {s['corpus']}, tokenizer `{s['tokenizer']}` ({s['vocab_size']} ids); "
+        f"{s['train_tokens']:,} training tokens available",
+        f"- batch: {s['batch_size']} x {s['seq_len']} tokens per step on {s['world_size']} "
+        f"{s['device']} process(es); {s['tokens']:,} tokens seen",
+        f"- time: {s['elapsed_s'] / 60:.1f} min of training, {s['tokens_per_s']:,.0f} tokens/s"
+        + (
+            f", MFU {100 * s['mfu']:.1f}%"
+            if s.get("mfu") is not None
+            else " (MFU: peak unknown for this device)"
+        ),
+    ]
+    if train:
+        first, last = train[0], train[-1]
+        lines.append(
+            f"- train loss: {first['loss']:.3f} at step {first['step']} -> {last['loss']:.3f} at step "
+            f"{last['step']}"
+        )
+    if val:
+        lines.append(
+            f"- validation loss: {val[0]['loss']:.3f} at step {val[0]['step']} -> "
+            f"{val[-1]['loss']:.3f} at step {val[-1]['step']}"
+        )
+    if acp:
+        per_layer = ", ".join(f"{x:.2f}" for x in acp[-1]["pruned_per_layer"])
+        lines.append(
+            f"- ACP: {100 * acp[-1]['pruned']:.1f}% of attention tiles pruned at step "
+            f"{acp[-1]['step']} (per layer: {per_layer})"
+        )
+    lines += [
+        "",
+        "![loss](loss.png)",
+        "",
+        "Files: `metrics.jsonl` (one JSON record per line), "
+        "`config.json` (the full configuration), `checkpoint.json` -> `checkpoint-*/` "
+        "(`model.safetensors`, `trainer_state.pt`), `tokenizer/`.",
+        "",
+    ]
+    if s["status"] != "finished":
+        lines.append(f"Continue with `lapse resume {run_dir}`.")
+        lines.append("")
+    path = run_dir / "report.md"
+    for name, text in (
+        ("report.md", "\n".join(lines)),
+        ("summary.json", json.dumps(s, indent=2, default=str)),
+    ):
+        tmp = run_dir / f"{name}.tmp-{os.getpid()}"
+        tmp.write_text(text + "\n")
+        os.replace(tmp, run_dir / name)
+    return path

@@ -1,0 +1,292 @@
+"""The training pipeline on CPU: run folder, exact resume, interruption, bad configs,
+data parallelism (gloo) against one process."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from lapse.cli import main as cli_main
+from lapse.data import CorpusConfig
+from lapse.models import preset
+from lapse.train import (
+    TrainConfig,
+    latest_checkpoint,
+    lr_at,
+    read_metrics,
+    resume,
+    train,
+    train_preset,
+)
+
+
+@pytest.fixture(scope="module")
+def data_dir(tmp_path_factory) -> Path:
+    """One tokenised corpus cache shared by the module's runs."""
+    return tmp_path_factory.mktemp("data")
+
+
+def tiny(tmp_path: Path, data_dir: Path, **overrides) -> TrainConfig:
+    return train_preset("cpu-tiny", run_dir=tmp_path / "run", data_dir=data_dir, **overrides)
+
+
+def kinds(records: list[dict], kind: str) -> list[dict]:
+    return [r for r in records if r["kind"] == kind]
+
+
+def test_lr_schedule_warmup_then_cosine_to_floor():
+    cfg = TrainConfig(steps=100, warmup_steps=10, lr=1e-3, min_lr_ratio=0.1)
+    lrs = [lr_at(s, cfg) for s in range(100)]
+    assert lrs[0] == pytest.approx(1e-4)
+    assert lrs[9] == pytest.approx(1e-3)
+    assert all(a < b for a, b in zip(lrs[:10], lrs[1:10], strict=False))
+    assert all(a >= b for a, b in zip(lrs[10:], lrs[11:], strict=False))
+    assert lrs[-1] == pytest.approx(1e-4)
+
+
+def test_run_folder_has_everything_and_loss_falls(tmp_path, data_dir):
+    summary = train(tiny(tmp_path, data_dir, steps=30))
+    run = Path(summary["run_dir"])
+    assert summary["status"] == "finished" and summary["step"] == 30
+    for name in (
+        "config.json",
+        "checkpoint.json",
+        "metrics.jsonl",
+        "loss.png",
+        "report.md",
+        "summary.json",
+        "tokenizer",
+    ):
+        assert (run / name).exists(), name
+    assert not [p for p in run.rglob("*") if ".tmp-" in p.name]
+    records = read_metrics(run)
+    losses = [r["loss"] for r in kinds(records, "train")]
+    assert [r["step"] for r in kinds(records, "train")] == list(range(1, 31))
+    assert losses[0] > math.log(258) - 0.5  # starts near uniform over the byte vocabulary
+    assert sum(losses[-5:]) / 5 < losses[0] - 1.5
+    val = kinds(records, "val")
+    assert [r["step"] for r in val] == [10, 20, 30] and val[-1]["loss"] < val[0]["loss"]
+    acp = kinds(records, "acp")
+    assert [r["step"] for r in acp] == [5, 10, 15, 20, 25, 30]
+    assert len(acp[0]["pruned_per_head"]) == 2 and len(acp[0]["pruned_per_head"][0]) == 4
+    folder = latest_checkpoint(run)
+    weights = load_file(folder / "model.safetensors")
+    assert "blocks.0.attn.fgate.bias" in weights
+    report = (run / "report.md").read_text()
+    assert "finished" in report and "validation loss" in report
+
+
+def test_exact_resume_continues_the_same_curve(tmp_path, data_dir):
+    straight = train(tiny(tmp_path / "a", data_dir, steps=16, checkpoint_every=0))
+    first = train(tiny(tmp_path / "b", data_dir, steps=16, checkpoint_every=0, stop_at_step=7))
+    assert first["status"] == "stopped" and first["step"] == 7
+    resumed = resume(first["run_dir"])
+    assert resumed["status"] == "finished" and resumed["step"] == 16
+
+    a, b = read_metrics(Path(straight["run_dir"])), read_metrics(Path(resumed["run_dir"]))
+    for kind in ("train", "val", "acp"):
+        ka, kb = kinds(a, kind), kinds(b, kind)
+        assert [r["step"] for r in ka] == [r["step"] for r in kb]
+        key = "pruned" if kind == "acp" else "loss"
+        assert [r[key] for r in ka] == [r[key] for r in kb], kind  # bitwise equal
+    wa = load_file(latest_checkpoint(Path(straight["run_dir"])) / "model.safetensors")
+    wb = load_file(latest_checkpoint(Path(resumed["run_dir"])) / "model.safetensors")
+    assert all(torch.equal(wa[k], wb[k]) for k in wa)
+
+
+def test_resume_after_the_end_extends_the_run(tmp_path, data_dir):
+    done = train(tiny(tmp_path, data_dir, steps=5, val_every=0, acp_stats_every=0))
+    more = resume(done["run_dir"], steps=8)
+    assert more["step"] == 8
+    steps = [r["step"] for r in kinds(read_metrics(Path(done["run_dir"])), "train")]
+    assert steps == list(range(1, 9))
+
+
+def test_new_run_refuses_a_folder_with_a_checkpoint(tmp_path, data_dir):
+    train(tiny(tmp_path, data_dir, steps=2, val_every=0))
+    with pytest.raises(ValueError, match="lapse resume"):
+        train(tiny(tmp_path, data_dir, steps=2, val_every=0))
+
+
+def test_accumulation_matches_the_whole_batch(tmp_path, data_dir):
+    whole = train(tiny(tmp_path / "a", data_dir, steps=6, val_every=0, acp_stats_every=0))
+    accum = train(tiny(tmp_path / "b", data_dir, steps=6, val_every=0, acp_stats_every=0, micro_batch_size=1))
+    la = [r["loss"] for r in kinds(read_metrics(Path(whole["run_dir"])), "train")]
+    lb = [r["loss"] for r in kinds(read_metrics(Path(accum["run_dir"])), "train")]
+    # Same rows, same mean; only the summation order differs (float32).
+    assert la == pytest.approx(lb, rel=1e-5, abs=1e-5)
+
+
+def test_activation_checkpointing_gives_the_same_losses(tmp_path, data_dir):
+    plain = train(tiny(tmp_path / "a", data_dir, steps=4, val_every=0, acp_stats_every=0))
+    ckpt = train(
+        tiny(tmp_path / "b", data_dir, steps=4, val_every=0, acp_stats_every=0, activation_checkpointing=True)
+    )
+    la = [r["loss"] for r in kinds(read_metrics(Path(plain["run_dir"])), "train")]
+    lb = [r["loss"] for r in kinds(read_metrics(Path(ckpt["run_dir"])), "train")]
+    assert la == lb
+
+
+@pytest.mark.parametrize(
+    "overrides, match",
+    [
+        ({"model": "heads"}, "must divide d_model"),
+        ({"corpus": CorpusConfig(kind="text", paths=("/nonexistent/corpus",))}, "does not exist"),
+        ({"tokenizer": "/nonexistent/tok"}, "does not exist"),
+        ({"batch_size": 6, "micro_batch_size": 4}, "micro_batch_size"),
+        ({"steps": 0}, "steps must be a positive integer"),
+    ],
+    ids=["heads", "corpus-path", "tokenizer-path", "micro-batch", "steps"],
+)
+def test_bad_configs_fail_at_construction(overrides, match):
+    if overrides.get("model") == "heads":
+        with pytest.raises(ValueError, match=match):
+            preset("tiny", "fox-pro", n_heads=3)
+        return
+    with pytest.raises(ValueError, match=match):
+        train_preset("cpu-tiny", **overrides)
+
+
+def test_unknown_preset_and_empty_corpus_fail_at_start(tmp_path, data_dir):
+    with pytest.raises(ValueError, match="unknown training preset"):
+        train_preset("nope")
+    with pytest.raises(SystemExit):
+        cli_main(["train", "nope"])
+    (tmp_path / "empty").mkdir()
+    (tmp_path / "empty" / "a.txt").write_text("")
+    cfg = tiny(
+        tmp_path, tmp_path / "data", corpus=CorpusConfig(kind="text", paths=(str(tmp_path / "empty"),))
+    )
+    with pytest.raises(ValueError, match="empty corpus|no documents"):
+        train(cfg)
+    assert latest_checkpoint(tmp_path / "run") is None
+
+
+def test_cli_train_with_overrides(tmp_path, data_dir, capsys):
+    cli_main(
+        [
+            "train",
+            "cpu-tiny",
+            "--run-dir",
+            str(tmp_path / "run"),
+            "--data-dir",
+            str(data_dir),
+            "--steps",
+            "3",
+            "--model.no-acp",
+            "--model.arch",
+            "transformer-llama",
+            "--val-every",
+            "0",
+        ]
+    )
+    out = capsys.readouterr().out
+    assert "finished at step 3/3" in out
+    saved = json.loads((tmp_path / "run" / "config.json").read_text())
+    assert saved["model"]["arch"] == "transformer-llama" and saved["steps"] == 3
+
+
+def _run_cli(args: list[str], **kw) -> subprocess.Popen:
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    return subprocess.Popen(
+        [sys.executable, "-m", "lapse.cli", *args],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        **kw,
+    )
+
+
+def test_sigint_leaves_a_valid_checkpoint_and_a_resumable_run(tmp_path, data_dir):
+    run = tmp_path / "run"
+    proc = _run_cli(
+        [
+            "train",
+            "cpu-tiny",
+            "--run-dir",
+            str(run),
+            "--data-dir",
+            str(data_dir),
+            "--steps",
+            "100000",
+            "--checkpoint-every",
+            "0",
+            "--val-every",
+            "0",
+        ]
+    )
+    deadline = time.monotonic() + 120
+    while len(kinds(read_metrics(run), "train")) < 3:
+        assert proc.poll() is None, proc.stdout.read()
+        assert time.monotonic() < deadline, "no training steps within 120 s"
+        time.sleep(0.1)
+    proc.send_signal(signal.SIGINT)
+    out, _ = proc.communicate(timeout=120)
+    assert proc.returncode == 130, out
+    assert "lapse resume" in out
+    folder = latest_checkpoint(run)  # raises if the pointer leads to an incomplete folder
+    stopped_at = json.loads((run / "checkpoint.json").read_text())["step"]
+    assert stopped_at >= 3 and folder.name == f"checkpoint-{stopped_at:07d}"
+    assert not [p for p in run.rglob("*") if ".tmp-" in p.name]
+    assert json.loads((run / "summary.json").read_text())["status"] == "interrupted"
+    summary = resume(run, steps=stopped_at + 2)
+    assert summary["status"] == "finished" and summary["step"] == stopped_at + 2
+
+
+def _torchrun(args: list[str], nproc: int) -> subprocess.CompletedProcess:
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        f"--nproc-per-node={nproc}",
+        "-m",
+        "lapse.cli",
+        *args,
+    ]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+
+
+@pytest.mark.parametrize("parallel", ["fsdp", "ddp"])
+def test_two_processes_follow_the_one_process_curve(tmp_path, data_dir, parallel):
+    common = [
+        "--data-dir",
+        str(data_dir),
+        "--steps",
+        "6",
+        "--val-every",
+        "3",
+        "--acp-stats-every",
+        "0",
+        "--checkpoint-every",
+        "3",
+    ]
+    one = train(
+        replace(tiny(tmp_path / "one", data_dir, steps=6, val_every=3, acp_stats_every=0, checkpoint_every=3))
+    )
+    result = _torchrun(
+        ["train", "cpu-tiny", "--run-dir", str(tmp_path / "two"), "--parallel", parallel, *common], nproc=2
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+    a = read_metrics(Path(one["run_dir"]))
+    b = read_metrics(tmp_path / "two")
+    for kind in ("train", "val"):
+        la, lb = [r["loss"] for r in kinds(a, kind)], [r["loss"] for r in kinds(b, kind)]
+        assert len(la) == len(lb) > 0
+        # The same rows in the same global batch; only the reduction order differs.
+        assert la == pytest.approx(lb, rel=2e-4, abs=2e-4), kind
+    # the sharded checkpoint holds the full weights and resumes in one process
+    assert resume(tmp_path / "two", steps=7)["step"] == 7
