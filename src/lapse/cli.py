@@ -25,6 +25,7 @@ from tyro.extras import SubcommandApp
 
 import lapse
 from lapse.bench.attention import AttentionBenchConfig
+from lapse.bench.training import TrainBenchConfig
 from lapse.bench.workloads import WorkloadSpec, make_workload
 from lapse.train.config import TRAIN_PRESETS, TrainConfig
 
@@ -230,6 +231,14 @@ def _app() -> SubcommandApp:
         """Time forgetting attention (lapse, with and without ACP) against SDPA flash,
         FlexAttention and flash-linear-attention on one GPU; Markdown + JSON results."""
         from lapse.bench.attention import run
+
+        run(cfg)
+
+    @bench.command(name="train")
+    def bench_train(cfg: Annotated[TrainBenchConfig, tyro.conf.arg(name="")]) -> None:
+        """Training throughput (tokens/s, MFU) of one model with ACP on and off, same
+        weights and batches, one GPU; Markdown + JSON results."""
+        from lapse.bench.training import run
 
         run(cfg)
 

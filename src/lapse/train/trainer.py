@@ -102,6 +102,40 @@ def config_from_json(obj: dict) -> TrainConfig:
     return TrainConfig(**obj)
 
 
+def _autocast(device: torch.device, dtype: torch.dtype):
+    return torch.autocast(device.type, dtype=dtype, enabled=dtype != torch.float32)
+
+
+def train_step(
+    module: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    x: torch.Tensor,
+    y: torch.Tensor,
+    micro: int,
+    device: torch.device,
+    dtype: torch.dtype,
+    grad_clip: float | None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One optimizer step on this rank's rows ``x, y`` (``[rows, T]``), ``micro`` rows per
+    forward, gradients averaged over the micro-batches (and synchronised across ranks on
+    the last one only). Returns the mean loss and the gradient norm before clipping, as
+    device tensors (reading them is the caller's sync)."""
+    pieces = list(zip(x.split(micro), y.split(micro), strict=True))
+    total = torch.zeros((), device=device)
+    for i, (xm, ym) in enumerate(pieces):
+        with gradient_sync(module, i == len(pieces) - 1):
+            with _autocast(device, dtype):
+                _, loss = module(xm.to(device, non_blocking=True), ym.to(device, non_blocking=True))
+            (loss / len(pieces)).backward()
+        total += loss.detach().float() / len(pieces)
+    grad_norm = torch.nn.utils.clip_grad_norm_(
+        module.parameters(), grad_clip if grad_clip is not None else math.inf
+    )
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    return total, grad_norm
+
+
 class _StopFlag:
     """Set by SIGINT/SIGTERM; the loop stops at the next step boundary. A second SIGINT
     raises ``KeyboardInterrupt`` at once."""
@@ -221,7 +255,7 @@ def _train_loop(cfg: TrainConfig, world: World, resuming: bool) -> dict:
     }[cfg.precision]
 
     def autocast():
-        return torch.autocast(world.device.type, dtype=dtype, enabled=dtype != torch.float32)
+        return _autocast(world.device, dtype)
 
     flops = flops_per_token(cfg.model, seq_len)
     peak = peak_tflops(world.device, cfg.peak_tflops)
@@ -267,20 +301,8 @@ def _train_loop(cfg: TrainConfig, world: World, resuming: bool) -> dict:
             model.set_collect_stats(collect)
 
             x, y = sampler.batch(step, world.rank, world.size)  # [rows, T] each
-            pieces = list(zip(x.split(micro), y.split(micro), strict=True))
-            for i, (xm, ym) in enumerate(pieces):
-                with gradient_sync(wrapped, i == len(pieces) - 1):
-                    with autocast():
-                        _, loss = wrapped(
-                            xm.to(world.device, non_blocking=True), ym.to(world.device, non_blocking=True)
-                        )
-                    (loss / len(pieces)).backward()
-                interval_loss += loss.detach().float() / len(pieces)
-            grad_norm = torch.nn.utils.clip_grad_norm_(
-                model.parameters(), cfg.grad_clip if cfg.grad_clip is not None else math.inf
-            )
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
+            loss, grad_norm = train_step(wrapped, optimizer, x, y, micro, world.device, dtype, cfg.grad_clip)
+            interval_loss += loss
             step += 1
             interval_steps += 1
             state["step"], state["tokens"] = step, state["tokens"] + tokens_per_step

@@ -1,0 +1,36 @@
+#!/usr/bin/env bash
+# On the lent GPU (one H100/H200): the issue-3 training measurements, in one call.
+#   1. a tiny run on CUDA (the trainer's GPU path: bf16 autocast, Triton kernels);
+#   2. FoX (Pro) 125M at context 16384 with ACP trained for TRAIN_MINUTES on the local
+#      Python sources (BPE 50,304 learned locally), so the forget gates decay as trained;
+#   3. `lapse bench train` on that checkpoint: ACP on vs off, same weights and batches.
+# Results go to $OUT (run folder files, bench JSON/Markdown). Usage, from the repo root:
+#   bash scripts/gpu.sh bash scripts/gpu_train_125m.sh
+set -uo pipefail
+export PYTHONUNBUFFERED=1
+OUT="${OUT:-runs/gpu}"
+TRAIN_MINUTES="${TRAIN_MINUTES:-3.5}"
+mkdir -p "$OUT"
+L="python3 -m lapse.cli"
+nvidia-smi --query-gpu=name,clocks.max.sm --format=csv,noheader
+python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"
+
+echo "== 1. tiny run on CUDA"
+$L train cpu-tiny --run-dir /tmp/tiny --data-dir /tmp/data --steps 20 --no-progress
+cp /tmp/tiny/report.md "$OUT/tiny-report.md"
+
+echo "== 2. 125M FoX (Pro) + ACP at T=16384, $TRAIN_MINUTES minutes"
+t0=$(date +%s)
+$L train 125m-16k --run-dir /tmp/r125 --data-dir /tmp/data --batch-size 8 --micro-batch-size 1 \
+    --steps 400 --warmup-steps 40 --lr 2e-3 --time-limit-minutes "$TRAIN_MINUTES" --log-every 10 \
+    --val-every 0 --acp-stats-every 25 --checkpoint-every 0 --corpus.max-bytes 200000000 --no-progress
+echo "train wall: $(( $(date +%s) - t0 )) s"
+mkdir -p "$OUT/r125"
+cp /tmp/r125/{metrics.jsonl,report.md,summary.json,loss.png,config.json} "$OUT/r125/"
+cat /tmp/r125/report.md
+
+echo "== 3. bench train: ACP on vs off on the trained weights"
+$L bench train --run /tmp/r125 --variants dense acp --steps 5 --warmup 2 --out-dir "$OUT/bench"
+echo "== 3b. with torch.compile (blocks; the attention kernels stay eager)"
+timeout 200 $L bench train --run /tmp/r125 --variants dense-compile acp-compile --steps 5 --warmup 2 \
+    --out-dir "$OUT/bench-compile" || echo "compile variants failed or timed out (rc=$?)"

@@ -1,0 +1,234 @@
+"""Training throughput of one model with ACP on and off, in one process (``lapse bench train``).
+
+Every variant loads the same weights (a trained run's checkpoint, so the gates have
+decayed the way training made them, or a fresh init), feeds the same windows, and runs
+whole optimizer steps (forward, backward, clipping, AdamW) through
+:func:`lapse.train.trainer.train_step`, the trainer's own step. Variants alternate in
+rounds so drift of the GPU clock hits all alike; the median step time is reported with
+tokens/s, MFU (attention counted as dense causal FLOPs, so pruned and dense runs are
+compared on the same work), the pruned fraction and the peak memory.
+"""
+
+from __future__ import annotations
+
+import json
+import platform
+import statistics
+import subprocess
+import time
+from dataclasses import asdict, dataclass, replace
+from pathlib import Path
+from typing import Literal
+
+import torch
+
+VARIANTS = ("dense", "acp", "dense-compile", "acp-compile")
+
+
+@dataclass(kw_only=True)
+class TrainBenchConfig:
+    """What to time: a model, its weights and data, the batch, the variants."""
+
+    run: Path | None = None
+    """A training run folder: its model config, last checkpoint and validation data. ``None``:
+    a fresh ``preset`` model on random tokens."""
+    preset: str = "125m"
+    """Model preset when ``run`` is ``None``."""
+    arch: Literal["fox-llama", "fox-pro"] = "fox-pro"
+    """Architecture when ``run`` is ``None``."""
+    seq_len: int = 16384
+    """T, tokens per row."""
+    batch_size: int = 8
+    """Rows per optimizer step."""
+    micro_batch_size: int = 1
+    """Rows per forward/backward."""
+    steps: int = 6
+    """Timed steps per variant (in rounds: one step of each variant per round)."""
+    warmup: int = 2
+    """Untimed steps per variant first (autotuning, compilation, allocator growth)."""
+    variants: tuple[str, ...] = ("dense", "acp")
+    """Any of ``dense``, ``acp``, ``dense-compile``, ``acp-compile``."""
+    acp_eps: float | None = None
+    """ACP tolerance; ``None``: the model config's."""
+    lr: float = 1e-4
+    """Learning rate of the timed steps (small: the weights barely move while timing)."""
+    peak_tflops: float | None = None
+    """For MFU; ``None``: from the device name."""
+    out_dir: Path = Path("runs/bench-train")
+    """Where ``results.json`` and ``results.md`` go."""
+
+    def __post_init__(self) -> None:
+        unknown = sorted(set(self.variants) - set(VARIANTS))
+        if unknown:
+            raise ValueError(f"unknown variants {unknown}; valid: {VARIANTS}")
+        if self.batch_size % self.micro_batch_size:
+            raise ValueError(
+                f"micro_batch_size {self.micro_batch_size} must divide batch_size {self.batch_size}"
+            )
+
+
+def _commit() -> str:
+    try:
+        return subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=True
+        ).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+
+
+def run(cfg: TrainBenchConfig) -> dict:
+    from lapse.data import WindowSampler
+    from lapse.models import Decoder, flops_per_token, optimizer_groups, preset
+    from lapse.ops.forgetting import set_value_checks
+    from lapse.train.checkpoint import latest_checkpoint, load_weights
+    from lapse.train.data import prepare_data
+    from lapse.train.metrics import peak_tflops
+    from lapse.train.trainer import CONFIG_FILE, config_from_json, train_step
+
+    if not torch.cuda.is_available():
+        raise SystemExit("lapse bench train needs a CUDA device")
+    device = torch.device("cuda")
+    set_value_checks(False)
+    if cfg.run is not None:
+        train_cfg = config_from_json(json.loads((cfg.run / CONFIG_FILE).read_text()))
+        model_cfg = train_cfg.model
+        folder = latest_checkpoint(cfg.run)
+        data = prepare_data(train_cfg, progress=False)
+        sampler = WindowSampler(
+            shards=data.validation, seq_len=cfg.seq_len, batch_size=cfg.batch_size, seed=7
+        )
+        source = f"checkpoint {folder} (step {json.loads((cfg.run / 'checkpoint.json').read_text())['step']})"
+    else:
+        model_cfg = preset(cfg.preset, cfg.arch)
+        folder, sampler = None, None
+        source = f"fresh {cfg.preset} init"
+    model_cfg = replace(
+        model_cfg,
+        max_seq_len=cfg.seq_len,
+        attn_backend="auto",
+        **({"acp_eps": cfg.acp_eps} if cfg.acp_eps is not None else {}),
+    )
+
+    def batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
+        if sampler is not None:
+            return sampler.batch(step)
+        g = torch.Generator().manual_seed(step)
+        ids = torch.randint(0, model_cfg.vocab_size, (cfg.batch_size, cfg.seq_len + 1), generator=g)
+        return ids[:, :-1], ids[:, 1:]
+
+    flops = flops_per_token(model_cfg, cfg.seq_len)
+    peak = peak_tflops(device, cfg.peak_tflops)
+    tokens = cfg.batch_size * cfg.seq_len
+    states = {}
+    for name in cfg.variants:
+        torch.manual_seed(0)
+        model = Decoder(replace(model_cfg, acp=name.startswith("acp"))).to(device)
+        if folder is not None:
+            load_weights(folder, model)
+        if name.endswith("compile"):
+            for block in model.blocks:
+                block.compile()
+        opt = torch.optim.AdamW(optimizer_groups(model, 0.1), lr=cfg.lr, betas=(0.9, 0.95), fused=True)
+        states[name] = {"model": model, "opt": opt, "times": [], "losses": []}
+
+    def step(name: str, i: int, timed: bool) -> None:
+        s = states[name]
+        x, y = batch(i)
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        loss, _ = train_step(s["model"], s["opt"], x, y, cfg.micro_batch_size, device, torch.bfloat16, 1.0)
+        loss = loss.item()  # syncs
+        if timed:
+            s["times"].append(time.perf_counter() - t0)
+            s["losses"].append(loss)
+
+    # Warm-up and timing run on separate models, but memory is held by all of them: keep
+    # the variants few. Peak memory is measured per variant on its own steps.
+    for name in cfg.variants:
+        for i in range(cfg.warmup):
+            step(name, i, timed=False)
+    for i in range(cfg.steps):
+        for name in cfg.variants:
+            torch.cuda.reset_peak_memory_stats()
+            step(name, cfg.warmup + i, timed=True)
+            states[name].setdefault("peak_gib", 0.0)
+            states[name]["peak_gib"] = max(
+                states[name]["peak_gib"], torch.cuda.max_memory_allocated() / 2**30
+            )
+
+    rows = []
+    for name, s in states.items():
+        model = s["model"]
+        pruned = None
+        if name.startswith("acp"):
+            model.set_collect_stats(True)
+            x, _ = batch(0)
+            with torch.no_grad(), torch.autocast("cuda", dtype=torch.bfloat16):
+                model(x[: cfg.micro_batch_size].to(device))
+            pruned = model.pruned_fractions()  # [n_layers, H]
+            model.set_collect_stats(False)
+        t = statistics.median(s["times"])
+        tok_s = tokens / t
+        rows.append(
+            {
+                "variant": name,
+                "step_s": t,
+                "tokens_per_s": tok_s,
+                "mfu": tok_s * flops / (peak * 1e12) if peak else None,
+                "peak_gib": s["peak_gib"],
+                "loss": statistics.mean(s["losses"]),
+                "pruned": None if pruned is None else float(pruned.mean()),
+                "pruned_per_layer": None if pruned is None else pruned.mean(1).tolist(),
+            }
+        )
+    base = next((r for r in rows if r["variant"] == "dense"), None)
+    for r in rows:
+        r["speedup_vs_dense"] = base["step_s"] / r["step_s"] if base else None
+
+    result = {
+        "bench": "train",
+        "device": torch.cuda.get_device_name(device),
+        "torch": torch.__version__,
+        "triton": _triton_version(),
+        "python": platform.python_version(),
+        "commit": _commit(),
+        "date": time.strftime("%Y-%m-%d %H:%M"),
+        "source": source,
+        "model": asdict(model_cfg),
+        "config": json.loads(json.dumps(asdict(cfg), default=str)),
+        "flops_per_token": flops,
+        "peak_tflops": peak,
+        "rows": rows,
+    }
+    lines = [
+        f"Training throughput, {model_cfg.arch} {cfg.preset if cfg.run is None else cfg.run.name}, "
+        f"T={cfg.seq_len}, {cfg.batch_size} rows/step ({cfg.micro_batch_size} per forward), bf16 autocast, "
+        f"{result['device']}; weights: {source}; median of {cfg.steps} steps; MFU with attention counted "
+        f"as dense causal ({flops / 1e9:.2f} GFLOP/token)",
+        "",
+        "| variant | step s | tokens/s | MFU | vs dense | pruned | peak GiB | loss |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        mfu = f"{100 * r['mfu']:.1f}%" if r["mfu"] is not None else "-"
+        pruned = f"{100 * r['pruned']:.1f}%" if r["pruned"] is not None else "-"
+        speed = f"{r['speedup_vs_dense']:.2f}x" if r["speedup_vs_dense"] else "-"
+        lines.append(
+            f"| {r['variant']} | {r['step_s']:.3f} | {r['tokens_per_s']:,.0f} | {mfu} | {speed} | "
+            f"{pruned} | {r['peak_gib']:.1f} | {r['loss']:.3f} |"
+        )
+    text = "\n".join(lines)
+    print(text)
+    cfg.out_dir.mkdir(parents=True, exist_ok=True)
+    (cfg.out_dir / "results.json").write_text(json.dumps(result, indent=2) + "\n")
+    (cfg.out_dir / "results.md").write_text(text + "\n")
+    return result
+
+
+def _triton_version() -> str | None:
+    try:
+        import triton
+
+        return triton.__version__
+    except ImportError:
+        return None
