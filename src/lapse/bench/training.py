@@ -22,7 +22,9 @@ from typing import Literal
 
 import torch
 
-VARIANTS = ("dense", "acp", "dense-compile", "acp-compile")
+# "transformer": the same sizes as a Transformer of the same block type (RoPE, SDPA flash),
+# freshly initialised: the reference for what the rest of the model costs.
+VARIANTS = tuple(f"{v}{c}" for v in ("dense", "acp", "transformer") for c in ("", "-compile"))
 
 
 @dataclass(kw_only=True)
@@ -47,7 +49,8 @@ class TrainBenchConfig:
     warmup: int = 2
     """Untimed steps per variant first (autotuning, compilation, allocator growth)."""
     variants: tuple[str, ...] = ("dense", "acp")
-    """Any of ``dense``, ``acp``, ``dense-compile``, ``acp-compile``."""
+    """Any of ``dense``, ``acp``, ``transformer`` (the same sizes with RoPE and SDPA flash
+    instead of forgetting attention), each optionally with ``-compile``."""
     acp_eps: float | None = None
     """ACP tolerance; ``None``: the model config's."""
     lr: float = 1e-4
@@ -122,9 +125,13 @@ def run(cfg: TrainBenchConfig) -> dict:
     states = {}
     for name in cfg.variants:
         torch.manual_seed(0)
-        model = Decoder(replace(model_cfg, acp=name.startswith("acp"))).to(device)
-        if folder is not None:
-            load_weights(folder, model)
+        if name.startswith("transformer"):
+            arch = "transformer-pro" if model_cfg.pro else "transformer-llama"
+            model = Decoder(replace(model_cfg, arch=arch, acp=False)).to(device)
+        else:
+            model = Decoder(replace(model_cfg, acp=name.startswith("acp"))).to(device)
+            if folder is not None:
+                load_weights(folder, model)
         if name.endswith("compile"):
             for block in model.blocks:
                 block.compile()

@@ -174,6 +174,9 @@ class Attention(nn.Module):
             o = o.reshape(b, t, h * d)  # [B, T, H*D]
         return self.o_proj(o)  # [B, T, C]
 
+    # torch.compile leaves the op eager: Inductor re-compiles user Triton kernels itself and
+    # fails on the nested @triton.jit helpers of the forward kernel (Triton 3.6, torch 2.11).
+    @torch.compiler.disable
     def _forgetting_attention(self, q: Tensor, key: Tensor, val: Tensor, log_fgate: Tensor) -> Tensor:
         """FoX attention over the whole sequence (training, or the first call with a cache)."""
         out = forgetting_attention(
