@@ -9,8 +9,9 @@
 set -uo pipefail
 export PYTHONUNBUFFERED=1
 OUT="${OUT:-runs/gpu}"
-TRAIN_MINUTES="${TRAIN_MINUTES:-3.5}"
+TRAIN_MINUTES="${TRAIN_MINUTES:-4}"
 mkdir -p "$OUT"
+rm -rf /tmp/tiny /tmp/r125  # runs of an earlier call on a still-warm machine (the data cache stays)
 L="python3 -m lapse.cli"
 nvidia-smi --query-gpu=name,clocks.max.sm --format=csv,noheader
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"
@@ -18,6 +19,7 @@ python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', tr
 echo "== 1. tiny run on CUDA"
 $L train cpu-tiny --run-dir /tmp/tiny --data-dir /tmp/data --steps 20 --no-progress
 cp /tmp/tiny/report.md "$OUT/tiny-report.md"
+rm -rf /tmp/tiny
 
 echo "== 2. 125M FoX (Pro) + ACP at T=16384, $TRAIN_MINUTES minutes"
 t0=$(date +%s)
@@ -31,4 +33,4 @@ cat /tmp/r125/report.md
 
 echo "== 3. bench train: ACP on vs off on the trained weights"
 $L bench train --run /tmp/r125 --variants dense acp dense-compile acp-compile transformer-compile \
-    --steps 5 --warmup 2 --out-dir "$OUT/bench"
+    --steps 4 --warmup 2 --out-dir "$OUT/bench"

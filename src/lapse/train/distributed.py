@@ -60,17 +60,26 @@ def close_world(world: World) -> None:
         dist.destroy_process_group()
 
 
-def parallelize(model: nn.Module, world: World, mode: str) -> nn.Module:
+def parallelize(
+    model: nn.Module,
+    world: World,
+    mode: str,
+    *,
+    reshard_after_forward: bool = True,
+    param_dtype: torch.dtype = torch.float32,
+) -> nn.Module:
     """The module the training loop calls: the model itself in one process, sharded with
     FSDP2 per block (``mode`` "fsdp" or "auto") or wrapped in DDP across processes."""
     if not world.distributed:
         return model
     if mode in ("auto", "fsdp"):
-        from torch.distributed.fsdp import fully_shard
+        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
+        mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32)
         for block in model.blocks:
-            fully_shard(block)
-        fully_shard(model)
+            fully_shard(block, reshard_after_forward=reshard_after_forward, mp_policy=mp)
+        # the root (embedding, final norm, head) is needed again at once by the backward
+        fully_shard(model, reshard_after_forward=False, mp_policy=mp)
         return model
     if mode == "ddp":
         from torch.nn.parallel import DistributedDataParallel

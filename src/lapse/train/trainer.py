@@ -232,13 +232,16 @@ def _train_loop(cfg: TrainConfig, world: World, resuming: bool) -> dict:
             block.compile()
     if world.device.type == "cuda":
         set_value_checks(False)  # the NaN/positive-gate check costs a host sync per layer
-    wrapped = parallelize(model, world, cfg.parallel)
+    wrapped = parallelize(
+        model, world, cfg.parallel, reshard_after_forward=cfg.fsdp_reshard_after_forward,
+        param_dtype=getattr(torch, cfg.fsdp_param_dtype),
+    )
     optimizer = torch.optim.AdamW(
         optimizer_groups(model, cfg.weight_decay),
         lr=cfg.lr,
         betas=(cfg.beta1, cfg.beta2),
         eps=cfg.adam_eps,
-        fused=world.device.type == "cuda" and not world.distributed,
+        fused=world.device.type == "cuda",
     )
     state = {"step": 0, "tokens": 0, "elapsed_s": 0.0}
     if resuming:
