@@ -1,0 +1,159 @@
+"""What every evaluation starts from: a model loaded from disk, its tokenizer, and data.
+
+:func:`load_model` takes any of the places a lapse model lives:
+
+- a training run folder (``config.json`` + ``checkpoint.json``, see :mod:`lapse.train`):
+  the last checkpoint, the run's tokenizer, the run's training config;
+- one ``checkpoint-<step>/`` folder inside such a run;
+- a Hugging Face folder written by ``LapseForCausalLM.save_pretrained`` (its tokenizer
+  too when one was saved beside it).
+
+:func:`eval_windows` cuts fixed-length token windows from the run's validation split (or
+any corpus), deterministically from a seed, for loss-type evaluations.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from lapse.data import CorpusConfig, Tokenizer, WindowSampler, load_tokenizer
+from lapse.models import Decoder, ModelConfig
+
+
+@dataclass
+class LoadedModel:
+    """A model ready for evaluation (``eval()`` mode, on its device)."""
+
+    model: Decoder
+    """The decoder; ``model.config`` is its :class:`~lapse.models.ModelConfig`."""
+    tokenizer: Tokenizer | None
+    """The tokenizer it was trained with, when one was found beside the weights."""
+    name: str
+    """A short label for plots and tables (the run folder's name by default)."""
+    path: Path
+    """Where it was loaded from."""
+    train_config: object | None = None
+    """The run's :class:`~lapse.train.TrainConfig` (run folders only)."""
+
+    @property
+    def config(self) -> ModelConfig:
+        return self.model.config
+
+
+def load_model(
+    path: str | Path,
+    *,
+    device: str | torch.device = "cpu",
+    dtype: torch.dtype = torch.float32,
+    name: str | None = None,
+    **overrides,
+) -> LoadedModel:
+    """Load a lapse model from a run folder, a checkpoint folder or a Hugging Face folder.
+
+    ``overrides`` replace :class:`~lapse.models.ModelConfig` fields (e.g. ``acp=True``,
+    ``acp_eps=1e-3``, ``attn_backend="naive"``) without touching the weights. Raises
+    ``ValueError`` naming the path when nothing loadable is there.
+    """
+    from lapse.train.checkpoint import latest_checkpoint, load_weights
+    from lapse.train.trainer import CONFIG_FILE, config_from_json
+
+    path = Path(path)
+    if not path.exists():
+        raise ValueError(f"model path does not exist: {path}")
+    run_dir, folder = None, None
+    if (path / "checkpoint.json").exists():
+        run_dir, folder = path, latest_checkpoint(path)
+    elif (path / "model.safetensors").exists() and (path.parent / CONFIG_FILE).exists() and (
+        path.parent / "checkpoint.json"
+    ).exists():
+        run_dir, folder = path.parent, path
+    if run_dir is not None:
+        train_config = config_from_json(json.loads((run_dir / CONFIG_FILE).read_text()))
+        model_config = replace(train_config.model, **overrides)
+        model = Decoder(model_config)
+        load_weights(folder, model)
+        tokenizer = load_tokenizer(run_dir / "tokenizer") if (run_dir / "tokenizer").exists() else None
+        label = name or run_dir.name
+    elif _is_hf_lapse_folder(path):
+        from lapse.models.hf import LapseForCausalLM
+
+        hf = LapseForCausalLM.from_pretrained(path)
+        model = hf.model
+        if overrides:
+            state = model.state_dict()
+            model = Decoder(replace(model.config, **overrides))
+            model.load_state_dict(state)
+        tokenizer = _tokenizer_beside(path)
+        train_config, label = None, name or path.name
+    else:
+        raise ValueError(
+            f"no lapse model at {path}: expected a run folder (checkpoint.json), a checkpoint folder "
+            "(model.safetensors inside a run) or a Hugging Face folder saved by LapseForCausalLM"
+        )
+    model = model.to(device=device, dtype=dtype).eval()
+    return LoadedModel(model=model, tokenizer=tokenizer, name=label, path=path, train_config=train_config)
+
+
+def _is_hf_lapse_folder(path: Path) -> bool:
+    config = path / "config.json"
+    return config.exists() and json.loads(config.read_text()).get("model_type") == "lapse"
+
+
+def _tokenizer_beside(path: Path) -> Tokenizer | None:
+    for candidate in (path / "tokenizer", path):
+        try:
+            return load_tokenizer(candidate)
+        except ValueError:
+            continue
+    return None
+
+
+def eval_windows(
+    loaded: LoadedModel,
+    seq_len: int,
+    num: int,
+    *,
+    seed: int = 0,
+    corpus: CorpusConfig | None = None,
+    data_dir: str | Path | None = None,
+) -> torch.Tensor:
+    """``num`` windows of ``seq_len + 1`` token ids (int64 ``[num, seq_len + 1]``) from the
+    validation split of ``corpus`` (default: the run's own corpus), tokenised with the
+    model's tokenizer and cached under ``data_dir`` (default: the run's data folder).
+
+    The same (model, corpus, seq_len, num, seed) always gives the same windows. Windows
+    start anywhere and may cross document boundaries (separated by eos), as in training.
+    """
+    from lapse.train.config import TrainConfig
+    from lapse.train.data import prepare_data
+
+    base = loaded.train_config
+    if base is None:
+        if corpus is None or loaded.tokenizer is None:
+            raise ValueError(
+                f"{loaded.path} is not a training run: pass a corpus, and save a tokenizer beside the model"
+            )
+        base = TrainConfig(model=loaded.config, corpus=corpus, tokenizer="byte", progress=False)
+    if not isinstance(base, TrainConfig):
+        raise TypeError(f"train_config must be a TrainConfig, got {type(base).__name__}")
+    cfg = replace(
+        base,
+        corpus=corpus if corpus is not None else base.corpus,
+        data_dir=Path(data_dir) if data_dir is not None else base.data_dir,
+    )
+    if corpus is not None and loaded.train_config is not None and base.tokenizer == "bpe":
+        # a new corpus must reuse the run's BPE, not learn another one
+        cfg = replace(cfg, tokenizer=str(loaded.path / "tokenizer"))
+    data = prepare_data(cfg, progress=False)
+    sampler = WindowSampler(shards=data.validation, seq_len=seq_len, batch_size=num, seed=seed)
+    x, y = sampler.batch(0)
+    return torch.cat([x, y[:, -1:]], dim=1)  # [num, seq_len + 1]
+
+
+def to_numpy(t: torch.Tensor) -> np.ndarray:
+    return t.detach().float().cpu().numpy()
