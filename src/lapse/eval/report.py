@@ -1,0 +1,138 @@
+"""``lapse report RUN [RUN ...]``: one Markdown page gathering runs and their evaluations.
+
+For each run folder it takes the training summary (``summary.json``, ``loss.png``) and
+every evaluation written under ``RUN/eval/<name>/`` (its ``summary.md`` and the images
+that page links to). With several runs it starts with a side-by-side table, so comparing
+models is one command. Image links are rewritten relative to the report's folder, and
+headings of the gathered pages are pushed down three levels, under the evaluation's own
+heading.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from dataclasses import dataclass
+from datetime import datetime
+from pathlib import Path
+
+_IMAGE = re.compile(r"(!\[[^\]]*\]\()([^)\s]+)(\))")
+_HEADING = re.compile(r"^(#{1,4}) ", re.M)
+
+
+@dataclass(kw_only=True)
+class ReportConfig:
+    """The runs to gather and where the page goes."""
+
+    runs: tuple[Path, ...]
+    """Training run folders (``lapse train`` output); evaluations are read from ``RUN/eval/``."""
+    out: Path | None = None
+    """The Markdown file to write; ``None``: ``RUN/eval/report.md`` for one run,
+    ``runs/report/<run>-vs-<run>.md`` for several."""
+    title: str | None = None
+    """Page title; ``None``: from the run names."""
+
+    def __post_init__(self) -> None:
+        if not self.runs:
+            raise ValueError("give at least one run folder")
+        for run in self.runs:
+            if not Path(run).is_dir():
+                raise ValueError(f"run folder does not exist: {run}")
+
+
+def _summary(run: Path) -> dict:
+    path = run / "summary.json"
+    return json.loads(path.read_text()) if path.exists() else {}
+
+
+def _relink(markdown: str, source_dir: Path, report_dir: Path) -> str:
+    """Image links of a page in ``source_dir``, made relative to ``report_dir``."""
+
+    def fix(m: re.Match) -> str:
+        target = m.group(2)
+        if re.match(r"^[a-z]+://", target) or os.path.isabs(target):
+            return m.group(0)
+        return m.group(1) + os.path.relpath(source_dir / target, report_dir) + m.group(3)
+
+    return _IMAGE.sub(fix, markdown)
+
+
+def _demote(markdown: str, levels: int = 3) -> str:
+    return _HEADING.sub(lambda m: "#" * min(len(m.group(1)) + levels, 6) + " ", markdown)
+
+
+def _comparison_table(runs: list[Path]) -> list[str]:
+    lines = [
+        "| run | arch | params | ACP | tokens | train loss | val loss | pruned | tokens/s |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for run in runs:
+        s = _summary(run)
+        records = []
+        metrics = run / "metrics.jsonl"
+        if metrics.exists():
+            for line in metrics.read_text().splitlines():
+                try:
+                    records.append(json.loads(line))
+                except json.JSONDecodeError:
+                    continue
+        last = {
+            k: next((r for r in reversed(records) if r.get("kind") == k), None)
+            for k in ("train", "val", "acp")
+        }
+
+        def fmt(record, key, spec):
+            return format(record[key], spec) if record else "-"
+
+        lines.append(
+            f"| {run.name} | {s.get('arch', '-')} | {s.get('params', 0) / 1e6:.2f}M | "
+            f"{'on' if s.get('acp') else 'off'} | {s.get('tokens', 0):,} | "
+            f"{fmt(last['train'], 'loss', '.3f')} | {fmt(last['val'], 'loss', '.3f')} | "
+            f"{fmt(last['acp'], 'pruned', '.1%')} | "
+            f"{s.get('tokens_per_s', 0):,.0f} |"
+        )
+    return lines
+
+
+def build_report(cfg: ReportConfig) -> Path:
+    """Write the report page; returns its path."""
+    runs = [Path(r) for r in cfg.runs]
+    if cfg.out is not None:
+        out = Path(cfg.out)
+    elif len(runs) == 1:
+        out = runs[0] / "eval" / "report.md"
+    else:
+        out = Path("runs/report") / ("-vs-".join(r.name for r in runs) + ".md")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    report_dir = out.parent.resolve()
+    title = cfg.title or "lapse report: " + ", ".join(r.name for r in runs)
+    lines = [
+        f"# {title}",
+        "",
+        f"Generated {datetime.now():%Y-%m-%d %H:%M} from " + ", ".join(f"`{r}`" for r in runs) + ".",
+        "",
+    ]
+    lines += ["## Training", ""] + _comparison_table(runs) + [""]
+    for run in runs:
+        lines += [f"## {run.name}", ""]
+        if (run / "loss.png").exists():
+            lines += [
+                f"![training loss of {run.name}]({os.path.relpath(run.resolve() / 'loss.png', report_dir)})",
+                "",
+            ]
+        evals = sorted(p for p in (run / "eval").glob("*/summary.md")) if (run / "eval").is_dir() else []
+        if not evals:
+            lines += ["No evaluations yet (`lapse eval ... ` writes them under `eval/`).", ""]
+        for page in evals:
+            text = page.read_text()
+            lines += [
+                f"### {page.parent.name}",
+                "",
+                _demote(_relink(text, page.parent.resolve(), report_dir)),
+                "",
+            ]
+    tmp = out.with_name(f"{out.name}.tmp-{os.getpid()}")
+    tmp.write_text("\n".join(lines).rstrip() + "\n")
+    os.replace(tmp, out)
+    return out

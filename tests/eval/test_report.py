@@ -1,0 +1,41 @@
+"""lapse report: one page from runs and their evaluations."""
+
+from __future__ import annotations
+
+import re
+import shutil
+from pathlib import Path
+
+import pytest
+
+from lapse.eval.report import ReportConfig, build_report
+
+
+def test_report_gathers_runs_and_relinks_images(fox_run, transformer_run, tmp_path):
+    runs = []
+    for name, src in (("fox", fox_run), ("transformer", transformer_run)):
+        run = tmp_path / name
+        shutil.copytree(src, run)
+        runs.append(run)
+    page = runs[0] / "eval" / "niah"
+    page.mkdir(parents=True)
+    (page / "grid.png").write_bytes(b"\x89PNG fake")
+    (page / "summary.md").write_text("# Needle\n\n| a | b |\n|---|---|\n| 1 | 2 |\n\n![grid](grid.png)\n")
+    out = build_report(ReportConfig(runs=tuple(runs), out=tmp_path / "reports" / "cmp.md"))
+    text = out.read_text()
+    assert "| fox | fox-pro |" in text and "| transformer | transformer-llama |" in text
+    assert "#### Needle" in text  # demoted under "### niah" under "## fox"
+    links = re.findall(r"!\[[^\]]*\]\(([^)]+)\)", text)
+    assert len(links) == 3  # two training plots and the evaluation's grid
+    for link in links:
+        assert (out.parent / link).resolve().exists(), link
+    assert "No evaluations yet" in text  # the transformer run has none
+
+
+def test_report_errors_and_default_path(fox_run, tmp_path):
+    with pytest.raises(ValueError, match="does not exist"):
+        ReportConfig(runs=(tmp_path / "nope",))
+    run = tmp_path / "r"
+    shutil.copytree(fox_run, run)
+    assert build_report(ReportConfig(runs=(run,))) == run / "eval" / "report.md"
+    assert Path(run / "eval" / "report.md").exists()
