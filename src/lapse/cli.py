@@ -2,6 +2,8 @@
 
 lapse train PRESET [--field value ...]   train a model (presets: lapse.train.TRAIN_PRESETS)
 lapse resume RUN_DIR [--steps N]         continue a run from its last checkpoint
+lapse export RUN_DIR OUT_DIR             a trained model as a Hugging Face folder
+lapse report RUN [RUN ...]               one Markdown page: runs and their evaluations
 lapse demo                               forgetting attention vs its reference on CPU
 lapse bench attention                    time forgetting attention against its peers (CUDA)
 """
@@ -27,7 +29,18 @@ import lapse
 from lapse.bench.attention import AttentionBenchConfig
 from lapse.bench.training import TrainBenchConfig
 from lapse.bench.workloads import WorkloadSpec, make_workload
+from lapse.eval.report import ReportConfig
 from lapse.train.config import TRAIN_PRESETS, TrainConfig
+
+
+@dataclass(kw_only=True)
+class ExportArgs:
+    """Write a trained model as a Hugging Face folder (save_pretrained + tokenizer/)."""
+
+    model: tyro.conf.Positional[Path]
+    """A run folder or one of its checkpoint folders."""
+    out_dir: tyro.conf.Positional[Path]
+    """The folder to write (config.json, model.safetensors, tokenizer/)."""
 
 
 @dataclass(kw_only=True)
@@ -257,6 +270,21 @@ def _app() -> SubcommandApp:
         _finish_training(summary)
 
     app.command(bench, name="bench", help="Benchmarks (CUDA).")
+
+    @app.command(name="export")
+    def export(args: Annotated[ExportArgs, tyro.conf.arg(name="")]) -> None:
+        """Write a trained model as a Hugging Face folder (AutoModelForCausalLM loads it
+        after `import lapse.models.hf`)."""
+        from lapse.eval.common import export_hf
+
+        print(f"wrote {export_hf(args.model, args.out_dir)}")
+
+    @app.command(name="report")
+    def report(cfg: Annotated[ReportConfig, tyro.conf.arg(name="")]) -> None:
+        """Gather runs and their evaluations into one Markdown page with the plots."""
+        from lapse.eval.report import build_report
+
+        print(f"wrote {build_report(cfg)}")
 
     @app.command(name="demo")
     def demo(cfg: Annotated[DemoConfig, tyro.conf.arg(name="")]) -> None:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from lapse.eval import eval_windows, load_model
+from lapse.eval import eval_windows, export_hf, load_model
 from lapse.train import latest_checkpoint
 
 
@@ -15,13 +15,13 @@ def test_load_run_folder_checkpoint_folder_and_hf_folder(fox_run, tmp_path):
     ids = torch.randint(0, 258, (1, 33))
     la, lb = a.model(ids)[0], b.model(ids)[0]
     assert torch.equal(la, lb) and a.tokenizer is not None and a.name == "run"
-    from lapse.models.hf import LapseConfig, LapseForCausalLM
-
-    hf = LapseForCausalLM(LapseConfig.from_model_config(a.config))
-    hf.model.load_state_dict(a.model.state_dict())
-    hf.save_pretrained(tmp_path / "hf")
+    export_hf(fox_run, tmp_path / "hf")
     c = load_model(tmp_path / "hf")
-    assert torch.equal(c.model(ids)[0], la)
+    assert torch.equal(c.model(ids)[0], la) and c.tokenizer is not None
+    from transformers import AutoModelForCausalLM
+
+    auto = AutoModelForCausalLM.from_pretrained(tmp_path / "hf")
+    assert torch.equal(auto(ids).logits, la)
     d = load_model(fox_run, acp=False, attn_backend="naive")
     assert not d.config.acp
     torch.testing.assert_close(d.model(ids)[0], la, atol=1e-5, rtol=0)  # T=33: ACP prunes nothing

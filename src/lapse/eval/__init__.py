@@ -5,6 +5,6 @@ Every evaluation loads models with :func:`lapse.eval.common.load_model` and writ
 PNG plots and a Markdown summary into its output folder.
 """
 
-from lapse.eval.common import LoadedModel, eval_windows, load_model
+from lapse.eval.common import LoadedModel, eval_windows, export_hf, load_model
 
-__all__ = ["LoadedModel", "eval_windows", "load_model"]
+__all__ = ["LoadedModel", "eval_windows", "export_hf", "load_model"]

@@ -99,6 +99,21 @@ def load_model(
     return LoadedModel(model=model, tokenizer=tokenizer, name=label, path=path, train_config=train_config)
 
 
+def export_hf(path: str | Path, out_dir: str | Path) -> Path:
+    """Write the model at ``path`` (a run or checkpoint folder) as a Hugging Face folder:
+    ``save_pretrained`` (``config.json``, ``model.safetensors``) plus ``tokenizer/``.
+    It loads with ``AutoModelForCausalLM.from_pretrained`` once ``lapse.models.hf`` is
+    imported, and with :func:`load_model`."""
+    from lapse.models.hf import LapseForCausalLM
+
+    loaded = load_model(path)
+    out_dir = Path(out_dir)
+    LapseForCausalLM.from_decoder(loaded.model).save_pretrained(out_dir)
+    if loaded.tokenizer is not None:
+        loaded.tokenizer.save(out_dir / "tokenizer")
+    return out_dir
+
+
 def _is_hf_lapse_folder(path: Path) -> bool:
     config = path / "config.json"
     return config.exists() and json.loads(config.read_text()).get("model_type") == "lapse"

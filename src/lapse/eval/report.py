@@ -17,6 +17,8 @@ from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
 
+import tyro
+
 _IMAGE = re.compile(r"(!\[[^\]]*\]\()([^)\s]+)(\))")
 _HEADING = re.compile(r"^(#{1,4}) ", re.M)
 
@@ -25,7 +27,7 @@ _HEADING = re.compile(r"^(#{1,4}) ", re.M)
 class ReportConfig:
     """The runs to gather and where the page goes."""
 
-    runs: tuple[Path, ...]
+    runs: tyro.conf.Positional[tuple[Path, ...]]
     """Training run folders (``lapse train`` output); evaluations are read from ``RUN/eval/``."""
     out: Path | None = None
     """The Markdown file to write; ``None``: ``RUN/eval/report.md`` for one run,

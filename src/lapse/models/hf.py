@@ -109,6 +109,14 @@ class LapseForCausalLM(PreTrainedModel, GenerationMixin):
         self.post_init()
 
     @classmethod
+    def from_decoder(cls, decoder: Decoder) -> LapseForCausalLM:
+        """The adapter around a copy of ``decoder``'s weights (e.g. a trained checkpoint:
+        ``lapse export RUN OUT`` writes it with ``save_pretrained``)."""
+        hf = cls(LapseConfig.from_model_config(decoder.config))
+        hf.model.load_state_dict(decoder.state_dict())
+        return hf.to(next(decoder.parameters()).dtype)
+
+    @classmethod
     def _supports_default_dynamic_cache(cls) -> bool:
         return False
 
