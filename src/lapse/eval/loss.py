@@ -1,0 +1,726 @@
+"""Per-token loss ``L(i)`` and perplexity at several context lengths (SPEC section 4).
+
+``L(i)`` is the mean cross-entropy of the prediction at position ``i`` (of token ``i + 1``
+from tokens ``0..i``) over many validation windows. A model that uses long contexts shows
+it as a negative slope of ``L(i)`` at large ``i``, so curves are compared, not only means.
+
+- :func:`run_per_token_loss` (:class:`PerTokenLossConfig`): ``L(i)`` of several models on
+  the same windows, smoothed by :func:`smooth`, overlaid on one plot.
+- :func:`run_ppl` (:class:`PplConfig`): mean loss and perplexity at several context lengths,
+  lengths beyond a model's training context marked as extrapolation, and ``L(i)`` at the
+  longest length. Every length is read off the same windows of the longest length (their
+  prefixes), in one pass.
+
+Both stream: one batch of windows at a time goes through every model and is reduced at
+once to per-position sums (float64 ``[T]`` per model), and :func:`per_position_loss` makes
+the logits of ``logits_chunk`` positions at a time from the final hidden states, so no
+``[N, T, V]`` (nor ``[B, T, V]``) tensor exists. Attention memory is that of the model's
+own op: the chunked FoX path (O(T x chunk)) on CPU, Triton on CUDA, SDPA for Transformers.
+
+All models see the same windows, cut by :func:`lapse.eval.common.eval_windows` from the
+first model's validation data (or ``corpus``), so they must share a tokenizer; different
+tokenizers are a ``ValueError``. Each evaluation writes ``results.json``, a PNG and
+``summary.md`` into its output folder (default ``<first model>/eval/<evaluation>/``).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Literal
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+from tqdm.auto import tqdm
+
+from lapse.data import CorpusConfig
+from lapse.data.tokenizer import tokenizer_info
+from lapse.eval.common import LoadedModel, eval_windows, load_model
+from lapse.models import Decoder
+
+SMOOTHING_RULE = (
+    "centred moving average; near the ends the window shrinks symmetrically to the positions "
+    "available on both sides (2 * min(h, i, T - 1 - i) + 1 values, h = window // 2), so the first "
+    "and last values are kept as they are and a straight line is unchanged"
+)
+
+
+@dataclass(kw_only=True)
+class LossEvalConfig:
+    """What both loss evaluations share: the models, the data, the device, the limits."""
+
+    models: tuple[str, ...]
+    """Model paths: run folders, checkpoint folders or Hugging Face folders (see
+    :func:`lapse.eval.common.load_model`). The first one's validation data (or ``corpus``)
+    gives the windows; plots overlay the models in this order."""
+
+    names: tuple[str, ...] = ()
+    """Labels for plots and tables, one per model; empty: the folder names (made unique)."""
+
+    num_sequences: int = 64
+    """Windows averaged over (for ``ppl``: windows of the longest context length)."""
+
+    seed: int = 0
+    """Picks the windows: the same seed gives the same windows and the same results."""
+
+    corpus: CorpusConfig | None = None
+    """Where the windows come from; ``None``: the first model's own corpus (validation split)."""
+
+    data_dir: Path | None = None
+    """Token-shard cache folder; ``None``: the first model's run data folder."""
+
+    out_dir: Path | None = None
+    """Output folder; ``None``: ``<first model>/eval/<evaluation name>/``."""
+
+    device: str = "auto"
+    """Torch device; ``"auto"``: CUDA when available, else CPU."""
+
+    dtype: Literal["auto", "float32", "bfloat16"] = "auto"
+    """Weights and activations; ``"auto"``: bfloat16 on CUDA, float32 otherwise. The
+    cross-entropy is always taken in float32."""
+
+    batch_size: int = 1
+    """Windows per forward pass. One at a time keeps memory at a single sequence's."""
+
+    logits_chunk: int = 1024
+    """Positions whose logits exist at once (``[batch_size, logits_chunk, V]``)."""
+
+    smooth_window: int = 101
+    """Width of the centred moving average of ``L(i)`` (odd; 1: no smoothing)."""
+
+    max_tokens: int | None = None
+    """Cap on predicted tokens per model: at most ``max(1, max_tokens // T)`` windows of
+    length ``T`` (for ``ppl``, the longest length). Deterministic, unlike ``max_seconds``."""
+
+    max_seconds: float | None = None
+    """Wall-clock cap: no new batch of windows starts after it (the first always runs).
+    Every model still sees the same windows; the results record how many were used."""
+
+    progress: bool = True
+    """Show a tqdm bar over the windows."""
+
+    def __post_init__(self) -> None:
+        if isinstance(self.models, (str, Path)) or not self.models:
+            raise ValueError(f"models must be a non-empty tuple of paths, got {self.models!r}")
+        self.models = tuple(str(m) for m in self.models)
+        if isinstance(self.names, str):
+            raise ValueError(f"names must be a tuple of strings, got the string {self.names!r}")
+        self.names = tuple(self.names)
+        if self.names and len(self.names) != len(self.models):
+            raise ValueError(f"names has {len(self.names)} entries for {len(self.models)} models")
+        if len(set(self.names)) != len(self.names):
+            raise ValueError(f"names must be unique, got {self.names}")
+        for name in ("num_sequences", "batch_size", "logits_chunk", "smooth_window"):
+            _check_positive_int(name, getattr(self, name))
+        if self.smooth_window % 2 == 0:
+            raise ValueError(f"smooth_window must be odd (a centred window), got {self.smooth_window}")
+        if self.max_tokens is not None:
+            _check_positive_int("max_tokens", self.max_tokens)
+        if self.max_seconds is not None and not self.max_seconds > 0:
+            raise ValueError(f"max_seconds must be positive or None, got {self.max_seconds}")
+        if self.dtype not in ("auto", "float32", "bfloat16"):
+            raise ValueError(f"dtype must be 'auto', 'float32' or 'bfloat16', got {self.dtype!r}")
+        if self.corpus is not None and not isinstance(self.corpus, CorpusConfig):
+            raise TypeError(f"corpus must be a CorpusConfig or None, got {type(self.corpus).__name__}")
+        for name in ("data_dir", "out_dir"):
+            if getattr(self, name) is not None:
+                setattr(self, name, Path(getattr(self, name)))
+
+
+@dataclass(kw_only=True)
+class PerTokenLossConfig(LossEvalConfig):
+    """``lapse eval per-token-loss``: ``L(i)`` of one or more models on the same windows."""
+
+    seq_len: int | None = None
+    """Window length ``T`` (positions ``0..T-1``); ``None``: the first model's training
+    context (``max_seq_len``). Longer than a model's training context is allowed."""
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.seq_len is not None:
+            _check_positive_int("seq_len", self.seq_len)
+
+
+@dataclass(kw_only=True)
+class PplConfig(LossEvalConfig):
+    """``lapse eval ppl``: mean loss and perplexity at several context lengths, and ``L(i)``
+    at the longest."""
+
+    context_lengths: tuple[int, ...] = ()
+    """Context lengths (sorted here). All are read from windows of the longest length, the
+    row of length ``T`` from their first ``T`` positions; lengths beyond a model's training
+    context are reported as extrapolation. Empty: ``T/2, T, 2T, 4T`` for the first model's
+    training context ``T``."""
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if isinstance(self.context_lengths, int):
+            raise ValueError(f"context_lengths must be a tuple of integers, got {self.context_lengths!r}")
+        for length in self.context_lengths:
+            _check_positive_int("every context length", length)
+        if len(set(self.context_lengths)) != len(self.context_lengths):
+            raise ValueError(f"context_lengths has duplicates: {self.context_lengths}")
+        self.context_lengths = tuple(sorted(self.context_lengths))
+
+
+def _check_positive_int(name: str, value) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise ValueError(f"{name} must be a positive integer, got {value!r}")
+
+
+@torch.no_grad()
+def per_position_loss(model: Decoder, windows: Tensor, *, logits_chunk: int = 1024) -> Tensor:
+    """Cross-entropy of every next-token prediction in ``windows``, without full logits.
+
+    Args:
+        model: a :class:`~lapse.models.Decoder` (in ``eval()`` mode).
+        windows: int64 ``[B, T + 1]`` token ids. Position ``i`` predicts ``windows[:, i + 1]``
+            from ``windows[:, : i + 1]``.
+        logits_chunk: positions whose logits are made at once; peak memory of the head is
+            ``[B, logits_chunk, V]``.
+
+    Returns:
+        float32 ``[B, T]``: ``-log p(windows[:, i + 1] | windows[:, : i + 1])``, the same as
+        ``F.cross_entropy(model(windows[:, :-1])[0], ..., reduction="none")`` up to rounding.
+    """
+    if not isinstance(windows, Tensor) or windows.dim() != 2 or windows.is_floating_point():
+        raise ValueError(f"windows must be an integer tensor [batch, time + 1], got {windows!r:.80}")
+    if windows.shape[1] < 2:
+        raise ValueError(f"windows need at least 2 tokens (one prediction), got shape {tuple(windows.shape)}")
+    if logits_chunk < 1:
+        raise ValueError(f"logits_chunk must be positive, got {logits_chunk}")
+    vocab = model.config.vocab_size
+    if int(windows.max()) >= vocab or int(windows.min()) < 0:
+        raise ValueError(
+            f"token ids in [{int(windows.min())}, {int(windows.max())}] do not fit the model's "
+            f"vocab_size {vocab}: were the windows made with another tokenizer?"
+        )
+    ids, labels = windows[:, :-1], windows[:, 1:]  # [B, T] each
+    hidden = _final_hidden(model, ids)  # [B, T, C]
+    losses = torch.empty(labels.shape, dtype=torch.float32, device=labels.device)  # [B, T]
+    for s in range(0, labels.shape[1], logits_chunk):
+        e = min(s + logits_chunk, labels.shape[1])
+        logits = model.lm_head(hidden[:, s:e]).float()  # [B, t, V]
+        losses[:, s:e] = F.cross_entropy(logits.transpose(1, 2), labels[:, s:e], reduction="none")  # [B, t]
+    return losses
+
+
+def _final_hidden(model: Decoder, ids: Tensor) -> Tensor:
+    """``Decoder.forward`` up to the final norm (the input of ``lm_head``), ``[B, T, C]``.
+
+    Mirrors the body of :meth:`lapse.models.Decoder.forward`; the tests hold the two to
+    each other through the logits.
+    """
+    x = model.embed(ids)  # [B, T, C]
+    for block in model.blocks:
+        x = block(x)  # [B, T, C]
+    return model.norm(x)  # [B, T, C]
+
+
+def smooth(values, window: int = 101) -> np.ndarray:
+    """Centred moving average of a 1-D curve, float64, the same length as ``values``.
+
+    Value ``i`` is the mean of ``values[i - w : i + w + 1]`` with ``w = min(window // 2, i,
+    T - 1 - i)``: near the ends the window shrinks *symmetrically* to what is available on
+    both sides, so it stays centred on ``i``. Hence the first and last values are kept as
+    they are, and a straight line is unchanged everywhere. A one-sided (truncated) window
+    would instead pull the steep start of ``L(i)`` towards the later, lower losses.
+
+    ``window`` must be odd; ``window=1`` returns the values unchanged.
+    """
+    x = np.asarray(values, dtype=np.float64)
+    if x.ndim != 1:
+        raise ValueError(f"smooth takes a 1-D curve, got shape {x.shape}")
+    if not isinstance(window, int) or window < 1 or window % 2 == 0:
+        raise ValueError(f"window must be a positive odd integer, got {window!r}")
+    t = len(x)
+    i = np.arange(t)
+    w = np.minimum(window // 2, np.minimum(i, t - 1 - i))  # [T] half-widths
+    csum = np.concatenate([[0.0], np.cumsum(x)])  # [T + 1]
+    return (csum[i + w + 1] - csum[i - w]) / (2 * w + 1)
+
+
+def curve_summary(loss) -> dict:
+    """The numbers of a summary table row for one ``L(i)`` curve (raw, not smoothed).
+
+    ``mean``; ``first_10pct`` / ``last_10pct``: the mean over the first / last
+    ``max(1, T // 10)`` positions; ``slope_last_half``: the least-squares slope of ``L(i)``
+    against ``i`` over ``i >= T // 2``, in loss per position (``None`` for ``T < 4``).
+    """
+    x = np.asarray(loss, dtype=np.float64)
+    t = len(x)
+    tenth = max(1, t // 10)
+    slope = None
+    if t >= 4:
+        i = np.arange(t // 2, t, dtype=np.float64)
+        y = x[t // 2 :]
+        slope = float(np.sum((i - i.mean()) * (y - y.mean())) / np.sum((i - i.mean()) ** 2))
+    return {
+        "mean": float(x.mean()),
+        "first_10pct": float(x[:tenth].mean()),
+        "last_10pct": float(x[-tenth:].mean()),
+        "slope_last_half": slope,
+    }
+
+
+@dataclass
+class _Curves:
+    """Per-model results of one set of windows."""
+
+    loss: list[np.ndarray]  # per model: float64 [T], L(i)
+    prefix_losses: list[np.ndarray]  # per model: float64 [n, P], each window's mean loss over each prefix
+    num_sequences: int
+    stopped_early: str | None
+
+
+def _evaluate(
+    models: list[LoadedModel], windows: Tensor, cfg: LossEvalConfig, desc: str, prefixes: tuple[int, ...] = ()
+) -> _Curves:
+    """Every model on every window, batch by batch (all models per batch, so a time limit
+    leaves them all with the same windows), reduced at once to per-position sums and to
+    each window's mean loss over its first ``p`` positions for ``p`` in ``prefixes``
+    (default: the whole window)."""
+    device = next(models[0].model.parameters()).device
+    n, t = windows.shape[0], windows.shape[1] - 1
+    ends = torch.tensor(prefixes or (t,))  # [P]
+    sums = [torch.zeros(t, dtype=torch.float64) for _ in models]
+    per_seq: list[list[Tensor]] = [[] for _ in models]
+    done, stopped = 0, None
+    start = time.perf_counter()
+    bar = tqdm(total=n, desc=desc, unit="seq", disable=not cfg.progress, dynamic_ncols=True)
+    try:
+        for b0 in range(0, n, cfg.batch_size):
+            batch = windows[b0 : b0 + cfg.batch_size].to(device)  # [b, T + 1]
+            for m, loaded in enumerate(models):
+                loss = per_position_loss(loaded.model, batch, logits_chunk=cfg.logits_chunk).cpu()  # [b, T]
+                sums[m] += loss.double().sum(0)
+                per_seq[m].append(loss.double().cumsum(1)[:, ends - 1] / ends)  # [b, P]
+            done += batch.shape[0]
+            bar.update(batch.shape[0])
+            bar.set_postfix(loss=f"{float(sums[0].sum()) / (done * t):.3f}")
+            if cfg.max_seconds is not None and done < n and time.perf_counter() - start > cfg.max_seconds:
+                stopped = f"max_seconds ({cfg.max_seconds:g} s) after {done} of {n} sequences"
+                break
+    finally:
+        bar.close()
+    return _Curves(
+        loss=[(s / done).numpy() for s in sums],
+        prefix_losses=[torch.cat(p).numpy() for p in per_seq],
+        num_sequences=done,
+        stopped_early=stopped,
+    )
+
+
+def _load_models(cfg: LossEvalConfig) -> list[LoadedModel]:
+    """Load every model (all paths checked first), with unique labels and one tokenizer."""
+    for path in cfg.models:
+        if not Path(path).exists():
+            raise ValueError(f"model path does not exist: {path}")
+    device = torch.device(
+        ("cuda" if torch.cuda.is_available() else "cpu") if cfg.device == "auto" else cfg.device
+    )
+    dtype = {
+        "auto": torch.bfloat16 if device.type == "cuda" else torch.float32,
+        "float32": torch.float32,
+        "bfloat16": torch.bfloat16,
+    }[cfg.dtype]
+    models = [
+        load_model(path, device=device, dtype=dtype, name=cfg.names[i] if cfg.names else None)
+        for i, path in enumerate(cfg.models)
+    ]
+    if not cfg.names:
+        for loaded, label in zip(models, _unique_labels(models), strict=True):
+            loaded.name = label
+    check_same_tokenizer(models)
+    return models
+
+
+def _unique_labels(models: list[LoadedModel]) -> list[str]:
+    """The folder names, or ``parent/name`` where folder names collide (two runs named
+    ``run``), or ``name (k)`` where even those do."""
+    labels = [m.name for m in models]
+    if len(set(labels)) == len(labels):
+        return labels
+    labels = [f"{m.path.resolve().parent.name}/{m.path.name}" for m in models]
+    if len(set(labels)) == len(labels):
+        return labels
+    return [f"{label} ({k + 1})" for k, label in enumerate(labels)]
+
+
+_PROBE_TEXT = "def f(x):\n    return x ** 2  # Grüße, 東京, émoji 🙂 <eos>\n"
+
+
+def check_same_tokenizer(models: list[LoadedModel]) -> None:
+    """Raise ``ValueError`` unless every model whose tokenizer is known has the first known
+    one (same class, vocabulary size, eos id and ids of a probe text): the models are
+    compared on the same token windows, which only mean the same text under one tokenizer.
+    A model without a saved tokenizer is taken on trust; its ``vocab_size`` is still
+    checked against the windows."""
+    known = [m for m in models if m.tokenizer is not None]
+    if not known:
+        return
+    ref = known[0]
+
+    def fingerprint(m: LoadedModel):
+        return tokenizer_info(m.tokenizer), m.tokenizer.encode(_PROBE_TEXT)
+
+    for m in known[1:]:
+        if fingerprint(m) != fingerprint(ref):
+            raise ValueError(
+                f"models {ref.name!r} ({ref.path}) and {m.name!r} ({m.path}) use different tokenizers "
+                f"({tokenizer_info(ref.tokenizer)} vs {tokenizer_info(m.tokenizer)}): per-token loss and "
+                "perplexity compare models on the same token windows, so they must share a tokenizer"
+            )
+
+
+def _num_windows(cfg: LossEvalConfig, seq_len: int) -> int:
+    if cfg.max_tokens is None:
+        return cfg.num_sequences
+    return min(cfg.num_sequences, max(1, cfg.max_tokens // seq_len))
+
+
+def _windows(cfg: LossEvalConfig, first: LoadedModel, seq_len: int) -> Tensor:
+    return eval_windows(
+        first, seq_len, _num_windows(cfg, seq_len), seed=cfg.seed, corpus=cfg.corpus, data_dir=cfg.data_dir
+    )  # [n, seq_len + 1]
+
+
+def run_per_token_loss(cfg: PerTokenLossConfig) -> dict:
+    """Per-token loss ``L(i)`` of ``cfg.models`` on the same windows (SPEC section 4).
+
+    Writes into ``cfg.out_dir`` (default ``<first model>/eval/per-token-loss/``):
+    ``results.json`` (this function's return value: the config, the number of windows, and
+    per model ``L(i)`` raw and smoothed, each window's mean loss and the summary numbers of
+    :func:`curve_summary`), ``per_token_loss.png`` (smoothed ``L(i)``, models overlaid) and
+    ``summary.md`` (a table and the plot).
+    """
+    models = _load_models(cfg)
+    seq_len = cfg.seq_len if cfg.seq_len is not None else models[0].config.max_seq_len
+    windows = _windows(cfg, models[0], seq_len)
+    curves = _evaluate(models, windows, cfg, "per-token loss")
+    out_dir = cfg.out_dir if cfg.out_dir is not None else Path(cfg.models[0]) / "eval" / "per-token-loss"
+    results = {
+        "evaluation": "per-token-loss",
+        "config": _jsonable(asdict(cfg)),
+        "seq_len": seq_len,
+        "num_sequences": curves.num_sequences,
+        "num_sequences_requested": windows.shape[0],
+        "stopped_early": curves.stopped_early,
+        "data": _data_description(cfg, models[0]),
+        "smooth_window": cfg.smooth_window,
+        "smoothing": SMOOTHING_RULE,
+        "models": [
+            _model_entry(m, curves.loss[k], curves.prefix_losses[k][:, -1], cfg.smooth_window)
+            for k, m in enumerate(models)
+        ],
+    }
+    out_dir.mkdir(parents=True, exist_ok=True)
+    _plot_per_token(results, out_dir / "per_token_loss.png")
+    _write_atomic(out_dir / "summary.md", _per_token_summary(results))
+    _write_atomic(out_dir / "results.json", json.dumps(results, indent=1))
+    return {**results, "out_dir": str(out_dir)}
+
+
+def run_ppl(cfg: PplConfig) -> dict:
+    """Mean loss and perplexity of ``cfg.models`` at each context length, and ``L(i)`` at
+    the longest one.
+
+    Every model reads the same ``num_sequences`` windows of the longest length; the row of
+    length ``T`` is computed on their first ``T`` positions: the mean loss over ``i < T``
+    and ``ppl = exp(mean loss)``. A causal model's loss at position ``i`` does not depend
+    on what follows ``i``, so a window's prefix *is* a window of length ``T`` (the tests
+    check this), and one pass gives every row, paired on the same text, so differences
+    between lengths are not sampling noise. A row is ``extrapolation`` when ``T`` exceeds
+    that model's training context (``model.config.max_seq_len``). ``max_tokens`` and
+    ``max_seconds`` limit the windows of the longest length.
+
+    Writes into ``cfg.out_dir`` (default ``<first model>/eval/ppl/``): ``results.json`` (the
+    return value), ``ppl.png`` (loss against context length with one standard error over
+    windows; smoothed ``L(i)`` at the longest length) and ``summary.md``.
+    """
+    models = _load_models(cfg)
+    lengths = cfg.context_lengths
+    if not lengths:
+        t = models[0].config.max_seq_len
+        lengths = tuple(sorted({max(1, t // 2), t, 2 * t, 4 * t}))
+    windows = _windows(cfg, models[0], lengths[-1])
+    curves = _evaluate(models, windows, cfg, f"ppl (T up to {lengths[-1]})", prefixes=lengths)
+    rows: list[list[dict]] = [[] for _ in models]
+    for k, m in enumerate(models):
+        for p, length in enumerate(lengths):
+            summary = curve_summary(curves.loss[k][:length])
+            rows[k].append({
+                "context_length": length,
+                "extrapolation": length > m.config.max_seq_len,
+                "mean_loss": summary["mean"],
+                "mean_loss_stderr": _stderr(curves.prefix_losses[k][:, p]),
+                "ppl": math.exp(summary["mean"]),
+                "last_10pct": summary["last_10pct"],
+            })
+    out_dir = cfg.out_dir if cfg.out_dir is not None else Path(cfg.models[0]) / "eval" / "ppl"
+    results = {
+        "evaluation": "ppl",
+        "config": _jsonable(asdict(cfg)),
+        "context_lengths": list(lengths),
+        "data": _data_description(cfg, models[0]),
+        "smooth_window": cfg.smooth_window,
+        "smoothing": SMOOTHING_RULE,
+        "num_sequences": curves.num_sequences,
+        "num_sequences_requested": windows.shape[0],
+        "stopped_early": curves.stopped_early,
+        "models": [
+            {
+                **_model_entry(m, curves.loss[k], curves.prefix_losses[k][:, -1], cfg.smooth_window),
+                "lengths": rows[k],
+            }
+            for k, m in enumerate(models)
+        ],
+    }
+    out_dir.mkdir(parents=True, exist_ok=True)
+    _plot_ppl(results, out_dir / "ppl.png")
+    _write_atomic(out_dir / "summary.md", _ppl_summary(results))
+    _write_atomic(out_dir / "results.json", json.dumps(results, indent=1))
+    return {**results, "out_dir": str(out_dir)}
+
+
+def _model_entry(m: LoadedModel, loss: np.ndarray, sequence_losses: np.ndarray, window: int) -> dict:
+    return {
+        "name": m.name,
+        "path": str(m.path),
+        "arch": m.config.arch,
+        "acp": m.config.acp,
+        "max_seq_len": m.config.max_seq_len,
+        **curve_summary(loss),
+        "mean_loss_stderr": _stderr(sequence_losses),
+        "loss": loss.tolist(),
+        "smoothed": smooth(loss, window).tolist(),
+        "sequence_losses": sequence_losses.tolist(),
+    }
+
+
+def _stderr(x: np.ndarray) -> float | None:
+    """Standard error of the mean over windows (``None`` for one window)."""
+    return float(x.std(ddof=1) / math.sqrt(len(x))) if len(x) > 1 else None
+
+
+def _data_description(cfg: LossEvalConfig, first: LoadedModel) -> str:
+    corpus = cfg.corpus
+    if corpus is None and first.train_config is not None:
+        corpus = first.train_config.corpus
+    if corpus is None:
+        return "unknown corpus"
+    where = f" {', '.join(corpus.paths)}" if corpus.paths else ""
+    return f"validation split of the {corpus.kind} corpus{where}, windows of {first.name}'s tokenizer"
+
+
+def _jsonable(obj):
+    if isinstance(obj, dict):
+        return {k: _jsonable(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [_jsonable(v) for v in obj]
+    if isinstance(obj, Path):
+        return str(obj)
+    return obj
+
+
+def _write_atomic(path: Path, text: str) -> None:
+    tmp = path.with_name(f"{path.name}.tmp-{os.getpid()}")
+    tmp.write_text(text if text.endswith("\n") else text + "\n")
+    os.replace(tmp, path)
+
+
+def _pyplot():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def _save_figure(fig, path: Path) -> None:
+    plt = _pyplot()
+    fig.tight_layout()
+    tmp = path.with_name(f"{path.stem}.tmp-{os.getpid()}{path.suffix}")
+    fig.savefig(tmp, dpi=120)
+    plt.close(fig)
+    os.replace(tmp, path)
+
+
+def _draw_per_token(ax, entries: list[dict], window: int, title: str) -> None:
+    """Smoothed ``L(i)`` of each model and a dotted line at each training context inside the
+    plot (``L(i)`` beyond it is extrapolation).
+
+    Near the ends the smoothing window is narrower (see :func:`smooth`), so the curve is
+    noisier there: those stretches are drawn faint. The y-limits leave out the first 2% of
+    positions (the steep start runs off the top instead of flattening the rest) and the
+    narrow-window stretch at the end (noise of few positions, not a trend).
+    """
+    t = len(entries[0]["smoothed"])
+    x = np.arange(t)
+    h = window // 2
+    full = slice(h, t - h) if t > 2 * h else slice(t // 50, t)
+    fit = slice(t // 50, full.stop)
+    lows, highs = [], []
+    for e in entries:
+        y = np.asarray(e["smoothed"])
+        (line,) = ax.plot(x[full], y[full], lw=1.4, label=e["name"])
+        for edge in (slice(0, full.start + 1), slice(full.stop - 1, t)):
+            ax.plot(x[edge], y[edge], lw=1.0, color=line.get_color(), alpha=0.35)
+        lows.append(y[fit].min())
+        highs.append(y[fit].max())
+    contexts = sorted({e["max_seq_len"] for e in entries if e["max_seq_len"] < t - 1})
+    for k, context in enumerate(contexts):
+        ax.axvline(context, color="0.3", ls=":", lw=1.1, label="training context" if k == 0 else None)
+    lo, hi = min(lows), max(highs)
+    pad = 0.08 * (hi - lo) if hi > lo else 0.05 * max(abs(hi), 1.0)
+    ax.set_ylim(lo - pad, hi + pad)
+    ax.set_xlim(0, t - 1)
+    ax.set_xlabel("position i")
+    ax.set_ylabel("loss L(i) (nats)")
+    ax.set_title(title)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+
+
+def _plot_per_token(results: dict, path: Path) -> None:
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=(7.5, 4.5))
+    _draw_per_token(
+        ax, results["models"], results["smooth_window"],
+        f"per-token loss: {results['num_sequences']} windows of {results['seq_len']} tokens "
+        f"(smoothed, width {results['smooth_window']})",
+    )
+    _save_figure(fig, path)
+
+
+def _plot_ppl(results: dict, path: Path) -> None:
+    plt = _pyplot()
+    fig, (ax, ax_tok) = plt.subplots(1, 2, figsize=(12.5, 4.5))
+    lengths = results["context_lengths"]
+    for e in results["models"]:
+        rows = e["lengths"]
+        losses = np.array([r["mean_loss"] for r in rows])
+        errors = np.array([r["mean_loss_stderr"] or 0.0 for r in rows])
+        beyond = np.array([r["extrapolation"] for r in rows])
+        container = ax.errorbar(lengths, losses, yerr=errors, fmt="-", lw=1.2, capsize=3, label=e["name"])
+        color = container.lines[0].get_color()
+        x = np.array(lengths)
+        ax.plot(x[~beyond], losses[~beyond], "o", color=color, ms=6)
+        ax.plot(x[beyond], losses[beyond], "o", mfc="white", color=color, ms=6)
+    for t in sorted({e["max_seq_len"] for e in results["models"]}):
+        if t < lengths[-1]:
+            ax.axvspan(t, lengths[-1], color="0.5", alpha=0.08, lw=0)
+    ax.set_xscale("log", base=2)
+    ax.set_xticks(lengths, [str(n) for n in lengths])
+    ax.minorticks_off()
+    ax.set_xlabel("context length")
+    ax.set_ylabel("mean loss (nats), ± 1 s.e.")
+    ax.set_title("loss against context length (open marker, shaded: beyond the training context)",
+                 fontsize=10)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    _draw_per_token(
+        ax_tok, results["models"], results["smooth_window"],
+        f"per-token loss at {lengths[-1]}: {results['num_sequences']} windows "
+        f"(smoothed, width {results['smooth_window']})",
+    )
+    ax_tok.title.set_fontsize(10)
+    _save_figure(fig, path)
+
+
+def _fmt(x: float | None, spec: str = ".4f") -> str:
+    return "-" if x is None else format(x, spec)
+
+
+def _per_token_summary(r: dict) -> str:
+    lines = [
+        "# Per-token loss",
+        "",
+        f"{r['num_sequences']} windows of {r['seq_len']} tokens ({r['data']}), seed {r['config']['seed']}; "
+        f"`L(i)` is the mean cross-entropy (nats) of the prediction at position `i`.",
+    ]
+    if r["stopped_early"]:
+        lines.append(f"Stopped early: {r['stopped_early']}.")
+    lines += [
+        "",
+        "| model | arch | training context | mean loss | ± s.e. | first 10% | last 10% "
+        "| slope, last half (per 1k positions) |",
+        "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: |",
+    ]
+    for e in r["models"]:
+        slope = None if e["slope_last_half"] is None else 1000 * e["slope_last_half"]
+        lines.append(
+            f"| {e['name']} | {e['arch']}{' + ACP' if e['acp'] else ''} | {e['max_seq_len']} "
+            f"| {_fmt(e['mean'])} | {_fmt(e['mean_loss_stderr'])} | {_fmt(e['first_10pct'])} "
+            f"| {_fmt(e['last_10pct'])} | {_fmt(slope, '+.4f')} |"
+        )
+    lines += [
+        "",
+        "First/last 10%: mean over the first/last `max(1, T // 10)` positions. Slope: least squares "
+        "of the raw `L(i)` on `i` over the second half; negative means later tokens gain from the "
+        f"longer context. The plot is smoothed: {r['smoothing']}. ± s.e.: standard error of the mean "
+        "over windows.",
+        "",
+        "![per-token loss](per_token_loss.png)",
+        "",
+        "Files: `results.json` (raw and smoothed `L(i)` per model, each window's mean loss, the config).",
+    ]
+    return "\n".join(lines)
+
+
+def _ppl_summary(r: dict) -> str:
+    t = r["context_lengths"][-1]
+    lines = [
+        "# Perplexity against context length",
+        "",
+        f"{r['num_sequences']} windows of {t} tokens ({r['data']}), seed {r['config']['seed']}; the row "
+        "of length `T` reads their first `T` positions (a causal model's loss at `i` does not depend on "
+        "what follows). Mean loss (nats) over positions `i < T`, `ppl = exp(mean loss)`, ± s.e. over "
+        "windows; last 10%: positions `0.9 T <= i < T`; *extrapolation*: `T` exceeds the model's "
+        "training context.",
+    ]
+    if r["stopped_early"]:
+        lines.append(f"Stopped early: {r['stopped_early']}.")
+    lines += [
+        "",
+        "| model | context length | mean loss | ± s.e. | ppl | last 10% | |",
+        "| --- | ---: | ---: | ---: | ---: | ---: | --- |",
+    ]
+    for e in r["models"]:
+        for row in e["lengths"]:
+            mark = f"extrapolation (trained at {e['max_seq_len']})" if row["extrapolation"] else ""
+            lines.append(
+                f"| {e['name']} | {row['context_length']} | {_fmt(row['mean_loss'])} "
+                f"| {_fmt(row['mean_loss_stderr'])} | {_fmt(row['ppl'], '.3f')} | {_fmt(row['last_10pct'])} "
+                f"| {mark} |"
+            )
+    lines += [
+        "",
+        f"Per-token loss at {t}:",
+        "",
+        "| model | first 10% | last 10% | slope, last half (per 1k positions) |",
+        "| --- | ---: | ---: | ---: |",
+    ]
+    for e in r["models"]:
+        slope = None if e["slope_last_half"] is None else 1000 * e["slope_last_half"]
+        lines.append(
+            f"| {e['name']} | {_fmt(e['first_10pct'])} | {_fmt(e['last_10pct'])} | {_fmt(slope, '+.4f')} |"
+        )
+    lines += [
+        "",
+        "![perplexity](ppl.png)",
+        "",
+        f"Left: mean loss per context length. Right: `L(i)` at {t}, smoothed ({r['smoothing']}); "
+        "dotted lines mark training contexts.",
+        "",
+        "Files: `results.json` (every row, raw and smoothed `L(i)` at the longest length, each window's "
+        "mean loss there, the config).",
+    ]
+    return "\n".join(lines)
