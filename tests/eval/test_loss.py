@@ -86,7 +86,7 @@ def test_curve_summary_hand_computed():
     assert s["first_10pct"] == pytest.approx(np.mean(loss[:2]))
     assert s["last_10pct"] == pytest.approx(np.mean(loss[-2:]))
     assert s["slope_last_half"] == pytest.approx(-0.01)
-    assert s["mean"] == pytest.approx(loss.mean())
+    assert s["mean_loss"] == pytest.approx(loss.mean())
 
 
 @pytest.mark.parametrize("seq_len,chunk", [(64, 7), (100, 1024)], ids=["T64-chunk7", "T100-beyond-context"])
@@ -163,7 +163,7 @@ def test_ppl_marks_extrapolation(fox_run, transformer_run, tmp_path):
             t = row["context_length"]
             assert row["mean_loss"] == pytest.approx(np.mean(e["loss"][:t]))
             assert row["ppl"] == pytest.approx(math.exp(row["mean_loss"]))
-        assert len(e["loss"]) == 128 and e["lengths"][-1]["mean_loss"] == pytest.approx(e["mean"])
+        assert len(e["loss"]) == 128 and e["lengths"][-1]["mean_loss"] == pytest.approx(e["mean_loss"])
     summary = (tmp_path / "summary.md").read_text()
     assert summary.count("extrapolation (trained at 64)") == 2
     assert (tmp_path / "ppl.png").stat().st_size > 20_000 and (tmp_path / "results.json").exists()

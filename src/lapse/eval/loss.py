@@ -249,7 +249,7 @@ def smooth(values, window: int = 101) -> np.ndarray:
 def curve_summary(loss) -> dict:
     """The numbers of a summary table row for one ``L(i)`` curve (raw, not smoothed).
 
-    ``mean``; ``first_10pct`` / ``last_10pct``: the mean over the first / last
+    ``mean_loss``; ``first_10pct`` / ``last_10pct``: the mean over the first / last
     ``max(1, T // 10)`` positions; ``slope_last_half``: the least-squares slope of ``L(i)``
     against ``i`` over ``i >= T // 2``, in loss per position (``None`` for ``T < 4``).
     """
@@ -262,7 +262,7 @@ def curve_summary(loss) -> dict:
         y = x[t // 2 :]
         slope = float(np.sum((i - i.mean()) * (y - y.mean())) / np.sum((i - i.mean()) ** 2))
     return {
-        "mean": float(x.mean()),
+        "mean_loss": float(x.mean()),
         "first_10pct": float(x[:tenth].mean()),
         "last_10pct": float(x[-tenth:].mean()),
         "slope_last_half": slope,
@@ -458,9 +458,9 @@ def run_ppl(cfg: PplConfig) -> dict:
             rows[k].append({
                 "context_length": length,
                 "extrapolation": length > m.config.max_seq_len,
-                "mean_loss": summary["mean"],
+                "mean_loss": summary["mean_loss"],
                 "mean_loss_stderr": _stderr(curves.prefix_losses[k][:, p]),
-                "ppl": math.exp(summary["mean"]),
+                "ppl": math.exp(summary["mean_loss"]),
                 "last_10pct": summary["last_10pct"],
             })
     out_dir = cfg.out_dir if cfg.out_dir is not None else Path(cfg.models[0]) / "eval" / "ppl"
@@ -516,7 +516,7 @@ def _data_description(cfg: LossEvalConfig, first: LoadedModel) -> str:
     if corpus is None:
         return "unknown corpus"
     where = f" {', '.join(corpus.paths)}" if corpus.paths else ""
-    return f"validation split of the {corpus.kind} corpus{where}, windows of {first.name}'s tokenizer"
+    return f"validation split of the {corpus.kind} corpus{where}, tokenised as {first.name} was trained"
 
 
 def _jsonable(obj):
@@ -658,7 +658,7 @@ def _per_token_summary(r: dict) -> str:
         slope = None if e["slope_last_half"] is None else 1000 * e["slope_last_half"]
         lines.append(
             f"| {e['name']} | {e['arch']}{' + ACP' if e['acp'] else ''} | {e['max_seq_len']} "
-            f"| {_fmt(e['mean'])} | {_fmt(e['mean_loss_stderr'])} | {_fmt(e['first_10pct'])} "
+            f"| {_fmt(e['mean_loss'])} | {_fmt(e['mean_loss_stderr'])} | {_fmt(e['first_10pct'])} "
             f"| {_fmt(e['last_10pct'])} | {_fmt(slope, '+.4f')} |"
         )
     lines += [
