@@ -20,7 +20,8 @@ import sys
 torch_v, triton_v, src = sys.argv[1:]
 assert md.version("torch").split("+")[0] == torch_v
 assert md.version("triton") == triton_v
-for dist in ("tyro", "tqdm", "numpy", "tokenizers", "safetensors", "matplotlib", "transformers", "pytest", "hypothesis"):
+for dist in ("tyro", "tqdm", "numpy", "tokenizers", "safetensors", "matplotlib", "transformers",
+             "pytest", "hypothesis", "lm_eval"):
     md.version(dist)
 # Triton 3.6's interpreter needs numpy < 2.4 (pyproject.toml, test extra)
 assert tuple(int(x) for x in md.version("numpy").split(".")[:2]) < (2, 4)
