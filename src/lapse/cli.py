@@ -3,6 +3,7 @@
 lapse train PRESET [--field value ...]   train a model (presets: lapse.train.TRAIN_PRESETS)
 lapse resume RUN_DIR [--steps N]         continue a run from its last checkpoint
 lapse export RUN_DIR OUT_DIR             a trained model as a Hugging Face folder
+lapse eval per-token-loss|ppl|niah|acp|lm-eval   evaluations (JSON, PNG, Markdown)
 lapse report RUN [RUN ...]               one Markdown page: runs and their evaluations
 lapse demo                               forgetting attention vs its reference on CPU
 lapse bench attention                    time forgetting attention against its peers (CUDA)
@@ -29,6 +30,10 @@ import lapse
 from lapse.bench.attention import AttentionBenchConfig
 from lapse.bench.training import TrainBenchConfig
 from lapse.bench.workloads import WorkloadSpec, make_workload
+from lapse.eval.acp import AcpEvalConfig
+from lapse.eval.lm_eval_config import LmEvalConfig
+from lapse.eval.loss import PerTokenLossConfig, PplConfig
+from lapse.eval.niah import NiahConfig
 from lapse.eval.report import ReportConfig
 from lapse.train.config import TRAIN_PRESETS, TrainConfig
 
@@ -255,6 +260,44 @@ def _app() -> SubcommandApp:
 
         run(cfg)
 
+    evals = SubcommandApp()
+
+    @evals.command(name="per-token-loss")
+    def eval_per_token_loss(cfg: Annotated[PerTokenLossConfig, tyro.conf.arg(name="")]) -> None:
+        """Per-token loss L(i) over validation windows, several models on one plot."""
+        from lapse.eval.loss import run_per_token_loss
+
+        run_per_token_loss(cfg)
+
+    @evals.command(name="ppl")
+    def eval_ppl(cfg: Annotated[PplConfig, tyro.conf.arg(name="")]) -> None:
+        """Perplexity at several context lengths, beyond the training context too."""
+        from lapse.eval.loss import run_ppl
+
+        run_ppl(cfg)
+
+    @evals.command(name="niah")
+    def eval_niah(cfg: Annotated[NiahConfig, tyro.conf.arg(name="")]) -> None:
+        """Needle in a haystack: context length x depth grid, exact match and answer log-likelihood."""
+        from lapse.eval.niah import run_niah
+
+        run_niah(cfg)
+
+    @evals.command(name="acp")
+    def eval_acp(cfg: Annotated[AcpEvalConfig, tyro.conf.arg(name="")]) -> None:
+        """ACP statistics of a FoX model: pruned fraction per head and layer, local vs global
+        heads, decay and attention maps with the pruning boundary, the effect of eps."""
+        from lapse.eval.acp import run_acp
+
+        run_acp(cfg)
+
+    @evals.command(name="lm-eval")
+    def eval_lm_eval(cfg: Annotated[LmEvalConfig, tyro.conf.arg(name="")]) -> None:
+        """lm-evaluation-harness tasks on a lapse model (bundled lapse_tiny tasks, local YAMLs)."""
+        from lapse.eval.lm_eval import run_lm_eval
+
+        run_lm_eval(cfg)
+
     app = SubcommandApp()
     app.command(train, name="train", help="Train a language model from a preset (override any field).")
 
@@ -270,6 +313,7 @@ def _app() -> SubcommandApp:
         _finish_training(summary)
 
     app.command(bench, name="bench", help="Benchmarks (CUDA).")
+    app.command(evals, name="eval", help="Evaluations; each writes results.json, PNG plots and summary.md.")
 
     @app.command(name="export")
     def export(args: Annotated[ExportArgs, tyro.conf.arg(name="")]) -> None:

@@ -49,7 +49,6 @@ import json
 import math
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
@@ -68,6 +67,7 @@ except ImportError as e:  # pragma: no cover - depends on the environment
 from tqdm import tqdm
 
 from lapse.eval.common import LoadedModel, load_model
+from lapse.eval.lm_eval_config import _DTYPES, LmEvalConfig, _positive_int
 from lapse.generation import DenseCache, generate
 
 TASKS_DIR = Path(__file__).with_name("lm_eval_tasks")
@@ -77,7 +77,6 @@ GEN_CHUNK = 16
 """Tokens generated between two checks for stop strings (``generate_until``)."""
 DEFAULT_MAX_GEN_TOKS = 256
 """lm-eval's default generation length when a task gives no ``max_gen_toks``."""
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 # lm_eval.api.registry.get_model imports the harness's model list only while the registry
@@ -273,15 +272,6 @@ class LapseLM(TemplateLM):
         return text
 
 
-def _positive_int(name: str, value) -> int:
-    """``value`` as an int >= 1; lm-eval's ``model_args`` strings (``"8"``) are accepted."""
-    if isinstance(value, str) and value.strip().isdigit():
-        value = int(value)
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"{name} must be a positive integer, got {value!r}")
-    return value
-
-
 def jsonl_dataset(path: str | Path, split: str = "test") -> dict:
     """``{split: datasets.Dataset}`` of the JSON lines in ``path``: what a task YAML's
     ``custom_dataset`` returns. Built in memory; nothing is cached or downloaded."""
@@ -293,70 +283,6 @@ def jsonl_dataset(path: str | Path, split: str = "test") -> dict:
     with path.open(encoding="utf-8") as f:
         rows = [json.loads(line) for line in f if line.strip()]
     return {split: datasets.Dataset.from_list(rows, split=split)}
-
-
-@dataclass(kw_only=True)
-class LmEvalConfig:
-    """lm-eval tasks on one lapse model: the settings of :func:`run_lm_eval`."""
-
-    model: Path
-    """A run folder, checkpoint folder or Hugging Face folder (anything
-    :func:`lapse.eval.load_model` opens), with its tokenizer beside it."""
-    tasks: tuple[str, ...]
-    """lm-eval task, group or tag names: the bundled ``lapse_tiny_mc`` / ``_ppl`` / ``_gen``
-    (tag ``lapse_tiny``), those in :attr:`include_path`, or the harness's own (these need
-    their datasets in the local Hugging Face cache)."""
-    include_path: Path | None = None
-    """A folder of task YAMLs searched besides the bundled ones."""
-    limit: int | float | None = None
-    """Documents per task: a count, or a fraction of the task when below 1; ``None``: all."""
-    num_fewshot: int | None = None
-    """Few-shot examples in each prompt; ``None``: the task's own setting (0 if it has none)."""
-    batch_size: int = 8
-    """Sequences per forward pass."""
-    max_length: int | None = None
-    """Context the requests are cut to, from the left; ``None``: the model's ``max_seq_len``."""
-    device: str = "cuda" if torch.cuda.is_available() else "cpu"
-    """Where the model runs."""
-    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
-    """Weights and activations of the model."""
-    out_dir: Path | None = None
-    """Where ``results.json``, ``summary.md`` and ``samples_<task>.jsonl`` go; ``None``:
-    ``<model>/eval/lm-eval/``."""
-    seed: int = 0
-    """Seed of Python, NumPy, torch and the few-shot sampler."""
-    log_samples: bool = True
-    """Also write every document's prompt, responses and scores (``samples_<task>.jsonl``)."""
-
-    def __post_init__(self) -> None:
-        self.model = Path(self.model)
-        if not self.model.exists():
-            raise ValueError(f"model path does not exist: {self.model}")
-        names_ok = not isinstance(self.tasks, str) and all(isinstance(t, str) and t for t in self.tasks)
-        if not self.tasks or not names_ok:
-            raise ValueError(f"tasks must be a non-empty tuple of task names, got {self.tasks!r}")
-        self.tasks = tuple(self.tasks)
-        if self.include_path is not None:
-            self.include_path = Path(self.include_path)
-            if not self.include_path.is_dir():
-                raise ValueError(f"include_path is not a folder: {self.include_path}")
-        count = isinstance(self.limit, int) and self.limit >= 1
-        fraction = isinstance(self.limit, float) and 0 < self.limit < 1
-        if self.limit is not None and not (count or fraction):
-            raise ValueError(f"limit must be an integer >= 1 or a fraction in (0, 1), got {self.limit!r}")
-        if self.num_fewshot is not None and self.num_fewshot < 0:
-            raise ValueError(f"num_fewshot must be >= 0, got {self.num_fewshot}")
-        _positive_int("batch_size", self.batch_size)
-        if self.max_length is not None:
-            _positive_int("max_length", self.max_length)
-        if self.dtype not in _DTYPES:
-            raise ValueError(f"dtype must be one of {sorted(_DTYPES)}, got {self.dtype!r}")
-        if self.out_dir is not None:
-            self.out_dir = Path(self.out_dir)
-
-    @property
-    def resolved_out_dir(self) -> Path:
-        return self.out_dir if self.out_dir is not None else self.model / "eval" / "lm-eval"
 
 
 def task_manager(tasks: Sequence[str], include_path: Path | None = None):
