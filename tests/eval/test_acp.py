@@ -190,6 +190,30 @@ def test_chosen_heads_and_errors(fox_run, tmp_path, monkeypatch):
     assert (tmp_path / "one" / "head_L1_H2.png").exists()
 
 
+def test_fox_llama_with_the_bound_from_data(fox_run, eval_data_dir, tmp_path, monkeypatch):
+    """FoX (LLaMA) has no QK-norm: the op takes U from the largest query and key norms of
+    each sequence (``acp="auto"``), and the drawn heads' boundaries must still agree."""
+    import lapse.eval.acp as acp
+    from lapse.data import CorpusConfig
+    from lapse.models import preset
+    from lapse.models.hf import LapseConfig, LapseForCausalLM
+
+    llama = tmp_path / "fox-llama"
+    config = preset("tiny", "fox-llama", vocab_size=320, max_seq_len=64)
+    torch.manual_seed(0)  # the untrained weights: gates near 1/2, local heads that ACP prunes
+    LapseForCausalLM(LapseConfig.from_model_config(config)).save_pretrained(llama)
+    load_model(fox_run).tokenizer.save(llama / "tokenizer")
+    for name in ("_plot_heads", "_plot_layers", "_plot_eps", "_plot_head_map"):
+        monkeypatch.setattr(acp, name, lambda *args: args[-1].name)
+    r = run_acp(AcpEvalConfig(
+        model=llama, seq_len=257, num_sequences=2, eps=(), progress=False, data_dir=eval_data_dir,
+        corpus=CorpusConfig(max_bytes=200_000), out_dir=tmp_path / "out",
+    ))
+    assert r["acp_bound"].startswith("data") and len(r["maps"]) == 2
+    for m in r["maps"]:
+        assert m["boundary_agrees"] and m["op_pruned_fraction"] > 0, m
+
+
 def test_bimodality_coefficient_separates_two_modes_from_one():
     rng = np.random.default_rng(0)
     two = np.concatenate([rng.normal(0.05, 0.02, 50), rng.normal(0.9, 0.03, 50)])

@@ -53,7 +53,7 @@ from tqdm.auto import tqdm
 from lapse.data import CorpusConfig
 from lapse.eval.common import LoadedModel, eval_windows, load_model
 from lapse.models import Decoder
-from lapse.ops.forgetting import ACP_BLOCK
+from lapse.ops.forgetting import ACP_BLOCK, LOG_GATE_FLOOR
 
 DEFAULT_EPS: tuple[float, ...] = tuple(math.exp(-k) for k in (1, 5, 10, 15, 20))
 """The ``eps`` values of the sweep (the ACP paper's Figure 7 range, e^-1 to e^-20)."""
@@ -179,10 +179,6 @@ def _check_seq_len(t: int) -> None:
         )
 
 
-# ---------------------------------------------------------------------------------------
-# The direct tile test (SPEC section 3), independent of the op's boundary search
-
-
 def spec_delta(u: float, length: int, eps: float) -> float:
     """``delta = -2U - log L + log eps`` (SPEC section 3): a pair with ``D_ij < delta`` has
     weight below ``exp(2U + D_ij) < eps / L``."""
@@ -248,10 +244,6 @@ def max_pruned_fraction(t: int, block: int = ACP_BLOCK, kept_diagonals: int = 1)
     n = area.shape[0]
     far = torch.arange(n)[None, :] <= torch.arange(n)[:, None] - kept_diagonals
     return float((area * far).sum() / (area * causal).sum())
-
-
-# ---------------------------------------------------------------------------------------
-# Forward hooks: what each attention layer hands to the op
 
 
 def _q_k_modules(attn) -> tuple[torch.nn.Module, torch.nn.Module]:
@@ -328,10 +320,6 @@ def capture_heads(model: Decoder, heads: list[tuple[int, int]]):
     finally:
         for handle in handles:
             handle.remove()
-
-
-# ---------------------------------------------------------------------------------------
-# The evaluation
 
 
 @torch.no_grad()
@@ -419,12 +407,13 @@ def _head_bound(attn, head: int, q: Tensor, k: Tensor) -> float:
 def _head_map(attn, head: int, got: dict[str, Tensor], eps: float, stats, n_map: int) -> dict:
     """One drawn head: its boundary from the op (``stats`` of the window's forward) checked
     against :func:`direct_tile_pruning`, and the top-left ``n_map x n_map`` corner of ``D``
-    and of the attention weights (complete: causal rows need no later keys)."""
+    and of the attention weights (complete: causal rows need no later keys). The mean
+    attention distance ``sum_j A_ij (i - j)`` is averaged over the rows of that corner."""
     q, k, r = got["q"].double(), got["k"].double(), got["log_fgate"].double()  # [T, D], [T, D], [T]
     t = q.shape[0]
     u = _head_bound(attn, head, q, k)
     delta = spec_delta(u, t, eps)
-    c = torch.cumsum(r.clamp_min(-1000.0), dim=0)  # [T]; the op floors log gates at -1000
+    c = torch.cumsum(r.clamp_min(LOG_GATE_FLOOR), dim=0)  # [T], floored as the op does
     mask = direct_tile_pruning(c, delta)  # [M, N]
     direct_start = mask.sum(dim=1)  # [M] pruned tiles of each query block
     staircase = bool((mask == (torch.arange(mask.shape[1])[None] < direct_start[:, None])).all())
@@ -514,7 +503,7 @@ def run_acp(cfg: AcpEvalConfig) -> dict:
     model = own_model.model
     model.set_collect_stats(True)
     try:
-        with capture_heads(model, chosen) as got:
+        with capture_heads(model, chosen) as got, torch.no_grad():
             model(windows[:1, :-1].to(device))
         maps = []
         for layer, head in chosen:
@@ -569,9 +558,6 @@ def run_acp(cfg: AcpEvalConfig) -> dict:
     (out_dir / "summary.md").write_text(_summary(results))
     return results
 
-
-# ---------------------------------------------------------------------------------------
-# Plots and the summary
 
 _COLORS = {"local": "tab:orange", "global": "tab:blue"}
 
