@@ -441,8 +441,8 @@ def run_ppl(cfg: PplConfig) -> dict:
     ``max_seconds`` limit the windows of the longest length.
 
     Writes into ``cfg.out_dir`` (default ``<first model>/eval/ppl/``): ``results.json`` (the
-    return value), ``ppl.png`` (loss against context length with one standard error over
-    windows; smoothed ``L(i)`` at the longest length) and ``summary.md``.
+    return value), ``ppl.png`` (loss against context length; smoothed ``L(i)`` at the
+    longest length) and ``summary.md``.
     """
     models = _load_models(cfg)
     lengths = cfg.context_lengths
@@ -606,11 +606,12 @@ def _plot_ppl(results: dict, path: Path) -> None:
     lengths = results["context_lengths"]
     for e in results["models"]:
         rows = e["lengths"]
+        # no error bars: every point reads the same windows, so the spread between windows
+        # (the s.e. in the table) is far wider than the uncertainty of the differences shown
         losses = np.array([r["mean_loss"] for r in rows])
-        errors = np.array([r["mean_loss_stderr"] or 0.0 for r in rows])
         beyond = np.array([r["extrapolation"] for r in rows])
-        container = ax.errorbar(lengths, losses, yerr=errors, fmt="-", lw=1.2, capsize=3, label=e["name"])
-        color = container.lines[0].get_color()
+        (line,) = ax.plot(lengths, losses, "-", lw=1.2, label=e["name"])
+        color = line.get_color()
         x = np.array(lengths)
         ax.plot(x[~beyond], losses[~beyond], "o", color=color, ms=6)
         ax.plot(x[beyond], losses[beyond], "o", mfc="white", color=color, ms=6)
@@ -621,7 +622,7 @@ def _plot_ppl(results: dict, path: Path) -> None:
     ax.set_xticks(lengths, [str(n) for n in lengths])
     ax.minorticks_off()
     ax.set_xlabel("context length")
-    ax.set_ylabel("mean loss (nats), ± 1 s.e.")
+    ax.set_ylabel("mean loss (nats)")
     ax.set_title("loss against context length (open marker, shaded: beyond the training context)",
                  fontsize=10)
     ax.grid(alpha=0.3)
@@ -682,9 +683,10 @@ def _ppl_summary(r: dict) -> str:
         "",
         f"{r['num_sequences']} windows of {t} tokens ({r['data']}), seed {r['config']['seed']}; the row "
         "of length `T` reads their first `T` positions (a causal model's loss at `i` does not depend on "
-        "what follows). Mean loss (nats) over positions `i < T`, `ppl = exp(mean loss)`, ± s.e. over "
-        "windows; last 10%: positions `0.9 T <= i < T`; *extrapolation*: `T` exceeds the model's "
-        "training context.",
+        "what follows). Mean loss (nats) over positions `i < T`, `ppl = exp(mean loss)`; ± s.e.: the "
+        "standard error over windows (all rows and models share the windows, so their differences are "
+        "far more certain than that); last 10%: positions `0.9 T <= i < T`; *extrapolation*: `T` "
+        "exceeds the model's training context.",
     ]
     if r["stopped_early"]:
         lines.append(f"Stopped early: {r['stopped_early']}.")
