@@ -303,7 +303,7 @@ def _evaluate(
                 per_seq[m].append(loss.double().cumsum(1)[:, ends - 1] / ends)  # [b, P]
             done += batch.shape[0]
             bar.update(batch.shape[0])
-            bar.set_postfix(loss=f"{float(sums[0].sum()) / (done * t):.3f}")
+            bar.set_postfix_str(f"{models[0].name}: loss {float(sums[0].sum()) / (done * t):.3f}")
             if cfg.max_seconds is not None and done < n and time.perf_counter() - start > cfg.max_seconds:
                 stopped = f"max_seconds ({cfg.max_seconds:g} s) after {done} of {n} sequences"
                 break
