@@ -228,6 +228,13 @@ def _finish_training(summary: dict) -> None:
         raise SystemExit(130)
 
 
+def _wrote(result: dict, cfg) -> None:
+    """Say where an evaluation's files went."""
+    out = result.get("out_dir") if isinstance(result, dict) else None
+    out = out or getattr(cfg, "resolved_out_dir", None) or getattr(cfg, "out_dir", None)
+    print(f"wrote results.json, summary.md and the plots to {out}")
+
+
 def _train_command(description: str, default: TrainConfig) -> Callable[..., None]:
     def command(cfg: Annotated[TrainConfig, tyro.conf.arg(name="")] = default) -> None:
         from lapse.train import train
@@ -267,21 +274,21 @@ def _app() -> SubcommandApp:
         """Per-token loss L(i) over validation windows, several models on one plot."""
         from lapse.eval.loss import run_per_token_loss
 
-        run_per_token_loss(cfg)
+        _wrote(run_per_token_loss(cfg), cfg)
 
     @evals.command(name="ppl")
     def eval_ppl(cfg: Annotated[PplConfig, tyro.conf.arg(name="")]) -> None:
         """Perplexity at several context lengths, beyond the training context too."""
         from lapse.eval.loss import run_ppl
 
-        run_ppl(cfg)
+        _wrote(run_ppl(cfg), cfg)
 
     @evals.command(name="niah")
     def eval_niah(cfg: Annotated[NiahConfig, tyro.conf.arg(name="")]) -> None:
         """Needle in a haystack: context length x depth grid, exact match and answer log-likelihood."""
         from lapse.eval.niah import run_niah
 
-        run_niah(cfg)
+        _wrote(run_niah(cfg), cfg)
 
     @evals.command(name="acp")
     def eval_acp(cfg: Annotated[AcpEvalConfig, tyro.conf.arg(name="")]) -> None:
@@ -289,14 +296,14 @@ def _app() -> SubcommandApp:
         heads, decay and attention maps with the pruning boundary, the effect of eps."""
         from lapse.eval.acp import run_acp
 
-        run_acp(cfg)
+        _wrote(run_acp(cfg), cfg)
 
     @evals.command(name="lm-eval")
     def eval_lm_eval(cfg: Annotated[LmEvalConfig, tyro.conf.arg(name="")]) -> None:
         """lm-evaluation-harness tasks on a lapse model (bundled lapse_tiny tasks, local YAMLs)."""
         from lapse.eval.lm_eval import run_lm_eval
 
-        run_lm_eval(cfg)
+        _wrote(run_lm_eval(cfg), cfg)
 
     app = SubcommandApp()
     app.command(train, name="train", help="Train a language model from a preset (override any field).")

@@ -202,25 +202,13 @@ def per_position_loss(model: Decoder, windows: Tensor, *, logits_chunk: int = 10
             f"vocab_size {vocab}: were the windows made with another tokenizer?"
         )
     ids, labels = windows[:, :-1], windows[:, 1:]  # [B, T] each
-    hidden = _final_hidden(model, ids)  # [B, T, C]
+    hidden = model.hidden_states(ids)  # [B, T, C]
     losses = torch.empty(labels.shape, dtype=torch.float32, device=labels.device)  # [B, T]
     for s in range(0, labels.shape[1], logits_chunk):
         e = min(s + logits_chunk, labels.shape[1])
         logits = model.lm_head(hidden[:, s:e]).float()  # [B, t, V]
         losses[:, s:e] = F.cross_entropy(logits.transpose(1, 2), labels[:, s:e], reduction="none")  # [B, t]
     return losses
-
-
-def _final_hidden(model: Decoder, ids: Tensor) -> Tensor:
-    """``Decoder.forward`` up to the final norm (the input of ``lm_head``), ``[B, T, C]``.
-
-    Mirrors the body of :meth:`lapse.models.Decoder.forward`; the tests hold the two to
-    each other through the logits.
-    """
-    x = model.embed(ids)  # [B, T, C]
-    for block in model.blocks:
-        x = block(x)  # [B, T, C]
-    return model.norm(x)  # [B, T, C]
 
 
 def smooth(values, window: int = 101) -> np.ndarray:

@@ -315,16 +315,27 @@ class Decoder(nn.Module):
             ``(logits, loss)``: logits ``[B, T, V]`` in the model's dtype, loss a float32
             scalar (``None`` without labels).
         """
+        shape = tuple(getattr(input_ids, "shape", ()))
+        if labels is not None and (not isinstance(labels, Tensor) or tuple(labels.shape) != shape):
+            raise ValueError(
+                f"labels must have the shape of input_ids {shape}, got {tuple(getattr(labels, 'shape', ()))}"
+            )
+        logits = self.lm_head(self.hidden_states(input_ids, cache=cache))  # [B, T, V]
+        if labels is None:
+            return logits, None
+        loss = F.cross_entropy(logits.float().flatten(0, 1), labels.flatten(), ignore_index=-100)
+        return logits, loss
+
+    def hidden_states(self, input_ids: Tensor, *, cache: DenseCache | None = None) -> Tensor:
+        """The final-norm output ``[B, T, C]``, the input of ``lm_head`` (what
+        :meth:`forward` turns into logits; evaluations that must not hold ``[B, T, V]``
+        logits project it a chunk of positions at a time). ``cache`` as in :meth:`forward`."""
         if not isinstance(input_ids, Tensor) or input_ids.dim() != 2 or input_ids.is_floating_point():
             if isinstance(input_ids, Tensor):
                 got = f"shape {tuple(input_ids.shape)}, dtype {input_ids.dtype}"
             else:
                 got = type(input_ids).__name__
             raise ValueError(f"input_ids must be an integer tensor [batch, time], got {got}")
-        if labels is not None and tuple(labels.shape) != tuple(input_ids.shape):
-            raise ValueError(
-                f"labels must have the shape of input_ids {tuple(input_ids.shape)}, got {tuple(labels.shape)}"
-            )
         if cache is not None:
             if not isinstance(cache, DenseCache):
                 raise TypeError(f"cache must be a lapse.generation.DenseCache, got {type(cache).__name__}")
@@ -341,11 +352,7 @@ class Decoder(nn.Module):
         x = self.embed(input_ids)  # [B, T, C]
         for i, block in enumerate(self.blocks):
             x = block(x, None if cache is None else cache.layers[i])  # [B, T, C]
-        logits = self.lm_head(self.norm(x))  # [B, T, V]
-        if labels is None:
-            return logits, None
-        loss = F.cross_entropy(logits.float().flatten(0, 1), labels.flatten(), ignore_index=-100)
-        return logits, loss
+        return self.norm(x)  # [B, T, C]
 
     def set_collect_stats(self, enabled: bool) -> None:
         """Keep each FoX layer's ACP statistics of the next forwards in ``attn.last_stats``."""
