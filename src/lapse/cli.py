@@ -228,10 +228,15 @@ def _finish_training(summary: dict) -> None:
         raise SystemExit(130)
 
 
-def _wrote(result: dict, cfg) -> None:
-    """Say where an evaluation's files went."""
+def _wrote(result: dict, cfg, name: str) -> None:
+    """Say where an evaluation's files went (its ``out_dir``, by default
+    ``<first model>/eval/<name>/``)."""
     out = result.get("out_dir") if isinstance(result, dict) else None
-    out = out or getattr(cfg, "resolved_out_dir", None) or getattr(cfg, "out_dir", None)
+    if out is None:
+        out = getattr(cfg, "out_dir", None)
+    if out is None:
+        model = cfg.models[0] if hasattr(cfg, "models") else cfg.model
+        out = Path(model) / "eval" / name
     print(f"wrote results.json, summary.md and the plots to {out}")
 
 
@@ -274,21 +279,21 @@ def _app() -> SubcommandApp:
         """Per-token loss L(i) over validation windows, several models on one plot."""
         from lapse.eval.loss import run_per_token_loss
 
-        _wrote(run_per_token_loss(cfg), cfg)
+        _wrote(run_per_token_loss(cfg), cfg, "per-token-loss")
 
     @evals.command(name="ppl")
     def eval_ppl(cfg: Annotated[PplConfig, tyro.conf.arg(name="")]) -> None:
         """Perplexity at several context lengths, beyond the training context too."""
         from lapse.eval.loss import run_ppl
 
-        _wrote(run_ppl(cfg), cfg)
+        _wrote(run_ppl(cfg), cfg, "ppl")
 
     @evals.command(name="niah")
     def eval_niah(cfg: Annotated[NiahConfig, tyro.conf.arg(name="")]) -> None:
         """Needle in a haystack: context length x depth grid, exact match and answer log-likelihood."""
         from lapse.eval.niah import run_niah
 
-        _wrote(run_niah(cfg), cfg)
+        _wrote(run_niah(cfg), cfg, "niah")
 
     @evals.command(name="acp")
     def eval_acp(cfg: Annotated[AcpEvalConfig, tyro.conf.arg(name="")]) -> None:
@@ -296,14 +301,14 @@ def _app() -> SubcommandApp:
         heads, decay and attention maps with the pruning boundary, the effect of eps."""
         from lapse.eval.acp import run_acp
 
-        _wrote(run_acp(cfg), cfg)
+        _wrote(run_acp(cfg), cfg, "acp")
 
     @evals.command(name="lm-eval")
     def eval_lm_eval(cfg: Annotated[LmEvalConfig, tyro.conf.arg(name="")]) -> None:
         """lm-evaluation-harness tasks on a lapse model (bundled lapse_tiny tasks, local YAMLs)."""
         from lapse.eval.lm_eval import run_lm_eval
 
-        _wrote(run_lm_eval(cfg), cfg)
+        _wrote(run_lm_eval(cfg), cfg, "lm-eval")
 
     app = SubcommandApp()
     app.command(train, name="train", help="Train a language model from a preset (override any field).")
