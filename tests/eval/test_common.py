@@ -41,3 +41,41 @@ def test_eval_windows_are_deterministic(fox_run):
     w3 = eval_windows(m, 48, 3, seed=2)
     assert w1.shape == (3, 49) and w1.dtype == torch.int64
     assert torch.equal(w1, w2) and not torch.equal(w1, w3)
+
+
+def test_windows_of_a_bpe_model_use_its_own_tokenizer(tmp_path, eval_data_dir):
+    """A BPE run evaluated from its run folder, a checkpoint folder and an exported HF
+    folder, on another corpus: the same ids every way (the run's BPE, never a new one)."""
+    from lapse.data import CorpusConfig
+    from lapse.models import preset
+    from lapse.train import train, train_preset
+
+    run = tmp_path / "bpe-run"
+    train(
+        train_preset(
+            "cpu-tiny",
+            run_dir=run,
+            data_dir=tmp_path / "data",
+            tokenizer="bpe",
+            steps=2,
+            val_every=0,
+            acp_stats_every=0,
+            model=preset("tiny", "fox-pro", vocab_size=320, max_seq_len=64),
+        )
+    )
+    text = tmp_path / "corpus"
+    text.mkdir()
+    for i in range(20):
+        (text / f"doc{i}.txt").write_text(
+            f"document {i}: " + "the quick brown fox jumps over the lazy dog. " * 40
+        )
+    corpus = CorpusConfig(kind="text", paths=(str(text),), val_fraction=0.5)
+    export_hf(run, tmp_path / "hf")
+    got = [
+        eval_windows(load_model(p), 48, 2, corpus=corpus, data_dir=tmp_path / "eval-data")
+        for p in (run, latest_checkpoint(run), tmp_path / "hf")
+    ]
+    assert torch.equal(got[0], got[1]) and torch.equal(got[0], got[2])
+    ids = load_model(run).tokenizer.encode("the quick brown fox jumps over the lazy dog.")
+    assert len(ids) < 40  # merges were learned: these are BPE ids, not bytes
+    assert int(got[0].max()) >= 258  # and the windows hold merged tokens

@@ -290,3 +290,37 @@ def test_two_processes_follow_the_one_process_curve(tmp_path, data_dir, parallel
         assert la == pytest.approx(lb, rel=2e-4, abs=2e-4), kind
     # the sharded checkpoint holds the full weights and resumes in one process
     assert resume(tmp_path / "two", steps=7)["step"] == 7
+
+
+def test_a_new_total_of_steps_sticks_across_resumes(tmp_path, data_dir):
+    first = train(tiny(tmp_path, data_dir, steps=6, stop_at_step=3, val_every=0, acp_stats_every=0))
+    assert first["step"] == 3
+    assert resume(first["run_dir"], steps=10, stop_at_step=5)["step"] == 5
+    last = resume(first["run_dir"])  # no --steps: the 10 set above, not the 6 of the start
+    assert last["status"] == "finished" and last["step"] == 10 and last["steps"] == 10
+
+
+def test_a_stop_between_log_points_keeps_the_interval(tmp_path, data_dir):
+    s = train(tiny(tmp_path, data_dir, steps=20, log_every=4, stop_at_step=3, val_every=0, acp_stats_every=0))
+    records = kinds(read_metrics(Path(s["run_dir"])), "train")
+    assert [r["step"] for r in records] == [3]
+    assert s["elapsed_s"] > 0 and s["tokens_per_s"] > 0
+
+
+def test_a_new_run_replaces_metrics_left_without_a_checkpoint(tmp_path, data_dir):
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "metrics.jsonl").write_text('{"kind": "train", "step": 99, "tokens": 1, "loss": 9.0}\n')
+    train(tiny(tmp_path, data_dir, steps=2, val_every=0, acp_stats_every=0))
+    assert [r["step"] for r in read_metrics(run)] == [1, 2]
+
+
+def test_the_time_limit_counts_this_session_only(tmp_path, data_dir):
+    first = train(tiny(tmp_path, data_dir, steps=8, stop_at_step=4, val_every=0, acp_stats_every=0))
+    # pretend the first session trained for hours: a limit on the run's total would stop at once
+    folder = latest_checkpoint(Path(first["run_dir"]))
+    saved = torch.load(folder / "trainer_state.pt", weights_only=False)
+    saved["state"]["elapsed_s"] = 10_000.0
+    torch.save(saved, folder / "trainer_state.pt")
+    more = resume(first["run_dir"], time_limit_minutes=1.0)
+    assert more["status"] == "finished" and more["step"] == 8

@@ -39,10 +39,19 @@ class LoadedModel:
     """Where it was loaded from."""
     train_config: object | None = None
     """The run's :class:`~lapse.train.TrainConfig` (run folders only)."""
+    tokenizer_path: Path | None = None
+    """Where :attr:`tokenizer` was saved (the run's ``tokenizer/``, or beside an HF folder)."""
 
     @property
     def config(self) -> ModelConfig:
         return self.model.config
+
+    @property
+    def context(self) -> int:
+        """The context the model was trained at: the run's row length (``--seq-len``), or
+        ``max_seq_len`` when there is no run config."""
+        cfg = self.train_config
+        return cfg.context if cfg is not None else self.config.max_seq_len
 
 
 def load_model(
@@ -77,7 +86,8 @@ def load_model(
         model_config = replace(train_config.model, **overrides)
         model = Decoder(model_config)
         load_weights(folder, model)
-        tokenizer = load_tokenizer(run_dir / "tokenizer") if (run_dir / "tokenizer").exists() else None
+        tokenizer_path = run_dir / "tokenizer" if (run_dir / "tokenizer").exists() else None
+        tokenizer = load_tokenizer(tokenizer_path) if tokenizer_path is not None else None
         label = name or run_dir.name
     elif _is_hf_lapse_folder(path):
         from lapse.models.hf import LapseForCausalLM
@@ -88,7 +98,7 @@ def load_model(
             state = model.state_dict()
             model = Decoder(replace(model.config, **overrides))
             model.load_state_dict(state)
-        tokenizer = _tokenizer_beside(path)
+        tokenizer, tokenizer_path = _tokenizer_beside(path)
         train_config, label = None, name or path.name
     else:
         raise ValueError(
@@ -96,7 +106,10 @@ def load_model(
             "(model.safetensors inside a run) or a Hugging Face folder saved by LapseForCausalLM"
         )
     model = model.to(device=device, dtype=dtype).eval()
-    return LoadedModel(model=model, tokenizer=tokenizer, name=label, path=path, train_config=train_config)
+    return LoadedModel(
+        model=model, tokenizer=tokenizer, name=label, path=path, train_config=train_config,
+        tokenizer_path=tokenizer_path,
+    )
 
 
 def export_hf(path: str | Path, out_dir: str | Path) -> Path:
@@ -119,13 +132,13 @@ def _is_hf_lapse_folder(path: Path) -> bool:
     return config.exists() and json.loads(config.read_text()).get("model_type") == "lapse"
 
 
-def _tokenizer_beside(path: Path) -> Tokenizer | None:
+def _tokenizer_beside(path: Path) -> tuple[Tokenizer | None, Path | None]:
     for candidate in (path / "tokenizer", path):
         try:
-            return load_tokenizer(candidate)
+            return load_tokenizer(candidate), candidate
         except ValueError:
             continue
-    return None
+    return None, None
 
 
 def eval_windows(
@@ -149,11 +162,13 @@ def eval_windows(
 
     base = loaded.train_config
     if base is None:
-        if corpus is None or loaded.tokenizer is None:
+        if corpus is None or loaded.tokenizer_path is None:
             raise ValueError(
                 f"{loaded.path} is not a training run: pass a corpus, and save a tokenizer beside the model"
             )
-        base = TrainConfig(model=loaded.config, corpus=corpus, tokenizer="byte", progress=False)
+        base = TrainConfig(
+            model=loaded.config, corpus=corpus, tokenizer=str(loaded.tokenizer_path), progress=False
+        )
     if not isinstance(base, TrainConfig):
         raise TypeError(f"train_config must be a TrainConfig, got {type(base).__name__}")
     cfg = replace(
@@ -161,13 +176,29 @@ def eval_windows(
         corpus=corpus if corpus is not None else base.corpus,
         data_dir=Path(data_dir) if data_dir is not None else base.data_dir,
     )
-    if corpus is not None and loaded.train_config is not None and base.tokenizer == "bpe":
-        # a new corpus must reuse the run's BPE, not learn another one
-        cfg = replace(cfg, tokenizer=str(loaded.path / "tokenizer"))
+    if cfg.tokenizer == "bpe" and not _cached_with(cfg, loaded.tokenizer_path):
+        # Tokenise with the run's own BPE: learning one again (another corpus, another
+        # machine, a missing cache) could give different ids than the model was trained on.
+        cfg = replace(cfg, tokenizer=str(loaded.tokenizer_path))
     data = prepare_data(cfg, progress=False)
     sampler = WindowSampler(shards=data.validation, seq_len=seq_len, batch_size=num, seed=seed)
     x, y = sampler.batch(0)
     return torch.cat([x, y[:, -1:]], dim=1)  # [num, seq_len + 1]
+
+
+def _cached_with(cfg, tokenizer_path: Path | None) -> bool:
+    """Whether ``cfg``'s data cache is complete and was tokenised by the tokenizer saved at
+    ``tokenizer_path`` (the same files), so the training-time cache can be read as it is."""
+    from lapse.train.data import READY_FILE, data_key
+
+    if tokenizer_path is None:
+        return False
+    cached = Path(cfg.data_dir) / data_key(cfg.corpus, cfg.tokenizer, cfg.model.vocab_size) / "tokenizer"
+    if not (cached.parent / READY_FILE).exists() or not cached.is_dir():
+        return False
+    mine = {p.name: p.read_bytes() for p in Path(tokenizer_path).iterdir() if p.is_file()}
+    theirs = {p.name: p.read_bytes() for p in cached.iterdir() if p.is_file()}
+    return mine == theirs
 
 
 def to_numpy(t: torch.Tensor) -> np.ndarray:

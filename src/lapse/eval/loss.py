@@ -139,7 +139,8 @@ class PerTokenLossConfig(LossEvalConfig):
 
     seq_len: int | None = None
     """Window length ``T`` (positions ``0..T-1``); ``None``: the first model's training
-    context (``max_seq_len``). Longer than a model's training context is allowed."""
+    context (the run's row length, else ``max_seq_len``). Longer than a model's training
+    context is allowed."""
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -389,7 +390,7 @@ def run_per_token_loss(cfg: PerTokenLossConfig) -> dict:
     ``summary.md`` (a table and the plot).
     """
     models = _load_models(cfg)
-    seq_len = cfg.seq_len if cfg.seq_len is not None else models[0].config.max_seq_len
+    seq_len = cfg.seq_len if cfg.seq_len is not None else models[0].context
     windows = _windows(cfg, models[0], seq_len)
     curves = _evaluate(models, windows, cfg, "per-token loss")
     out_dir = cfg.out_dir if cfg.out_dir is not None else Path(cfg.models[0]) / "eval" / "per-token-loss"
@@ -425,7 +426,7 @@ def run_ppl(cfg: PplConfig) -> dict:
     on what follows ``i``, so a window's prefix *is* a window of length ``T`` (the tests
     check this), and one pass gives every row, paired on the same text, so differences
     between lengths are not sampling noise. A row is ``extrapolation`` when ``T`` exceeds
-    that model's training context (``model.config.max_seq_len``). ``max_tokens`` and
+    that model's training context (``LoadedModel.context``). ``max_tokens`` and
     ``max_seconds`` limit the windows of the longest length.
 
     Writes into ``cfg.out_dir`` (default ``<first model>/eval/ppl/``): ``results.json`` (the
@@ -435,7 +436,7 @@ def run_ppl(cfg: PplConfig) -> dict:
     models = _load_models(cfg)
     lengths = cfg.context_lengths
     if not lengths:
-        t = models[0].config.max_seq_len
+        t = models[0].context
         lengths = tuple(sorted({max(1, t // 2), t, 2 * t, 4 * t}))
     windows = _windows(cfg, models[0], lengths[-1])
     curves = _evaluate(models, windows, cfg, f"ppl (T up to {lengths[-1]})", prefixes=lengths)
@@ -445,7 +446,7 @@ def run_ppl(cfg: PplConfig) -> dict:
             summary = curve_summary(curves.loss[k][:length])
             rows[k].append({
                 "context_length": length,
-                "extrapolation": length > m.config.max_seq_len,
+                "extrapolation": length > m.context,
                 "mean_loss": summary["mean_loss"],
                 "mean_loss_stderr": _stderr(curves.prefix_losses[k][:, p]),
                 "ppl": math.exp(summary["mean_loss"]),
@@ -483,7 +484,7 @@ def _model_entry(m: LoadedModel, loss: np.ndarray, sequence_losses: np.ndarray, 
         "path": str(m.path),
         "arch": m.config.arch,
         "acp": m.config.acp,
-        "max_seq_len": m.config.max_seq_len,
+        "max_seq_len": m.context,
         **curve_summary(loss),
         "mean_loss_stderr": _stderr(sequence_losses),
         "loss": loss.tolist(),

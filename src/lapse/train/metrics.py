@@ -56,7 +56,10 @@ class MetricsLog:
             tmp = self.path.with_name(f"{self.path.name}.tmp-{os.getpid()}")
             tmp.write_text("".join(json.dumps(r) + "\n" for r in kept))
             os.replace(tmp, self.path)
-        self._file = self.path.open("a") if enabled else None
+        # a new run starts a new file (a folder may hold the metrics of a run that died
+        # before its first checkpoint); a resumed one appends to what was kept above
+        mode = "a" if resume_step is not None else "w"
+        self._file = self.path.open(mode) if enabled else None
 
     def write(self, record: dict) -> None:
         if self._file is not None:

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import signal
 import time
 from contextlib import contextmanager
@@ -76,7 +77,14 @@ def resume(
     run_dir = Path(run_dir)
     if latest_checkpoint(run_dir) is None:
         raise ValueError(f"{run_dir} holds no checkpoint to resume from (no checkpoint.json)")
-    cfg = config_from_json(json.loads((run_dir / CONFIG_FILE).read_text()))
+    saved = json.loads((run_dir / CONFIG_FILE).read_text())
+    cfg = config_from_json(saved)
+    if steps is not None and steps != cfg.steps:
+        # the new total is part of the run from now on: a later plain resume keeps it
+        saved["steps"] = steps
+        tmp = run_dir / f"{CONFIG_FILE}.tmp-{os.getpid()}"
+        tmp.write_text(json.dumps(saved, indent=2) + "\n")
+        os.replace(tmp, run_dir / CONFIG_FILE)
     overrides = {"run_dir": run_dir, "time_limit_minutes": time_limit_minutes, "stop_at_step": stop_at_step}
     if steps is not None:
         overrides["steps"] = steps
@@ -288,15 +296,60 @@ def _train_loop(cfg: TrainConfig, world: World, resuming: bool) -> dict:
         save_checkpoint(run_dir, wrapped, optimizer, {**state, "step": step}, world)
         last_saved = step
 
+    # Throughput is timed log point to log point (the loss read-back syncs the device), with
+    # validation and checkpoints left out; a stop between log points flushes the interval.
+    interval = {"loss": torch.zeros((), device=world.device), "steps": 0, "t0": time.perf_counter()}
+    session_start = state["elapsed_s"]
+    last = {"lr": 0.0, "grad_norm": torch.zeros(())}
+
+    def flush(step: int) -> None:
+        if interval["steps"] == 0:
+            return
+        loss_value = all_reduce_mean(interval["loss"] / interval["steps"], world).item()  # syncs
+        grad_norm = last["grad_norm"]
+        if hasattr(grad_norm, "full_tensor"):  # FSDP2: a DTensor
+            grad_norm = grad_norm.full_tensor()
+        seconds = time.perf_counter() - interval["t0"]
+        state["elapsed_s"] += seconds
+        tok_s = interval["steps"] * tokens_per_step / seconds
+        mfu = tok_s * flops / (world.size * peak * 1e12) if peak else None
+        log.write(
+            {
+                "kind": "train",
+                "step": step,
+                "tokens": state["tokens"],
+                "loss": loss_value,
+                "lr": last["lr"],
+                "grad_norm": float(grad_norm),
+                "tokens_per_s": tok_s,
+                "mfu": mfu,
+                "elapsed_s": state["elapsed_s"],
+            }
+        )
+        bar.set_postfix(
+            loss=f"{loss_value:.3f}",
+            tok_s=f"{tok_s:,.0f}",
+            **({"mfu": f"{100 * mfu:.1f}%"} if mfu is not None else {}),
+        )
+        interval["loss"].zero_()
+        interval["steps"] = 0
+        interval["t0"] = time.perf_counter()
+
+    def untimed(fn):
+        """Run ``fn`` (validation, a checkpoint) outside the throughput clock."""
+        paused = time.perf_counter()
+        result = fn()
+        interval["t0"] += time.perf_counter() - paused
+        return result
+
+    # The handlers stay installed until the report is written: a SIGTERM during the final
+    # checkpoint must not kill the process half way (the checkpoint is atomic regardless).
     with _signals(stop):
-        interval_loss = torch.zeros((), device=world.device)
-        interval_steps, interval_time = 0, 0.0
         step = start
         while step < cfg.steps:
             if any_rank(stop.reason is not None, world):
                 status = "interrupted"
                 break
-            t0 = time.perf_counter()
             lr = lr_at(step, cfg)
             for group in optimizer.param_groups:
                 group["lr"] = lr
@@ -305,43 +358,15 @@ def _train_loop(cfg: TrainConfig, world: World, resuming: bool) -> dict:
 
             x, y = sampler.batch(step, world.rank, world.size)  # [rows, T] each
             loss, grad_norm = train_step(wrapped, optimizer, x, y, micro, world.device, dtype, cfg.grad_clip)
-            interval_loss += loss
+            interval["loss"] += loss
+            interval["steps"] += 1
+            last["lr"], last["grad_norm"] = lr, grad_norm
             step += 1
-            interval_steps += 1
             state["step"], state["tokens"] = step, state["tokens"] + tokens_per_step
             bar.update(1)
 
             if step % cfg.log_every == 0 or step == cfg.steps:
-                loss_value = all_reduce_mean(interval_loss / interval_steps, world).item()  # syncs
-                if hasattr(grad_norm, "full_tensor"):  # FSDP2: a DTensor
-                    grad_norm = grad_norm.full_tensor()
-                interval_time += time.perf_counter() - t0
-                state["elapsed_s"] += interval_time
-                tok_s = interval_steps * tokens_per_step / interval_time
-                mfu = tok_s * flops / (world.size * peak * 1e12) if peak else None
-                log.write(
-                    {
-                        "kind": "train",
-                        "step": step,
-                        "tokens": state["tokens"],
-                        "loss": loss_value,
-                        "lr": lr,
-                        "grad_norm": float(grad_norm),
-                        "tokens_per_s": tok_s,
-                        "mfu": mfu,
-                        "elapsed_s": state["elapsed_s"],
-                    }
-                )
-                bar.set_postfix(
-                    loss=f"{loss_value:.3f}",
-                    tok_s=f"{tok_s:,.0f}",
-                    **({"mfu": f"{100 * mfu:.1f}%"} if mfu is not None else {}),
-                )
-                interval_loss.zero_()
-                interval_steps, interval_time = 0, 0.0
-            else:
-                interval_time += time.perf_counter() - t0
-
+                flush(step)
             if collect:
                 pruned = unwrap(model).pruned_fractions()  # [n_layers, H], last micro-batch
                 pruned = all_reduce_mean(pruned.to(world.device), world).cpu()
@@ -357,22 +382,23 @@ def _train_loop(cfg: TrainConfig, world: World, resuming: bool) -> dict:
                 )
                 model.set_collect_stats(False)
             if cfg.val_every and (step % cfg.val_every == 0 or step == cfg.steps):
-                log.write({"kind": "val", "step": step, "tokens": state["tokens"], "loss": validation_loss()})
+                val = untimed(validation_loss)
+                log.write({"kind": "val", "step": step, "tokens": state["tokens"], "loss": val})
             if cfg.checkpoint_every and step % cfg.checkpoint_every == 0:
-                checkpoint_now(step)
+                flush(step)  # the checkpoint's elapsed time and the metrics end at the same step
+                untimed(lambda step=step: checkpoint_now(step))
             if cfg.stop_at_step is not None and step >= cfg.stop_at_step and step < cfg.steps:
                 status = "stopped"
                 break
-            if cfg.time_limit_minutes is not None and any_rank(
-                state["elapsed_s"] + interval_time > 60 * cfg.time_limit_minutes, world
-            ):
+            session = state["elapsed_s"] - session_start + time.perf_counter() - interval["t0"]
+            if cfg.time_limit_minutes is not None and any_rank(session > 60 * cfg.time_limit_minutes, world):
                 status = "time limit"
                 break
-    bar.close()
-
-    if last_saved != state["step"]:
-        checkpoint_now(state["step"])
-    log.close()
+        flush(state["step"])
+        bar.close()
+        if last_saved != state["step"]:
+            checkpoint_now(state["step"])
+        log.close()
     summary = {
         "status": status,
         "step": state["step"],
@@ -398,6 +424,7 @@ def _train_loop(cfg: TrainConfig, world: World, resuming: bool) -> dict:
     }
     summary["mfu"] = summary["tokens_per_s"] * flops / (world.size * peak * 1e12) if peak else None
     if world.main:
-        plot_losses(run_dir)
-        write_report(run_dir, summary)
+        with _signals(stop):
+            plot_losses(run_dir)
+            write_report(run_dir, summary)
     return summary
