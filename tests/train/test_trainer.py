@@ -324,3 +324,31 @@ def test_the_time_limit_counts_this_session_only(tmp_path, data_dir):
     torch.save(saved, folder / "trainer_state.pt")
     more = resume(first["run_dir"], time_limit_minutes=1.0)
     assert more["status"] == "finished" and more["step"] == 8
+
+
+def test_a_resumed_bpe_run_keeps_its_tokenizer_when_the_cache_is_gone(tmp_path, data_dir):
+    import shutil
+
+    from lapse.models import preset
+
+    model = preset("tiny", "fox-pro", vocab_size=320, max_seq_len=64)
+    first = train(
+        tiny(
+            tmp_path,
+            tmp_path / "data",
+            tokenizer="bpe",
+            model=model,
+            steps=4,
+            stop_at_step=2,
+            val_every=0,
+            acp_stats_every=0,
+        )
+    )
+    run = Path(first["run_dir"])
+    saved = {p.name: p.read_bytes() for p in (run / "tokenizer").iterdir()}
+    shutil.rmtree(tmp_path / "data")  # another machine: no cache, a BPE would be learned again
+    last = resume(run)
+    assert last["step"] == 4
+    assert {p.name: p.read_bytes() for p in (run / "tokenizer").iterdir()} == saved
+    built = [p for p in (tmp_path / "data").iterdir() if p.is_dir()]
+    assert len(built) == 1 and built[0].name.startswith("python-tok-")  # tokenised with the saved one

@@ -158,7 +158,7 @@ def eval_windows(
     start anywhere and may cross document boundaries (separated by eos), as in training.
     """
     from lapse.train.config import TrainConfig
-    from lapse.train.data import prepare_data
+    from lapse.train.data import cached_with, prepare_data
 
     base = loaded.train_config
     if base is None:
@@ -176,7 +176,7 @@ def eval_windows(
         corpus=corpus if corpus is not None else base.corpus,
         data_dir=Path(data_dir) if data_dir is not None else base.data_dir,
     )
-    if cfg.tokenizer == "bpe" and not _cached_with(cfg, loaded.tokenizer_path):
+    if cfg.tokenizer == "bpe" and not cached_with(cfg, loaded.tokenizer_path):
         # Tokenise with the run's own BPE: learning one again (another corpus, another
         # machine, a missing cache) could give different ids than the model was trained on.
         cfg = replace(cfg, tokenizer=str(loaded.tokenizer_path))
@@ -184,21 +184,6 @@ def eval_windows(
     sampler = WindowSampler(shards=data.validation, seq_len=seq_len, batch_size=num, seed=seed)
     x, y = sampler.batch(0)
     return torch.cat([x, y[:, -1:]], dim=1)  # [num, seq_len + 1]
-
-
-def _cached_with(cfg, tokenizer_path: Path | None) -> bool:
-    """Whether ``cfg``'s data cache is complete and was tokenised by the tokenizer saved at
-    ``tokenizer_path`` (the same files), so the training-time cache can be read as it is."""
-    from lapse.train.data import READY_FILE, data_key
-
-    if tokenizer_path is None:
-        return False
-    cached = Path(cfg.data_dir) / data_key(cfg.corpus, cfg.tokenizer, cfg.model.vocab_size) / "tokenizer"
-    if not (cached.parent / READY_FILE).exists() or not cached.is_dir():
-        return False
-    mine = {p.name: p.read_bytes() for p in Path(tokenizer_path).iterdir() if p.is_file()}
-    theirs = {p.name: p.read_bytes() for p in cached.iterdir() if p.is_file()}
-    return mine == theirs
 
 
 def to_numpy(t: torch.Tensor) -> np.ndarray:

@@ -85,6 +85,20 @@ def prepare_data(cfg: TrainConfig, *, rank: int = 0, progress: bool = True) -> R
     )
 
 
+def cached_with(cfg, tokenizer_path: Path | None) -> bool:
+    """Whether ``cfg``'s data cache is complete and was tokenised by the tokenizer saved at
+    ``tokenizer_path`` (the same files), so the training-time cache can be read as it is."""
+    if tokenizer_path is None:
+        return False
+    cached = Path(cfg.data_dir) / data_key(cfg.corpus, cfg.tokenizer, cfg.model.vocab_size) / "tokenizer"
+    if not (cached.parent / READY_FILE).exists() or not cached.is_dir():
+        return False
+    mine = {p.name: p.read_bytes() for p in Path(tokenizer_path).iterdir() if p.is_file()}
+    theirs = {p.name: p.read_bytes() for p in cached.iterdir() if p.is_file()}
+    return mine == theirs
+
+
+
 def _build(cfg: TrainConfig, directory: Path, progress: bool) -> None:
     if directory.exists():  # left by an interrupted build: start again
         shutil.rmtree(directory)
@@ -128,4 +142,4 @@ def _first_bytes(texts, limit: int):
             return
 
 
-__all__ = ["RunData", "data_key", "prepare_data"]
+__all__ = ["RunData", "cached_with", "data_key", "prepare_data"]

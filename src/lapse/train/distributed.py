@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import os
 from dataclasses import dataclass
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
@@ -49,8 +50,11 @@ def init_world(device: str = "auto") -> World:
     if dev.type == "cuda":
         torch.cuda.set_device(dev)
     if size > 1 and not dist.is_initialized():
+        # a long timeout: the other ranks wait at a barrier while rank 0 tokenises the corpus
         dist.init_process_group(
-            backend="nccl" if dev.type == "cuda" else "gloo", device_id=dev if dev.type == "cuda" else None
+            backend="nccl" if dev.type == "cuda" else "gloo",
+            device_id=dev if dev.type == "cuda" else None,
+            timeout=timedelta(hours=2),
         )
     return World(rank=rank, size=size, local_rank=local_rank, device=dev)
 

@@ -32,7 +32,7 @@ from lapse.ops.forgetting import set_value_checks
 
 from .checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 from .config import TrainConfig
-from .data import prepare_data
+from .data import cached_with, prepare_data
 from .distributed import (
     World,
     all_reduce_mean,
@@ -210,10 +210,16 @@ def _train_loop(cfg: TrainConfig, world: World, resuming: bool) -> dict:
         if not resuming:
             (run_dir / CONFIG_FILE).write_text(json.dumps(config_to_json(cfg), indent=2) + "\n")
 
-    # Data: rows of the global batch are split over ranks, then into micro-batches.
+    # Data: rows of the global batch are split over ranks, then into micro-batches. A
+    # resumed BPE run reads its own saved tokenizer unless the data cache was made by it
+    # (learning the BPE again elsewhere could give other ids than the model learned).
+    saved_tokenizer = run_dir / "tokenizer"
+    if resuming and cfg.tokenizer == "bpe" and saved_tokenizer.is_dir():
+        if not cached_with(cfg, saved_tokenizer):
+            cfg = replace(cfg, tokenizer=str(saved_tokenizer))
     data = prepare_data(cfg, rank=world.rank, progress=show)
-    if world.main:
-        data.tokenizer.save(run_dir / "tokenizer")
+    if world.main and not resuming:
+        data.tokenizer.save(saved_tokenizer)
     seq_len = cfg.context
     if cfg.batch_size % world.size:
         raise ValueError(f"batch_size ({cfg.batch_size}) must be divisible by the {world.size} processes")
