@@ -64,13 +64,16 @@ def load_model(
 ) -> LoadedModel:
     """Load a lapse model from a run folder, a checkpoint folder or a Hugging Face folder.
 
-    ``overrides`` replace :class:`~lapse.models.ModelConfig` fields (e.g. ``acp=True``,
+    ``device="auto"``: CUDA when available, else CPU. ``overrides`` replace
+    :class:`~lapse.models.ModelConfig` fields (e.g. ``acp=True``,
     ``acp_eps=1e-3``, ``attn_backend="naive"``) without touching the weights. Raises
     ``ValueError`` naming the path when nothing loadable is there.
     """
     from lapse.train.checkpoint import latest_checkpoint, load_weights
     from lapse.train.trainer import CONFIG_FILE, config_from_json
 
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
     path = Path(path)
     if not path.exists():
         raise ValueError(f"model path does not exist: {path}")

@@ -114,7 +114,8 @@ class LapseLM(TemplateLM):
         if dtype not in _DTYPES:
             raise ValueError(f"dtype must be one of {sorted(_DTYPES)}, got {dtype!r}")
         self.batch_size = _positive_int("batch_size", batch_size)
-        device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+        if device in (None, "auto"):
+            device = "cuda" if torch.cuda.is_available() else "cpu"
         if isinstance(pretrained, LoadedModel):
             self.loaded = pretrained
             self.loaded.model.to(device=device, dtype=_DTYPES[dtype]).eval()

@@ -46,8 +46,8 @@ class LmEvalConfig:
     """Sequences per forward pass."""
     max_length: int | None = None
     """Context the requests are cut to, from the left; ``None``: the model's ``max_seq_len``."""
-    device: str = "cuda" if torch.cuda.is_available() else "cpu"
-    """Where the model runs."""
+    device: str = "auto"
+    """Where the model runs; ``"auto"``: CUDA when available, else CPU."""
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
     """Weights and activations of the model."""
     out_dir: Path | None = None

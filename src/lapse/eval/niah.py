@@ -100,8 +100,8 @@ class NiahConfig:
     batch_size: int = 4
     """Prompts per forward pass; the logits of ``batch_size x (length + answer)``
     positions are held at once."""
-    device: str = "cuda" if torch.cuda.is_available() else "cpu"
-    """Where the models run."""
+    device: str = "auto"
+    """Where the models run; ``"auto"``: CUDA when available, else CPU."""
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
     """Weights and activations of the models."""
     out_dir: Path | None = None
