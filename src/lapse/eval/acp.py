@@ -51,7 +51,7 @@ from torch import Tensor
 from tqdm.auto import tqdm
 
 from lapse.data import CorpusConfig
-from lapse.eval.common import LoadedModel, eval_windows, load_model
+from lapse.eval.common import LoadedModel, eval_windows, load_model, save_figure, write_text_atomic
 from lapse.models import Decoder
 from lapse.ops.forgetting import ACP_BLOCK, LOG_GATE_FLOOR
 
@@ -554,8 +554,8 @@ def run_acp(cfg: AcpEvalConfig) -> dict:
     files = _write_plots(results, maps, out_dir)
     results["files"] = files
     results["elapsed_s"] = time.perf_counter() - t0
-    (out_dir / "results.json").write_text(json.dumps(results, indent=2) + "\n")
-    (out_dir / "summary.md").write_text(_summary(results))
+    write_text_atomic(out_dir / "results.json", json.dumps(results, indent=2))
+    write_text_atomic(out_dir / "summary.md", _summary(results))
     return results
 
 
@@ -588,9 +588,7 @@ def _write_plots(results: dict, maps: list[dict], out_dir: Path) -> dict:
 
 
 def _save(fig, path: Path) -> str:
-    fig.savefig(path, dpi=120)
-    _plt().close(fig)
-    return path.name
+    return save_figure(fig, path, dpi=120).name
 
 
 def _plot_heads(r: dict, path: Path) -> str:

@@ -66,7 +66,7 @@ except ImportError as e:  # pragma: no cover - depends on the environment
     ) from e
 from tqdm import tqdm
 
-from lapse.eval.common import LoadedModel, load_model
+from lapse.eval.common import LoadedModel, load_model, write_text_atomic
 from lapse.eval.lm_eval_config import _DTYPES, LmEvalConfig, _positive_int
 from lapse.generation import DenseCache, generate
 
@@ -336,11 +336,11 @@ def run_lm_eval(cfg: LmEvalConfig) -> dict:
     results["lapse"] = {"lm_eval_version": lm_eval.__version__, "seconds": seconds}
     out_dir.mkdir(parents=True, exist_ok=True)
     text = json.dumps(results, indent=2, default=lm_utils.handle_non_serializable)
-    (out_dir / "results.json").write_text(text + "\n")
+    write_text_atomic(out_dir / "results.json", text)
     for task, rows in samples.items():
         lines = (json.dumps(row, default=lm_utils.handle_non_serializable) for row in rows)
-        (out_dir / f"samples_{task}.jsonl").write_text("".join(line + "\n" for line in lines))
-    (out_dir / "summary.md").write_text(_summary(cfg, results, seconds))
+        write_text_atomic(out_dir / f"samples_{task}.jsonl", "".join(line + "\n" for line in lines))
+    write_text_atomic(out_dir / "summary.md", _summary(cfg, results, seconds))
     return json.loads(text)
 
 

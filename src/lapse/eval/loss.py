@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -41,7 +40,7 @@ from tqdm.auto import tqdm
 
 from lapse.data import CorpusConfig
 from lapse.data.tokenizer import tokenizer_info
-from lapse.eval.common import LoadedModel, eval_windows, load_model
+from lapse.eval.common import LoadedModel, eval_windows, load_model, save_figure, write_text_atomic
 from lapse.models import Decoder
 
 SMOOTHING_RULE = (
@@ -411,8 +410,8 @@ def run_per_token_loss(cfg: PerTokenLossConfig) -> dict:
     }
     out_dir.mkdir(parents=True, exist_ok=True)
     _plot_per_token(results, out_dir / "per_token_loss.png")
-    _write_atomic(out_dir / "summary.md", _per_token_summary(results))
-    _write_atomic(out_dir / "results.json", json.dumps(results, indent=1))
+    write_text_atomic(out_dir / "summary.md", _per_token_summary(results))
+    write_text_atomic(out_dir / "results.json", json.dumps(results, indent=1))
     return {**results, "out_dir": str(out_dir)}
 
 
@@ -473,8 +472,8 @@ def run_ppl(cfg: PplConfig) -> dict:
     }
     out_dir.mkdir(parents=True, exist_ok=True)
     _plot_ppl(results, out_dir / "ppl.png")
-    _write_atomic(out_dir / "summary.md", _ppl_summary(results))
-    _write_atomic(out_dir / "results.json", json.dumps(results, indent=1))
+    write_text_atomic(out_dir / "summary.md", _ppl_summary(results))
+    write_text_atomic(out_dir / "results.json", json.dumps(results, indent=1))
     return {**results, "out_dir": str(out_dir)}
 
 
@@ -518,12 +517,6 @@ def _jsonable(obj):
     return obj
 
 
-def _write_atomic(path: Path, text: str) -> None:
-    tmp = path.with_name(f"{path.name}.tmp-{os.getpid()}")
-    tmp.write_text(text if text.endswith("\n") else text + "\n")
-    os.replace(tmp, path)
-
-
 def _pyplot():
     import matplotlib
 
@@ -534,12 +527,8 @@ def _pyplot():
 
 
 def _save_figure(fig, path: Path) -> None:
-    plt = _pyplot()
     fig.tight_layout()
-    tmp = path.with_name(f"{path.stem}.tmp-{os.getpid()}{path.suffix}")
-    fig.savefig(tmp, dpi=120)
-    plt.close(fig)
-    os.replace(tmp, path)
+    save_figure(fig, path, dpi=120)
 
 
 def _draw_per_token(ax, entries: list[dict], window: int, title: str) -> None:

@@ -32,7 +32,6 @@ from __future__ import annotations
 import itertools
 import json
 import math
-import os
 import re
 import string
 import time
@@ -46,7 +45,7 @@ import torch
 import torch.nn.functional as F
 
 from lapse.data import Tokenizer, python_source_documents, text_documents
-from lapse.eval.common import LoadedModel, load_model
+from lapse.eval.common import LoadedModel, load_model, save_figure, write_text_atomic
 from lapse.generation import generate
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -473,9 +472,9 @@ def write_outputs(results: dict, out_dir: Path) -> None:
     """``results.json``, ``niah.png`` and ``summary.md`` in ``out_dir`` (each replaced atomically)."""
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    _write_atomic(out_dir / "results.json", json.dumps(results, indent=2) + "\n")
+    write_text_atomic(out_dir / "results.json", json.dumps(results, indent=2) + "\n")
     plot_heatmaps(results, out_dir / "niah.png")
-    _write_atomic(out_dir / "summary.md", summary_markdown(results, "niah.png"))
+    write_text_atomic(out_dir / "summary.md", summary_markdown(results, "niah.png"))
 
 
 def _grid(model: dict, lengths: Sequence[int], depths: Sequence[float], key: str) -> np.ndarray:
@@ -546,12 +545,7 @@ def plot_heatmaps(results: dict, path: Path) -> Path:
         fontsize=11,
     )
     fig.tight_layout()
-    path = Path(path)
-    tmp = path.with_name(f"{path.stem}.tmp-{os.getpid()}.png")
-    fig.savefig(tmp, dpi=110)
-    plt.close(fig)
-    os.replace(tmp, path)
-    return path
+    return save_figure(fig, path, dpi=110)
 
 
 def summary_markdown(results: dict, image: str) -> str:
@@ -626,9 +620,3 @@ def _jsonable(value):
     if isinstance(value, Path):
         return str(value)
     return value
-
-
-def _write_atomic(path: Path, text: str) -> None:
-    tmp = path.with_name(f"{path.name}.tmp-{os.getpid()}")
-    tmp.write_text(text)
-    os.replace(tmp, path)

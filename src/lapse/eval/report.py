@@ -19,6 +19,8 @@ from pathlib import Path
 
 import tyro
 
+from lapse.eval.common import write_text_atomic
+
 _IMAGE = re.compile(r"(!\[[^\]]*\]\()([^)\s]+)(\))")
 _HEADING = re.compile(r"^(#{1,4}) ", re.M)
 
@@ -134,7 +136,4 @@ def build_report(cfg: ReportConfig) -> Path:
                 _demote(_relink(text, page.parent.resolve(), report_dir)),
                 "",
             ]
-    tmp = out.with_name(f"{out.name}.tmp-{os.getpid()}")
-    tmp.write_text("\n".join(lines).rstrip() + "\n")
-    os.replace(tmp, out)
-    return out
+    return write_text_atomic(out, "\n".join(lines).rstrip() + "\n")
