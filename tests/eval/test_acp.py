@@ -21,13 +21,7 @@ from lapse.eval.acp import (
 from lapse.eval.common import load_model
 from lapse.ops import forgetting_attention
 
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # tiny problems: threads only add barrier stalls on a shared CPU
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def _problem(t: int, hq: int, h: int, seed: int):

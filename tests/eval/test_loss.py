@@ -28,14 +28,7 @@ from lapse.eval.loss import (
 from lapse.models import Decoder, preset
 from lapse.train import latest_checkpoint
 
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    # tiny models on a shared 2-core CPU: extra threads only add barrier stalls
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def _uniform_run(fox_run, tmp_path):

@@ -23,14 +23,7 @@ ATOL64 = 1e-12  # measured 1.2e-14
 GPU_ATOL32 = 2e-5  # H100: measured 2.2e-6 to 4.5e-6 over the four archs (as on CPU)
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """Tiny models gain nothing from intra-op threads, and on a shared CPU the threads'
-    barriers stall (2 threads ran these tests 10-100x slower on a busy 2-core machine)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def _model(arch: str, dtype=torch.float32, **overrides) -> Decoder:

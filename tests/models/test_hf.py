@@ -22,15 +22,7 @@ from lapse.generation import DenseCache, generate  # noqa: E402
 from lapse.models import ARCHS, PRESETS, ModelConfig, preset  # noqa: E402
 from lapse.models.hf import LapseConfig, LapseForCausalLM  # noqa: E402
 
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """Tiny models gain nothing from intra-op threads, and on a shared CPU the threads'
-    barriers stall (2 threads ran these tests 10-100x slower on a busy 2-core machine)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def _hf_model(arch: str, **overrides) -> LapseForCausalLM:
