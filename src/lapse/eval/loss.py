@@ -392,27 +392,8 @@ def run_per_token_loss(cfg: PerTokenLossConfig) -> dict:
     seq_len = cfg.seq_len if cfg.seq_len is not None else models[0].context
     windows = _windows(cfg, models[0], seq_len)
     curves = _evaluate(models, windows, cfg, "per-token loss")
-    out_dir = cfg.out_dir if cfg.out_dir is not None else Path(cfg.models[0]) / "eval" / "per-token-loss"
-    results = {
-        "evaluation": "per-token-loss",
-        "config": _jsonable(asdict(cfg)),
-        "seq_len": seq_len,
-        "num_sequences": curves.num_sequences,
-        "num_sequences_requested": windows.shape[0],
-        "stopped_early": curves.stopped_early,
-        "data": _data_description(cfg, models[0]),
-        "smooth_window": cfg.smooth_window,
-        "smoothing": SMOOTHING_RULE,
-        "models": [
-            _model_entry(m, curves.loss[k], curves.prefix_losses[k][:, -1], cfg.smooth_window)
-            for k, m in enumerate(models)
-        ],
-    }
-    out_dir.mkdir(parents=True, exist_ok=True)
-    _plot_per_token(results, out_dir / "per_token_loss.png")
-    write_text_atomic(out_dir / "summary.md", _per_token_summary(results))
-    write_text_atomic(out_dir / "results.json", json.dumps(results, indent=1))
-    return {**results, "out_dir": str(out_dir)}
+    results = {**_results(cfg, "per-token-loss", models, curves, windows), "seq_len": seq_len}
+    return _write(cfg, results, _plot_per_token, "per_token_loss.png", _per_token_summary)
 
 
 def run_ppl(cfg: PplConfig) -> dict:
@@ -451,28 +432,38 @@ def run_ppl(cfg: PplConfig) -> dict:
                 "ppl": math.exp(summary["mean_loss"]),
                 "last_10pct": summary["last_10pct"],
             })
-    out_dir = cfg.out_dir if cfg.out_dir is not None else Path(cfg.models[0]) / "eval" / "ppl"
-    results = {
-        "evaluation": "ppl",
+    results = {**_results(cfg, "ppl", models, curves, windows), "context_lengths": list(lengths)}
+    for entry, model_rows in zip(results["models"], rows, strict=True):
+        entry["lengths"] = model_rows
+    return _write(cfg, results, _plot_ppl, "ppl.png", _ppl_summary)
+
+
+def _results(cfg: LossEvalConfig, name: str, models: list[LoadedModel], curves, windows: Tensor) -> dict:
+    """What both evaluations record: the config, the data, the smoothing, how many windows
+    were read, and each model's curve."""
+    return {
+        "evaluation": name,
         "config": _jsonable(asdict(cfg)),
-        "context_lengths": list(lengths),
-        "data": _data_description(cfg, models[0]),
-        "smooth_window": cfg.smooth_window,
-        "smoothing": SMOOTHING_RULE,
         "num_sequences": curves.num_sequences,
         "num_sequences_requested": windows.shape[0],
         "stopped_early": curves.stopped_early,
+        "data": _data_description(cfg, models[0]),
+        "smooth_window": cfg.smooth_window,
+        "smoothing": SMOOTHING_RULE,
         "models": [
-            {
-                **_model_entry(m, curves.loss[k], curves.prefix_losses[k][:, -1], cfg.smooth_window),
-                "lengths": rows[k],
-            }
+            _model_entry(m, curves.loss[k], curves.prefix_losses[k][:, -1], cfg.smooth_window)
             for k, m in enumerate(models)
         ],
     }
+
+
+def _write(cfg: LossEvalConfig, results: dict, plot, png: str, summary) -> dict:
+    """Plot, summary and results into ``cfg.out_dir`` (default
+    ``<first model>/eval/<evaluation>/``); the results with ``out_dir`` added."""
+    out_dir = cfg.out_dir if cfg.out_dir is not None else Path(cfg.models[0]) / "eval" / results["evaluation"]
     out_dir.mkdir(parents=True, exist_ok=True)
-    _plot_ppl(results, out_dir / "ppl.png")
-    write_text_atomic(out_dir / "summary.md", _ppl_summary(results))
+    plot(results, out_dir / png)
+    write_text_atomic(out_dir / "summary.md", summary(results))
     write_text_atomic(out_dir / "results.json", json.dumps(results, indent=1))
     return {**results, "out_dir": str(out_dir)}
 
