@@ -22,6 +22,8 @@ from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Protocol, runtime_checkable
 
+from lapse.files import write_json_atomic
+
 BYTE_TOKENIZER_FILE = "lapse_tokenizer.json"
 HF_TOKENIZER_FILE = "tokenizer.json"
 EOS, BOS = "<eos>", "<bos>"
@@ -69,7 +71,8 @@ class ByteTokenizer:
             "vocab_size": self.vocab_size,
             "specials": {EOS: self.eos_id, BOS: self.bos_id},
         }
-        _write_json_atomic(Path(directory) / BYTE_TOKENIZER_FILE, info)
+        Path(directory).mkdir(parents=True, exist_ok=True)
+        write_json_atomic(Path(directory) / BYTE_TOKENIZER_FILE, info)
 
     def __repr__(self) -> str:
         return "ByteTokenizer()"
@@ -216,13 +219,3 @@ def _has_transformers() -> bool:
     import importlib.util
 
     return importlib.util.find_spec("transformers") is not None
-
-
-def _write_json_atomic(path: Path, obj) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + f".tmp-{os.getpid()}")
-    try:
-        tmp.write_text(json.dumps(obj, indent=2) + "\n", encoding="utf-8")
-        os.replace(tmp, path)
-    finally:
-        tmp.unlink(missing_ok=True)

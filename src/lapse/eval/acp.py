@@ -51,7 +51,8 @@ from torch import Tensor
 from tqdm.auto import tqdm
 
 from lapse.data import CorpusConfig
-from lapse.eval.common import LoadedModel, eval_windows, load_model, save_figure, write_text_atomic
+from lapse.eval.common import LoadedModel, eval_windows, load_model
+from lapse.files import save_figure, write_text_atomic
 from lapse.models import Decoder
 from lapse.ops.forgetting import ACP_BLOCK, LOG_GATE_FLOOR
 

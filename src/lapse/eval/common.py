@@ -15,7 +15,6 @@ any corpus), deterministically from a seed, for loss-type evaluations.
 from __future__ import annotations
 
 import json
-import os
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -188,37 +187,6 @@ def eval_windows(
     sampler = WindowSampler(shards=data.validation, seq_len=seq_len, batch_size=num, seed=seed)
     x, y = sampler.batch(0)
     return torch.cat([x, y[:, -1:]], dim=1)  # [num, seq_len + 1]
-
-
-def write_text_atomic(path: str | Path, text: str) -> Path:
-    """Write ``text`` to ``path`` through a temporary file and a rename: a reader (or an
-    interrupted run) never sees half a file."""
-    path = Path(path)
-    tmp = path.with_name(f"{path.name}.tmp-{os.getpid()}")
-    try:
-        tmp.write_text(text if text.endswith("\n") else text + "\n")
-        os.replace(tmp, path)
-    finally:
-        tmp.unlink(missing_ok=True)
-    return path
-
-
-def save_figure(fig, path: str | Path, dpi: int = 120) -> Path:
-    """Save a matplotlib figure atomically (PNG, Agg) and close it."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    path = Path(path)
-    tmp = path.with_name(f"{path.stem}.tmp-{os.getpid()}{path.suffix}")
-    try:
-        fig.savefig(tmp, dpi=dpi)
-        os.replace(tmp, path)
-    finally:
-        plt.close(fig)
-        tmp.unlink(missing_ok=True)
-    return path
 
 
 def to_numpy(t: torch.Tensor) -> np.ndarray:

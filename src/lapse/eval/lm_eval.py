@@ -66,8 +66,9 @@ except ImportError as e:  # pragma: no cover - depends on the environment
     ) from e
 from tqdm import tqdm
 
-from lapse.eval.common import LoadedModel, load_model, write_text_atomic
+from lapse.eval.common import LoadedModel, load_model
 from lapse.eval.lm_eval_config import _DTYPES, LmEvalConfig, _positive_int
+from lapse.files import write_text_atomic
 from lapse.generation import DenseCache, generate
 
 TASKS_DIR = Path(__file__).with_name("lm_eval_tasks")

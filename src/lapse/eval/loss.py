@@ -40,7 +40,8 @@ from tqdm.auto import tqdm
 
 from lapse.data import CorpusConfig
 from lapse.data.tokenizer import tokenizer_info
-from lapse.eval.common import LoadedModel, eval_windows, load_model, save_figure, write_text_atomic
+from lapse.eval.common import LoadedModel, eval_windows, load_model
+from lapse.files import save_figure, write_text_atomic
 from lapse.models import Decoder
 
 SMOOTHING_RULE = (

@@ -45,7 +45,8 @@ import torch
 import torch.nn.functional as F
 
 from lapse.data import Tokenizer, python_source_documents, text_documents
-from lapse.eval.common import LoadedModel, load_model, save_figure, write_text_atomic
+from lapse.eval.common import LoadedModel, load_model
+from lapse.files import save_figure, write_text_atomic
 from lapse.generation import generate
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import tyro
 
-from lapse.eval.common import write_text_atomic
+from lapse.files import write_text_atomic
 
 _IMAGE = re.compile(r"(!\[[^\]]*\]\()([^)\s]+)(\))")
 _HEADING = re.compile(r"^(#{1,4}) ", re.M)

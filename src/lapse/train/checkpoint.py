@@ -23,6 +23,8 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 
+from lapse.files import write_json_atomic
+
 from .distributed import World
 
 POINTER = "checkpoint.json"
@@ -59,7 +61,7 @@ def save_checkpoint(
         os.replace(tmp, final)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
-    _write_json_atomic(run_dir / POINTER, {"step": state["step"], "folder": name, **state})
+    write_json_atomic(run_dir / POINTER, {"step": state["step"], "folder": name, **state})
     for old in run_dir.glob("checkpoint-*"):
         if old.is_dir() and old.name != name and ".tmp-" not in old.name:
             shutil.rmtree(old, ignore_errors=True)
@@ -110,12 +112,3 @@ def _fsync_folder(folder: Path) -> None:
     for path in folder.iterdir():
         with path.open("rb") as f:
             os.fsync(f.fileno())
-
-
-def _write_json_atomic(path: Path, obj) -> None:
-    tmp = path.with_name(f"{path.name}.tmp-{os.getpid()}")
-    try:
-        tmp.write_text(json.dumps(obj, indent=2, default=str) + "\n")
-        os.replace(tmp, path)
-    finally:
-        tmp.unlink(missing_ok=True)

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import shutil
 import sys
 from dataclasses import asdict, dataclass
@@ -28,6 +27,7 @@ from lapse.data import (
     train_bpe,
     write_shards,
 )
+from lapse.files import write_json_atomic
 
 from .config import TrainConfig
 
@@ -119,9 +119,7 @@ def _build(cfg: TrainConfig, directory: Path, progress: bool) -> None:
         "train_tokens": TokenShards(directory / "train").num_tokens,
         "validation_tokens": TokenShards(directory / "validation").num_tokens,
     }
-    tmp = directory / f"{READY_FILE}.tmp-{os.getpid()}"
-    tmp.write_text(json.dumps(info, indent=2, default=str) + "\n")
-    os.replace(tmp, directory / READY_FILE)
+    write_json_atomic(directory / READY_FILE, info)
 
 
 def _make_tokenizer(cfg: TrainConfig) -> Tokenizer:

@@ -10,10 +10,11 @@ continues without duplicates.
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 
 import torch
+
+from lapse.files import save_figure, write_text_atomic
 
 METRICS_FILE = "metrics.jsonl"
 
@@ -53,9 +54,7 @@ class MetricsLog:
         self.enabled = enabled
         if enabled and resume_step is not None:
             kept = [r for r in read_metrics(run_dir) if r.get("step", 0) <= resume_step]
-            tmp = self.path.with_name(f"{self.path.name}.tmp-{os.getpid()}")
-            tmp.write_text("".join(json.dumps(r) + "\n" for r in kept))
-            os.replace(tmp, self.path)
+            write_text_atomic(self.path, "".join(json.dumps(r) + "\n" for r in kept))
         # a new run starts a new file (a folder may hold the metrics of a run that died
         # before its first checkpoint); a resumed one appends to what was kept above
         mode = "a" if resume_step is not None else "w"
@@ -116,12 +115,7 @@ def plot_losses(run_dir: Path) -> Path | None:
         ax.grid(alpha=0.3)
         ax.legend(fontsize=7)
     fig.tight_layout()
-    path = Path(run_dir) / "loss.png"
-    tmp = path.with_name(f"loss.tmp-{os.getpid()}.png")
-    fig.savefig(tmp, dpi=110)
-    plt.close(fig)
-    os.replace(tmp, path)
-    return path
+    return save_figure(fig, Path(run_dir) / "loss.png", dpi=110)
 
 
 def write_report(run_dir: Path, summary: dict) -> Path:
@@ -183,7 +177,5 @@ def write_report(run_dir: Path, summary: dict) -> Path:
         ("report.md", "\n".join(lines)),
         ("summary.json", json.dumps(s, indent=2, default=str)),
     ):
-        tmp = run_dir / f"{name}.tmp-{os.getpid()}"
-        tmp.write_text(text + "\n")
-        os.replace(tmp, run_dir / name)
+        write_text_atomic(run_dir / name, text)
     return path

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import signal
 import time
 from contextlib import contextmanager
@@ -27,6 +26,7 @@ import torch.distributed as dist
 from tqdm.auto import tqdm
 
 from lapse.data import CorpusConfig, WindowSampler
+from lapse.files import write_json_atomic
 from lapse.models import Decoder, ModelConfig, flops_per_token, optimizer_groups, param_count
 from lapse.ops.forgetting import set_value_checks
 
@@ -82,9 +82,7 @@ def resume(
     if steps is not None and steps != cfg.steps:
         # the new total is part of the run from now on: a later plain resume keeps it
         saved["steps"] = steps
-        tmp = run_dir / f"{CONFIG_FILE}.tmp-{os.getpid()}"
-        tmp.write_text(json.dumps(saved, indent=2) + "\n")
-        os.replace(tmp, run_dir / CONFIG_FILE)
+        write_json_atomic(run_dir / CONFIG_FILE, saved)
     overrides = {"run_dir": run_dir, "time_limit_minutes": time_limit_minutes, "stop_at_step": stop_at_step}
     if steps is not None:
         overrides["steps"] = steps
