@@ -9,11 +9,11 @@ gate, the ACP bound and staircase), ``naive.py`` (the materialised oracle),
 from __future__ import annotations
 
 import math
-import os
 
 import torch
 from torch import Tensor
 
+from ..backend import resolve_backend
 from .common import (
     ACP_BLOCK,
     LOG_GATE_FLOOR,
@@ -37,10 +37,6 @@ __all__ = [
     "naive_forgetting_attention",
     "set_value_checks",
 ]
-
-
-def _triton_usable(q: Tensor) -> bool:
-    return q.is_cuda or os.environ.get("TRITON_INTERPRET") == "1"
 
 
 def forgetting_attention(
@@ -95,15 +91,7 @@ def forgetting_attention(
         ``return_stats``, a tuple ``(o, lse)``, ``(o, stats)`` or ``(o, lse, stats)``.
     """
     p = validate(q, k, v, log_fgate, scale, cu_seqlens, backend)
-    if backend == "auto":
-        backend = "triton" if q.is_cuda else "torch"
-    if backend == "triton":
-        if not _triton_usable(q):
-            raise ValueError(
-                f"backend='triton' needs CUDA tensors (or TRITON_INTERPRET=1), got {q.device}"
-            )
-        if q.dtype == torch.float64:
-            raise TypeError("backend='triton' takes float16, bfloat16 or float32, got float64")
+    backend = resolve_backend(backend, q)
 
     with torch.no_grad():
         bound = None

@@ -16,6 +16,8 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from ..backend import check_backend
+
 # ACP prunes whole tiles of ACP_BLOCK x ACP_BLOCK (query x key) positions. It is one
 # fixed granularity for every backend and for the forward and backward passes, so all
 # of them compute exactly the same pruned function whatever tile sizes their kernels use.
@@ -26,8 +28,6 @@ ACP_BLOCK = 64
 # separated by a floored gate has bias <= LOG_GATE_FLOOR and a weight that is exactly 0
 # in float32 for any |scale * q.k| below ~900, the same as the -inf the user meant.
 LOG_GATE_FLOOR = -1000.0
-
-BACKENDS = ("auto", "triton", "torch", "naive")
 
 _value_checks = True
 
@@ -145,8 +145,7 @@ def validate(
             f"log_fgate must be [batch, key_time, query_heads] = {(b, tk, hq)}, "
             f"got {_shape(log_fgate)}"
         )
-    if backend not in BACKENDS:
-        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+    check_backend(backend)
     if scale is None:
         scale = 1.0 / math.sqrt(d)
     elif not isinstance(scale, (int, float)) or not math.isfinite(scale) or scale <= 0:

@@ -19,26 +19,16 @@ BS (padded number of splits).
 from __future__ import annotations
 
 import math
-import os
 
 import torch
 from torch import Tensor
 
+from ..backend import BACKENDS, LN2_TL, LOG2E, LOG2E_TL, check_backend, resolve_backend, tl, triton
+from ..backend import triton_jit as _triton_jit
 from .common import _shape
 
-try:
-    import triton
-    import triton.language as tl
-
-    _triton_jit = triton.jit
-except ImportError:  # Triton is optional: the torch backend works without it
-    triton = tl = None
-
-    def _triton_jit(fn):
-        return fn
-
-
-BACKENDS = ("auto", "triton", "torch")
+# the torch path is the plain reference, so there is no separate naive one
+DECODE_BACKENDS = tuple(b for b in BACKENDS if b != "naive")
 
 # A split below this many keys costs more in partial writes than it saves in parallelism.
 _MIN_KEYS_PER_SPLIT = 256
@@ -134,7 +124,7 @@ def _decode_split_kernel(
         b_c = tl.load(p_c, mask=m_gj, other=0.0)  # [BG, BN]
         b_bias = (b_ct[:, None] - b_c).to(tl.float32)  # [BG, BN]
         b_s = tl.dot(b_q, tl.trans(b_k), input_precision=DOT_PRECISION)  # [BG, BN]
-        b_s = b_s * scale_log2 + b_bias * 1.4426950408889634
+        b_s = b_s * scale_log2 + b_bias * LOG2E_TL
         b_s = tl.where(m_gj, b_s, float("-inf"))
         b_m_new = tl.maximum(b_m, tl.max(b_s, axis=1))  # [BG]
         # A row with no kept key yet has m = -inf; exp2(-inf - 0) = 0 keeps it NaN-free.
@@ -152,7 +142,7 @@ def _decode_split_kernel(
         b_l_safe = tl.where(m_g, b_l, 1.0)
         p_o = o + i_b * stride_ob + o_hq[:, None] * stride_oh + o_d[None, :]
         tl.store(p_o, (b_acc / b_l_safe[:, None]).to(o.dtype.element_ty), mask=m_gd)
-        b_lse = (b_m + tl.log2(b_l_safe)) * 0.6931471805599453
+        b_lse = (b_m + tl.log2(b_l_safe)) * LN2_TL
         tl.store(lse + i_b * (H * GROUP) + o_hq, b_lse, mask=m_g)
     else:
         o_row = (i_b * (H * GROUP) + o_hq) * num_splits + i_s  # [BG] row of [B, HQ, splits]
@@ -196,7 +186,7 @@ def _decode_combine_kernel(
     b_l_sum = tl.sum(b_w * b_l, axis=0)
     b_o = tl.sum(b_w[:, None] * b_acc, axis=0) / b_l_sum  # [BD]
     tl.store(o + i_b * stride_ob + i_hq * stride_oh + o_d, b_o.to(o.dtype.element_ty), mask=m_d)
-    tl.store(lse + i_bhq, (b_m_max + tl.log2(b_l_sum)) * 0.6931471805599453)
+    tl.store(lse + i_bhq, (b_m_max + tl.log2(b_l_sum)) * LN2_TL)
 
 
 def _resident_programs(device: torch.device, tile_bytes: int) -> int:
@@ -279,7 +269,7 @@ def _decode_triton(
         l_part,
         o,
         lse,
-        scale * math.log2(math.e),
+        scale * LOG2E,
         num_splits,
         q.stride(0),
         q.stride(1),
@@ -376,8 +366,7 @@ def _validate(q, k_cache, v_cache, c_cache, cache_seqlens, window_start, scale, 
     for name, t in tensors.items():
         if t.device != q.device:
             raise ValueError(f"{name} is on {t.device} but q is on {q.device}")
-    if backend not in BACKENDS:
-        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+    check_backend(backend, DECODE_BACKENDS)
     if q.dim() != 3:
         raise ValueError(f"q must be [batch, query_heads, head_dim], got {_shape(q)}")
     for name, t in (("k_cache", k_cache), ("v_cache", v_cache)):
@@ -511,17 +500,8 @@ def forgetting_attention_decode(
     """
     scale = _validate(q, k_cache, v_cache, c_cache, cache_seqlens, window_start, scale,
                       backend, out, check_values)
-    if backend == "auto":
-        backend = "triton" if q.is_cuda else "torch"
+    backend = resolve_backend(backend, q, DECODE_BACKENDS)
     if backend == "triton":
-        if triton is None:
-            raise ValueError("backend='triton' needs the triton package")
-        if not (q.is_cuda or os.environ.get("TRITON_INTERPRET") == "1"):
-            raise ValueError(
-                f"backend='triton' needs CUDA tensors (or TRITON_INTERPRET=1), got {q.device}"
-            )
-        if q.dtype == torch.float64:
-            raise TypeError("backend='triton' takes float16, bfloat16 or float32, got float64")
         if num_splits is not None and not (
             isinstance(num_splits, int) and 1 <= num_splits <= _MAX_SPLITS
         ):

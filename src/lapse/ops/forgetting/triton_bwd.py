@@ -18,6 +18,8 @@ import torch
 import triton
 import triton.language as tl
 
+from ..backend import LOG2E, LOG2E_TL
+
 
 @triton.jit
 def _delta_kernel(O, DO, DELTA, CU, stride_ob, stride_ot, stride_oh, stride_dob, stride_dot,
@@ -105,7 +107,7 @@ def _dkdv_inner(
         b_delta = tl.load(p_delta + o_m, mask=m_m, other=0.0)
         o_abs = o_m + off
         o_absc = tl.minimum(o_abs, tq + off - 1)
-        b_cq = ((tl.load(p_chi + o_absc) - c_ref) + tl.load(p_clo + o_absc)) * 1.4426950408889634
+        b_cq = ((tl.load(p_chi + o_absc) - c_ref) + tl.load(p_clo + o_absc)) * LOG2E_TL
         # [BN, BM] transposed scores, base 2
         b_st = tl.dot(b_k, tl.trans(b_q), input_precision=DOT_PREC) * qk_scale \
             + (b_cq[None, :] - b_ck[:, None])
@@ -191,7 +193,7 @@ def _bwd_dkdv_kernel(
         p_clo = CLO + (i_bt * HQ + i_h) * TC + bos
         c_ref = tl.load(p_chi + k0)
         b_ck = ((tl.load(p_chi + o_n, mask=m_n, other=0.0) - c_ref)
-                + tl.load(p_clo + o_n, mask=m_n, other=0.0)) * 1.4426950408889634
+                + tl.load(p_clo + o_n, mask=m_n, other=0.0)) * LOG2E_TL
         p_q = Q + i_bt * stride_qb + bos * stride_qt + i_h * stride_qh
         p_do = DO + i_bt * stride_dob + bos * stride_dot + i_h * stride_doh
         p_lse = LSE + (i_bt * HQ + i_h) * TC + bos
@@ -236,7 +238,7 @@ def _dq_inner(
         b_vt = tl.load(p_v + o_n[None, :] * stride_vt + o_d[:, None],
                        mask=m_d[:, None] & m_n[None, :], other=0.0)
         b_ck = ((tl.load(p_chi + o_n, mask=m_n, other=0.0) - c_ref)
-                + tl.load(p_clo + o_n, mask=m_n, other=0.0)) * 1.4426950408889634
+                + tl.load(p_clo + o_n, mask=m_n, other=0.0)) * LOG2E_TL
         # [BM, BN]
         b_s = tl.dot(b_q, b_kt, input_precision=DOT_PREC) * qk_scale + (b_cq[:, None] - b_ck[None, :])
         if MASKED:
@@ -300,7 +302,7 @@ def _bwd_dq_kernel(
     last_abs = tl.minimum(i_m * BM + BM, tq) - 1 + off
     c_ref = tl.load(p_chi + first_abs)
     o_absc = tl.minimum(o_abs, tk - 1)
-    b_cq = ((tl.load(p_chi + o_absc) - c_ref) + tl.load(p_clo + o_absc)) * 1.4426950408889634
+    b_cq = ((tl.load(p_chi + o_absc) - c_ref) + tl.load(p_clo + o_absc)) * LOG2E_TL
     if USE_ACP:
         p_bs = BSTART + (i_b * HQ + i_h) * MB
         b_kstart = tl.load(p_bs + o_m // G, mask=m_m, other=0) * G
@@ -372,7 +374,7 @@ def launch_bwd(q, k, v, do, lse2, delta, c_hi, c_lo, block_start, block_end, cu,
         do.stride(0), do.stride(1), do.stride(2),
         dk.stride(0), dk.stride(1), dk.stride(2),
         dv.stride(0), dv.stride(1), dv.stride(2),
-        p.scale * 1.4426950408889634, p.scale, p.tq, p.tk, c_hi.shape[-1], p.hq, p.h,
+        p.scale * LOG2E, p.scale, p.tq, p.tk, c_hi.shape[-1], p.hq, p.h,
         p.hq // p.h, mb, nb, BM=bm, BN=bn, **common, **cfg_kv,
     )
     bm, bn = cfg_q.pop("BM"), cfg_q.pop("BN")
@@ -384,7 +386,7 @@ def launch_bwd(q, k, v, do, lse2, delta, c_hi, c_lo, block_start, block_end, cu,
         v.stride(0), v.stride(1), v.stride(2),
         do.stride(0), do.stride(1), do.stride(2),
         dq.stride(0), dq.stride(1), dq.stride(2),
-        p.scale * 1.4426950408889634, p.scale, p.tq, p.tk, c_hi.shape[-1], p.hq,
+        p.scale * LOG2E, p.scale, p.tq, p.tk, c_hi.shape[-1], p.hq,
         p.hq // p.h, mb, BM=bm, BN=bn, **common, **cfg_q,
     )
 

@@ -22,7 +22,7 @@ import torch
 import triton
 import triton.language as tl
 
-LOG2E = 1.4426950408889634
+from ..backend import LOG2E, LOG2E_TL
 
 
 @triton.jit
@@ -74,7 +74,7 @@ def _fwd_inner(
         b_kt = tl.load(p_k + o_n[None, :] * stride_kt + o_d[:, None],
                        mask=m_d[:, None] & m_n[None, :], other=0.0)
         b_ck = ((tl.load(p_chi + o_n, mask=m_n, other=0.0) - c_ref)
-                + tl.load(p_clo + o_n, mask=m_n, other=0.0)) * 1.4426950408889634
+                + tl.load(p_clo + o_n, mask=m_n, other=0.0)) * LOG2E_TL
         # [BM, BN], base-2 logits
         b_s = tl.dot(b_q, b_kt, input_precision=DOT_PREC) * qk_scale + (b_cq[:, None] - b_ck[None, :])
         if MASKED:
@@ -142,7 +142,7 @@ def _fwd_kernel(
     last_abs = tl.minimum(i_m * BM + BM, tq) - 1 + off
     c_ref = tl.load(p_chi + first_abs)
     o_absc = tl.minimum(o_abs, tk - 1)
-    b_cq = ((tl.load(p_chi + o_absc) - c_ref) + tl.load(p_clo + o_absc)) * 1.4426950408889634
+    b_cq = ((tl.load(p_chi + o_absc) - c_ref) + tl.load(p_clo + o_absc)) * LOG2E_TL
 
     if USE_ACP:
         p_bs = BSTART + (i_b * HQ + i_h) * MB

@@ -5,12 +5,11 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from ..backend import LN2
 from .common import LOG_GATE_FLOOR, Problem
 from .pruning import block_end_from_start
 from .triton_bwd import launch_bwd, launch_delta, launch_gate_grad
 from .triton_fwd import gate_cumsum, launch_fwd
-
-LN2 = 0.6931471805599453
 
 # Tests set this to fill every kernel output with NaN before the launch, so that a tile a
 # kernel skipped (ACP) and left unwritten shows up instead of passing on stale zeros.

@@ -1,0 +1,70 @@
+"""What every op shares: the backend names, whether Triton can run, kernel constants.
+
+Every public op takes ``backend="auto" | "triton" | "torch" | "naive"`` (``DESIGN.md``,
+Conventions): ``"auto"`` is Triton for CUDA tensors and the PyTorch path otherwise.
+Triton is optional; the PyTorch paths work without it.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+from torch import Tensor
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # Triton is optional: the torch backends work without it
+    triton = tl = None
+
+BACKENDS = ("auto", "triton", "torch", "naive")
+
+# Kernels run the softmax in base 2: exp(x) = exp2(x * LOG2E), log(x) = log2(x) * LN2.
+LOG2E = 1.4426950408889634
+LN2 = 0.6931471805599453
+
+# The same constants for @triton.jit code, which may read a global only when it is a
+# tl.constexpr (plain floats without Triton, where no kernel is compiled).
+LOG2E_TL = tl.constexpr(LOG2E) if tl is not None else LOG2E
+LN2_TL = tl.constexpr(LN2) if tl is not None else LN2
+
+
+def triton_jit(fn):
+    """``triton.jit``, or the plain function without Triton (so a module that defines
+    kernels still imports; its torch path never calls them)."""
+    return triton.jit(fn) if triton is not None else fn
+
+
+def triton_usable(x: Tensor) -> bool:
+    """Triton can run on ``x``: it is installed, and ``x`` is a CUDA tensor or the
+    interpreter is on (``TRITON_INTERPRET=1``, CPU tensors; tests only)."""
+    return triton is not None and (x.is_cuda or os.environ.get("TRITON_INTERPRET") == "1")
+
+
+def check_backend(backend: str, allowed: tuple[str, ...] = BACKENDS) -> None:
+    """Raises ``ValueError`` unless ``backend`` is one of ``allowed``."""
+    if backend not in allowed:
+        raise ValueError(f"backend must be one of {allowed}, got {backend!r}")
+
+
+def resolve_backend(backend: str, x: Tensor, allowed: tuple[str, ...] = BACKENDS) -> str:
+    """The backend to run for inputs like ``x``: ``"auto"`` becomes ``"triton"`` for CUDA
+    tensors and ``"torch"`` otherwise; Triton is checked to be usable for ``x``.
+
+    Raises ``ValueError`` for an unknown name or an unusable Triton, ``TypeError`` for
+    float64 on Triton (its kernels take float16, bfloat16 and float32).
+    """
+    check_backend(backend, allowed)
+    if backend == "auto":
+        backend = "triton" if x.is_cuda else "torch"
+    if backend == "triton":
+        if triton is None:
+            raise ValueError("backend='triton' needs the triton package")
+        if not triton_usable(x):
+            raise ValueError(
+                f"backend='triton' needs CUDA tensors (or TRITON_INTERPRET=1), got {x.device}"
+            )
+        if x.dtype == torch.float64:
+            raise TypeError("backend='triton' takes float16, bfloat16 or float32, got float64")
+    return backend
