@@ -16,13 +16,8 @@ import pytest
 import torch
 
 from lapse.ops.forgetting import LOG_GATE_FLOOR, naive_forgetting_attention
-from lapse.ops.forgetting.decoding import (
-    _choose_num_splits,
-    _decode_torch,
-    _decode_triton,
-    _resident_programs,
-    forgetting_attention_decode,
-)
+from lapse.ops.forgetting.decode import _decode_torch, forgetting_attention_decode
+from lapse.ops.forgetting.decode_triton import _choose_num_splits, _resident_programs, launch_decode
 
 # the Triton tests below use CPU tensors: they run under the interpreter (tests/conftest.py)
 needs_interpreter = pytest.mark.skipif(
@@ -233,7 +228,7 @@ def test_triton_kernel_matches_reference(kc):
         torch.full((b, hq, num_splits), NAN),
         torch.full((b, hq, num_splits), NAN),
     )
-    _decode_triton(
+    launch_decode(
         x["q"], x["k_cache"], x["v_cache"], x["c_cache"], x["lens"], x["window_start"],
         scale, o, lse, num_splits, workspace,
     )

@@ -3,7 +3,8 @@
 SPEC sections 1 and 3. The folder reads top-down: ``common.py`` (checks, the cumulative
 gate, the ACP bound and staircase), ``naive.py`` (the materialised oracle),
 ``chunked.py`` (the PyTorch path), ``pruning.py`` / ``triton_fwd.py`` / ``triton_bwd.py``
-(the Triton path), ``decoding.py`` (one query over a cache), and here the public function.
+(the Triton path), ``decode.py`` / ``decode_triton.py`` (new tokens over a cache), and
+here the public function.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ from .common import (
     set_value_checks,
     validate,
 )
-from .decoding import forgetting_attention_decode
+from .decode import forgetting_attention_decode
 from .naive import naive_forgetting_attention
 
 __all__ = [

@@ -76,8 +76,65 @@ class Problem:
     seqlens: list[int] | None  # host copy of the packed sequence lengths
 
 
+FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+
+
 def _shape(t: Tensor) -> str:
     return f"shape {tuple(t.shape)}, dtype {t.dtype}, device {t.device}"
+
+
+def check_tensors(**tensors: object) -> None:
+    """Raises ``TypeError`` naming the first argument that is not a tensor."""
+    for name, t in tensors.items():
+        if not isinstance(t, Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+
+
+def check_devices(q: Tensor, **tensors: Tensor) -> None:
+    """Raises ``ValueError`` naming the first tensor that is not on ``q``'s device."""
+    for name, t in tensors.items():
+        if t.device != q.device:
+            raise ValueError(f"{name} is on {t.device} but q is on {q.device}")
+
+
+def check_float_dtype(name: str, t: Tensor) -> None:
+    if t.dtype not in FLOAT_DTYPES:
+        raise TypeError(f"{name} must be float16, bfloat16, float32 or float64, got {t.dtype}")
+
+
+def check_heads(q: Tensor, k: Tensor, v: Tensor, k_name: str = "k", v_name: str = "v") -> None:
+    """Queries ``[B, ..., HQ, D]`` against keys and values ``[B, T, H, D]`` (ranks already
+    checked): one dtype, ``k`` and ``v`` of one shape, the same batch and head dim, ``D``
+    in [1, 256] and ``HQ`` a multiple of ``H`` (grouped-query)."""
+    if not (q.dtype == k.dtype == v.dtype):
+        raise TypeError(
+            f"q, {k_name}, {v_name} must share a dtype, got {q.dtype}, {k.dtype}, {v.dtype}"
+        )
+    if k.shape != v.shape:
+        raise ValueError(
+            f"{k_name} and {v_name} must have the same shape, got {_shape(k)} and {_shape(v)}"
+        )
+    b, hq, d = q.shape[0], q.shape[-2], q.shape[-1]
+    bk, h, dk = k.shape[0], k.shape[2], k.shape[3]
+    if bk != b:
+        raise ValueError(f"{k_name} has batch {bk} but q has batch {b}")
+    if dk != d:
+        raise ValueError(f"{k_name} has head_dim {dk} but q has head_dim {d}")
+    if d < 1 or d > 256:
+        raise ValueError(f"head_dim must be in [1, 256], got {d}")
+    if h < 1 or hq % h != 0:
+        raise ValueError(
+            f"query heads ({hq}) must be a multiple of key/value heads ({h}) (grouped-query)"
+        )
+
+
+def resolve_scale(scale: float | None, d: int) -> float:
+    """The logit scale: ``1 / sqrt(d)`` for ``None``, else a checked positive number."""
+    if scale is None:
+        return 1.0 / math.sqrt(d)
+    if not isinstance(scale, (int, float)) or not math.isfinite(scale) or scale <= 0:
+        raise ValueError(f"scale must be a positive finite number, got {scale!r}")
+    return float(scale)
 
 
 def _check_gate_values(log_fgate: Tensor) -> None:
@@ -100,19 +157,13 @@ def validate(
     backend: str,
 ) -> Problem:
     """Checks every argument and returns the problem's shapes; raises on bad input."""
-    for name, t in (("q", q), ("k", k), ("v", v), ("log_fgate", log_fgate)):
-        if not isinstance(t, Tensor):
-            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    check_tensors(q=q, k=k, v=v, log_fgate=log_fgate)
     for name, t in (("q", q), ("k", k), ("v", v)):
         if t.dim() != 4:
             raise ValueError(f"{name} must be [batch, time, heads, head_dim], got {_shape(t)}")
-        if t.dtype not in (torch.float16, torch.bfloat16, torch.float32, torch.float64):
-            raise TypeError(f"{name} must be float16, bfloat16, float32 or float64, got {t.dtype}")
-    if not (q.dtype == k.dtype == v.dtype):
-        raise TypeError(f"q, k, v must share a dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
-    for name, t in (("k", k), ("v", v), ("log_fgate", log_fgate)):
-        if t.device != q.device:
-            raise ValueError(f"{name} is on {t.device} but q is on {q.device}")
+        check_float_dtype(name, t)
+    check_devices(q, k=k, v=v, log_fgate=log_fgate)
+    check_heads(q, k, v)
     if log_fgate.dtype != torch.float32 and not (
         log_fgate.dtype == torch.float64 and q.dtype == torch.float64
     ):
@@ -122,19 +173,7 @@ def validate(
     if log_fgate.dim() != 3:
         raise ValueError(f"log_fgate must be [batch, time, heads], got {_shape(log_fgate)}")
     b, tq, hq, d = q.shape
-    bk, tk, h, dk = k.shape
-    if k.shape != v.shape:
-        raise ValueError(f"k and v must have the same shape, got {_shape(k)} and {_shape(v)}")
-    if bk != b:
-        raise ValueError(f"k has batch {bk} but q has batch {b}")
-    if dk != d:
-        raise ValueError(f"k has head_dim {dk} but q has head_dim {d}")
-    if d < 1 or d > 256:
-        raise ValueError(f"head_dim must be in [1, 256], got {d}")
-    if h < 1 or hq % h != 0:
-        raise ValueError(
-            f"query heads ({hq}) must be a multiple of key/value heads ({h}) (grouped-query)"
-        )
+    tk, h = k.shape[1], k.shape[2]
     if tq > tk:
         raise ValueError(
             f"q has {tq} positions but k has {tk}: queries must not outnumber keys "
@@ -146,10 +185,7 @@ def validate(
             f"got {_shape(log_fgate)}"
         )
     check_backend(backend)
-    if scale is None:
-        scale = 1.0 / math.sqrt(d)
-    elif not isinstance(scale, (int, float)) or not math.isfinite(scale) or scale <= 0:
-        raise ValueError(f"scale must be a positive finite number, got {scale!r}")
+    scale = resolve_scale(scale, d)
     # Positive log gates would make c increase and break causal decay; NaN is never valid.
     if _value_checks or not log_fgate.is_cuda:
         _check_gate_values(log_fgate)
@@ -176,7 +212,7 @@ def validate(
         seqlens = [e - s for s, e in zip(host, host[1:], strict=False)]
         b = len(seqlens)
         tq = tk = max(seqlens)
-    return Problem(b, tq, tk, hq, h, d, float(scale), cu_seqlens, seqlens)
+    return Problem(b, tq, tk, hq, h, d, scale, cu_seqlens, seqlens)
 
 
 def _sequence_ids(cu_seqlens: Tensor, t: int) -> Tensor:

@@ -1,0 +1,332 @@
+"""Triton kernels of one decoding step over a KV cache that stores ``c_j``, and their launcher.
+
+The public function and the plain torch reference are in ``decode.py``. Split-K
+flash-decoding: program ``(split, b * H + h)`` owns one key head and all ``GROUP = HQ // H``
+query heads that read it, so each K/V tile is loaded once per group; it runs an online
+softmax (base 2) over its share of the keys and writes a float32 partial ``(acc, m, l)``;
+a second kernel merges the splits. One split writes the output directly.
+
+The launch is wrapped in the custom op ``lapse::forgetting_decode`` so that
+``torch.compile(fullgraph=True)`` and CUDA graphs see one opaque call with known output
+shapes; the launcher never reads a tensor value back to the host.
+
+Legend: B batch, S cache capacity, H key/value heads, HQ query heads, GROUP = HQ // H,
+D head dim; in kernels BG (padded group rows), BN (keys per tile), BD (padded D) and
+BS (padded number of splits).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from ..backend import LN2_TL, LOG2E, LOG2E_TL, tl, triton, triton_jit
+
+# A split below this many keys costs more in partial writes than it saves in parallelism.
+_MIN_KEYS_PER_SPLIT = 256
+MAX_SPLITS = 128
+# Tiles kept in flight per program by Triton's software pipelining (its default on Hopper).
+_PIPELINE_STAGES = 3
+
+
+@triton_jit
+def _decode_split_kernel(
+    q,
+    k,
+    v,
+    c,
+    cache_seqlens,
+    window_start,
+    acc_part,
+    m_part,
+    l_part,
+    o,
+    lse,
+    scale_log2,
+    num_splits,
+    stride_qb,
+    stride_qh,
+    stride_kb,
+    stride_ks,
+    stride_kh,
+    stride_vb,
+    stride_vs,
+    stride_vh,
+    stride_cb,
+    stride_cs,
+    stride_ch,
+    stride_wb,
+    stride_wh,
+    stride_ob,
+    stride_oh,
+    H: tl.constexpr,
+    GROUP: tl.constexpr,
+    D: tl.constexpr,
+    BG: tl.constexpr,
+    BN: tl.constexpr,
+    BD: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+    USE_WINDOW: tl.constexpr,
+    IS_SINGLE_SPLIT: tl.constexpr,
+):
+    i_s = tl.program_id(0).to(tl.int64)
+    i_bh = tl.program_id(1).to(tl.int64)
+    i_b = i_bh // H
+    i_h = i_bh % H
+
+    o_g = tl.arange(0, BG)
+    o_d = tl.arange(0, BD)
+    m_g = o_g < GROUP
+    m_d = o_d < D
+    o_hq = i_h * GROUP + o_g  # [BG] the query heads of key head i_h
+
+    n = tl.load(cache_seqlens + i_b).to(tl.int64)
+    if USE_WINDOW:
+        b_ws = tl.load(
+            window_start + i_b * stride_wb + o_hq * stride_wh, mask=m_g, other=n - 1
+        ).to(tl.int64)  # [BG]
+        # Keys before the group's first kept key are never read: they may be freed memory.
+        lo = tl.min(b_ws, axis=0)
+    else:
+        lo = tl.zeros([], dtype=tl.int64)
+    chunk = tl.cdiv(tl.cdiv(n - lo, num_splits), BN) * BN
+    start = lo + i_s * chunk
+    end = tl.minimum(start + chunk, n)
+
+    p_q = q + i_b * stride_qb + o_hq[:, None] * stride_qh + o_d[None, :]
+    b_q = tl.load(p_q, mask=m_g[:, None] & m_d[None, :], other=0.0)  # [BG, BD]
+    # c_t in the cache's dtype: the difference is taken before any rounding to float32.
+    p_ct = c + i_b * stride_cb + (n - 1) * stride_cs + o_hq * stride_ch
+    b_ct = tl.load(p_ct, mask=m_g, other=0.0)  # [BG]
+
+    b_m = tl.full([BG], float("-inf"), dtype=tl.float32)
+    b_l = tl.zeros([BG], dtype=tl.float32)
+    b_acc = tl.zeros([BG, BD], dtype=tl.float32)
+    for j0 in range(start, end, BN):
+        o_j = j0 + tl.arange(0, BN)  # [BN]
+        m_j = o_j < end
+        p_k = k + i_b * stride_kb + i_h * stride_kh + o_j[:, None] * stride_ks + o_d[None, :]
+        p_v = v + i_b * stride_vb + i_h * stride_vh + o_j[:, None] * stride_vs + o_d[None, :]
+        b_k = tl.load(p_k, mask=m_j[:, None] & m_d[None, :], other=0.0)  # [BN, BD]
+        b_v = tl.load(p_v, mask=m_j[:, None] & m_d[None, :], other=0.0)  # [BN, BD]
+        m_gj = m_g[:, None] & m_j[None, :]  # [BG, BN]
+        if USE_WINDOW:
+            m_gj = m_gj & (o_j[None, :] >= b_ws[:, None])
+        p_c = c + i_b * stride_cb + o_j[None, :] * stride_cs + o_hq[:, None] * stride_ch
+        b_c = tl.load(p_c, mask=m_gj, other=0.0)  # [BG, BN]
+        b_bias = (b_ct[:, None] - b_c).to(tl.float32)  # [BG, BN]
+        b_s = tl.dot(b_q, tl.trans(b_k), input_precision=DOT_PRECISION)  # [BG, BN]
+        b_s = b_s * scale_log2 + b_bias * LOG2E_TL
+        b_s = tl.where(m_gj, b_s, float("-inf"))
+        b_m_new = tl.maximum(b_m, tl.max(b_s, axis=1))  # [BG]
+        # A row with no kept key yet has m = -inf; exp2(-inf - 0) = 0 keeps it NaN-free.
+        b_m_safe = tl.where(b_m_new == float("-inf"), 0.0, b_m_new)
+        b_alpha = tl.exp2(b_m - b_m_safe)  # [BG]
+        b_p = tl.exp2(b_s - b_m_safe[:, None])  # [BG, BN]
+        b_l = b_l * b_alpha + tl.sum(b_p, axis=1)
+        b_pv = tl.dot(b_p.to(b_v.dtype), b_v, input_precision=DOT_PRECISION)  # [BG, BD]
+        b_acc = b_acc * b_alpha[:, None] + b_pv
+        b_m = b_m_new
+
+    m_gd = m_g[:, None] & m_d[None, :]
+    if IS_SINGLE_SPLIT:
+        # The only split saw key t (bias 0, finite logit), so l >= 1 on every real row.
+        b_l_safe = tl.where(m_g, b_l, 1.0)
+        p_o = o + i_b * stride_ob + o_hq[:, None] * stride_oh + o_d[None, :]
+        tl.store(p_o, (b_acc / b_l_safe[:, None]).to(o.dtype.element_ty), mask=m_gd)
+        b_lse = (b_m + tl.log2(b_l_safe)) * LN2_TL
+        tl.store(lse + i_b * (H * GROUP) + o_hq, b_lse, mask=m_g)
+    else:
+        o_row = (i_b * (H * GROUP) + o_hq) * num_splits + i_s  # [BG] row of [B, HQ, splits]
+        tl.store(acc_part + o_row[:, None] * D + o_d[None, :], b_acc, mask=m_gd)
+        tl.store(m_part + o_row, b_m, mask=m_g)
+        tl.store(l_part + o_row, b_l, mask=m_g)
+
+
+@triton_jit
+def _decode_combine_kernel(
+    acc_part,
+    m_part,
+    l_part,
+    o,
+    lse,
+    num_splits,
+    stride_ob,
+    stride_oh,
+    HQ: tl.constexpr,
+    D: tl.constexpr,
+    BS: tl.constexpr,
+    BD: tl.constexpr,
+):
+    i_bhq = tl.program_id(0).to(tl.int64)
+    i_b = i_bhq // HQ
+    i_hq = i_bhq % HQ
+
+    o_s = tl.arange(0, BS)
+    o_d = tl.arange(0, BD)
+    m_s = o_s < num_splits
+    m_d = o_d < D
+    o_row = i_bhq * num_splits + o_s  # [BS]
+    b_m = tl.load(m_part + o_row, mask=m_s, other=float("-inf"))  # [BS]
+    b_l = tl.load(l_part + o_row, mask=m_s, other=0.0)  # [BS]
+    p_acc = acc_part + o_row[:, None] * D + o_d[None, :]
+    b_acc = tl.load(p_acc, mask=m_s[:, None] & m_d[None, :], other=0.0)  # [BS, BD]
+    # Key t lies in some split and has a finite logit, so the max is finite; empty splits
+    # (m = -inf) get weight 0.
+    b_m_max = tl.max(b_m, axis=0)
+    b_w = tl.exp2(b_m - b_m_max)  # [BS]
+    b_l_sum = tl.sum(b_w * b_l, axis=0)
+    b_o = tl.sum(b_w[:, None] * b_acc, axis=0) / b_l_sum  # [BD]
+    tl.store(o + i_b * stride_ob + i_hq * stride_oh + o_d, b_o.to(o.dtype.element_ty), mask=m_d)
+    tl.store(lse + i_bhq, (b_m_max + tl.log2(b_l_sum)) * LN2_TL)
+
+
+def _resident_programs(device: torch.device, tile_bytes: int) -> int:
+    """How many split programs the GPU runs at once: SMs x programs per SM.
+
+    Shared memory bounds a program to ~_PIPELINE_STAGES K/V tile pairs, so it decides how
+    many fit on an SM (2 for D = 128 in 16 bits, 4 for D = 64). The interpreter behaves
+    as an H100.
+    """
+    n_sms, smem = 132, 228 * 1024
+    if device.type == "cuda":
+        props = torch.cuda.get_device_properties(device)
+        n_sms = props.multi_processor_count
+        smem = getattr(props, "shared_memory_per_multiprocessor", smem)
+    per_sm = max(1, min(4, int(0.9 * smem) // (_PIPELINE_STAGES * tile_bytes)))
+    return n_sms * per_sm
+
+
+def _choose_num_splits(capacity: int, programs: int, resident: int) -> int:
+    """As many splits as fit in one wave of resident programs, each >= 256 keys long.
+
+    One wave: a partial second wave costs nearly a full one (on an H200, 9 splits of
+    32 heads ran 1.6x slower than 8). Decided from the capacity, a host number (no sync);
+    with shorter sequences the kernel spreads the real length over the splits.
+    """
+    by_wave = resident // programs
+    by_length = capacity // _MIN_KEYS_PER_SPLIT
+    return max(1, min(by_wave, by_length, MAX_SPLITS))
+
+
+def launch_decode(
+    q: Tensor,
+    k_cache: Tensor,
+    v_cache: Tensor,
+    c_cache: Tensor,
+    cache_seqlens: Tensor,
+    window_start: Tensor | None,
+    scale: float,
+    o: Tensor,
+    lse: Tensor,
+    num_splits: int | None = None,
+    workspace: tuple[Tensor, Tensor, Tensor] | None = None,
+) -> None:
+    """Writes ``o`` [B, HQ, D] and ``lse`` [B, HQ] float32 (natural log) in place.
+
+    ``workspace`` (``acc [B, HQ, splits, D]``, ``m`` and ``l`` ``[B, HQ, splits]``, all
+    float32) can be passed in so tests can poison it with NaN.
+    """
+    b, hq, d = q.shape
+    _, s, h, _ = k_cache.shape
+    group = hq // h
+    q, k_cache, v_cache = (
+        t if t.stride(-1) == 1 else t.contiguous() for t in (q, k_cache, v_cache)
+    )
+    block_d = max(16, triton.next_power_of_2(d))
+    # tl.dot needs 16 rows: small groups are padded. A multiply-and-sum over an unpadded
+    # [group, BN, BD] product spilled registers and ran 2-10x slower on an H100.
+    block_g = max(16, triton.next_power_of_2(group))
+    block_n = 64 if block_d <= 128 else 32
+    if num_splits is None:
+        tile_bytes = 2 * block_n * block_d * q.element_size()  # one K and one V tile
+        num_splits = _choose_num_splits(s, b * h, _resident_programs(q.device, tile_bytes))
+    if workspace is None:
+        acc_part = q.new_empty(b, hq, num_splits, d, dtype=torch.float32)
+        m_part = q.new_empty(b, hq, num_splits, dtype=torch.float32)
+        l_part = q.new_empty(b, hq, num_splits, dtype=torch.float32)
+    else:
+        acc_part, m_part, l_part = workspace
+    ws = window_start if window_start is not None else cache_seqlens  # unread placeholder
+    ws_strides = (ws.stride(0), ws.stride(1)) if window_start is not None else (0, 0)
+    _decode_split_kernel[(num_splits, b * h)](
+        q,
+        k_cache,
+        v_cache,
+        c_cache,
+        cache_seqlens,
+        ws,
+        acc_part,
+        m_part,
+        l_part,
+        o,
+        lse,
+        scale * LOG2E,
+        num_splits,
+        q.stride(0),
+        q.stride(1),
+        k_cache.stride(0),
+        k_cache.stride(1),
+        k_cache.stride(2),
+        v_cache.stride(0),
+        v_cache.stride(1),
+        v_cache.stride(2),
+        c_cache.stride(0),
+        c_cache.stride(1),
+        c_cache.stride(2),
+        *ws_strides,
+        o.stride(0),
+        o.stride(1),
+        H=h,
+        GROUP=group,
+        D=d,
+        BG=block_g,
+        BN=block_n,
+        BD=block_d,
+        DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        USE_WINDOW=window_start is not None,
+        IS_SINGLE_SPLIT=num_splits == 1,
+        num_warps=4,
+        num_stages=_PIPELINE_STAGES,
+    )
+    if num_splits > 1:
+        _decode_combine_kernel[(b * hq,)](
+            acc_part,
+            m_part,
+            l_part,
+            o,
+            lse,
+            num_splits,
+            o.stride(0),
+            o.stride(1),
+            HQ=hq,
+            D=d,
+            BS=triton.next_power_of_2(num_splits),
+            BD=block_d,
+            num_warps=4,
+        )
+
+
+@torch.library.custom_op("lapse::forgetting_decode", mutates_args=())
+def triton_decode(
+    q: Tensor,
+    k_cache: Tensor,
+    v_cache: Tensor,
+    c_cache: Tensor,
+    cache_seqlens: Tensor,
+    window_start: Tensor | None,
+    scale: float,
+    num_splits: int | None,
+) -> tuple[Tensor, Tensor]:
+    """``(o [B, HQ, D], lse [B, HQ] float32)`` of :func:`launch_decode` in fresh tensors,
+    as one operator that ``torch.compile`` does not trace into (inputs already checked)."""
+    o = q.new_empty(q.shape)  # contiguous, as the kernel's stores assume
+    lse = q.new_empty(q.shape[:2], dtype=torch.float32)
+    launch_decode(q, k_cache, v_cache, c_cache, cache_seqlens, window_start, scale, o, lse,
+                  num_splits)
+    return o, lse
+
+
+@triton_decode.register_fake
+def _(q, k_cache, v_cache, c_cache, cache_seqlens, window_start, scale, num_splits):
+    return q.new_empty(q.shape), q.new_empty(q.shape[:2], dtype=torch.float32)
