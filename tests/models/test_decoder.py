@@ -56,20 +56,19 @@ def _rope_pairs(x, base):
     return out
 
 
-def reference_attention(layer, x):
-    cfg = layer.config
+def reference_attention(layer, cfg, x):
     b, t, _ = x.shape
     h, k, d = cfg.n_heads, cfg.kv_heads, cfg.head_dim
     scale = 1 / math.sqrt(d)
     q = (x @ layer.q_proj.weight.T).view(b, t, h, d)
     key = (x @ layer.k_proj.weight.T).view(b, t, k, d)
     val = (x @ layer.v_proj.weight.T).view(b, t, k, d)
-    if cfg.pro:
+    if cfg.block == "pro":
         key = _shift_loop(key, torch.sigmoid(x @ layer.k_shift.weight.T))
         val = _shift_loop(val, torch.sigmoid(x @ layer.v_shift.weight.T))
         q = torch.stack([_rms(q[:, :, i], layer.q_norm.weight[i], 1e-5) for i in range(h)], dim=2)
         key = torch.stack([_rms(key[:, :, i], layer.k_norm.weight[i], 1e-5) for i in range(k)], dim=2)
-    if cfg.forget_gate:
+    if cfg.attention == "forgetting":
         c = torch.cumsum(F.logsigmoid(x @ layer.fgate.weight.T + layer.fgate.bias), dim=1)  # [B, T, H]
     else:
         q, key = _rope_pairs(q, 500000.0), _rope_pairs(key, 500000.0)
@@ -82,7 +81,7 @@ def reference_attention(layer, x):
         s = s.masked_fill(~causal, float("-inf"))
         heads.append(torch.softmax(s, dim=-1) @ val[:, :, j])
     o = torch.stack(heads, dim=2)  # [B, T, H, D]
-    if cfg.pro:
+    if cfg.block == "pro":
         o = torch.stack([_rms(o[:, :, i], layer.o_norm.weight[i], 1e-6) for i in range(h)], dim=2)
         o = o.reshape(b, t, h * d) * torch.sigmoid(x @ layer.o_gate.weight.T)
     else:
@@ -93,7 +92,7 @@ def reference_attention(layer, x):
 def reference_logits(model, ids):
     x = model.embed.weight[ids]
     for blk in model.blocks:
-        x = x + reference_attention(blk.attn, _rms(x, blk.attn_norm.weight, 1e-6))
+        x = x + reference_attention(blk.attn, model.config, _rms(x, blk.attn_norm.weight, 1e-6))
         y = _rms(x, blk.mlp_norm.weight, 1e-6)
         x = x + (F.silu(y @ blk.mlp.w_gate.weight.T) * (y @ blk.mlp.w_up.weight.T)) @ blk.mlp.w_down.weight.T
     return _rms(x, model.norm.weight, 1e-6) @ model.lm_head.weight.T
@@ -206,17 +205,33 @@ def test_optimizer_groups_exclude_norms_and_biases():
         ({"d_model": 100, "n_heads": 12}, "must divide d_model"),
         ({"arch": "fox-gpt"}, "arch must be one of"),
         ({"n_heads": 4, "d_model": 64, "n_kv_heads": 3}, "must divide n_heads"),
-        ({"arch": "transformer-pro", "acp": True}, "acp=True needs a forgetting-attention"),
+        ({"arch": "transformer-pro", "acp": True}, "acp=True needs an attention kind with a forget gate"),
+        ({"attention": "castle"}, "unknown attention kind 'castle'; valid kinds: softmax, forgetting"),
+        ({"block": "gpt"}, "block must be one of"),
         ({"vocab_size": 0}, "vocab_size must be a positive integer"),
         ({"acp_eps": 2.0}, r"acp_eps must be in \(0, 1\)"),
         ({"attn_backend": "cuda"}, "attn_backend must be one of"),
         ({"d_model": 1024, "n_heads": 2}, "above 256"),
     ],
-    ids=["heads-width", "arch", "kv-heads", "acp-transformer", "vocab", "acp-eps", "backend", "head-dim"],
+    ids=["heads-width", "arch", "kv-heads", "acp-transformer", "kind", "block", "vocab", "acp-eps", "backend",
+         "head-dim"],
 )
 def test_bad_config_raises(overrides, message):
     with pytest.raises(ValueError, match=message):
         ModelConfig(**overrides)
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_arch_alias_sets_attention_and_block(arch):
+    """The four architecture names are aliases of (attention kind, block kind): a config
+    written before the two fields existed (``{"arch": ...}``) builds the same model."""
+    old = ModelConfig(arch=arch)
+    new = ModelConfig(attention=old.attention, block=old.block)
+    assert old == new and old.arch is None and old.name == arch
+    assert (old.attention, old.block) == {
+        "fox-llama": ("forgetting", "llama"), "fox-pro": ("forgetting", "pro"),
+        "transformer-llama": ("softmax", "llama"), "transformer-pro": ("softmax", "pro"),
+    }[arch]
 
 
 def test_unknown_preset_and_field_raise():

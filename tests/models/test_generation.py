@@ -1,4 +1,4 @@
-"""Cached decoding (``lapse.generation``) against recomputing the whole sequence (CPU).
+"""Cached decoding (``lapse.generation`` over ``lapse.kv.DenseStore``) against recomputing the whole sequence (CPU).
 
 Cached generation must equal uncached generation token for token (litgpt's test), and
 its logits must match the full forward's to rounding. Tolerances are measured, not
@@ -14,7 +14,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from lapse.generation import DenseCache, LayerCache, generate, sample
+from lapse.generation import compiled_decode_one_token, decode_one_token, generate, prefill, sample
+from lapse.kv import DenseStore, GateState, ShiftState
 from lapse.models import ARCHS, Decoder, preset
 
 FOX_ARCHS = [a for a in ARCHS if a.startswith("fox")]
@@ -75,7 +76,7 @@ def test_chunks_after_a_prefix_equal_the_full_forward(arch, chunks, dtype):
     buffers grow (reallocate) on the way, which must not lose anything."""
     model = _model(arch, dtype, n_kv_heads=2)
     ids = torch.randint(0, model.config.vocab_size, (2, 12))
-    cache = DenseCache(model.config.n_layers, capacity=2)
+    cache = DenseStore(model.config.n_layers, capacity=2)
     with torch.no_grad():
         full, _ = model(ids)
         parts, start = [], 0
@@ -83,7 +84,7 @@ def test_chunks_after_a_prefix_equal_the_full_forward(arch, chunks, dtype):
             logits, _ = model(ids[:, start : start + n], cache=cache)
             parts.append(logits)
             start += n
-    assert cache.length == 12 and cache.layers[0].k.shape[1] >= 12
+    assert cache.length == 12 and cache.k[0].shape[1] >= 12 and cache.seqlens.tolist() == [12, 12]
     atol = ATOL64 if dtype == torch.float64 else ATOL32
     torch.testing.assert_close(torch.cat(parts, dim=1), full, atol=atol, rtol=0)
 
@@ -91,31 +92,74 @@ def test_chunks_after_a_prefix_equal_the_full_forward(arch, chunks, dtype):
 @pytest.mark.parametrize("arch", ARCHS)
 def test_cache_contents(arch):
     """What each layer keeps: keys/values for every position, ``c`` (FoX) in float64
-    with ``c_last`` its last row, the last pre-shift projections (Pro)."""
+    with ``GateState.c_last`` its last row, the last pre-shift projections (Pro)."""
     model = _model(arch)
     config = model.config
+    forgetting = config.attention == "forgetting"
     ids = torch.randint(0, config.vocab_size, (2, 7))
-    cache = DenseCache(config.n_layers, capacity=16)
+    cache = DenseStore(config.n_layers, capacity=16)
     with torch.no_grad():
         model(ids, cache=cache)
         model(ids[:, :1], cache=cache)
-    for layer in cache.layers:
-        assert layer.length == 8
-        assert layer.k.shape == layer.v.shape == (2, 16, config.kv_heads, config.head_dim)
-        assert (layer.c is not None) == config.forget_gate
-        if config.forget_gate:
-            assert layer.c.shape == (2, 16, config.n_heads) and layer.c.dtype == torch.float64
-            assert torch.equal(layer.c_last, layer.c[:, 7])
-            assert (layer.c[:, 1:8] <= layer.c[:, :7]).all()  # log gates are <= 0
-        assert (layer.k_prev is not None) == config.pro
-        if config.pro:
-            assert layer.k_prev.shape == layer.v_prev.shape == (2, 1, config.kv_heads, config.head_dim)
-    if config.pro:
+    assert cache.length == 8 and cache.seqlens.dtype == torch.int32 and cache.seqlens.tolist() == [8, 8]
+    for i in range(config.n_layers):
+        assert cache.k[i].shape == cache.v[i].shape == (2, 16, config.kv_heads, config.head_dim)
+        assert set(cache.extras[i]) == ({"c"} if forgetting else set())
+        if forgetting:
+            c = cache.extras[i]["c"]
+            assert c.shape == (2, 16, config.n_heads) and c.dtype == torch.float64
+            assert torch.equal(cache.state(i, GateState).c_last, c[:, 7])
+            assert (c[:, 1:8] <= c[:, :7]).all()  # log gates are <= 0
+        shift = cache.state(i, ShiftState)
+        assert (shift.k_prev is not None) == (config.block == "pro")
+        if config.block == "pro":
+            assert shift.k_prev.shape == shift.v_prev.shape == (2, 1, config.kv_heads, config.head_dim)
+    if config.block == "pro":
         # the last pre-shift key projection of the first layer is W_k x_7 of the appended token
         block = model.blocks[0]
         x = block.attn_norm(model.embed(ids[:, :1]))
         expected = block.attn.k_proj(x).view(2, 1, config.kv_heads, config.head_dim)
-        torch.testing.assert_close(cache.layers[0].k_prev, expected.detach())
+        torch.testing.assert_close(cache.state(0, ShiftState).k_prev, expected.detach())
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_compiled_decode_step_equals_eager(arch):
+    """The decode step traces whole (``fullgraph=True``, no graph break) and computes what
+    the eager step does. ``aot_eager``: the trace without code generation, so the test
+    runs on any CPU in seconds; the GPU test below compiles with CUDA graphs."""
+    model = _model(arch, n_kv_heads=2)
+    ids = torch.randint(0, model.config.vocab_size, (2, 6))
+    eager, compiled = DenseStore(2, capacity=12), DenseStore(2, capacity=12)
+    step = compiled_decode_one_token(mode=None, backend="aot_eager")
+    token_e = prefill(model, ids, eager).argmax(-1, keepdim=True)
+    token_c = prefill(model, ids, compiled).argmax(-1, keepdim=True)
+    for _ in range(5):
+        logits_e, logits_c = decode_one_token(model, token_e, eager), step(model, token_c, compiled)
+        torch.testing.assert_close(logits_c, logits_e, atol=ATOL32, rtol=0)
+        token_e, token_c = logits_e.argmax(-1, keepdim=True), logits_c.argmax(-1, keepdim=True)
+    assert compiled.seqlens.tolist() == eager.seqlens.tolist() == [11, 11] and compiled.length == 11
+
+
+def test_prefill_projects_only_the_last_position():
+    model = _model("fox-pro")
+    ids = torch.randint(0, model.config.vocab_size, (2, 6))
+    with torch.no_grad():
+        full, _ = model(ids)
+    logits = prefill(model, ids, DenseStore(2))
+    assert logits.shape == (2, model.config.vocab_size)
+    torch.testing.assert_close(logits, full[:, -1], atol=ATOL32, rtol=0)
+
+
+def test_store_reorder_keeps_rows():
+    """Beam search: reordering the batch rows of the store equals decoding those rows."""
+    model = _model("fox-pro")
+    ids = torch.randint(0, model.config.vocab_size, (3, 5))
+    store, ref = DenseStore(2, capacity=8), DenseStore(2, capacity=8)
+    prefill(model, ids, store)
+    prefill(model, ids[[2, 0]], ref)
+    store.reorder(torch.tensor([2, 0]))
+    token = ids[[2, 0], -1:]
+    torch.testing.assert_close(decode_one_token(model, token, store), decode_one_token(model, token, ref))
 
 
 @pytest.mark.parametrize("arch", FOX_ARCHS)
@@ -162,21 +206,23 @@ def test_cache_misuse_raises():
     model = _model("transformer-pro")
     ids = torch.randint(0, model.config.vocab_size, (2, 4))
     with pytest.raises(ValueError, match="cache has 3 layers but the model has 2"):
-        model(ids, cache=DenseCache(3))
-    with pytest.raises(TypeError, match="DenseCache"):
-        model(ids, cache=[LayerCache(), LayerCache()])
-    cache = DenseCache(2)
+        model(ids, cache=DenseStore(3))
+    with pytest.raises(TypeError, match="KVCache"):
+        model(ids, cache=[None, None])
+    cache = DenseStore(2)
     model(ids, cache=cache)
     with pytest.raises(ValueError, match="holds 2 sequences but input_ids has 1"):
         model(ids[:1], cache=cache)
-    fox_cache = DenseCache(2)
+    fox_cache = DenseStore(2)
     _model("fox-pro")(ids, cache=fox_cache)
     with pytest.raises(ValueError, match="another architecture"):
         model(ids, cache=fox_cache)
     with pytest.raises(ValueError, match="max_new_tokens"):
         generate(model, ids, 0)
     with pytest.raises(ValueError, match="n_layers"):
-        DenseCache(0)
+        DenseStore(0)
+    with pytest.raises(ValueError, match="compiled decode step needs the room"):
+        generate(model, ids, 4, cache=DenseStore(2, capacity=5), compile=True)
 
 
 @pytest.mark.gpu
@@ -184,12 +230,15 @@ def test_cache_misuse_raises():
 @pytest.mark.parametrize("arch", ARCHS)
 def test_cached_greedy_equals_uncached_on_cuda(arch):
     """The GPU paths: the Triton prefill and the Triton decode kernel reading the float64
-    ``c`` cache (FoX), SDPA (Transformer), float32, against full recomputation."""
+    ``c`` cache (FoX), SDPA (Transformer), float32, against full recomputation; eager,
+    then the decode step compiled with CUDA graphs (``reduce-overhead``)."""
     model = _model(arch).cuda()
     ids = torch.randint(0, model.config.vocab_size, (2, 7), generator=torch.Generator().manual_seed(1)).cuda()
     expected, logits = _uncached_greedy(model, ids, 20)
     _assert_no_ties(logits)
-    got, cached_logits = generate(model, ids, 20, return_logits=True)
-    print(f"{arch}: max |cached - full| logits on CUDA {(cached_logits - logits).abs().max().item():.2e}")
-    assert torch.equal(got, expected)
-    torch.testing.assert_close(cached_logits, logits, atol=GPU_ATOL32, rtol=0)
+    for compile in (False, True):
+        got, cached_logits = generate(model, ids, 20, return_logits=True, compile=compile)
+        err = (cached_logits - logits).abs().max().item()
+        print(f"{arch} compile={compile}: max |cached - full| logits on CUDA {err:.2e}")
+        assert torch.equal(got, expected)
+        torch.testing.assert_close(cached_logits, logits, atol=GPU_ATOL32, rtol=0)

@@ -126,8 +126,7 @@ def run(cfg: TrainBenchConfig) -> dict:
     for name in cfg.variants:
         torch.manual_seed(0)
         if name.startswith("transformer"):
-            arch = "transformer-pro" if model_cfg.pro else "transformer-llama"
-            model = Decoder(replace(model_cfg, arch=arch, acp=False)).to(device)
+            model = Decoder(replace(model_cfg, attention="softmax", acp=False)).to(device)
         else:
             model = Decoder(replace(model_cfg, acp=name.startswith("acp"))).to(device)
             if folder is not None:
@@ -208,7 +207,7 @@ def run(cfg: TrainBenchConfig) -> dict:
         "rows": rows,
     }
     lines = [
-        f"Training throughput, {model_cfg.arch} {cfg.preset if cfg.run is None else cfg.run.name}, "
+        f"Training throughput, {model_cfg.name} {cfg.preset if cfg.run is None else cfg.run.name}, "
         f"T={cfg.seq_len}, {cfg.batch_size} rows/step ({cfg.micro_batch_size} per forward), bf16 autocast, "
         f"{result['device']}; weights: {source}; median of {cfg.steps} steps; MFU with attention counted "
         f"as dense causal ({flops / 1e9:.2f} GFLOP/token)",

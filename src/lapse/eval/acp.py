@@ -53,7 +53,7 @@ from tqdm.auto import tqdm
 from lapse.data import CorpusConfig
 from lapse.eval.common import LoadedModel, eval_windows, load_model
 from lapse.files import save_figure, write_text_atomic
-from lapse.models import Decoder
+from lapse.models import Decoder, attention_class
 from lapse.ops.forgetting import ACP_BLOCK, LOG_GATE_FLOOR
 
 DEFAULT_EPS: tuple[float, ...] = tuple(math.exp(-k) for k in (1, 5, 10, 15, 20))
@@ -247,14 +247,6 @@ def max_pruned_fraction(t: int, block: int = ACP_BLOCK, kept_diagonals: int = 1)
     return float((area * far).sum() / (area * causal).sum())
 
 
-def _q_k_modules(attn) -> tuple[torch.nn.Module, torch.nn.Module]:
-    """The submodules whose outputs are the op's ``q`` and ``k``: after QK-norm for Pro
-    (which follows the KV-shift), the projections for LLaMA (FoX has no RoPE)."""
-    if attn.config.pro:
-        return attn.q_norm, attn.k_norm
-    return attn.q_proj, attn.k_proj
-
-
 @contextmanager
 def gate_sums(model: Decoder):
     """Sums ``log f`` of every FoX layer and head over the forwards run inside.
@@ -310,7 +302,7 @@ def capture_heads(model: Decoder, heads: list[tuple[int, int]]):
 
             return fn
 
-        q_mod, k_mod = _q_k_modules(attn)
+        q_mod, k_mod = attn.qk_sources()  # forgetting attention has no RoPE
         handles += [
             q_mod.register_forward_hook(store("q")),
             k_mod.register_forward_hook(store("k")),
@@ -445,10 +437,11 @@ def run_acp(cfg: AcpEvalConfig) -> dict:
     device = _resolve_device(cfg.device)
     dense = _load(cfg, device, acp=False)
     mc = dense.config
-    if not mc.forget_gate:
+    bound_from_gains = dense.model.blocks[0].attn.logit_bound() is not None  # QK-norm gains
+    if not attention_class(mc.attention).supports_acp:
         raise ValueError(
             f"ACP needs a forgetting-attention model (fox-llama or fox-pro); {cfg.model} is a "
-            f"{mc.arch} model, which has no forget gate to prune with"
+            f"{mc.name} model, which has no forget gate to prune with"
         )
     t = mc.max_seq_len if cfg.seq_len is None else cfg.seq_len
     _check_seq_len(t)
@@ -527,13 +520,13 @@ def run_acp(cfg: AcpEvalConfig) -> dict:
     results = {
         "model": str(cfg.model),
         "name": own_model.name,
-        "arch": mc.arch,
+        "arch": mc.name,
         "seq_len": t,
         "num_sequences": cfg.num_sequences,
         "seed": cfg.seed,
         "block": ACP_BLOCK,
         "acp_eps": model_eps,
-        "acp_bound": "QK-norm gains" if mc.pro else "data (max query norm x max key norm)",
+        "acp_bound": "QK-norm gains" if bound_from_gains else "data (max query norm x max key norm)",
         "max_pruned_fraction": max_pruned_fraction(t),
         "max_pruned_fraction_no_reset": max_pruned_fraction(t, kept_diagonals=2),
         "pruned_fraction": float(own.mean()),

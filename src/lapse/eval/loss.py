@@ -473,7 +473,7 @@ def _model_entry(m: LoadedModel, loss: np.ndarray, sequence_losses: np.ndarray, 
     return {
         "name": m.name,
         "path": str(m.path),
-        "arch": m.config.arch,
+        "arch": m.config.name,
         "acp": m.config.acp,
         "max_seq_len": m.context,
         **curve_summary(loss),

@@ -1,12 +1,9 @@
-"""Incremental decoding of the decoder models: the dense KV cache and token generation.
+"""Token generation: prefill, a compilable one-token decode step, sampling, generate.
 
-:class:`DenseCache` holds one :class:`LayerCache` per decoder block (keys, values, the
-FoX cumulative log gates ``c_j``, the Pro KV-shift state); ``Decoder.forward(...,
-cache=cache)`` appends to it. :func:`generate` runs prefill and one-token steps with it.
-The Hugging Face adapter is ``lapse.models.hf`` (imported on demand).
+The decoding state is a :mod:`lapse.kv` store (``DenseStore``); ``Decoder.forward(...,
+cache=store)`` appends to it. The Hugging Face adapter is :mod:`lapse.hf`.
 """
 
-from .cache import DenseCache, LayerCache
-from .generate import decode_one_token, generate, prefill, sample
+from .generate import compiled_decode_one_token, decode_one_token, generate, prefill, sample
 
-__all__ = ["DenseCache", "LayerCache", "decode_one_token", "generate", "prefill", "sample"]
+__all__ = ["compiled_decode_one_token", "decode_one_token", "generate", "prefill", "sample"]

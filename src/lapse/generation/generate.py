@@ -1,38 +1,55 @@
-"""Token generation with a :class:`~lapse.generation.DenseCache`.
+"""Token generation over a :mod:`lapse.kv` store.
 
 The structure of gpt-fast's ``generate.py``: :func:`prefill` runs the prompt and fills
-the cache, :func:`decode_one_token` runs one new token per sequence against it, and
-:func:`sample` picks the next token without reading anything back to the host (greedy,
-or temperature / top-k sampling by the exponential-race form of the Gumbel-max trick).
+the store (logits of the last position only), :func:`decode_one_token` runs one new token
+per sequence against it with fixed shapes, so that :func:`compiled_decode_one_token`
+compiles it (``torch.compile(mode="reduce-overhead", fullgraph=True)``: one CUDA graph
+per step), and :func:`sample` picks the next token without reading anything back to the
+host (greedy, or temperature / top-k sampling by the exponential-race form of the
+Gumbel-max trick).
 
 Legend: B batch, T prompt length, N new tokens, V vocabulary.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+import functools
+from collections.abc import Callable
 
 import torch
 from torch import Tensor
 
-from .cache import DenseCache
-
-if TYPE_CHECKING:  # lapse.models imports this package: no import cycle at run time
-    from lapse.models import Decoder
+from lapse.kv import DenseStore, KVCache
+from lapse.models import Decoder
 
 
 @torch.no_grad()
-def prefill(model: Decoder, input_ids: Tensor, cache: DenseCache) -> Tensor:
-    """Runs the prompt ``[B, T]`` into ``cache``; returns the last position's logits ``[B, V]``."""
-    logits, _ = model(input_ids, cache=cache)  # [B, T, V]
-    return logits[:, -1]
+def prefill(model: Decoder, input_ids: Tensor, cache: KVCache) -> Tensor:
+    """Runs the prompt ``[B, T]`` into ``cache``; returns the last position's logits ``[B, V]``
+    (only that position is projected to the vocabulary)."""
+    hidden = model.hidden_states(input_ids, cache=cache)  # [B, T, C]
+    return model.lm_head(hidden[:, -1])  # [B, V]
 
 
 @torch.no_grad()
-def decode_one_token(model: Decoder, token: Tensor, cache: DenseCache) -> Tensor:
-    """Runs one token per sequence ``[B, 1]`` against ``cache``; returns its logits ``[B, V]``."""
+def decode_one_token(model: Decoder, token: Tensor, cache: KVCache) -> Tensor:
+    """Runs one token per sequence ``[B, 1]`` against ``cache``; returns its logits ``[B, V]``.
+
+    Fixed shapes: the store must already have room (a prefill, or ``capacity``)."""
     logits, _ = model(token, cache=cache)  # [B, 1, V]
     return logits[:, -1]
+
+
+@functools.cache
+def compiled_decode_one_token(
+    mode: str | None = "reduce-overhead", backend: str = "inductor"
+) -> Callable[[Decoder, Tensor, KVCache], Tensor]:
+    """:func:`decode_one_token` compiled whole (``fullgraph=True``), made once per process
+    and (mode, backend). With ``reduce-overhead`` each step replays a CUDA graph: the
+    returned logits are overwritten by the next step (clone them to keep them), and the
+    store's buffers must not be reallocated between steps (give the store its capacity).
+    ``backend="aot_eager"`` checks the trace without code generation (tests on CPU)."""
+    return torch.compile(decode_one_token, mode=mode, backend=backend, fullgraph=True)
 
 
 def sample(
@@ -68,8 +85,9 @@ def generate(
     temperature: float = 0.0,
     top_k: int | None = None,
     generator: torch.Generator | None = None,
-    cache: DenseCache | None = None,
+    cache: KVCache | None = None,
     return_logits: bool = False,
+    compile: bool = False,
 ) -> Tensor | tuple[Tensor, Tensor]:
     """Continues every prompt by ``max_new_tokens`` tokens (no stop token: all run to the end).
 
@@ -78,9 +96,12 @@ def generate(
         input_ids: ``[B, T]`` the prompts, all of the same length (no padding).
         max_new_tokens: how many tokens to append, at least 1.
         temperature, top_k, generator: see :func:`sample`; greedy by default.
-        cache: a cache to continue (its sequences go on with ``input_ids``); a fresh one
-            with room for ``T + max_new_tokens`` positions by default.
+        cache: a store to continue (its sequences go on with ``input_ids``); a fresh
+            :class:`~lapse.kv.DenseStore` with room for ``T + max_new_tokens`` positions
+            by default.
         return_logits: also return the logits each new token was drawn from.
+        compile: decode with :func:`compiled_decode_one_token` (CUDA graphs on a GPU;
+            the first call compiles, which takes a while).
 
     Returns:
         ``[B, T + N]`` the prompts followed by the new tokens, and with ``return_logits``
@@ -93,12 +114,20 @@ def generate(
     if top_k is not None and (not isinstance(top_k, int) or top_k < 1):
         raise ValueError(f"top_k must be a positive integer or None, got {top_k!r}")
     if cache is None:
-        cache = DenseCache(model.config.n_layers, capacity=input_ids.shape[1] + max_new_tokens)
+        cache = DenseStore(model.config.n_layers, capacity=input_ids.shape[1] + max_new_tokens)
+    step = compiled_decode_one_token() if compile else decode_one_token
     logits = prefill(model, input_ids, cache)  # [B, V]
+    if compile and cache.capacity < cache.length + max_new_tokens - 1:
+        raise ValueError(
+            f"a compiled decode step needs the room in advance: the cache has capacity {cache.capacity} "
+            f"for {cache.length} + {max_new_tokens - 1} tokens"
+        )
     steps = [logits]
     tokens = [sample(logits, temperature, top_k, generator)]  # [B, 1] each
     for _ in range(max_new_tokens - 1):
-        logits = decode_one_token(model, tokens[-1], cache)
+        logits = step(model, tokens[-1], cache)
+        if compile and return_logits:
+            logits = logits.clone()  # the next CUDA-graph replay overwrites it
         steps.append(logits)
         tokens.append(sample(logits, temperature, top_k, generator))
     out = torch.cat([input_ids, *tokens], dim=1)  # [B, T + N]

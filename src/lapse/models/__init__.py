@@ -1,22 +1,17 @@
-"""Decoder language models (FoX and Transformer, LLaMA and Pro) and their configs (SPEC section 2)."""
+"""Decoder language models (an attention kind in a LLaMA or Pro block), their configs and
+the registry of kinds (SPEC section 2)."""
 
-from .config import ARCHS, PRESETS, ModelConfig, preset
-from .decoder import (
-    Attention,
-    Block,
-    Decoder,
-    RMSNorm,
-    SwiGLU,
-    flops_per_token,
-    init_weights,
-    kv_shift,
-    optimizer_groups,
-    param_count,
-    rope,
-)
+from lapse.layers import Attention, RMSNorm, SwiGLU, kv_shift
+
+from .config import ARCH_ALIASES, ARCHS, PRESETS, ModelConfig, preset
+from .decoder import Block, Decoder, flops_per_token, init_weights, optimizer_groups, param_count
+from .registry import ATTENTION_KINDS, BLOCK_KINDS, attention_class, build_attention
 
 __all__ = [
     "ARCHS",
+    "ARCH_ALIASES",
+    "ATTENTION_KINDS",
+    "BLOCK_KINDS",
     "PRESETS",
     "Attention",
     "Block",
@@ -24,11 +19,12 @@ __all__ = [
     "ModelConfig",
     "RMSNorm",
     "SwiGLU",
+    "attention_class",
+    "build_attention",
     "flops_per_token",
     "init_weights",
     "kv_shift",
     "optimizer_groups",
     "param_count",
     "preset",
-    "rope",
 ]

@@ -19,21 +19,42 @@ from collections.abc import Callable
 from dataclasses import dataclass, fields, replace
 from typing import Literal, get_args
 
+from .registry import ATTENTION_KINDS, BLOCK_KINDS, attention_class
+
+AttentionKind = Literal["softmax", "forgetting"]
+BlockKindName = Literal["llama", "pro"]
 Arch = Literal["fox-llama", "fox-pro", "transformer-llama", "transformer-pro"]
 AttentionBackend = Literal["auto", "triton", "torch", "naive"]
 
 ARCHS: tuple[str, ...] = get_args(Arch)
 ATTENTION_BACKENDS: tuple[str, ...] = get_args(AttentionBackend)
+ARCH_ALIASES: dict[str, tuple[str, str]] = {
+    "fox-llama": ("forgetting", "llama"),
+    "fox-pro": ("forgetting", "pro"),
+    "transformer-llama": ("softmax", "llama"),
+    "transformer-pro": ("softmax", "pro"),
+}
+"""The four architectures of the FoX paper as (attention kind, block kind)."""
+
+assert set(get_args(AttentionKind)) == set(ATTENTION_KINDS) and set(get_args(BlockKindName)) == set(BLOCK_KINDS)
 
 
 @dataclass(kw_only=True)
 class ModelConfig:
-    """A decoder-only language model: FoX or Transformer, LLaMA or Pro (SPEC section 2)."""
+    """A decoder-only language model: an attention kind in a block kind (SPEC section 2)."""
 
-    arch: Arch = "fox-pro"
-    """``fox-*``: forgetting attention, no positional encoding; ``transformer-*``: softmax
-    attention with RoPE. ``*-llama``: the LLaMA block; ``*-pro``: plus KV-shift, QK-norm,
-    output norm and output gate."""
+    attention: AttentionKind = "forgetting"
+    """``forgetting``: forgetting attention (FoX), no positional encoding; ``softmax``:
+    softmax attention with RoPE (the Transformer)."""
+
+    block: BlockKindName = "pro"
+    """``llama``: the LLaMA block; ``pro``: plus KV-shift, QK-norm, output norm and output gate."""
+
+    arch: Arch | None = None
+    """An alias that sets ``attention`` and ``block`` together: ``fox-llama``, ``fox-pro``,
+    ``transformer-llama``, ``transformer-pro`` (it wins over them, then reads ``None``;
+    :attr:`name` gives the alias of a config). Configs written before the two fields
+    existed hold only this."""
 
     vocab_size: int = 50304
     """Rows of the embedding and of the (untied) output head. Trainers set it from the
@@ -57,7 +78,7 @@ class ModelConfig:
     """SwiGLU size as a multiple of ``d_model`` counted the LLaMA way: the hidden width is
     ``2/3 * mlp_ratio * d_model`` rounded up to ``mlp_multiple_of``, so the MLP has about
     ``3 * 2/3 * mlp_ratio = 2 * mlp_ratio`` times ``d_model^2`` weights. ``None``: 4 for
-    ``*-llama`` and 3.5 for ``*-pro`` (SPEC section 2; the smaller MLP pays for the
+    the ``llama`` block and 3.5 for ``pro`` (SPEC section 2; the smaller MLP pays for the
     output gate, so the two have the same size). Read :attr:`mlp_hidden` for the width."""
 
     mlp_multiple_of: int = 256
@@ -89,13 +110,19 @@ class ModelConfig:
     """Standard deviation of the normal init of every Linear and embedding weight."""
 
     attn_backend: AttentionBackend = "auto"
-    """Backend of :func:`lapse.ops.forgetting_attention` in the FoX layers (``auto``:
-    Triton on CUDA, the chunked PyTorch path otherwise). The Transformer layers always
-    use ``torch.nn.functional.scaled_dot_product_attention``."""
+    """Backend of :func:`lapse.ops.forgetting_attention` in the forgetting layers (``auto``:
+    Triton on CUDA, the chunked PyTorch path otherwise). Softmax layers always use
+    ``torch.nn.functional.scaled_dot_product_attention``."""
 
     def __post_init__(self) -> None:
-        if self.arch not in ARCHS:
-            raise ValueError(f"arch must be one of {ARCHS}, got {self.arch!r}")
+        if self.arch is not None:
+            if self.arch not in ARCH_ALIASES:
+                raise ValueError(f"arch must be one of {ARCHS} (or None), got {self.arch!r}")
+            self.attention, self.block = ARCH_ALIASES[self.arch]
+            self.arch = None
+        kind = attention_class(self.attention)
+        if self.block not in BLOCK_KINDS:
+            raise ValueError(f"block must be one of {tuple(BLOCK_KINDS)}, got {self.block!r}")
         if self.attn_backend not in ATTENTION_BACKENDS:
             raise ValueError(f"attn_backend must be one of {ATTENTION_BACKENDS}, got {self.attn_backend!r}")
         for name in ("vocab_size", "d_model", "n_layers", "n_heads", "mlp_multiple_of", "max_seq_len"):
@@ -120,7 +147,7 @@ class ModelConfig:
                 f"head dim d_model / n_heads = {self.head_dim} is above 256, the largest the "
                 "attention kernels take; use more heads"
             )
-        if self.head_dim % 2 != 0 and self.arch.startswith("transformer"):
+        if self.head_dim % 2 != 0 and kind.needs_even_head_dim:
             raise ValueError(f"RoPE needs an even head dim, got d_model / n_heads = {self.head_dim}")
         if self.mlp_ratio is not None and not (self.mlp_ratio > 0 and math.isfinite(self.mlp_ratio)):
             raise ValueError(f"mlp_ratio must be a positive number or None, got {self.mlp_ratio!r}")
@@ -132,21 +159,19 @@ class ModelConfig:
             raise ValueError(f"rope_base must be greater than 1, got {self.rope_base!r}")
         if not self.init_std > 0:
             raise ValueError(f"init_std must be positive, got {self.init_std!r}")
-        if self.acp and not self.forget_gate:
+        if self.acp and not kind.supports_acp:
             raise ValueError(
-                f"acp=True needs a forgetting-attention architecture (fox-llama, fox-pro); "
-                f"{self.arch} has no forget gate to prune with"
+                f"acp=True needs an attention kind with a forget gate (forgetting); "
+                f"{self.name} has none to prune with"
             )
 
     @property
-    def forget_gate(self) -> bool:
-        """FoX (forgetting attention, no RoPE) rather than Transformer (RoPE)."""
-        return self.arch.startswith("fox")
-
-    @property
-    def pro(self) -> bool:
-        """The Pro block: KV-shift, QK-norm, output norm and output gate."""
-        return self.arch.endswith("pro")
+    def name(self) -> str:
+        """The architecture's name: its alias (``fox-pro``, ...) or ``<attention>-<block>``."""
+        for alias, kinds in ARCH_ALIASES.items():
+            if kinds == (self.attention, self.block):
+                return alias
+        return f"{self.attention}-{self.block}"
 
     @property
     def head_dim(self) -> int:
@@ -159,7 +184,7 @@ class ModelConfig:
     @property
     def mlp_hidden(self) -> int:
         """SwiGLU hidden width: ``2/3 * ratio * d_model`` rounded up to ``mlp_multiple_of``."""
-        ratio = self.mlp_ratio if self.mlp_ratio is not None else (3.5 if self.pro else 4.0)
+        ratio = self.mlp_ratio if self.mlp_ratio is not None else BLOCK_KINDS[self.block].mlp_ratio
         hidden = int(2 * ratio * self.d_model / 3)
         return self.mlp_multiple_of * -(-hidden // self.mlp_multiple_of)
 

@@ -1,19 +1,20 @@
 """Hugging Face ``transformers`` adapter: config, causal-LM wrapper and Auto registration.
 
-Importing this module registers model type ``"lapse"`` with ``AutoConfig`` and
+Importing ``lapse.hf`` registers model type ``"lapse"`` with ``AutoConfig`` and
 ``AutoModelForCausalLM`` (idempotently), so that ``save_pretrained`` folders load with
-the Auto classes. ``lapse.models`` does not import it: ``transformers`` is needed only
-here (``from lapse.models.hf import LapseForCausalLM``).
+the Auto classes. ``lapse.hf`` is the only package that imports ``transformers``
+(``from lapse.hf import LapseForCausalLM``).
 
 - :class:`LapseConfig` holds the :class:`~lapse.models.ModelConfig` fields under the same
   names (``from_model_config`` / ``to_model_config`` convert); the model checks it.
 - :class:`LapseForCausalLM` wraps a :class:`~lapse.models.Decoder` as ``self.model``.
   ``labels`` follow the Hugging Face convention (unshifted: the loss of position ``t``
   is on ``labels[:, t + 1]``), unlike ``Decoder``, whose labels are already shifted.
-  The cache is lapse's own :class:`~lapse.generation.DenseCache`, passed around as
-  ``past_key_values``: the model makes it on the first call with ``use_cache``, so
-  ``generate()`` never makes a ``DynamicCache`` (``_supports_default_dynamic_cache``
-  returns False, the route transformers keeps for models with their own cache).
+  The cache is a lapse store (:class:`~lapse.hf.LapseCache`, a ``DenseStore`` that
+  answers ``generate``'s questions), passed around as ``past_key_values``: the model
+  makes it on the first call with ``use_cache``, so ``generate()`` never makes a
+  ``DynamicCache`` (``_supports_default_dynamic_cache`` returns False, the route
+  transformers keeps for models with their own cache).
 
 Not supported: padding (an ``attention_mask`` with zeros raises), ``inputs_embeds``,
 assisted generation (the cache cannot be cropped), hidden states and attention outputs.
@@ -29,10 +30,9 @@ from transformers import AutoConfig, AutoModelForCausalLM, GenerationMixin, Pret
 from transformers import initialization as init
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
-from lapse.generation.cache import DenseCache
+from lapse.models import Decoder, ModelConfig, RMSNorm
 
-from .config import ModelConfig
-from .decoder import Decoder, RMSNorm
+from .cache import LapseCache
 
 _DEFAULT = ModelConfig()
 
@@ -52,7 +52,9 @@ class LapseConfig(PretrainedConfig):
         "max_position_embeddings": "max_seq_len",
     }
 
-    arch: str = _DEFAULT.arch
+    attention: str = _DEFAULT.attention
+    block: str = _DEFAULT.block
+    arch: str | None = None  # an alias of (attention, block); exports written before those fields hold it
     vocab_size: int = _DEFAULT.vocab_size
     d_model: int = _DEFAULT.d_model
     n_layers: int = _DEFAULT.n_layers
@@ -76,7 +78,8 @@ class LapseConfig(PretrainedConfig):
 
     def __post_init__(self, **kwargs):
         super().__post_init__(**kwargs)
-        self.to_model_config()  # ModelConfig's checks, with its error messages
+        model_config = self.to_model_config()  # ModelConfig's checks, with its error messages
+        self.attention, self.block, self.arch = model_config.attention, model_config.block, None
 
     @classmethod
     def from_model_config(cls, config: ModelConfig, **kwargs) -> LapseConfig:
@@ -92,7 +95,7 @@ class LapseConfig(PretrainedConfig):
 
 
 class LapseForCausalLM(PreTrainedModel, GenerationMixin):
-    """A lapse :class:`~lapse.models.Decoder` (any of the four architectures) as a
+    """A lapse :class:`~lapse.models.Decoder` (any attention and block kind) as a
     ``transformers`` causal LM: ``forward``, ``generate``, ``save_pretrained`` /
     ``from_pretrained`` (safetensors). The decoder is ``self.model``; its state-dict keys
     are the decoder's with the prefix ``model.``."""
@@ -147,7 +150,7 @@ class LapseForCausalLM(PreTrainedModel, GenerationMixin):
         self,
         input_ids: Tensor | None = None,
         attention_mask: Tensor | None = None,
-        past_key_values: DenseCache | None = None,
+        past_key_values: LapseCache | None = None,
         labels: Tensor | None = None,
         use_cache: bool | None = None,
         return_dict: bool | None = None,
@@ -158,7 +161,7 @@ class LapseForCausalLM(PreTrainedModel, GenerationMixin):
         Args:
             input_ids: ``[B, T]`` token ids (required: ``inputs_embeds`` is not supported).
             attention_mask: optional ``[B, past + T]``; must be all ones (no padding).
-            past_key_values: a :class:`~lapse.generation.DenseCache` from an earlier call,
+            past_key_values: a :class:`~lapse.hf.LapseCache` from an earlier call,
                 which this call appends to; ``None`` starts a new one when ``use_cache``.
             labels: ``[B, T]`` unshifted targets (``labels[:, t + 1]`` is the target of
                 position ``t``), ``-100`` left out: the mean cross-entropy is ``loss``.
@@ -178,7 +181,7 @@ class LapseForCausalLM(PreTrainedModel, GenerationMixin):
             )
         use_cache = self.config.use_cache if use_cache is None else use_cache
         if past_key_values is None and use_cache:
-            past_key_values = DenseCache(self.config.n_layers)
+            past_key_values = LapseCache(self.config.n_layers)
         shifted = None
         if labels is not None:
             shifted = F.pad(labels[:, 1:], (0, 1), value=-100)  # [B, T]: the target of every position
@@ -191,19 +194,15 @@ class LapseForCausalLM(PreTrainedModel, GenerationMixin):
     def prepare_inputs_for_generation(self, input_ids: Tensor, past_key_values=None, **kwargs) -> dict:
         """``transformers``' own preparation (it slices ``input_ids`` to the new tokens when
         a cache is passed), after checking that a given cache is a lapse one."""
-        if past_key_values is not None and not isinstance(past_key_values, DenseCache):
+        if past_key_values is not None and not isinstance(past_key_values, LapseCache):
             raise TypeError(
-                f"past_key_values must be a lapse.generation.DenseCache, got {type(past_key_values).__name__}"
+                f"past_key_values must be a lapse.hf.LapseCache, got {type(past_key_values).__name__}"
             )
         return super().prepare_inputs_for_generation(input_ids, past_key_values=past_key_values, **kwargs)
 
 
-def _register() -> None:
-    """Lets ``AutoConfig`` / ``AutoModelForCausalLM`` load ``model_type: "lapse"`` folders."""
+def register() -> None:
+    """Lets ``AutoConfig`` / ``AutoModelForCausalLM`` load ``model_type: "lapse"`` folders
+    (``import lapse.hf`` calls it; idempotent)."""
     AutoConfig.register(LapseConfig.model_type, LapseConfig, exist_ok=True)
     AutoModelForCausalLM.register(LapseConfig, LapseForCausalLM, exist_ok=True)
-
-
-_register()
-
-__all__ = ["LapseConfig", "LapseForCausalLM"]

@@ -1,4 +1,4 @@
-"""The Hugging Face adapter (``lapse.models.hf``) on tiny CPU models.
+"""The Hugging Face adapter (``lapse.hf``) on tiny CPU models.
 
 ``generate`` with the lapse cache must equal ``generate`` without one (and lapse's own
 :func:`lapse.generation.generate`) token for token; a ``save_pretrained`` folder must load
@@ -7,6 +7,7 @@ back, through the Auto classes too, with identical logits and config.
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 
@@ -18,9 +19,9 @@ pytest.importorskip("transformers")
 
 from transformers import AutoConfig, AutoModelForCausalLM  # noqa: E402
 
-from lapse.generation import DenseCache, generate  # noqa: E402
+from lapse.generation import generate  # noqa: E402
 from lapse.models import ARCHS, PRESETS, ModelConfig, preset  # noqa: E402
-from lapse.models.hf import LapseConfig, LapseForCausalLM  # noqa: E402
+from lapse.hf import LapseCache, LapseConfig, LapseForCausalLM  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -74,7 +75,7 @@ def test_generate_sampling_and_beam_search():
         runs.append(model.generate(ids, max_new_tokens=12, do_sample=True, top_k=20, use_cache=use_cache))
     assert torch.equal(runs[0], runs[1])
     assert not torch.equal(runs[0], model.generate(ids, max_new_tokens=12, do_sample=False))
-    # beam search reorders the cache's batch rows (DenseCache.reorder_cache)
+    # beam search reorders the cache's batch rows (LapseCache.reorder_cache)
     beams = [
         model.generate(ids, max_new_tokens=8, num_beams=3, do_sample=False, use_cache=use_cache)
         for use_cache in (True, False)
@@ -86,7 +87,7 @@ def test_forward_cache_and_loss():
     model = _hf_model("transformer-pro")
     ids = torch.randint(0, model.config.vocab_size, (2, 9))
     out = model(ids, labels=ids)
-    assert isinstance(out.past_key_values, DenseCache) and out.past_key_values.length == 9
+    assert isinstance(out.past_key_values, LapseCache) and out.past_key_values.length == 9
     # Hugging Face labels are unshifted: position t predicts labels[:, t + 1]
     expected = F.cross_entropy(out.logits[:, :-1].flatten(0, 1), ids[:, 1:].flatten())
     torch.testing.assert_close(out.loss, expected)
@@ -124,6 +125,23 @@ def test_save_and_load(tmp_path, arch):
     assert isinstance(AutoConfig.from_pretrained(tmp_path), LapseConfig)
 
 
-def test_lapse_models_does_not_import_transformers():
-    code = "import sys, lapse.models, lapse.generation; sys.exit('transformers' in sys.modules)"
+def test_export_written_before_attention_and_block_loads(tmp_path):
+    """Exports from before the config named its attention and block kinds hold only
+    ``"arch"``: they load as the same model."""
+    model = _hf_model("transformer-pro", n_kv_heads=2)
+    model.save_pretrained(tmp_path)
+    config = json.loads((tmp_path / "config.json").read_text())
+    del config["attention"], config["block"]
+    config["arch"] = "transformer-pro"
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    loaded = AutoModelForCausalLM.from_pretrained(tmp_path).eval()
+    assert (loaded.config.attention, loaded.config.block, loaded.config.arch) == ("softmax", "pro", None)
+    ids = torch.randint(0, model.config.vocab_size, (2, 10))
+    with torch.no_grad():
+        assert torch.equal(loaded(ids).logits, model(ids).logits)
+
+
+def test_core_packages_do_not_import_transformers():
+    code = ("import sys, lapse.ops, lapse.kv, lapse.layers, lapse.models, lapse.generation; "
+            "sys.exit('transformers' in sys.modules)")
     assert subprocess.run([sys.executable, "-c", code]).returncode == 0

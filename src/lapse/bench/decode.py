@@ -1,0 +1,228 @@
+"""Decode-step speed: ms per token of a lapse model against Hugging Face's compiled Llama
+and the memory-bandwidth limit (``lapse bench decode``).
+
+For each workload (batch x prompt length) and architecture, a random-init model of the
+preset's shapes prefills the prompt into a store with room for the steps, then runs
+``warmup`` untimed and ``steps`` timed greedy decode steps; the figure is the wall time
+of the timed steps over their number (the step is bound by the CPU when it is not
+compiled, so device time alone would flatter it). Providers, measured in one process on
+the same GPU:
+
+- ``lapse``: :func:`lapse.generation.decode_one_token`, eager;
+- ``lapse-compile``: :func:`lapse.generation.compiled_decode_one_token` (``torch.compile``
+  with ``mode="reduce-overhead"``, ``fullgraph=True``: one CUDA graph per step);
+- ``hf-llama-compile``: ``transformers``' ``LlamaForCausalLM`` of the same sizes (the
+  LLaMA block: SwiGLU of the same width, RoPE, SDPA) with a ``StaticCache`` and its decode
+  step compiled the same way, the recipe of the transformers documentation: what a user
+  who compiles HF's Llama gets.
+
+The bandwidth limit is the bytes one step must read (every weight but the input
+embedding once, the held keys and values, and FoX's float64 ``c``) over the HBM
+bandwidth of the device.
+
+Legend: B batch, T prompt, N steps, V vocabulary.
+"""
+
+from __future__ import annotations
+
+import json
+import platform
+import subprocess
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Literal
+
+import torch
+
+from lapse.files import write_text_atomic
+from lapse.generation import compiled_decode_one_token, decode_one_token, prefill
+from lapse.kv import DenseStore
+from lapse.models import Decoder, param_count, preset
+
+PROVIDERS = ("lapse", "lapse-compile", "hf-llama-compile")
+# HBM bandwidth (bytes/s) by device name, for the limit
+HBM_BANDWIDTH = {"H100": 3.35e12, "H200": 4.8e12}
+
+
+@dataclass(kw_only=True)
+class DecodeBenchConfig:
+    """What to time: model shapes, architectures, workloads, providers."""
+
+    preset: str = "125m"
+    """Model preset (random init) whose shapes are timed."""
+    archs: tuple[str, ...] = ("fox-pro", "transformer-pro")
+    """Architectures of the lapse providers."""
+    workloads: tuple[str, ...] = ("8x4096", "4x16384", "2x32768")
+    """``BxT``: batch and prompt length."""
+    providers: tuple[str, ...] = PROVIDERS
+    """Any of ``lapse``, ``lapse-compile``, ``hf-llama-compile``."""
+    steps: int = 32
+    """Timed decode steps per measurement."""
+    warmup: int = 4
+    """Untimed steps first (compilation, CUDA-graph recording)."""
+    dtype: Literal["bfloat16", "float16", "float32"] = "bfloat16"
+    """Weights and activations."""
+    device: str = "cuda"
+    """Where to run (``cpu`` works, for a dry run)."""
+    bandwidth: float | None = None
+    """HBM bytes/s for the limit; ``None``: from the device name (H100 3.35e12, H200 4.8e12)."""
+    out_dir: Path = Path("runs/bench/decode")
+    """Where ``results.json`` and ``results.md`` go."""
+
+    def __post_init__(self) -> None:
+        unknown = sorted(set(self.providers) - set(PROVIDERS))
+        if unknown:
+            raise ValueError(f"unknown providers {unknown}; valid: {PROVIDERS}")
+        for w in self.workloads:
+            parts = w.split("x")
+            if len(parts) != 2 or not all(p.isdigit() and int(p) > 0 for p in parts):
+                raise ValueError(f"a workload is BxT with positive integers (e.g. 8x4096), got {w!r}")
+        if self.steps < 1 or self.warmup < 0:
+            raise ValueError(f"steps must be >= 1 and warmup >= 0, got {self.steps}, {self.warmup}")
+
+
+def _timed_steps(step: Callable[[torch.Tensor], torch.Tensor], token: torch.Tensor, cfg: DecodeBenchConfig,
+                 device: torch.device) -> float:
+    """ms per step of ``warmup`` untimed then ``steps`` timed greedy steps (wall time)."""
+    for _ in range(cfg.warmup):
+        token = step(token).argmax(-1, keepdim=True)
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(cfg.steps):
+        token = step(token).argmax(-1, keepdim=True)
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    return (time.perf_counter() - t0) / cfg.steps * 1e3
+
+
+@torch.no_grad()
+def time_lapse(model: Decoder, batch: int, prompt: int, cfg: DecodeBenchConfig, *, compile: bool,
+               make_store: Callable[..., object] = DenseStore) -> float:
+    """ms per decode step of a lapse model after a prefill of ``batch x prompt`` random tokens."""
+    device = next(model.parameters()).device
+    ids = torch.randint(0, model.config.vocab_size, (batch, prompt), device=device)
+    store = make_store(model.config.n_layers, capacity=prompt + cfg.warmup + cfg.steps + 1)
+    token = prefill(model, ids, store).argmax(-1, keepdim=True)
+    fn = compiled_decode_one_token() if compile else decode_one_token
+    return _timed_steps(lambda tok: fn(model, tok, store), token, cfg, device)
+
+
+@torch.no_grad()
+def time_hf_llama(model_cfg, batch: int, prompt: int, cfg: DecodeBenchConfig, device: torch.device,
+                  dtype: torch.dtype) -> float:
+    """ms per decode step of HF's LlamaForCausalLM of the same sizes, StaticCache + compile."""
+    from transformers import LlamaConfig, LlamaForCausalLM, StaticCache
+
+    capacity = prompt + cfg.warmup + cfg.steps + 1
+    hf_cfg = LlamaConfig(
+        vocab_size=model_cfg.vocab_size, hidden_size=model_cfg.d_model,
+        intermediate_size=model_cfg.mlp_hidden, num_hidden_layers=model_cfg.n_layers,
+        num_attention_heads=model_cfg.n_heads, num_key_value_heads=model_cfg.kv_heads,
+        max_position_embeddings=capacity, rope_theta=model_cfg.rope_base, tie_word_embeddings=False,
+    )
+    hf_cfg._attn_implementation = "sdpa"
+    model = LlamaForCausalLM(hf_cfg).to(device=device, dtype=dtype).eval()
+    cache = StaticCache(config=hf_cfg, max_cache_len=capacity)
+    ids = torch.randint(0, model_cfg.vocab_size, (batch, prompt), device=device)
+    out = model(ids, past_key_values=cache, cache_position=torch.arange(prompt, device=device),
+                use_cache=True, logits_to_keep=1)
+    token = out.logits[:, -1].argmax(-1, keepdim=True)
+    position = torch.tensor([prompt], device=device)
+
+    def hf_step(tok: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+        return model(tok, position_ids=pos[None].expand(tok.shape[0], 1), cache_position=pos,
+                     past_key_values=cache, use_cache=True).logits[:, -1]
+
+    compiled = torch.compile(hf_step, mode="reduce-overhead", fullgraph=True)
+
+    def step(tok: torch.Tensor) -> torch.Tensor:
+        logits = compiled(tok, position)
+        position.add_(1)
+        return logits
+
+    return _timed_steps(step, token, cfg, device)
+
+
+def bandwidth_limit_ms(model_cfg, batch: int, tokens: float, itemsize: int, bandwidth: float) -> float:
+    """ms to read every weight but the input embedding once, plus ``tokens`` held keys
+    and values per sequence (and FoX's float64 ``c``) at ``bandwidth`` bytes/s."""
+    with torch.device("meta"):
+        weights = param_count(Decoder(model_cfg), non_embedding=True) * itemsize
+    kv = 2 * model_cfg.n_layers * batch * tokens * model_cfg.kv_heads * model_cfg.head_dim * itemsize
+    if model_cfg.attention == "forgetting":
+        kv += model_cfg.n_layers * batch * tokens * model_cfg.n_heads * 8
+    return (weights + kv) / bandwidth * 1e3
+
+
+def _commit() -> str:
+    try:
+        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                              check=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+
+
+def run(cfg: DecodeBenchConfig) -> dict:
+    """Times every (workload, arch, provider), writes ``results.json`` and ``results.md``
+    into ``cfg.out_dir``, prints the table and returns the results."""
+    device = torch.device(cfg.device)
+    dtype = getattr(torch, cfg.dtype)
+    torch._dynamo.config.cache_size_limit = 64  # one compiled step per model and shape
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu"
+    bandwidth = cfg.bandwidth or next((bw for key, bw in HBM_BANDWIDTH.items() if key in name), None)
+    rows = []
+    for workload in cfg.workloads:
+        batch, prompt = (int(x) for x in workload.split("x"))
+        for arch in cfg.archs:
+            torch.manual_seed(0)
+            model_cfg = preset(cfg.preset, arch, max_seq_len=prompt)
+            model = Decoder(model_cfg).to(device=device, dtype=dtype).eval()
+            row = {"workload": workload, "batch": batch, "prompt": prompt, "arch": arch}
+            for provider in ("lapse", "lapse-compile"):
+                if provider in cfg.providers:
+                    row[provider] = time_lapse(model, batch, prompt, cfg, compile=provider == "lapse-compile")
+                    print(f"{workload} {arch} {provider}: {row[provider]:.3f} ms/step", flush=True)
+            if bandwidth is not None:
+                row["limit"] = bandwidth_limit_ms(model_cfg, batch, prompt + cfg.warmup + cfg.steps / 2,
+                                                  torch.finfo(dtype).bits // 8, bandwidth)
+            rows.append(row)
+            del model
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
+        if "hf-llama-compile" in cfg.providers:
+            model_cfg = preset(cfg.preset, "transformer-llama")
+            ms = time_hf_llama(model_cfg, batch, prompt, cfg, device, dtype)
+            rows.append({"workload": workload, "batch": batch, "prompt": prompt, "arch": "hf-llama",
+                         "hf-llama-compile": ms})
+            print(f"{workload} hf-llama compile: {ms:.3f} ms/step", flush=True)
+    env = {"device": name, "torch": torch.__version__, "commit": _commit(), "date": time.strftime("%Y-%m-%d"),
+           "dtype": cfg.dtype, "preset": cfg.preset, "steps": cfg.steps, "warmup": cfg.warmup,
+           "bandwidth": bandwidth}
+    results = {"env": env, "config": {k: str(v) for k, v in asdict(cfg).items()}, "rows": rows}
+    cfg.out_dir.mkdir(parents=True, exist_ok=True)
+    write_text_atomic(cfg.out_dir / "results.json", json.dumps(results, indent=2))
+    table = markdown_table(results)
+    write_text_atomic(cfg.out_dir / "results.md", table)
+    print(table)
+    return results
+
+
+def markdown_table(results: dict) -> str:
+    """ms per decode step, one row per (workload, arch), providers as columns."""
+    env = results["env"]
+    cols = [p for p in PROVIDERS if any(p in r for r in results["rows"])] + ["limit"]
+    lines = [
+        f"Decode step, {env['preset']} shapes, {env['dtype']}, random init, {env['device']}, torch {env['torch']}, "
+        f"commit {env['commit']}, {env['date']}: ms per step (wall time of {env['steps']} greedy steps after "
+        f"{env['warmup']} warm-up steps; limit: bytes read once at {env['bandwidth']} B/s)",
+        "",
+        "| workload | model | " + " | ".join(cols) + " |",
+        "| --- | --- | " + " | ".join("---" for _ in cols) + " |",
+    ]
+    for r in results["rows"]:
+        cells = [f"{r[c]:.3f}" if c in r else "" for c in cols]
+        lines.append(f"| {r['workload']} | {r['arch']} | " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"

@@ -1,0 +1,71 @@
+"""Per-method decoding state of a layer, one small type per method.
+
+A layer asks its store for its state (``cache.state(layer_idx, GateState)``); the store
+makes one empty on first use and reorders it with the batch. Tensors are allocated once,
+at the first (eager) call, and then updated in place, so a compiled or CUDA-graph decode
+step keeps reading and writing the same memory. A new method adds a type here, not
+fields to a shared one.
+
+Legend: B batch, H query heads, K key/value heads, D head dim.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+
+import torch
+from torch import Tensor
+
+
+def static_zeros(*shape: int, dtype: torch.dtype, device: torch.device) -> Tensor:
+    """Zeros that a compiled decode step may update in place: their address is marked
+    static, so CUDA graphs capture the buffer itself instead of copying it in."""
+    t = torch.zeros(*shape, dtype=dtype, device=device)
+    torch._dynamo.mark_static_address(t)
+    return t
+
+
+class LayerState:
+    """Base of the per-method states: its tensor fields are batch-first and reordered
+    together (beam search)."""
+
+    def reorder(self, index: Tensor) -> None:
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if isinstance(value, Tensor):
+                moved = value.index_select(0, index.to(value.device))
+                torch._dynamo.mark_static_address(moved)
+                setattr(self, f.name, moved)
+
+
+@dataclass(eq=False)
+class GateState(LayerState):
+    """FoX: the cumulative log gate of the last held position, ``c_{t-1}`` ``[B, H]``,
+    float64 (SPEC section 1, Decoding: a step adds one gate, ``c_t = c_{t-1} + log f_t``;
+    float64 because ``c`` grows large and negative and a float32 difference cancels
+    digits). Zero before the first token."""
+
+    c_last: Tensor | None = None
+
+    def ensure(self, batch: int, heads: int, device: torch.device) -> Tensor:
+        if self.c_last is None:
+            self.c_last = static_zeros(batch, heads, dtype=torch.float64, device=device)
+        return self.c_last
+
+
+@dataclass(eq=False)
+class ShiftState(LayerState):
+    """Pro KV-shift: the pre-shift key and value projections of the last held position,
+    ``[B, 1, K, D]``, the ``x_{t-1}`` of the next token's shift (SPEC section 2). Zero
+    before the first token (``x_0 = 0``)."""
+
+    k_prev: Tensor | None = None
+    v_prev: Tensor | None = None
+
+    def ensure(self, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
+        """The buffers, allocated like ``k[:, :1]`` and ``v[:, :1]`` on first use."""
+        if self.k_prev is None:
+            b, _, kh, d = k.shape
+            self.k_prev = static_zeros(b, 1, kh, d, dtype=k.dtype, device=k.device)
+            self.v_prev = static_zeros(b, 1, kh, v.shape[-1], dtype=v.dtype, device=v.device)
+        return self.k_prev, self.v_prev

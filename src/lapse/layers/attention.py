@@ -1,0 +1,136 @@
+"""The attention layer: projections and the Pro pieces around any attention kind.
+
+SPEC section 2. :class:`Attention` projects ``q, k, v``, applies the features it was
+built with (KV-shift, QK-norm: the Pro block's input side), hands them to the kind's
+:meth:`Attention.attend` (softmax with RoPE, forgetting attention, ...), and applies the
+output norm and gate (the Pro block's output side) and the output projection. A kind
+is a subclass that implements ``attend``; the features are constructor arguments, so
+nothing here knows an architecture name.
+
+Shapes: a trailing comment on each line that makes a new shape. Legend: B batch, T time,
+C d_model, H query heads, K key/value heads, D head dim, S cache capacity.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import Tensor, nn
+
+from lapse.kv import KVCache, ShiftState
+
+from .norm import RMSNorm
+from .shift import KVShift
+
+
+class Attention(nn.Module):
+    """One attention layer: ``W_o attend(q, k, v)``, optionally with the Pro pieces.
+
+    Args:
+        d_model: width of the residual stream.
+        n_heads, n_kv_heads: query and key/value heads (``n_kv_heads`` divides ``n_heads``).
+        head_dim: channels per head.
+        layer_idx: the layer's index in its model, the key of its decoding state.
+        kv_shift: KV-shift on keys and values (Pro).
+        qk_norm: per-head RMSNorm of queries and shifted keys (Pro), eps ``qk_norm_eps``.
+        output_gate: ``W_o [RMSNorm_head(o) * sigmoid(W_g x)]`` (Pro), eps ``norm_eps``.
+    """
+
+    supports_acp = False
+    """The kind can prune with ACP (a forget gate to bound the dropped mass with)."""
+    needs_even_head_dim = False
+    """The kind rotates channel pairs (RoPE)."""
+
+    def __init__(
+        self,
+        d_model: int,
+        n_heads: int,
+        n_kv_heads: int,
+        head_dim: int,
+        *,
+        layer_idx: int,
+        kv_shift: bool = False,
+        qk_norm: bool = False,
+        output_gate: bool = False,
+        norm_eps: float = 1e-6,
+        qk_norm_eps: float = 1e-5,
+    ):
+        super().__init__()
+        c, h, k, d = d_model, n_heads, n_kv_heads, head_dim
+        self.n_heads, self.n_kv_heads, self.head_dim = h, k, d
+        self.layer_idx = layer_idx
+        self.scale = 1.0 / math.sqrt(d)
+        self.q_proj = nn.Linear(c, h * d, bias=False)
+        self.k_proj = nn.Linear(c, k * d, bias=False)
+        self.v_proj = nn.Linear(c, k * d, bias=False)
+        self.o_proj = nn.Linear(h * d, c, bias=False)
+        self.k_shift = KVShift(c, k) if kv_shift else None
+        self.v_shift = KVShift(c, k) if kv_shift else None
+        self.q_norm = RMSNorm((h, d), qk_norm_eps) if qk_norm else None
+        self.k_norm = RMSNorm((k, d), qk_norm_eps) if qk_norm else None
+        self.o_norm = RMSNorm((h, d), norm_eps) if output_gate else None
+        self.o_gate = nn.Linear(c, h * d, bias=False) if output_gate else None  # W_g, full width
+        # statistics of the last forward, kept when collect_stats is set (kinds that have any)
+        self.collect_stats = False
+        self.last_stats = None
+
+    def forward(self, x: Tensor, positions: Tensor, cache: KVCache | None = None) -> Tensor:
+        """x ``[B, T, C]`` (the normed block input); positions ``[B, T]`` or ``[1, T]``;
+        with a cache the tokens continue the sequences it holds and are appended to it."""
+        b, t, _ = x.shape
+        h, k, d = self.n_heads, self.n_kv_heads, self.head_dim
+        q = self.q_proj(x).view(b, t, h, d)  # [B, T, H, D]
+        key = self.k_proj(x).view(b, t, k, d)  # [B, T, K, D]
+        val = self.v_proj(x).view(b, t, k, d)  # [B, T, K, D]
+        if self.k_shift is not None:
+            key, val = self._shift(key, val, x, cache)
+        if self.q_norm is not None:
+            q, key = self.q_norm(q), self.k_norm(key)  # QK-norm on q and the shifted k
+        o = self.attend(q, key, val, x, positions, cache)  # [B, T, H, D]
+        if self.o_gate is not None:
+            return self.o_proj(self.o_norm(o).reshape(b, t, h * d) * torch.sigmoid(self.o_gate(x)))
+        return self.o_proj(o.reshape(b, t, h * d))  # [B, T, C]
+
+    def attend(
+        self, q: Tensor, k: Tensor, v: Tensor, x: Tensor, positions: Tensor, cache: KVCache | None
+    ) -> Tensor:
+        """The kind's attention: q ``[B, T, H, D]``, k, v ``[B, T, K, D]`` -> ``[B, T, H, D]``.
+
+        ``x`` is the layer input (for gates computed from it); with a cache, the kind
+        appends its keys and values (and its extras) and attends to everything held."""
+        raise NotImplementedError
+
+    def _shift(self, key: Tensor, val: Tensor, x: Tensor, cache: KVCache | None) -> tuple[Tensor, Tensor]:
+        """KV-shift, continued from the cached last pre-shift projections (``x_0 = 0``)."""
+        if cache is None:
+            return self.k_shift.shift(key, x), self.v_shift.shift(val, x)
+        state = cache.state(self.layer_idx, ShiftState)
+        k_prev, v_prev = state.ensure(key, val)  # [B, 1, K, D]
+        shifted = self.k_shift.shift(key, x, k_prev), self.v_shift.shift(val, x, v_prev)
+        k_prev.copy_(key[:, -1:])
+        v_prev.copy_(val[:, -1:])
+        return shifted
+
+    @torch.no_grad()
+    def logit_bound(self) -> Tensor | None:
+        """A bound ``U_h >= max |scale q.k|`` per query head ``[H]`` that holds for any
+        input, or ``None`` when the layer has none.
+
+        With QK-norm: ``max|g_q,h| * max|g_k,h| * D * scale``; an RMS-normalised vector
+        with gains g has norm at most ``max|g| sqrt(D)``, so no pass over the data is
+        needed (SPEC section 3). Without it a bound needs the data.
+        """
+        if self.q_norm is None:
+            return None
+        g_q = self.q_norm.weight.abs().amax(-1).float()  # [H]
+        g_k = self.k_norm.weight.abs().amax(-1).float()  # [K]
+        g_k = g_k.repeat_interleave(self.n_heads // self.n_kv_heads)  # [H]
+        return g_q * g_k * self.head_dim * self.scale  # [H]
+
+    def qk_sources(self) -> tuple[nn.Module, nn.Module]:
+        """The submodules whose outputs are the ``q`` and ``k`` that :meth:`attend` receives
+        (after QK-norm when there is one, which follows the KV-shift)."""
+        if self.q_norm is not None:
+            return self.q_norm, self.k_norm
+        return self.q_proj, self.k_proj

@@ -1,0 +1,86 @@
+"""Forgetting attention (FoX, SPEC section 1) with Adaptive Computation Pruning (section 3)."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from lapse.kv import GateState, KVCache
+from lapse.ops.forgetting import cumulative_log_gates, forgetting_attention, forgetting_attention_cached
+
+from .attention import Attention
+from .norm import compute_dtype
+
+
+class ForgettingAttention(Attention):
+    """Softmax attention with a forget gate ``log f_t = logsigmoid(W_f x_t + b_f)`` per
+    query head and no positional encoding: :func:`lapse.ops.forgetting_attention`.
+
+    With a cache: each token's cumulative log gate ``c_j`` (float64) is kept beside its
+    key; the first call (prefill) runs the full-sequence op (ACP included), later calls
+    :func:`lapse.ops.forgetting.forgetting_attention_cached` (one token: the split-K
+    decode kernel on CUDA). Decoding is dense: ACP prunes only in the full-sequence op.
+
+    Args: those of :class:`~lapse.layers.Attention`, and
+        acp: prune with ACP (SPEC section 3), tolerance ``acp_eps``. The bound ``U`` is
+            :meth:`~lapse.layers.Attention.logit_bound` where the layer has one (QK-norm),
+            else the op's ``"auto"`` (from the largest query and key norms).
+        backend: the op's backend (``auto``, ``triton``, ``torch``, ``naive``).
+    """
+
+    supports_acp = True
+
+    def __init__(self, *args, acp: bool = False, acp_eps: float = math.exp(-10),
+                 backend: str = "auto", **kwargs):
+        super().__init__(*args, **kwargs)
+        self.acp, self.acp_eps, self.backend = acp, acp_eps, backend
+        self.fgate = nn.Linear(self.q_proj.in_features, self.n_heads, bias=True)
+
+    def attend(
+        self, q: Tensor, k: Tensor, v: Tensor, x: Tensor, positions: Tensor, cache: KVCache | None
+    ) -> Tensor:
+        # log gates in float32 (SPEC section 1), float64 when the model runs in float64
+        log_fgate = F.logsigmoid(self.fgate(x).to(compute_dtype(x)))  # [B, T, H]
+        if cache is None:
+            return self._full(q, k, v, log_fgate)
+        b, t, h, _ = q.shape
+        first = t > 1 and cache.length == 0  # prefill: the full-sequence op
+        c_last = cache.state(self.layer_idx, GateState).ensure(b, h, q.device)  # [B, H] float64
+        c = cumulative_log_gates(log_fgate, initial=c_last, dtype=torch.float64)  # [B, T, H]
+        c_last.copy_(c[:, -1])
+        cache.append(self.layer_idx, k, v, c=c)
+        if first:
+            return self._full(q, k, v, log_fgate)
+        view = cache.view(self.layer_idx)
+        backend = "torch" if self.backend == "naive" else self.backend
+        return forgetting_attention_cached(
+            q, view.k, view.v, view.extras["c"], view.seqlens,
+            scale=self.scale, backend=backend, check_values=False,
+        )  # [B, T, H, D]
+
+    # torch.compile leaves the op eager: Inductor re-compiles user Triton kernels itself and
+    # fails on the nested @triton.jit helpers of the forward kernel (Triton 3.6, torch 2.11).
+    @torch.compiler.disable
+    def _full(self, q: Tensor, k: Tensor, v: Tensor, log_fgate: Tensor) -> Tensor:
+        """FoX attention over the whole sequence (training, or the prefill)."""
+        out = forgetting_attention(
+            q, k, v, log_fgate,
+            scale=self.scale, acp=self.acp_bound(), acp_eps=self.acp_eps,
+            return_stats=self.collect_stats, backend=self.backend,
+        )
+        if not self.collect_stats:
+            return out
+        o, self.last_stats = out
+        return o
+
+    @torch.no_grad()
+    def acp_bound(self) -> Tensor | str | None:
+        """The ACP bound ``U >= max |scale q.k|`` per query head: ``None`` when ACP is off,
+        :meth:`logit_bound` where the layer has one, else ``"auto"`` (from the data)."""
+        if not self.acp:
+            return None
+        bound = self.logit_bound()
+        return "auto" if bound is None else bound

@@ -1,0 +1,58 @@
+"""Softmax attention with RoPE (the Transformer baselines, SPEC section 2)."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from lapse.kv import KVCache
+
+from .attention import Attention
+from .rotary import RotaryEmbedding
+
+
+class SoftmaxAttention(Attention):
+    """Causal ``softmax(scale q k^T) v`` with RoPE on q and k, by PyTorch's SDPA.
+
+    With a cache: the first call (prefill) runs causal SDPA on its own tokens; later calls
+    attend over the held keys with a mask ``key position <= query position`` (one token:
+    over the whole buffer, a fixed shape for compiled decoding).
+
+    Args: those of :class:`~lapse.layers.Attention`, and ``rope_base`` (theta).
+    """
+
+    needs_even_head_dim = True
+
+    def __init__(self, *args, rope_base: float = 500000.0, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.rotary = RotaryEmbedding(self.head_dim, rope_base)
+
+    def attend(
+        self, q: Tensor, k: Tensor, v: Tensor, x: Tensor, positions: Tensor, cache: KVCache | None
+    ) -> Tensor:
+        t = q.shape[1]
+        limit = t if cache is None else cache.capacity
+        q, k = self.rotary(q, positions, limit), self.rotary(k, positions, limit)
+        if cache is None:
+            return self._sdpa(q, k, v, None)
+        first = t > 1 and cache.length == 0  # prefill: its own tokens, causal
+        cache.append(self.layer_idx, k, v)
+        if first:
+            return self._sdpa(q, k, v, None)
+        view = cache.view(self.layer_idx)
+        keys, values = view.k, view.v  # [B, S, K, D]
+        if t > 1:  # a chunk after a prefix (eager): only the held slots
+            n = cache.length + t
+            keys, values = keys[:, :n], values[:, :n]
+        slots = torch.arange(keys.shape[1], device=q.device)  # [S]
+        mask = slots[None, None, :] <= positions[:, :, None]  # [B, T, S]
+        return self._sdpa(q, keys, values, mask[:, None])
+
+    def _sdpa(self, q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None) -> Tensor:
+        """SDPA in ``[B, T, H, D]`` layout; causal when no mask is given."""
+        return F.scaled_dot_product_attention(
+            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+            attn_mask=mask, is_causal=mask is None, scale=self.scale,
+            enable_gqa=self.n_heads != self.n_kv_heads,
+        ).transpose(1, 2)  # [B, T, H, D]
