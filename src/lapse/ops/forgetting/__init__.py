@@ -26,14 +26,16 @@ from .common import (
     set_value_checks,
     validate,
 )
-from .decode import forgetting_attention_decode
+from .decode import forgetting_attention_cached, forgetting_attention_decode
 from .naive import naive_forgetting_attention
 
 __all__ = [
     "ACP_BLOCK",
     "LOG_GATE_FLOOR",
     "AttentionStats",
+    "cumulative_log_gates",
     "forgetting_attention",
+    "forgetting_attention_cached",
     "forgetting_attention_decode",
     "naive_forgetting_attention",
     "set_value_checks",

@@ -221,22 +221,48 @@ def _sequence_ids(cu_seqlens: Tensor, t: int) -> Tensor:
     return torch.searchsorted(cu_seqlens[1:-1].long(), tokens, right=True)
 
 
-def cumulative_log_gates(log_fgate: Tensor, cu_seqlens: Tensor | None = None) -> Tensor:
-    """c_i = sum_{l <= i} log f_l in float64, restarting at every sequence start.
+def cumulative_log_gates(
+    log_fgate: Tensor,
+    cu_seqlens: Tensor | None = None,
+    *,
+    initial: Tensor | None = None,
+    dtype: torch.dtype = torch.float64,
+) -> Tensor:
+    """c_i = initial + sum_{l <= i} max(log f_l, LOG_GATE_FLOOR), restarting at every
+    sequence start.
 
-    Float64 keeps ``c_i - c_j`` exact to ~1e-12 even when ``c`` reaches -1e5 at long
-    context (SPEC section 1, the cancellation note); kernels then split it into a
-    float32 pair (:func:`split_hi_lo`). Returns ``[B, Tk, HQ]`` float64.
+    Summed in float64, which keeps ``c_i - c_j`` exact to ~1e-12 even when ``c`` reaches
+    -1e5 at long context (SPEC section 1, the cancellation note); kernels then split it
+    into a float32 pair (:func:`split_hi_lo`).
+
+    Args:
+        log_fgate: ``[B, T, HQ]`` log forget gates.
+        cu_seqlens: optional packed-sequence offsets, as in ``forgetting_attention``.
+        initial: optional ``[B, HQ]``, the ``c`` of the position before the first one
+            (a decoding cache continues its sequences from it), added to every row;
+            ``None``: from 0. Not with ``cu_seqlens``.
+        dtype: of the result (float64 by default, what a decoding cache should keep).
+
+    Returns:
+        ``[B, T, HQ]`` in ``dtype``.
     """
     r = log_fgate.to(torch.float64).clamp_min(LOG_GATE_FLOOR)
     c = torch.cumsum(r, dim=1)
     if cu_seqlens is not None:
+        if initial is not None:
+            raise ValueError("cumulative_log_gates takes initial or cu_seqlens, not both")
         starts = cu_seqlens[:-1].long()
         seq_id = _sequence_ids(cu_seqlens, c.shape[1])
         # c at the token before each sequence's first token (0 for the first sequence)
         prefix = torch.cat([c.new_zeros(1, 1, c.shape[2]), c[:, :-1]], dim=1)
         c = c - prefix[:, starts[seq_id]]  # starts[seq_id] <= t: empty sequences never indexed
-    return c
+    if initial is not None:
+        check_tensors(initial=initial)
+        expected = (log_fgate.shape[0], log_fgate.shape[2])
+        if tuple(initial.shape) != expected:
+            raise ValueError(f"initial must be [batch, heads] = {expected}, got {_shape(initial)}")
+        c = c + initial[:, None]
+    return c.to(dtype)
 
 
 def split_hi_lo(c: Tensor) -> tuple[Tensor, Tensor]:

@@ -5,9 +5,11 @@ cached key ``j`` up to its own slot ``t`` (from ``s_h``, ``window_start``, where
 eviction has cut a head's cache) with logit ``scale * q . k_j + (c_t - c_j)``; the cache
 keeps the cumulative log gate ``c_j`` of every key, so nothing is recomputed per step.
 
-The public function :func:`forgetting_attention_decode` takes one token per sequence
-(the Triton split-K kernels of ``decode_triton.py`` on CUDA). The file reads: the plain
-torch reference, the checks, the public function.
+Two public functions: :func:`forgetting_attention_decode`, one token per sequence (the
+Triton split-K kernels of ``decode_triton.py`` on CUDA), and
+:func:`forgetting_attention_cached`, ``T >= 1`` tokens already appended to the cache (a
+model layer's call). The file reads: the plain torch references, the checks, the
+public functions.
 
 Legend: B batch, T new tokens, S cache capacity, H key/value heads, HQ query heads,
 D head dim.
@@ -68,6 +70,40 @@ def _decode_torch(
     p = torch.softmax(logits, dim=-1)  # [B, HQ, S]
     o = torch.einsum("bhs,bshd->bhd", p, v)  # [B, HQ, D]
     return o.to(q.dtype), lse.float()
+
+
+def _cached_torch(
+    q: Tensor,
+    k_cache: Tensor,
+    v_cache: Tensor,
+    c_cache: Tensor,
+    cache_seqlens: Tensor,
+    scale: float,
+) -> Tensor:
+    """``T`` new queries over the cache, materialised: query ``i`` sits at slot
+    ``n - T + i`` (``n = cache_seqlens[b]``) and reads the slots up to its own.
+
+    The bias ``c_i - c_j`` is taken in the cache's dtype and only then rounded to float32
+    (float64 for float64 ``q``), the rest in float32; slots past ``n`` are zeroed before
+    use, so garbage (NaN included) there cannot leak in. Returns ``[B, T, HQ, D]``.
+    """
+    b, t, hq, _ = q.shape
+    s, h = k_cache.shape[1], k_cache.shape[2]
+    acc = torch.float64 if q.dtype == torch.float64 else torch.float32
+    n = cache_seqlens.long()  # [B]
+    pos = torch.arange(s, device=q.device)  # [S]
+    pos_q = n[:, None] - t + torch.arange(t, device=q.device)  # [B, T] the queries' slots
+    allowed = (pos[None, None, :] <= pos_q[:, :, None])[:, None]  # [B, 1, T, S]
+    valid = (pos[None, :] < n[:, None])[:, :, None, None]  # [B, S, 1, 1]
+    k = torch.where(valid, k_cache, 0.0).repeat_interleave(hq // h, dim=2).to(acc)  # [B, S, HQ, D]
+    v = torch.where(valid, v_cache, 0.0).repeat_interleave(hq // h, dim=2).to(acc)  # [B, S, HQ, D]
+    slot_q = pos_q.clamp(0, s - 1)[:, :, None].expand(b, t, hq)  # [B, T, HQ]
+    c_q = torch.gather(c_cache, 1, slot_q).transpose(1, 2)  # [B, HQ, T], the cache's dtype
+    c_k = c_cache.transpose(1, 2)  # [B, HQ, S]
+    bias = torch.where(allowed, c_q[..., None] - c_k[:, :, None, :], 0.0).to(acc)  # [B, HQ, T, S]
+    logits = torch.einsum("bthd,bshd->bhts", q.to(acc), k) * scale + bias
+    p = torch.softmax(logits.masked_fill(~allowed, float("-inf")), dim=-1)  # [B, HQ, T, S]
+    return torch.einsum("bhts,bshd->bthd", p, v).to(q.dtype)  # [B, T, HQ, D]
 
 
 def _validate(
@@ -247,3 +283,63 @@ def forgetting_attention_decode(
         o = out.copy_(o)
     return (o, lse) if return_lse else o
 
+
+def forgetting_attention_cached(
+    q: Tensor,
+    k_cache: Tensor,
+    v_cache: Tensor,
+    c_cache: Tensor,
+    cache_seqlens: Tensor,
+    *,
+    scale: float | None = None,
+    backend: str = "auto",
+    check_values: bool = True,
+) -> Tensor:
+    """Attention of ``T >= 1`` new tokens per sequence that a model layer has just
+    appended to its cache, with the forget-gate bias from the cached ``c``.
+
+    The new tokens sit in slots ``[n - T, n)``, ``n = cache_seqlens[b]``; query ``i``
+    sits at slot ``n - T + i`` and attends to the slots ``j <= n - T + i`` with logit
+    ``scale * q_i . k_j + (c_i - c_j)``, ``c_i`` being ``c_cache`` at the query's own
+    slot (SPEC section 1). For ``T = 2``, ``cache_seqlens = [3, 5]`` and capacity 6 the
+    slots read are (rows: queries)::
+
+        1 1 0 0 0 0      1 1 1 1 0 0
+        1 1 1 0 0 0      1 1 1 1 1 0
+
+    ``T = 1`` is exactly ``forgetting_attention_decode(q[:, 0], ...)[:, None]`` (the
+    Triton split-K kernel on CUDA). ``T > 1`` runs a materialised torch path on every
+    backend: the bias ``c_i - c_j`` taken in ``c_cache``'s dtype and only then rounded to
+    float32, the rest in float32 (float64 for float64 inputs), a masked softmax. Dense:
+    ACP prunes only in the full-sequence op.
+
+    Args:
+        q: ``[B, T, HQ, D]`` float16, bfloat16 or float32 (float64 on the torch backend),
+            the new tokens' queries; ``T`` at most ``S``. ``D`` up to 256, any value.
+        k_cache, v_cache: ``[B, S, H, D]``, same dtype as ``q``, capacity ``S``; ``HQ`` a
+            multiple of ``H`` (grouped-query). Slots from ``cache_seqlens`` on are never
+            read and may hold anything.
+        c_cache: ``[B, S, HQ]`` float64 or float32, the cumulative log gate of every
+            cached key for every query head (finite: build it with
+            ``cumulative_log_gates``, whose ``initial`` continues a cached sequence).
+        cache_seqlens: ``[B]`` int32, the number of valid slots *including* the ``T``
+            new tokens, in ``[T, S]``.
+        scale: logit scale, ``1 / sqrt(D)`` by default.
+        backend: ``"auto"`` (Triton on CUDA, else torch), ``"triton"`` or ``"torch"``;
+            it chooses the path of ``T = 1``.
+        check_values: check that ``cache_seqlens`` lies in ``[T, S]`` (one host-device
+            sync); pass False inside a captured or compiled decode step.
+
+    Returns:
+        ``o`` ``[B, T, HQ, D]`` in ``q``'s dtype. An inference op: the Triton path records
+        no gradient.
+    """
+    scale = _validate(q, k_cache, v_cache, c_cache, cache_seqlens, window_start=None,
+                      out=None, scale=scale, backend=backend, check_values=check_values,
+                      new_tokens=True)
+    backend = resolve_backend(backend, q, DECODE_BACKENDS)
+    if q.shape[1] == 1:
+        o, _ = _decode(q[:, 0], k_cache, v_cache, c_cache, cache_seqlens, None, scale, None,
+                       backend)  # [B, HQ, D]
+        return o[:, None]  # [B, 1, HQ, D]
+    return _cached_torch(q, k_cache, v_cache, c_cache, cache_seqlens, scale)
