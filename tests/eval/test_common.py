@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from lapse.eval import eval_windows, export_hf, load_model
-from lapse.train import latest_checkpoint
+from lapse.models.checkpoint import latest_checkpoint
 
 
 def test_load_run_folder_checkpoint_folder_and_hf_folder(fox_run, tmp_path):

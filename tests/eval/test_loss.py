@@ -26,7 +26,7 @@ from lapse.eval.loss import (
     smooth,
 )
 from lapse.models import Decoder, preset
-from lapse.train import latest_checkpoint
+from lapse.models.checkpoint import latest_checkpoint
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

@@ -20,9 +20,9 @@ from safetensors.torch import load_file
 from lapse.cli import main as cli_main
 from lapse.data import CorpusConfig
 from lapse.models import preset
+from lapse.models.checkpoint import latest_checkpoint, model_config_from_json
 from lapse.train import (
     TrainConfig,
-    latest_checkpoint,
     lr_at,
     read_metrics,
     resume,
@@ -194,7 +194,7 @@ def test_cli_train_with_overrides(tmp_path, data_dir, capsys):
     out = capsys.readouterr().out
     assert "finished at step 3/3" in out
     saved = json.loads((tmp_path / "run" / "config.json").read_text())
-    assert saved["model"]["arch"] == "transformer-llama" and saved["steps"] == 3
+    assert model_config_from_json(saved["model"]).name == "transformer-llama" and saved["steps"] == 3
 
 
 def _run_cli(args: list[str], **kw) -> subprocess.Popen:

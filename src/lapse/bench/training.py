@@ -2,8 +2,8 @@
 
 Every variant loads the same weights (a trained run's checkpoint, so the gates have
 decayed the way training made them, or a fresh init), feeds the same windows, and runs
-whole optimizer steps (forward, backward, clipping, AdamW) through
-:func:`lapse.train.trainer.train_step`, the trainer's own step. Variants alternate in
+whole optimizer steps (forward, backward, clipping, AdamW) as the trainer takes them
+(:func:`optimizer_step`; the benchmark does not import the trainer). Variants alternate in
 rounds so drift of the GPU clock hits all alike; the median step time is reported with
 tokens/s, MFU (attention counted as dense causal FLOPs, so pruned and dense runs are
 compared on the same work), the pruned fraction and the peak memory.
@@ -80,23 +80,24 @@ def _commit() -> str:
 
 
 def run(cfg: TrainBenchConfig) -> dict:
-    from lapse.data import WindowSampler
+    from lapse.data import WindowSampler, prepare_data
     from lapse.models import Decoder, flops_per_token, optimizer_groups, preset
+    from lapse.models.checkpoint import latest_checkpoint, load_weights, read_run
+    from lapse.models.mfu import peak_tflops
     from lapse.ops.forgetting import set_value_checks
-    from lapse.train.checkpoint import latest_checkpoint, load_weights
-    from lapse.train.data import prepare_data
-    from lapse.train.metrics import peak_tflops
-    from lapse.train.trainer import CONFIG_FILE, config_from_json, train_step
 
     if not torch.cuda.is_available():
         raise SystemExit("lapse bench train needs a CUDA device")
     device = torch.device("cuda")
     set_value_checks(False)
     if cfg.run is not None:
-        train_cfg = config_from_json(json.loads((cfg.run / CONFIG_FILE).read_text()))
-        model_cfg = train_cfg.model
+        saved = read_run(cfg.run)
+        model_cfg = saved.model
         folder = latest_checkpoint(cfg.run)
-        data = prepare_data(train_cfg, progress=False)
+        data = prepare_data(
+            saved.corpus, saved.tokenizer, vocab_size=model_cfg.vocab_size, data_dir=saved.data_dir,
+            progress=False,
+        )
         sampler = WindowSampler(
             shards=data.validation, seq_len=cfg.seq_len, batch_size=cfg.batch_size, seed=7
         )
@@ -142,8 +143,7 @@ def run(cfg: TrainBenchConfig) -> dict:
         x, y = batch(i)
         torch.cuda.synchronize()
         t0 = time.perf_counter()
-        loss, _ = train_step(s["model"], s["opt"], x, y, cfg.micro_batch_size, device, torch.bfloat16, 1.0)
-        loss = loss.item()  # syncs
+        loss = optimizer_step(s["model"], s["opt"], x, y, cfg.micro_batch_size).item()  # syncs
         if timed:
             s["times"].append(time.perf_counter() - t0)
             s["losses"].append(loss)
@@ -229,6 +229,26 @@ def run(cfg: TrainBenchConfig) -> dict:
     (cfg.out_dir / "results.json").write_text(json.dumps(result, indent=2) + "\n")
     (cfg.out_dir / "results.md").write_text(text + "\n")
     return result
+
+
+def optimizer_step(
+    model: torch.nn.Module, optimizer: torch.optim.Optimizer, x: torch.Tensor, y: torch.Tensor, micro: int
+) -> torch.Tensor:
+    """One optimizer step as the trainer takes it in one process: forward and backward per
+    micro-batch of ``micro`` rows under bf16 autocast, gradients averaged, clipped to norm
+    1, AdamW. Returns the mean loss (a device tensor)."""
+    device = next(model.parameters()).device
+    pieces = list(zip(x.split(micro), y.split(micro), strict=True))
+    total = torch.zeros((), device=device)
+    for xm, ym in pieces:
+        with torch.autocast(device.type, dtype=torch.bfloat16):
+            _, loss = model(xm.to(device, non_blocking=True), ym.to(device, non_blocking=True))
+        (loss / len(pieces)).backward()
+        total += loss.detach().float() / len(pieces)
+    torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    return total
 
 
 def _triton_version() -> str | None:

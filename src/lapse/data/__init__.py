@@ -3,7 +3,8 @@
 ``lapse.data.corpus`` lists documents (the local Python installation's source files by
 default), ``lapse.data.tokenizer`` turns them into ids (UTF-8 bytes by default, or a BPE
 trained locally with the ``tokenizers`` library), ``lapse.data.shards`` stores the ids as
-memory-mapped shards and samples training windows as a pure function of ``(seed, step)``.
+memory-mapped shards and samples training windows as a pure function of ``(seed, step)``;
+``lapse.data.prepare`` builds and caches the shards of a (corpus, tokenizer) pair.
 """
 
 from lapse.data.corpus import (
@@ -18,6 +19,7 @@ from lapse.data.corpus import (
     python_source_documents,
     text_documents,
 )
+from lapse.data.prepare import DEFAULT_DATA_DIR, PreparedData, cached_with, data_key, prepare_data
 from lapse.data.shards import TokenShards, WindowSampler, token_dtype, write_shards
 from lapse.data.tokenizer import (
     ByteTokenizer,
@@ -29,14 +31,18 @@ from lapse.data.tokenizer import (
 )
 
 __all__ = [
+    "DEFAULT_DATA_DIR",
     "ByteTokenizer",
     "CorpusConfig",
     "Document",
     "HFTokenizer",
+    "PreparedData",
     "TokenShards",
     "Tokenizer",
     "TransformersTokenizer",
     "WindowSampler",
+    "cached_with",
+    "data_key",
     "hf_documents",
     "in_validation",
     "iter_documents",
@@ -44,6 +50,7 @@ __all__ = [
     "limit_documents",
     "list_python_sources",
     "load_tokenizer",
+    "prepare_data",
     "python_source_documents",
     "text_documents",
     "token_dtype",

@@ -2,8 +2,9 @@
 
 :func:`load_model` takes any of the places a lapse model lives:
 
-- a training run folder (``config.json`` + ``checkpoint.json``, see :mod:`lapse.train`):
-  the last checkpoint, the run's tokenizer, the run's training config;
+- a training run folder (``config.json`` + ``checkpoint.json``, see
+  :mod:`lapse.models.checkpoint`): the last checkpoint, the run's tokenizer, the run's
+  saved configuration;
 - one ``checkpoint-<step>/`` folder inside such a run;
 - a Hugging Face folder written by ``LapseForCausalLM.save_pretrained`` (its tokenizer
   too when one was saved beside it).
@@ -21,8 +22,17 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from lapse.data import CorpusConfig, Tokenizer, WindowSampler, load_tokenizer
+from lapse.data import (
+    DEFAULT_DATA_DIR,
+    CorpusConfig,
+    Tokenizer,
+    WindowSampler,
+    cached_with,
+    load_tokenizer,
+    prepare_data,
+)
 from lapse.models import Decoder, ModelConfig
+from lapse.models.checkpoint import CONFIG_FILE, POINTER, SavedRun, latest_checkpoint, load_weights, read_run
 
 
 @dataclass
@@ -37,8 +47,9 @@ class LoadedModel:
     """A short label for plots and tables (the run folder's name by default)."""
     path: Path
     """Where it was loaded from."""
-    train_config: object | None = None
-    """The run's :class:`~lapse.train.TrainConfig` (run folders only)."""
+    train_config: SavedRun | None = None
+    """What the run folder's ``config.json`` says: model, corpus, tokenizer, data folder,
+    training context (run folders only)."""
     tokenizer_path: Path | None = None
     """Where :attr:`tokenizer` was saved (the run's ``tokenizer/``, or beside an HF folder)."""
 
@@ -50,8 +61,8 @@ class LoadedModel:
     def context(self) -> int:
         """The context the model was trained at: the run's row length (``--seq-len``), or
         ``max_seq_len`` when there is no run config."""
-        cfg = self.train_config
-        return cfg.context if cfg is not None else self.config.max_seq_len
+        run = self.train_config
+        return run.context if run is not None else self.config.max_seq_len
 
 
 def load_model(
@@ -69,23 +80,20 @@ def load_model(
     ``acp_eps=1e-3``, ``attn_backend="naive"``) without touching the weights. Raises
     ``ValueError`` naming the path when nothing loadable is there.
     """
-    from lapse.train.checkpoint import latest_checkpoint, load_weights
-    from lapse.train.trainer import CONFIG_FILE, config_from_json
-
     if device == "auto":
         device = "cuda" if torch.cuda.is_available() else "cpu"
     path = Path(path)
     if not path.exists():
         raise ValueError(f"model path does not exist: {path}")
     run_dir, folder = None, None
-    if (path / "checkpoint.json").exists():
+    if (path / POINTER).exists():
         run_dir, folder = path, latest_checkpoint(path)
     elif (path / "model.safetensors").exists() and (path.parent / CONFIG_FILE).exists() and (
-        path.parent / "checkpoint.json"
+        path.parent / POINTER
     ).exists():
         run_dir, folder = path.parent, path
     if run_dir is not None:
-        train_config = config_from_json(json.loads((run_dir / CONFIG_FILE).read_text()))
+        train_config = read_run(run_dir)
         model_config = replace(train_config.model, **overrides)
         model = Decoder(model_config)
         load_weights(folder, model)
@@ -93,7 +101,7 @@ def load_model(
         tokenizer = load_tokenizer(tokenizer_path) if tokenizer_path is not None else None
         label = name or run_dir.name
     elif _is_hf_lapse_folder(path):
-        from lapse.models.hf import LapseForCausalLM
+        from lapse.hf import LapseForCausalLM
 
         hf = LapseForCausalLM.from_pretrained(path)
         model = hf.model
@@ -118,9 +126,9 @@ def load_model(
 def export_hf(path: str | Path, out_dir: str | Path) -> Path:
     """Write the model at ``path`` (a run or checkpoint folder) as a Hugging Face folder:
     ``save_pretrained`` (``config.json``, ``model.safetensors``) plus ``tokenizer/``.
-    It loads with ``AutoModelForCausalLM.from_pretrained`` once ``lapse.models.hf`` is
+    It loads with ``AutoModelForCausalLM.from_pretrained`` once ``lapse.hf`` is
     imported, and with :func:`load_model`."""
-    from lapse.models.hf import LapseForCausalLM
+    from lapse.hf import LapseForCausalLM
 
     loaded = load_model(path)
     out_dir = Path(out_dir)
@@ -160,30 +168,25 @@ def eval_windows(
     The same (model, corpus, seq_len, num, seed) always gives the same windows. Windows
     start anywhere and may cross document boundaries (separated by eos), as in training.
     """
-    from lapse.train.config import TrainConfig
-    from lapse.train.data import cached_with, prepare_data
-
-    base = loaded.train_config
-    if base is None:
-        if corpus is None or loaded.tokenizer_path is None:
-            raise ValueError(
-                f"{loaded.path} is not a training run: pass a corpus, and save a tokenizer beside the model"
-            )
-        base = TrainConfig(
-            model=loaded.config, corpus=corpus, tokenizer=str(loaded.tokenizer_path), progress=False
+    run = loaded.train_config
+    if run is None and (corpus is None or loaded.tokenizer_path is None):
+        raise ValueError(
+            f"{loaded.path} is not a training run: pass a corpus, and save a tokenizer beside the model"
         )
-    if not isinstance(base, TrainConfig):
-        raise TypeError(f"train_config must be a TrainConfig, got {type(base).__name__}")
-    cfg = replace(
-        base,
-        corpus=corpus if corpus is not None else base.corpus,
-        data_dir=Path(data_dir) if data_dir is not None else base.data_dir,
-    )
-    if cfg.tokenizer == "bpe" and not cached_with(cfg, loaded.tokenizer_path):
+    if run is not None:
+        tokenizer, vocab_size = run.tokenizer, run.model.vocab_size
+        corpus = corpus if corpus is not None else run.corpus
+        data_dir = Path(data_dir) if data_dir is not None else run.data_dir
+    else:
+        tokenizer, vocab_size = str(loaded.tokenizer_path), loaded.config.vocab_size
+        data_dir = Path(data_dir) if data_dir is not None else DEFAULT_DATA_DIR
+    if tokenizer == "bpe" and not cached_with(
+        corpus, tokenizer, vocab_size=vocab_size, data_dir=data_dir, tokenizer_path=loaded.tokenizer_path
+    ):
         # Tokenise with the run's own BPE: learning one again (another corpus, another
         # machine, a missing cache) could give different ids than the model was trained on.
-        cfg = replace(cfg, tokenizer=str(loaded.tokenizer_path))
-    data = prepare_data(cfg, progress=False)
+        tokenizer = str(loaded.tokenizer_path)
+    data = prepare_data(corpus, tokenizer, vocab_size=vocab_size, data_dir=data_dir, progress=False)
     sampler = WindowSampler(shards=data.validation, seq_len=seq_len, batch_size=num, seed=seed)
     x, y = sampler.batch(0)
     return torch.cat([x, y[:, -1:]], dim=1)  # [num, seq_len + 1]

@@ -1,23 +1,21 @@
 """Training: typed run configs with presets, the loop, checkpoints, metrics and reports.
 
 ``lapse train PRESET`` runs :func:`train`; ``lapse resume RUN_DIR`` runs :func:`resume`.
-Under ``torchrun`` the same code trains with FSDP2 or DDP (:mod:`.distributed`).
+Under ``torchrun`` the same code trains with FSDP2 or DDP (:mod:`.distributed`). Run
+folders and checkpoints are read back with :mod:`lapse.models.checkpoint`.
 """
 
-from lapse.train.checkpoint import latest_checkpoint, load_checkpoint, load_weights, save_checkpoint
+from lapse.train.checkpoint import load_checkpoint, save_checkpoint
 from lapse.train.config import TRAIN_PRESETS, TrainConfig, train_preset
-from lapse.train.data import RunData, prepare_data
+from lapse.train.data import prepare_data
 from lapse.train.metrics import plot_losses, read_metrics, write_report
 from lapse.train.trainer import config_from_json, lr_at, resume, train
 
 __all__ = [
     "TRAIN_PRESETS",
-    "RunData",
     "TrainConfig",
     "config_from_json",
-    "latest_checkpoint",
     "load_checkpoint",
-    "load_weights",
     "lr_at",
     "plot_losses",
     "prepare_data",

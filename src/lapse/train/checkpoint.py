@@ -6,6 +6,8 @@ A checkpoint is a folder ``checkpoint-<step>/`` in the run folder holding
 written under a temporary name and renamed when complete; then ``checkpoint.json`` (the
 pointer readers follow) is replaced atomically, and older checkpoint folders are removed.
 An interruption at any moment leaves the previous pointer and its complete folder.
+Readers (evaluation, export, resume) find and load checkpoints with
+:mod:`lapse.models.checkpoint`; this module writes them and restores the trainer state.
 
 State dicts are gathered with ``torch.distributed.checkpoint.state_dict`` as full,
 CPU-offloaded dicts, so the same files serve one process, DDP and FSDP2.
@@ -24,10 +26,9 @@ from torch import nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 
 from lapse.files import write_json_atomic
+from lapse.models.checkpoint import POINTER, TRAINER_STATE_FILE, WEIGHTS_FILE
 
 from .distributed import World
-
-POINTER = "checkpoint.json"
 
 
 def save_checkpoint(
@@ -50,11 +51,11 @@ def save_checkpoint(
     tmp.mkdir(parents=True)
     try:
         weights = {k: v.contiguous() for k, v in model_sd.items()}
-        save_file(weights, tmp / "model.safetensors", metadata={"step": str(state["step"])})
+        save_file(weights, tmp / WEIGHTS_FILE, metadata={"step": str(state["step"])})
         rng = {"cpu": torch.get_rng_state()}
         if torch.cuda.is_available():
             rng["cuda"] = torch.cuda.get_rng_state()
-        torch.save({"optimizer": optim_sd, "state": state, "rng": rng}, tmp / "trainer_state.pt")
+        torch.save({"optimizer": optim_sd, "state": state, "rng": rng}, tmp / TRAINER_STATE_FILE)
         _fsync_folder(tmp)
         if final.exists():  # the same step saved before (e.g. an interruption right after)
             shutil.rmtree(final)
@@ -68,23 +69,12 @@ def save_checkpoint(
     return final
 
 
-def latest_checkpoint(run_dir: Path) -> Path | None:
-    """The folder ``checkpoint.json`` points at, or ``None`` when the run has none."""
-    pointer = Path(run_dir) / POINTER
-    if not pointer.exists():
-        return None
-    folder = Path(run_dir) / json.loads(pointer.read_text())["folder"]
-    if not (folder / "model.safetensors").exists() or not (folder / "trainer_state.pt").exists():
-        raise ValueError(f"{pointer} points at {folder}, which is incomplete or missing")
-    return folder
-
-
 def load_checkpoint(folder: Path, model: nn.Module, optimizer: torch.optim.Optimizer) -> dict:
     """Load weights and optimizer state into ``model`` (wrapped or not) and ``optimizer``;
     restore the RNG; return the saved progress ``state``."""
     folder = Path(folder)
-    weights = load_file(folder / "model.safetensors")
-    saved = torch.load(folder / "trainer_state.pt", map_location="cpu", weights_only=False)
+    weights = load_file(folder / WEIGHTS_FILE)
+    saved = torch.load(folder / TRAINER_STATE_FILE, map_location="cpu", weights_only=False)
     set_state_dict(
         model,
         optimizer,
@@ -96,15 +86,6 @@ def load_checkpoint(folder: Path, model: nn.Module, optimizer: torch.optim.Optim
     if "cuda" in saved["rng"] and torch.cuda.is_available():
         torch.cuda.set_rng_state(saved["rng"]["cuda"])
     return saved["state"]
-
-
-def load_weights(folder: Path, model: nn.Module) -> None:
-    """Only the weights of a checkpoint folder (for evaluation or fine-tuning)."""
-    missing, unexpected = model.load_state_dict(load_file(Path(folder) / "model.safetensors"), strict=False)
-    if missing or unexpected:
-        raise ValueError(
-            f"checkpoint {folder} does not fit the model: missing {missing}, unexpected {unexpected}"
-        )
 
 
 def _fsync_folder(folder: Path) -> None:

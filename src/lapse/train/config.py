@@ -17,7 +17,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Literal
 
-from lapse.data import CorpusConfig
+from lapse.data import DEFAULT_DATA_DIR, CorpusConfig
 from lapse.models import ModelConfig, preset
 
 
@@ -36,7 +36,7 @@ class TrainConfig:
     ``model.vocab_size`` ids trained locally on the training split), or the path of a
     saved tokenizer (see :func:`lapse.data.load_tokenizer`)."""
 
-    data_dir: Path = Path("runs/data")
+    data_dir: Path = DEFAULT_DATA_DIR
     """Cache of tokenised corpora: one folder per (corpus, tokenizer), reused by later runs."""
 
     run_dir: Path | None = None

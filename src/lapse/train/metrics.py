@@ -1,4 +1,4 @@
-"""What a run leaves to look at: JSONL metrics, a loss plot, a Markdown report, and MFU.
+"""What a run leaves to look at: JSONL metrics, a loss plot and a Markdown report.
 
 ``metrics.jsonl`` holds one JSON object per line with a ``kind``: ``train`` (step, tokens,
 loss averaged over the logging interval, lr, gradient norm, tokens/s, MFU), ``val``
@@ -12,24 +12,9 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-import torch
-
 from lapse.files import save_figure, write_text_atomic
 
 METRICS_FILE = "metrics.jsonl"
-
-# Dense bf16 tensor-core peaks (TFLOP/s, no sparsity) by a substring of the device name.
-PEAK_TFLOPS = {"H200": 989.0, "H100": 989.0, "H800": 989.0, "A100": 312.0, "L40S": 362.0, "4090": 165.0}
-
-
-def peak_tflops(device: torch.device, override: float | None = None) -> float | None:
-    """Peak bf16 TFLOP/s of ``device`` for MFU; ``None`` when unknown (CPU, other GPUs)."""
-    if override is not None:
-        return override
-    if device.type != "cuda":
-        return None
-    name = torch.cuda.get_device_name(device)
-    return next((v for k, v in PEAK_TFLOPS.items() if k in name), None)
 
 
 def read_metrics(run_dir: Path) -> list[dict]:

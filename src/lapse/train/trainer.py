@@ -25,14 +25,21 @@ import torch
 import torch.distributed as dist
 from tqdm.auto import tqdm
 
-from lapse.data import CorpusConfig, WindowSampler
+from lapse.data import WindowSampler
 from lapse.files import write_json_atomic
-from lapse.models import Decoder, ModelConfig, flops_per_token, optimizer_groups, param_count
+from lapse.models import Decoder, flops_per_token, optimizer_groups, param_count
+from lapse.models.checkpoint import (
+    CONFIG_FILE,
+    corpus_config_from_json,
+    latest_checkpoint,
+    model_config_from_json,
+)
+from lapse.models.mfu import peak_tflops
 from lapse.ops.forgetting import set_value_checks
 
-from .checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
+from .checkpoint import load_checkpoint, save_checkpoint
 from .config import TrainConfig
-from .data import cached_with, prepare_data
+from .data import prepare_data, with_run_tokenizer
 from .distributed import (
     World,
     all_reduce_mean,
@@ -43,9 +50,7 @@ from .distributed import (
     parallelize,
     unwrap,
 )
-from .metrics import MetricsLog, peak_tflops, plot_losses, write_report
-
-CONFIG_FILE = "config.json"
+from .metrics import MetricsLog, plot_losses, write_report
 
 
 def lr_at(step: int, cfg: TrainConfig) -> float:
@@ -98,11 +103,8 @@ def config_to_json(cfg: TrainConfig) -> dict:
 def config_from_json(obj: dict) -> TrainConfig:
     """The :class:`TrainConfig` saved in a run folder's ``config.json``."""
     obj = dict(obj)
-    corpus = dict(obj.pop("corpus"))
-    for key in ("paths", "patterns"):
-        corpus[key] = tuple(corpus[key])
-    obj["model"] = ModelConfig(**obj["model"])
-    obj["corpus"] = CorpusConfig(**corpus)
+    obj["model"] = model_config_from_json(obj["model"])
+    obj["corpus"] = corpus_config_from_json(obj["corpus"])
     obj["data_dir"] = Path(obj["data_dir"])
     obj["run_dir"] = None if obj["run_dir"] is None else Path(obj["run_dir"])
     return TrainConfig(**obj)
@@ -186,7 +188,7 @@ def _new_run_dir(cfg: TrainConfig, world: World) -> Path:
     name = [
         str(cfg.run_dir)
         if cfg.run_dir is not None
-        else f"runs/{cfg.preset_name}-{cfg.model.arch}-{datetime.now():%Y%m%d-%H%M%S}"
+        else f"runs/{cfg.preset_name}-{cfg.model.name}-{datetime.now():%Y%m%d-%H%M%S}"
     ]
     if world.distributed:  # one name for all ranks (their clocks may straddle a second)
         dist.broadcast_object_list(name, src=0)
@@ -212,9 +214,8 @@ def _train_loop(cfg: TrainConfig, world: World, resuming: bool) -> dict:
     # resumed BPE run reads its own saved tokenizer unless the data cache was made by it
     # (learning the BPE again elsewhere could give other ids than the model learned).
     saved_tokenizer = run_dir / "tokenizer"
-    if resuming and cfg.tokenizer == "bpe" and saved_tokenizer.is_dir():
-        if not cached_with(cfg, saved_tokenizer):
-            cfg = replace(cfg, tokenizer=str(saved_tokenizer))
+    if resuming:
+        cfg = with_run_tokenizer(cfg, saved_tokenizer)
     data = prepare_data(cfg, rank=world.rank, progress=show)
     if world.main and not resuming:
         data.tokenizer.save(saved_tokenizer)
@@ -408,7 +409,7 @@ def _train_loop(cfg: TrainConfig, world: World, resuming: bool) -> dict:
         "step": state["step"],
         "steps": cfg.steps,
         "preset": cfg.preset_name,
-        "arch": cfg.model.arch,
+        "arch": cfg.model.name,
         "acp": cfg.model.acp,
         "params": n_params,
         "corpus": cfg.corpus.kind
