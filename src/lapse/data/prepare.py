@@ -88,7 +88,12 @@ def prepare_data(
 
 
 def cached_with(
-    corpus: CorpusConfig, tokenizer: str, *, vocab_size: int, data_dir: str | Path, tokenizer_path: Path | None
+    corpus: CorpusConfig,
+    tokenizer: str,
+    *,
+    vocab_size: int,
+    data_dir: str | Path,
+    tokenizer_path: Path | None,
 ) -> bool:
     """Whether the cache of (``corpus``, ``tokenizer``) is complete and was tokenised by the
     tokenizer saved at ``tokenizer_path`` (the same files), so it can be read as it is."""

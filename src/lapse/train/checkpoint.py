@@ -15,7 +15,6 @@ CPU-offloaded dicts, so the same files serve one process, DDP and FSDP2.
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
 from pathlib import Path

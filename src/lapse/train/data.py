@@ -30,9 +30,8 @@ def with_run_tokenizer(cfg: TrainConfig, saved: Path) -> TrainConfig:
     elsewhere could give other ids than the model learned)."""
     if cfg.tokenizer != "bpe" or not saved.is_dir():
         return cfg
-    if cached_with(
-        cfg.corpus, cfg.tokenizer, vocab_size=cfg.model.vocab_size, data_dir=cfg.data_dir, tokenizer_path=saved
-    ):
+    vocab_size, data_dir = cfg.model.vocab_size, cfg.data_dir
+    if cached_with(cfg.corpus, cfg.tokenizer, vocab_size=vocab_size, data_dir=data_dir, tokenizer_path=saved):
         return cfg
     return replace(cfg, tokenizer=str(saved))
 
