@@ -1,9 +1,15 @@
-"""The training loop: one function, read top to bottom.
+"""The training loop, read top to bottom.
 
 :func:`train` starts a run in a new folder; :func:`resume` continues one from its last
 checkpoint (the loss curve continues exactly: batches are a pure function of the step,
 the learning rate a pure function of the step, and the optimizer state is restored).
-Both end in :func:`_run`, which works the same in one process and under ``torchrun``.
+Both end in :func:`_run`, which works the same in one process and under ``torchrun``:
+
+    _setup          the run folder, the data, the model and optimizer, the saved state
+    _train          until the last step or a stop: one optimizer step, then whatever
+                    falls due after it (log, ACP statistics, validation, checkpoint)
+    _end_session    the last metrics, the final checkpoint
+    _summary        what the report and ``summary.json`` say
 
 Ctrl-C (SIGINT) or SIGTERM stops the run after the current step with a checkpoint, the
 plot and the report; a second Ctrl-C stops at once, and the last complete checkpoint
@@ -17,7 +23,7 @@ import math
 import signal
 import time
 from contextlib import contextmanager
-from dataclasses import asdict, replace
+from dataclasses import asdict, dataclass, replace
 from datetime import datetime
 from pathlib import Path
 
@@ -25,7 +31,7 @@ import torch
 import torch.distributed as dist
 from tqdm.auto import tqdm
 
-from lapse.data import WindowSampler
+from lapse.data import PreparedData, WindowSampler
 from lapse.files import write_json_atomic
 from lapse.models import Decoder, flops_per_token, optimizer_groups, param_count
 from lapse.models.checkpoint import (
@@ -176,65 +182,171 @@ def _signals(flag: _StopFlag):
             signal.signal(s, handler)
 
 
+class _Interval:
+    """The train loss and the clock between two log points.
+
+    Throughput is timed log point to log point (the loss read-back syncs the device), with
+    validation and checkpoints left out (:meth:`paused`).
+    """
+
+    def __init__(self, device: torch.device) -> None:
+        self.loss = torch.zeros((), device=device)  # summed over the interval's steps
+        self.steps = 0
+        self.t0 = time.perf_counter()
+        self.lr = 0.0  # of the last step
+        self.grad_norm = torch.zeros(())  # of the last step, before clipping
+
+    def add(self, loss: torch.Tensor, lr: float, grad_norm: torch.Tensor) -> None:
+        self.loss += loss
+        self.steps += 1
+        self.lr, self.grad_norm = lr, grad_norm
+
+    def restart(self) -> None:
+        self.loss.zero_()
+        self.steps = 0
+        self.t0 = time.perf_counter()
+
+    @contextmanager
+    def paused(self):
+        """Keep what runs inside (validation, a checkpoint) off the throughput clock."""
+        paused = time.perf_counter()
+        yield
+        self.t0 += time.perf_counter() - paused
+
+
+@dataclass(eq=False)
+class _Run:
+    """Everything one training session works with."""
+
+    cfg: TrainConfig
+    world: World
+    run_dir: Path
+    data: PreparedData
+    sampler: WindowSampler
+    val_sampler: WindowSampler
+    micro: int  # rows per forward and backward on this rank
+    model: Decoder
+    wrapped: torch.nn.Module  # the model as the loop calls it (FSDP2 / DDP / itself)
+    optimizer: torch.optim.Optimizer
+    dtype: torch.dtype  # autocast
+    state: dict  # progress: step, tokens, elapsed_s (saved in every checkpoint)
+    log: MetricsLog
+    bar: tqdm
+    last_saved: int  # step of the newest checkpoint; -1: none yet
+    interval: _Interval
+    session_start: float  # state["elapsed_s"] when this session began
+    flops: float  # per token, for MFU
+    peak: float | None  # TFLOP/s of one device; None: unknown, no MFU
+    n_params: int
+
+    @property
+    def step(self) -> int:
+        return self.state["step"]
+
+    @property
+    def tokens_per_step(self) -> int:
+        return self.cfg.batch_size * self.cfg.context
+
+
 def _run(cfg: TrainConfig, *, resuming: bool) -> dict:
     world = init_world(cfg.device)
     try:
-        return _train_loop(cfg, world, resuming)
+        run = _setup(cfg, world, resuming)
+        # The handlers stay installed until the final checkpoint is written, and again for
+        # the report: a SIGTERM then must not kill the process half way.
+        stop = _StopFlag()
+        with _signals(stop):
+            status = _train(run, stop)
+            _end_session(run)
+        summary = _summary(run, status)
+        if world.main:
+            with _signals(stop):
+                plot_losses(run.run_dir)
+                write_report(run.run_dir, summary)
+        return summary
     finally:
         close_world(world)
 
 
-def _new_run_dir(cfg: TrainConfig, world: World) -> Path:
-    name = [
-        str(cfg.run_dir)
-        if cfg.run_dir is not None
-        else f"runs/{cfg.preset_name}-{cfg.model.name}-{datetime.now():%Y%m%d-%H%M%S}"
-    ]
-    if world.distributed:  # one name for all ranks (their clocks may straddle a second)
-        dist.broadcast_object_list(name, src=0)
-    run_dir = Path(name[0])
-    if latest_checkpoint(run_dir) is not None:
-        raise ValueError(
-            f"{run_dir} already holds a run with a checkpoint; continue it with "
-            f"`lapse resume {run_dir}` or choose another run_dir"
-        )
-    return run_dir
-
-
-def _train_loop(cfg: TrainConfig, world: World, resuming: bool) -> dict:
+def _setup(cfg: TrainConfig, world: World, resuming: bool) -> _Run:
+    """The run folder, the data, the model and optimizer, and the progress so far."""
     run_dir = cfg.run_dir if resuming else _new_run_dir(cfg, world)
     cfg = replace(cfg, run_dir=run_dir)
-    show = cfg.progress and world.main
     if world.main:
         run_dir.mkdir(parents=True, exist_ok=True)
         if not resuming:
             (run_dir / CONFIG_FILE).write_text(json.dumps(config_to_json(cfg), indent=2) + "\n")
-
-    # Data: rows of the global batch are split over ranks, then into micro-batches. A
-    # resumed BPE run reads its own saved tokenizer unless the data cache was made by it
-    # (learning the BPE again elsewhere could give other ids than the model learned).
-    saved_tokenizer = run_dir / "tokenizer"
     if resuming:
-        cfg = with_run_tokenizer(cfg, saved_tokenizer)
+        cfg = with_run_tokenizer(cfg, run_dir / "tokenizer")
+    show = cfg.progress and world.main
     data = prepare_data(cfg, rank=world.rank, progress=show)
     if world.main and not resuming:
-        data.tokenizer.save(saved_tokenizer)
-    seq_len = cfg.context
+        data.tokenizer.save(run_dir / "tokenizer")
+    micro = _micro_batch_rows(cfg, world)
+    model, wrapped, optimizer = _model_and_optimizer(cfg, world)
+
+    # Progress so far: a resumed run continues from its checkpoint's step.
+    state = {"step": 0, "tokens": 0, "elapsed_s": 0.0}
+    if resuming:
+        state = load_checkpoint(latest_checkpoint(run_dir), wrapped, optimizer)
+    start = state["step"]
+    log = MetricsLog(run_dir, enabled=world.main, resume_step=start if resuming else None)
+    if resuming and world.main:
+        log.write({"kind": "resume", "step": start, "time": datetime.now().isoformat(timespec="seconds")})
+    dtype = {
+        "auto": torch.bfloat16 if world.device.type == "cuda" else torch.float32,
+        "bfloat16": torch.bfloat16,
+        "float32": torch.float32,
+    }[cfg.precision]
+    bar = tqdm(
+        total=cfg.steps, initial=start, disable=not show, desc="training", unit="step", dynamic_ncols=True
+    )
+    return _Run(
+        cfg=cfg,
+        world=world,
+        run_dir=run_dir,
+        data=data,
+        sampler=WindowSampler(
+            shards=data.train, seq_len=cfg.context, batch_size=cfg.batch_size, seed=cfg.seed
+        ),
+        val_sampler=WindowSampler(
+            shards=data.validation, seq_len=cfg.context, batch_size=cfg.batch_size, seed=cfg.seed + 1
+        ),
+        micro=micro,
+        model=model,
+        wrapped=wrapped,
+        optimizer=optimizer,
+        dtype=dtype,
+        state=state,
+        log=log,
+        bar=bar,
+        last_saved=start if resuming else -1,
+        interval=_Interval(world.device),
+        session_start=state["elapsed_s"],
+        flops=flops_per_token(cfg.model, cfg.context),
+        peak=peak_tflops(world.device, cfg.peak_tflops),
+        n_params=param_count(model),
+    )
+
+
+def _micro_batch_rows(cfg: TrainConfig, world: World) -> int:
+    """Rows per forward: the global batch is split over ranks, then into micro-batches."""
     if cfg.batch_size % world.size:
         raise ValueError(f"batch_size ({cfg.batch_size}) must be divisible by the {world.size} processes")
     rows = cfg.batch_size // world.size
     micro = cfg.micro_batch_size or rows
     if rows % micro:
         raise ValueError(f"micro_batch_size ({micro}) must divide the {rows} rows per process")
-    sampler = WindowSampler(shards=data.train, seq_len=seq_len, batch_size=cfg.batch_size, seed=cfg.seed)
-    val_sampler = WindowSampler(
-        shards=data.validation, seq_len=seq_len, batch_size=cfg.batch_size, seed=cfg.seed + 1
-    )
+    return micro
 
-    # Model and optimizer (float32 parameters; autocast does the low precision).
+
+def _model_and_optimizer(
+    cfg: TrainConfig, world: World
+) -> tuple[Decoder, torch.nn.Module, torch.optim.Optimizer]:
+    """The model (float32 parameters; autocast does the low precision), the module the loop
+    calls (sharded or wrapped across ranks), and AdamW over its parameter groups."""
     torch.manual_seed(cfg.seed)
     model = Decoder(cfg.model).to(world.device)
-    n_params = param_count(model)
     if cfg.activation_checkpointing:
         from torch.distributed._composable import checkpoint
 
@@ -256,154 +368,158 @@ def _train_loop(cfg: TrainConfig, world: World, resuming: bool) -> dict:
         eps=cfg.adam_eps,
         fused=world.device.type == "cuda",
     )
-    state = {"step": 0, "tokens": 0, "elapsed_s": 0.0}
-    if resuming:
-        state = load_checkpoint(latest_checkpoint(run_dir), wrapped, optimizer)
-    start = state["step"]
-    log = MetricsLog(run_dir, enabled=world.main, resume_step=start if resuming else None)
-    if resuming and world.main:
-        log.write({"kind": "resume", "step": start, "time": datetime.now().isoformat(timespec="seconds")})
+    return model, wrapped, optimizer
 
-    dtype = {
-        "auto": torch.bfloat16 if world.device.type == "cuda" else torch.float32,
-        "bfloat16": torch.bfloat16,
-        "float32": torch.float32,
-    }[cfg.precision]
 
-    def autocast():
-        return _autocast(world.device, dtype)
+def _new_run_dir(cfg: TrainConfig, world: World) -> Path:
+    name = [
+        str(cfg.run_dir)
+        if cfg.run_dir is not None
+        else f"runs/{cfg.preset_name}-{cfg.model.name}-{datetime.now():%Y%m%d-%H%M%S}"
+    ]
+    if world.distributed:  # one name for all ranks (their clocks may straddle a second)
+        dist.broadcast_object_list(name, src=0)
+    run_dir = Path(name[0])
+    if latest_checkpoint(run_dir) is not None:
+        raise ValueError(
+            f"{run_dir} already holds a run with a checkpoint; continue it with "
+            f"`lapse resume {run_dir}` or choose another run_dir"
+        )
+    return run_dir
 
-    flops = flops_per_token(cfg.model, seq_len)
-    peak = peak_tflops(world.device, cfg.peak_tflops)
-    tokens_per_step = cfg.batch_size * seq_len
-    stop = _StopFlag()
-    status = "finished"
-    last_saved = start if resuming else -1
-    bar = tqdm(
-        total=cfg.steps, initial=start, disable=not show, desc="training", unit="step", dynamic_ncols=True
+
+def _train(run: _Run, stop: _StopFlag) -> str:
+    """Optimizer steps until the last one or a stop; returns the status of the session."""
+    cfg = run.cfg
+    while run.step < cfg.steps:
+        if any_rank(stop.reason is not None, run.world):
+            return "interrupted"
+        collect = cfg.model.acp and cfg.acp_stats_every > 0 and (run.step + 1) % cfg.acp_stats_every == 0
+        _optimizer_step(run, collect)
+        step = run.step
+        if step % cfg.log_every == 0 or step == cfg.steps:
+            _log_train(run)
+        if collect:
+            _log_acp(run)
+        if cfg.val_every and (step % cfg.val_every == 0 or step == cfg.steps):
+            with run.interval.paused():
+                _validate(run)
+        if cfg.checkpoint_every and step % cfg.checkpoint_every == 0:
+            _log_train(run)  # the checkpoint's elapsed time and the metrics end at the same step
+            with run.interval.paused():
+                _checkpoint(run)
+        if cfg.stop_at_step is not None and step >= cfg.stop_at_step and step < cfg.steps:
+            return "stopped"
+        limit = cfg.time_limit_minutes
+        if limit is not None and any_rank(_session_seconds(run) > 60 * limit, run.world):
+            return "time limit"
+    return "finished"
+
+
+def _optimizer_step(run: _Run, collect_acp_stats: bool) -> None:
+    """One optimizer step: the batch of this step, at the learning rate of this step."""
+    cfg, world, step = run.cfg, run.world, run.step
+    lr = lr_at(step, cfg)
+    for group in run.optimizer.param_groups:
+        group["lr"] = lr
+    run.model.set_collect_stats(collect_acp_stats)
+    x, y = run.sampler.batch(step, world.rank, world.size)  # [rows, T] each
+    loss, grad_norm = train_step(
+        run.wrapped, run.optimizer, x, y, run.micro, world.device, run.dtype, cfg.grad_clip
     )
+    run.interval.add(loss, lr, grad_norm)
+    run.state["step"], run.state["tokens"] = step + 1, run.state["tokens"] + run.tokens_per_step
+    run.bar.update(1)
 
-    @torch.no_grad()
-    def validation_loss() -> float:
-        wrapped.eval()
-        total = torch.zeros((), device=world.device)
-        for i in range(cfg.val_batches):
-            x, y = val_sampler.batch(i, world.rank, world.size)
-            for xm, ym in zip(x.split(micro), y.split(micro), strict=True):
-                with autocast():
-                    _, loss = wrapped(xm.to(world.device), ym.to(world.device))
-                total += loss.float()
-        wrapped.train()
-        return all_reduce_mean(total / (cfg.val_batches * (rows // micro)), world).item()
 
-    def checkpoint_now(step: int) -> None:
-        nonlocal last_saved
-        save_checkpoint(run_dir, wrapped, optimizer, {**state, "step": step}, world)
-        last_saved = step
+def _log_train(run: _Run) -> None:
+    """A ``train`` record: the loss averaged over the steps since the last one, throughput."""
+    interval = run.interval
+    if interval.steps == 0:
+        return
+    loss = all_reduce_mean(interval.loss / interval.steps, run.world).item()  # syncs
+    grad_norm = interval.grad_norm
+    if hasattr(grad_norm, "full_tensor"):  # FSDP2: a DTensor
+        grad_norm = grad_norm.full_tensor()
+    seconds = time.perf_counter() - interval.t0
+    run.state["elapsed_s"] += seconds
+    tok_s = interval.steps * run.tokens_per_step / seconds
+    mfu = tok_s * run.flops / (run.world.size * run.peak * 1e12) if run.peak else None
+    run.log.write(
+        {
+            "kind": "train",
+            "step": run.step,
+            "tokens": run.state["tokens"],
+            "loss": loss,
+            "lr": interval.lr,
+            "grad_norm": float(grad_norm),
+            "tokens_per_s": tok_s,
+            "mfu": mfu,
+            "elapsed_s": run.state["elapsed_s"],
+        }
+    )
+    run.bar.set_postfix(
+        loss=f"{loss:.3f}", tok_s=f"{tok_s:,.0f}", **({"mfu": f"{100 * mfu:.1f}%"} if mfu is not None else {})
+    )
+    interval.restart()
 
-    # Throughput is timed log point to log point (the loss read-back syncs the device), with
-    # validation and checkpoints left out; a stop between log points flushes the interval.
-    interval = {"loss": torch.zeros((), device=world.device), "steps": 0, "t0": time.perf_counter()}
-    session_start = state["elapsed_s"]
-    last = {"lr": 0.0, "grad_norm": torch.zeros(())}
 
-    def flush(step: int) -> None:
-        if interval["steps"] == 0:
-            return
-        loss_value = all_reduce_mean(interval["loss"] / interval["steps"], world).item()  # syncs
-        grad_norm = last["grad_norm"]
-        if hasattr(grad_norm, "full_tensor"):  # FSDP2: a DTensor
-            grad_norm = grad_norm.full_tensor()
-        seconds = time.perf_counter() - interval["t0"]
-        state["elapsed_s"] += seconds
-        tok_s = interval["steps"] * tokens_per_step / seconds
-        mfu = tok_s * flops / (world.size * peak * 1e12) if peak else None
-        log.write(
-            {
-                "kind": "train",
-                "step": step,
-                "tokens": state["tokens"],
-                "loss": loss_value,
-                "lr": last["lr"],
-                "grad_norm": float(grad_norm),
-                "tokens_per_s": tok_s,
-                "mfu": mfu,
-                "elapsed_s": state["elapsed_s"],
-            }
-        )
-        bar.set_postfix(
-            loss=f"{loss_value:.3f}",
-            tok_s=f"{tok_s:,.0f}",
-            **({"mfu": f"{100 * mfu:.1f}%"} if mfu is not None else {}),
-        )
-        interval["loss"].zero_()
-        interval["steps"] = 0
-        interval["t0"] = time.perf_counter()
+def _log_acp(run: _Run) -> None:
+    """An ``acp`` record: the pruned fraction per layer and head of the step's last micro-batch."""
+    pruned = unwrap(run.model).pruned_fractions()  # [n_layers, H]
+    pruned = all_reduce_mean(pruned.to(run.world.device), run.world).cpu()
+    run.log.write(
+        {
+            "kind": "acp",
+            "step": run.step,
+            "tokens": run.state["tokens"],
+            "pruned": float(pruned.mean()),
+            "pruned_per_layer": pruned.mean(1).tolist(),
+            "pruned_per_head": pruned.tolist(),
+        }
+    )
+    run.model.set_collect_stats(False)
 
-    def untimed(fn):
-        """Run ``fn`` (validation, a checkpoint) outside the throughput clock."""
-        paused = time.perf_counter()
-        result = fn()
-        interval["t0"] += time.perf_counter() - paused
-        return result
 
-    # The handlers stay installed until the report is written: a SIGTERM during the final
-    # checkpoint must not kill the process half way (the checkpoint is atomic regardless).
-    with _signals(stop):
-        step = start
-        while step < cfg.steps:
-            if any_rank(stop.reason is not None, world):
-                status = "interrupted"
-                break
-            lr = lr_at(step, cfg)
-            for group in optimizer.param_groups:
-                group["lr"] = lr
-            collect = cfg.model.acp and cfg.acp_stats_every > 0 and (step + 1) % cfg.acp_stats_every == 0
-            model.set_collect_stats(collect)
+@torch.no_grad()
+def _validate(run: _Run) -> None:
+    """A ``val`` record: the loss on the same ``val_batches`` batches every time."""
+    cfg, world, micro = run.cfg, run.world, run.micro
+    run.wrapped.eval()
+    total = torch.zeros((), device=world.device)
+    for i in range(cfg.val_batches):
+        x, y = run.val_sampler.batch(i, world.rank, world.size)
+        for xm, ym in zip(x.split(micro), y.split(micro), strict=True):
+            with _autocast(world.device, run.dtype):
+                _, loss = run.wrapped(xm.to(world.device), ym.to(world.device))
+            total += loss.float()
+    run.wrapped.train()
+    rows = cfg.batch_size // world.size
+    loss = all_reduce_mean(total / (cfg.val_batches * (rows // micro)), world).item()
+    run.log.write({"kind": "val", "step": run.step, "tokens": run.state["tokens"], "loss": loss})
 
-            x, y = sampler.batch(step, world.rank, world.size)  # [rows, T] each
-            loss, grad_norm = train_step(wrapped, optimizer, x, y, micro, world.device, dtype, cfg.grad_clip)
-            interval["loss"] += loss
-            interval["steps"] += 1
-            last["lr"], last["grad_norm"] = lr, grad_norm
-            step += 1
-            state["step"], state["tokens"] = step, state["tokens"] + tokens_per_step
-            bar.update(1)
 
-            if step % cfg.log_every == 0 or step == cfg.steps:
-                flush(step)
-            if collect:
-                pruned = unwrap(model).pruned_fractions()  # [n_layers, H], last micro-batch
-                pruned = all_reduce_mean(pruned.to(world.device), world).cpu()
-                log.write(
-                    {
-                        "kind": "acp",
-                        "step": step,
-                        "tokens": state["tokens"],
-                        "pruned": float(pruned.mean()),
-                        "pruned_per_layer": pruned.mean(1).tolist(),
-                        "pruned_per_head": pruned.tolist(),
-                    }
-                )
-                model.set_collect_stats(False)
-            if cfg.val_every and (step % cfg.val_every == 0 or step == cfg.steps):
-                val = untimed(validation_loss)
-                log.write({"kind": "val", "step": step, "tokens": state["tokens"], "loss": val})
-            if cfg.checkpoint_every and step % cfg.checkpoint_every == 0:
-                flush(step)  # the checkpoint's elapsed time and the metrics end at the same step
-                untimed(lambda step=step: checkpoint_now(step))
-            if cfg.stop_at_step is not None and step >= cfg.stop_at_step and step < cfg.steps:
-                status = "stopped"
-                break
-            session = state["elapsed_s"] - session_start + time.perf_counter() - interval["t0"]
-            if cfg.time_limit_minutes is not None and any_rank(session > 60 * cfg.time_limit_minutes, world):
-                status = "time limit"
-                break
-        flush(state["step"])
-        bar.close()
-        if last_saved != state["step"]:
-            checkpoint_now(state["step"])
-        log.close()
+def _checkpoint(run: _Run) -> None:
+    save_checkpoint(run.run_dir, run.wrapped, run.optimizer, dict(run.state), run.world)
+    run.last_saved = run.step
+
+
+def _session_seconds(run: _Run) -> float:
+    """Training time of this session so far (the time limit counts it, not the run's)."""
+    return run.state["elapsed_s"] - run.session_start + time.perf_counter() - run.interval.t0
+
+
+def _end_session(run: _Run) -> None:
+    """Flush the last interval's metrics and leave a checkpoint of the last step."""
+    _log_train(run)
+    run.bar.close()
+    if run.last_saved != run.step:
+        _checkpoint(run)
+    run.log.close()
+
+
+def _summary(run: _Run, status: str) -> dict:
+    cfg, world, state = run.cfg, run.world, run.state
     summary = {
         "status": status,
         "step": state["step"],
@@ -411,25 +527,22 @@ def _train_loop(cfg: TrainConfig, world: World, resuming: bool) -> dict:
         "preset": cfg.preset_name,
         "arch": cfg.model.name,
         "acp": cfg.model.acp,
-        "params": n_params,
+        "params": run.n_params,
         "corpus": cfg.corpus.kind
         if cfg.corpus.kind == "python"
         else f"{cfg.corpus.kind}: {cfg.corpus.paths}",
         "tokenizer": cfg.tokenizer,
-        "vocab_size": data.tokenizer.vocab_size,
-        "train_tokens": data.train.num_tokens,
+        "vocab_size": run.data.tokenizer.vocab_size,
+        "train_tokens": run.data.train.num_tokens,
         "batch_size": cfg.batch_size,
-        "seq_len": seq_len,
+        "seq_len": cfg.context,
         "world_size": world.size,
         "device": world.device.type,
         "tokens": state["tokens"],
         "elapsed_s": state["elapsed_s"],
         "tokens_per_s": state["tokens"] / state["elapsed_s"] if state["elapsed_s"] > 0 else 0.0,
-        "run_dir": str(run_dir),
+        "run_dir": str(run.run_dir),
     }
-    summary["mfu"] = summary["tokens_per_s"] * flops / (world.size * peak * 1e12) if peak else None
-    if world.main:
-        with _signals(stop):
-            plot_losses(run_dir)
-            write_report(run_dir, summary)
+    peak_flops = world.size * run.peak * 1e12 if run.peak else None
+    summary["mfu"] = summary["tokens_per_s"] * run.flops / peak_flops if peak_flops else None
     return summary
