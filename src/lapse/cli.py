@@ -5,239 +5,43 @@ lapse resume RUN_DIR [--steps N]         continue a run from its last checkpoint
 lapse export RUN_DIR OUT_DIR             a trained model as a Hugging Face folder
 lapse eval per-token-loss|ppl|niah|acp|lm-eval   evaluations (JSON, PNG, Markdown)
 lapse report RUN [RUN ...]               one Markdown page: runs and their evaluations
-lapse demo                               forgetting attention vs its reference on CPU
 lapse bench attention                    time forgetting attention against its peers (CUDA)
+lapse bench decode                       ms per decode step against HF compiled Llama (CUDA)
+
+Wiring only: each command runs a typed config of the package that does the work.
 """
 
 from __future__ import annotations
 
-import json
-import math
-import os
-import platform
-import statistics
-import time
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass
-from pathlib import Path
-from typing import Annotated, Literal
+from typing import Annotated
 
-import torch
 import tyro
 from tyro.extras import SubcommandApp
 
-import lapse
 from lapse.bench.attention import AttentionBenchConfig
+from lapse.bench.decode import DecodeBenchConfig
 from lapse.bench.training import TrainBenchConfig
-from lapse.bench.workloads import WorkloadSpec, make_workload
 from lapse.eval.acp import AcpEvalConfig
+from lapse.eval.common import ExportConfig, output_folder
 from lapse.eval.lm_eval_config import LmEvalConfig
 from lapse.eval.loss import PerTokenLossConfig, PplConfig
 from lapse.eval.niah import NiahConfig
 from lapse.eval.report import ReportConfig
-from lapse.train.config import TRAIN_PRESETS, TrainConfig
-
-
-@dataclass(kw_only=True)
-class ExportArgs:
-    """Write a trained model as a Hugging Face folder (save_pretrained + tokenizer/)."""
-
-    model: tyro.conf.Positional[Path]
-    """A run folder or one of its checkpoint folders."""
-    out_dir: tyro.conf.Positional[Path]
-    """The folder to write (config.json, model.safetensors, tokenizer/)."""
-
-
-@dataclass(kw_only=True)
-class ResumeArgs:
-    """Continue a training run from its last checkpoint, with its saved configuration."""
-
-    run_dir: tyro.conf.Positional[Path]
-    """The run folder (it holds ``checkpoint.json`` and ``config.json``)."""
-    steps: int | None = None
-    """New total number of optimizer steps; ``None``: the saved one."""
-    time_limit_minutes: float | None = None
-    """Stop cleanly after this much more training time."""
-    stop_at_step: int | None = None
-    """End this session after this step with a checkpoint."""
-    progress: bool | None = None
-    """Show the progress bar; ``None``: as saved."""
-
-
-@dataclass(kw_only=True)
-class DemoConfig:
-    """Forgetting attention with and without ACP on a small CPU problem, checked against
-    the naive float64 reference; the main job until training lands."""
-
-    batch: int = 2
-    """B, sequences per batch."""
-    seq_len: int = 1024
-    """T, tokens per sequence."""
-    heads: int = 8
-    """HQ, query heads (70% decay locally, 30% globally, as in the benchmark workload)."""
-    kv_heads: int = 4
-    """H, key/value heads (grouped-query attention when < heads)."""
-    head_dim: int = 64
-    """D."""
-    dtype: Literal["float32", "float64"] = "float32"
-    """dtype of q, k, v for the torch backend (the reference is always float64)."""
-    repeats: int = 3
-    """Timed repetitions per run (the median is reported)."""
-    tol: float = 1e-4
-    """Largest relative error (max |x - ref| / max |ref|) allowed against the naive float64
-    reference of the same function, outputs and gradients."""
-    seed: int = 0
-    """Seed of the random problem."""
-    out_dir: Path = Path("runs/demo")
-    """Where results.json goes."""
-
-    def __post_init__(self) -> None:
-        for name in ("batch", "seq_len", "heads", "kv_heads", "head_dim", "repeats"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
-        if self.heads % self.kv_heads != 0:
-            raise ValueError(
-                f"heads ({self.heads}) must be a multiple of kv_heads ({self.kv_heads})"
-            )
-
-
-def _median_seconds(fn: Callable[[], object], repeats: int) -> float:
-    fn()  # warm-up: the first call pays for lazy imports and allocator growth
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
-
-
-def _rel_max_err(a: torch.Tensor, b: torch.Tensor) -> float:
-    """max |a - b| / max |b|: an error that does not grow with the size of the gradients."""
-    b = b.double()
-    return float((a.double() - b).abs().max() / b.abs().max().clamp_min(1e-300))
-
-
-def run_demo(cfg: DemoConfig) -> dict:
-    """Runs the demo, prints a Markdown table and writes ``results.json``; raises
-    ``SystemExit(1)`` when a backend disagrees with the reference by more than ``tol``."""
-    from lapse.ops import forgetting_attention
-
-    spec = WorkloadSpec(
-        seq_len=cfg.seq_len,
-        tokens=cfg.batch * cfg.seq_len,
-        heads=cfg.heads,
-        kv_heads=cfg.kv_heads,
-        head_dim=cfg.head_dim,
-        dtype=getattr(torch, cfg.dtype),
-    )
-    wl = make_workload(spec, device="cpu", seed=cfg.seed)
-    q, k, v, g = wl.q, wl.k, wl.v, wl.log_fgate
-    q64, k64, v64, g64 = (t.double() for t in (q, k, v, g))
-    d_out = torch.randn(q.shape, generator=torch.Generator().manual_seed(cfg.seed + 1))
-
-    def grads(acp, backend: str, inputs) -> tuple[torch.Tensor, list[torch.Tensor]]:
-        leaves = [t.detach().clone().requires_grad_(True) for t in inputs]
-        o = forgetting_attention(*leaves, acp=acp, backend=backend)
-        return o.detach(), list(torch.autograd.grad(o, leaves, d_out.to(o.dtype)))
-
-    rows = []
-    refs = {None: grads(None, "naive", (q64, k64, v64, g64))}
-    for acp in (None, "auto"):
-        if acp is not None:
-            refs[acp] = grads(acp, "naive", (q64, k64, v64, g64))
-        o_ref, g_ref = refs[acp]
-        o, gr = grads(acp, "torch", (q, k, v, g))
-        with torch.no_grad():
-            _, stats = forgetting_attention(q, k, v, g, acp=acp, return_stats=True, backend="torch")
-
-        def fwd(acp=acp):
-            with torch.no_grad():
-                forgetting_attention(q, k, v, g, acp=acp, backend="torch")
-
-        def fwd_bwd(acp=acp):
-            grads(acp, "torch", (q, k, v, g))
-
-        rows.append(
-            {
-                "backend": "torch",
-                "acp": acp,
-                "out_err": _rel_max_err(o, o_ref),
-                "grad_err": max(_rel_max_err(a, b) for a, b in zip(gr, g_ref, strict=True)),
-                "out_err_vs_dense": _rel_max_err(o, refs[None][0]),
-                "pruned": float(stats.pruned_fraction.mean()),
-                "fwd_ms": 1e3 * _median_seconds(fwd, cfg.repeats),
-                "fwd_bwd_ms": 1e3 * _median_seconds(fwd_bwd, cfg.repeats),
-            }
-        )
-
-    def naive_fwd():
-        with torch.no_grad():
-            forgetting_attention(q, k, v, g, backend="naive")
-
-    naive_ms = 1e3 * _median_seconds(naive_fwd, cfg.repeats)
-
-    lines = [
-        f"lapse demo: B={cfg.batch} T={cfg.seq_len} HQ={cfg.heads} H={cfg.kv_heads} "
-        f"D={cfg.head_dim} {cfg.dtype}, CPU ({torch.get_num_threads()} threads); "
-        "errors: max |x - ref| / max |ref| against the naive float64 backend computing the "
-        "same function (with ACP: naive with ACP); worst of dq, dk, dv, dlog_fgate for grads",
-        "",
-        "| backend | ACP | out err | grad err | out vs dense | pruned | fwd ms | fwd+bwd ms |",
-        "|---|---|---|---|---|---|---|---|",
-    ]
-    for r in rows:
-        lines.append(
-            f"| {r['backend']} | {r['acp'] or 'off'} | {r['out_err']:.1e} | {r['grad_err']:.1e} "
-            f"| {r['out_err_vs_dense']:.1e} | {r['pruned']:.3f} | {r['fwd_ms']:.1f} "
-            f"| {r['fwd_bwd_ms']:.1f} |"
-        )
-    lines.append(f"| naive | off | - | - | - | 0.000 | {naive_ms:.1f} | - |")
-    print("\n".join(lines))
-
-    ok = all(r["out_err"] <= cfg.tol and r["grad_err"] <= cfg.tol for r in rows)
-    result = {
-        "job": "demo",
-        "lapse": lapse.__version__,
-        "torch": torch.__version__,
-        "python": platform.python_version(),
-        "config": {k: str(v) if isinstance(v, Path) else v for k, v in asdict(cfg).items()},
-        "acp_eps": math.exp(-10),
-        "rows": rows,
-        "naive_fwd_ms": naive_ms,
-        "passed": ok,
-    }
-    cfg.out_dir.mkdir(parents=True, exist_ok=True)
-    path = cfg.out_dir / "results.json"
-    path.write_text(json.dumps(result, indent=2) + "\n")
-    print(f"wrote {path}")
-    if not ok:
-        raise SystemExit(f"lapse demo: an error exceeds tol={cfg.tol}; see {path}")
-    return result
+from lapse.train.config import TRAIN_PRESETS, ResumeConfig, TrainConfig
 
 
 def _finish_training(summary: dict) -> None:
-    """Print where the run went; exit 130 when it was interrupted (as a shell would)."""
-    if int(os.environ.get("RANK", "0")) != 0:
-        return
-    run_dir = summary["run_dir"]
-    print(f"{summary['status']} at step {summary['step']}/{summary['steps']}: report {run_dir}/report.md, "
-          f"plot {run_dir}/loss.png, metrics {run_dir}/metrics.jsonl")
-    if summary["status"] != "finished":
-        print(f"continue with: lapse resume {run_dir}")
+    """Say where the run went; exit 130 when it was interrupted (as a shell would)."""
+    from lapse.train import print_outcome
+
+    print_outcome(summary)
     if summary["status"] == "interrupted":
         raise SystemExit(130)
 
 
 def _wrote(result: dict, cfg, name: str) -> None:
-    """Say where an evaluation's files went (its ``out_dir``, by default
-    ``<first model>/eval/<name>/``)."""
-    out = result.get("out_dir") if isinstance(result, dict) else None
-    if out is None:
-        out = getattr(cfg, "out_dir", None)
-    if out is None:
-        model = cfg.models[0] if hasattr(cfg, "models") else cfg.model
-        out = Path(model) / "eval" / name
-    print(f"wrote results.json, summary.md and the plots to {out}")
+    print(f"wrote results.json, summary.md and the plots to {output_folder(result, cfg, name)}")
 
 
 def _train_command(description: str, default: TrainConfig) -> Callable[..., None]:
@@ -269,6 +73,14 @@ def _app() -> SubcommandApp:
         """Training throughput (tokens/s, MFU) of one model with ACP on and off, same
         weights and batches, one GPU; Markdown + JSON results."""
         from lapse.bench.training import run
+
+        run(cfg)
+
+    @bench.command(name="decode")
+    def bench_decode(cfg: Annotated[DecodeBenchConfig, tyro.conf.arg(name="")]) -> None:
+        """ms per decode step of lapse models (eager, compiled) against Hugging Face's Llama
+        with StaticCache + torch.compile and the memory-bandwidth limit; Markdown + JSON."""
+        from lapse.bench.decode import run
 
         run(cfg)
 
@@ -314,7 +126,7 @@ def _app() -> SubcommandApp:
     app.command(train, name="train", help="Train a language model from a preset (override any field).")
 
     @app.command(name="resume")
-    def resume(args: Annotated[ResumeArgs, tyro.conf.arg(name="")]) -> None:
+    def resume(args: Annotated[ResumeConfig, tyro.conf.arg(name="")]) -> None:
         """Continue a training run from its last checkpoint."""
         from lapse.train import resume as resume_run
 
@@ -328,9 +140,9 @@ def _app() -> SubcommandApp:
     app.command(evals, name="eval", help="Evaluations; each writes results.json, PNG plots and summary.md.")
 
     @app.command(name="export")
-    def export(args: Annotated[ExportArgs, tyro.conf.arg(name="")]) -> None:
+    def export(args: Annotated[ExportConfig, tyro.conf.arg(name="")]) -> None:
         """Write a trained model as a Hugging Face folder (AutoModelForCausalLM loads it
-        after `import lapse.models.hf`)."""
+        after `import lapse.hf`)."""
         from lapse.eval.common import export_hf
 
         print(f"wrote {export_hf(args.model, args.out_dir)}")
@@ -341,12 +153,6 @@ def _app() -> SubcommandApp:
         from lapse.eval.report import build_report
 
         print(f"wrote {build_report(cfg)}")
-
-    @app.command(name="demo")
-    def demo(cfg: Annotated[DemoConfig, tyro.conf.arg(name="")]) -> None:
-        """Forgetting attention with and without ACP on a small CPU problem, checked
-        against the naive reference (the main job until training lands)."""
-        run_demo(cfg)
 
     return app
 

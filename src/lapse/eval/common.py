@@ -21,6 +21,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
+import tyro
 
 from lapse.data import (
     DEFAULT_DATA_DIR,
@@ -121,6 +122,28 @@ def load_model(
         model=model, tokenizer=tokenizer, name=label, path=path, train_config=train_config,
         tokenizer_path=tokenizer_path,
     )
+
+
+@dataclass(kw_only=True)
+class ExportConfig:
+    """Write a trained model as a Hugging Face folder (save_pretrained + tokenizer/)."""
+
+    model: tyro.conf.Positional[Path]
+    """A run folder or one of its checkpoint folders."""
+    out_dir: tyro.conf.Positional[Path]
+    """The folder to write (config.json, model.safetensors, tokenizer/)."""
+
+
+def output_folder(result: dict, cfg, name: str) -> Path:
+    """Where an evaluation wrote its files: its ``out_dir``, by default
+    ``<first model>/eval/<name>/``."""
+    out = result.get("out_dir") if isinstance(result, dict) else None
+    if out is None:
+        out = getattr(cfg, "out_dir", None)
+    if out is None:
+        model = cfg.models[0] if hasattr(cfg, "models") else cfg.model
+        out = Path(model) / "eval" / name
+    return Path(out)
 
 
 def export_hf(path: str | Path, out_dir: str | Path) -> Path:

@@ -17,6 +17,8 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Literal
 
+import tyro
+
 from lapse.data import DEFAULT_DATA_DIR, CorpusConfig
 from lapse.models import ModelConfig, preset
 
@@ -191,6 +193,22 @@ class TrainConfig:
     def context(self) -> int:
         """T, the training row length."""
         return self.model.max_seq_len if self.seq_len is None else self.seq_len
+
+
+@dataclass(kw_only=True)
+class ResumeConfig:
+    """Continue a training run from its last checkpoint, with its saved configuration."""
+
+    run_dir: tyro.conf.Positional[Path]
+    """The run folder (it holds ``checkpoint.json`` and ``config.json``)."""
+    steps: int | None = None
+    """New total number of optimizer steps; ``None``: the saved one."""
+    time_limit_minutes: float | None = None
+    """Stop cleanly after this much more training time."""
+    stop_at_step: int | None = None
+    """End this session after this step with a checkpoint."""
+    progress: bool | None = None
+    """Show the progress bar; ``None``: as saved."""
 
 
 def preset_cpu_small() -> TrainConfig:

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import signal
 import time
 from contextlib import contextmanager
@@ -100,6 +101,19 @@ def resume(
     if progress is not None:
         overrides["progress"] = progress
     return _run(replace(cfg, **overrides), resuming=True)
+
+
+def print_outcome(summary: dict) -> None:
+    """Say (on rank 0) how the session ended and where the run's files are."""
+    if int(os.environ.get("RANK", "0")) != 0:
+        return
+    run_dir = summary["run_dir"]
+    print(
+        f"{summary['status']} at step {summary['step']}/{summary['steps']}: report {run_dir}/report.md, "
+        f"plot {run_dir}/loss.png, metrics {run_dir}/metrics.jsonl"
+    )
+    if summary["status"] != "finished":
+        print(f"continue with: lapse resume {run_dir}")
 
 
 def config_to_json(cfg: TrainConfig) -> dict:
