@@ -70,6 +70,9 @@ class DecodeBenchConfig:
     """HBM bytes/s for the limit; ``None``: from the device name (H100 3.35e12, H200 4.8e12)."""
     out_dir: Path = Path("runs/bench/decode")
     """Where ``results.json`` and ``results.md`` go."""
+    commit: str | None = None
+    """The commit to record; ``None``: ``git rev-parse`` of the working directory (on a
+    machine that received a copy of the tree, pass the real one)."""
 
     def __post_init__(self) -> None:
         unknown = sorted(set(self.providers) - set(PROVIDERS))
@@ -198,7 +201,7 @@ def run(cfg: DecodeBenchConfig) -> dict:
             rows.append({"workload": workload, "batch": batch, "prompt": prompt, "arch": "hf-llama",
                          "hf-llama-compile": ms})
             print(f"{workload} hf-llama compile: {ms:.3f} ms/step", flush=True)
-    env = {"device": name, "torch": torch.__version__, "commit": _commit(), "date": time.strftime("%Y-%m-%d"),
+    env = {"device": name, "torch": torch.__version__, "commit": cfg.commit or _commit(), "date": time.strftime("%Y-%m-%d"),
            "dtype": cfg.dtype, "preset": cfg.preset, "steps": cfg.steps, "warmup": cfg.warmup,
            "bandwidth": bandwidth}
     results = {"env": env, "config": {k: str(v) for k, v in asdict(cfg).items()}, "rows": rows}

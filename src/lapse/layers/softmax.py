@@ -51,8 +51,13 @@ class SoftmaxAttention(Attention):
 
     def _sdpa(self, q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None) -> Tensor:
         """SDPA in ``[B, T, H, D]`` layout; causal when no mask is given."""
+        b, t, h, d = q.shape
+        # One query: [B, H, 1, D] as a view of [B, H, D], so its stride over the query dim is
+        # D. Inductor may otherwise give that size-1 dim stride 1, which the memory-efficient
+        # kernel rejects ("query is not correctly aligned", torch 2.11, head dim 16).
+        q = q.reshape(b, h, d).unsqueeze(2) if t == 1 else q.transpose(1, 2)
         return F.scaled_dot_product_attention(
-            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+            q, k.transpose(1, 2), v.transpose(1, 2),
             attn_mask=mask, is_causal=mask is None, scale=self.scale,
             enable_gqa=self.n_heads != self.n_kv_heads,
         ).transpose(1, 2)  # [B, T, H, D]
