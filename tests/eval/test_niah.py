@@ -66,13 +66,19 @@ class InductionCopier(nn.Module):
         self.config = SimpleNamespace(n_layers=1, vocab_size=vocab_size)
         self.wrong = wrong
 
+    lm_head = torch.nn.Identity()  # hidden_states are already the logits
+
     def forward(self, input_ids, labels=None, *, cache=None):
+        return self.hidden_states(input_ids, cache=cache), None
+
+    def hidden_states(self, input_ids, *, cache=None):
         ids = input_ids
         if cache is not None:
-            # the cache only has to remember the tokens; the length keeps generate()'s view right
+            # the store only has to remember the tokens; begin/advance keep its length right
+            cache.begin(input_ids.shape[0], input_ids.shape[1], input_ids.device)
             ids = torch.cat([cache.tokens, input_ids], dim=1) if cache.length else input_ids
             cache.tokens = ids
-            cache.layers[0].length = ids.shape[1]
+            cache.advance()
         new = input_ids.shape[1]
         logits = torch.zeros(*input_ids.shape, self.config.vocab_size)  # [B, T, V]
         for row, seq in enumerate(ids.numpy()):
@@ -87,7 +93,7 @@ class InductionCopier(nn.Module):
                     j = t - 1 - int(np.argmax(run[:t][::-1])) if best else -1  # the latest longest match
                     token = seq[j + 1] if best else 0
                     logits[row, t - t0, (token + self.wrong) % self.config.vocab_size] = 30.0
-        return logits, None
+        return logits
 
 
 def _planted(wrong: bool) -> LoadedModel:

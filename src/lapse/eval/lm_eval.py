@@ -69,7 +69,8 @@ from tqdm import tqdm
 from lapse.eval.common import LoadedModel, load_model
 from lapse.eval.lm_eval_config import _DTYPES, LmEvalConfig, _positive_int
 from lapse.files import write_text_atomic
-from lapse.generation import DenseCache, generate
+from lapse.generation import generate
+from lapse.kv import DenseStore
 
 TASKS_DIR = Path(__file__).with_name("lm_eval_tasks")
 """The bundled task YAMLs (``lapse_tiny_mc``, ``lapse_tiny_ppl``, ``lapse_tiny_gen``;
@@ -254,7 +255,7 @@ class LapseLM(TemplateLM):
         temperature = float(gen_kwargs.get("temperature", 0.0)) if gen_kwargs.get("do_sample") else 0.0
         top_k = gen_kwargs.get("top_k")
         ids = (self.tok_encode(context) or [self.prefix_token_id])[-(self.max_length - max_new) :]
-        cache = DenseCache(self.loaded.config.n_layers, capacity=len(ids) + max_new)
+        cache = DenseStore(self.loaded.config.n_layers, capacity=len(ids) + max_new)
         step_input = torch.tensor([ids], dtype=torch.long, device=self.device)  # [1, T]
         new: list[int] = []
         while len(new) < max_new:
