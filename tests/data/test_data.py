@@ -3,6 +3,7 @@
 import itertools
 import json
 import sys
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -13,6 +14,7 @@ from lapse.data import (
     CorpusConfig,
     TokenShards,
     WindowSampler,
+    in_validation,
     iter_documents,
     list_python_sources,
     load_tokenizer,
@@ -79,7 +81,8 @@ def test_default_corpus_limits():
 
 
 def test_text_folder_source(text_folder):
-    docs = dict(iter_documents(CorpusConfig(kind="text", paths=(str(text_folder),)), split="all"))
+    with pytest.warns(UserWarning, match="bad.txt: not a UTF-8 text file"):
+        docs = dict(iter_documents(CorpusConfig(kind="text", paths=(str(text_folder),)), split="all"))
     assert docs == {"a.txt": "first document\n", "sub/b.md": "# second\n" + UNICODE_TEXT}
     py = dict(iter_documents(CorpusConfig(kind="text", paths=(str(text_folder / "*.py"),)), split="all"))
     assert list(py.values()) == ["not matched by the default patterns\n"]
@@ -97,7 +100,7 @@ def test_jsonl_source(tmp_path):
     assert sorted(text for _, text in train + val) == sorted(r["body"] for r in rows)
     assert {d for d, _ in train}.isdisjoint(d for d, _ in val) and 10 < len(val) < 70
     limited = list(
-        iter_documents(CorpusConfig(kind="jsonl", paths=(str(path),), text_field="body", max_documents=3))
+        iter_documents(replace(config, max_documents=3))
     )
     assert limited == train[:3]
 
@@ -122,6 +125,64 @@ def test_missing_path_and_empty_corpus(tmp_path, text_folder):
         iter_documents(CorpusConfig(kind="text", paths=(str(tmp_path / "*.nothing"),)))
     with pytest.raises(ValueError, match="needs at least one"):
         CorpusConfig(kind="text")
+
+
+def test_one_text_file_splits_by_ranges(tmp_path):
+    book = tmp_path / "book.txt"
+    text = "".join(f"line {i}: naïve café 日本語\n" for i in range(2000))
+    book.write_text(text, encoding="utf-8")
+    config = CorpusConfig(kind="text", paths=(str(book),), val_fraction=0.05)
+    (train,) = [t for _, t in iter_documents(config, "train")]
+    (val,) = [t for _, t in iter_documents(config, "validation")]
+    assert train + val == text  # the last 5% of the bytes, cut at a character boundary
+    assert abs(len(val.encode()) - 0.05 * len(text.encode())) < 4
+
+
+def test_few_documents_on_one_side_split_each_by_ranges(tmp_path):
+    # Three files whose ids all hash into training at val_fraction 0.01.
+    names = [n for n in (f"f{i}.txt" for i in range(40)) if not in_validation(n, 0.01)][:3]
+    for name in names:
+        (tmp_path / name).write_text(name * 100, encoding="utf-8")
+    config = CorpusConfig(kind="text", paths=(str(tmp_path),), val_fraction=0.01)
+    train = dict(iter_documents(config, "train"))
+    val = dict(iter_documents(config, "validation"))
+    assert sorted(train) == sorted(val) == sorted(names)
+    assert all(train[n] + val[n] == n * 100 and len(val[n]) == 6 for n in names)
+
+
+def test_val_fraction_zero_puts_everything_in_training(tmp_path):
+    (tmp_path / "a.txt").write_text("alpha\n", encoding="utf-8")
+    (tmp_path / "b.txt").write_text("beta\n", encoding="utf-8")
+    config = CorpusConfig(kind="text", paths=(str(tmp_path),), val_fraction=0.0)
+    assert dict(iter_documents(config, "train")) == {"a.txt": "alpha\n", "b.txt": "beta\n"}
+    with pytest.raises(ValueError, match="no documents in split 'validation'"):
+        list(iter_documents(config, "validation"))
+
+
+def test_binary_files_are_skipped_with_a_warning_naming_them(tmp_path):
+    (tmp_path / "a.txt").write_text("text\n", encoding="utf-8")
+    (tmp_path / "nul.txt").write_bytes(b"valid utf-8 \x00 but a NUL: binary")
+    (tmp_path / "latin1.txt").write_bytes("caf\xe9".encode("latin-1"))
+    config = CorpusConfig(kind="text", paths=(str(tmp_path),), val_fraction=0.0)
+    with pytest.warns(UserWarning) as caught:
+        docs = dict(iter_documents(config, "train"))
+    assert docs == {"a.txt": "text\n"}
+    messages = sorted(str(w.message) for w in caught)
+    assert "latin1.txt: not a UTF-8 text file" in messages[0] and "nul.txt" in messages[1]
+    # nothing left: one error that says what was searched and what was skipped
+    (tmp_path / "a.txt").unlink()
+    with pytest.warns(UserWarning), pytest.raises(ValueError, match=r"empty corpus.*2 file\(s\) skipped"):
+        list(iter_documents(config, "train"))
+
+
+def test_hf_dataset_with_a_train_split_only_splits_it_without_overlap(tmp_path):
+    datasets = pytest.importorskip("datasets")
+    rows = {"text": [f"row {i}" for i in range(300)]}
+    datasets.DatasetDict({"train": datasets.Dataset.from_dict(rows)}).save_to_disk(str(tmp_path / "ds"))
+    config = CorpusConfig(kind="hf", paths=(str(tmp_path / "ds"),), val_fraction=0.1)
+    train = dict(iter_documents(config, "train"))
+    val = dict(iter_documents(config, "validation"))
+    assert set(train).isdisjoint(val) and len(train) + len(val) == 300 and val
 
 
 def test_hf_source_without_datasets_is_a_clear_error(tmp_path, monkeypatch):

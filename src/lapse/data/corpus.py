@@ -11,13 +11,21 @@ Sources (``CorpusConfig.kind``):
 - ``"jsonl"``: JSON Lines files, one document per line in ``text_field``.
 - ``"hf"``: a Hugging Face ``datasets`` dataset saved with ``save_to_disk`` (``load_from_disk``).
 
-Train/validation split: a document belongs to validation when the SHA-1 of its id, read
-as a fraction of 2**160, is below ``val_fraction``. Membership is a property of the id
-alone, so it does not change when files are added, removed or read in another order.
-A ``datasets.DatasetDict`` that already holds the requested split is used as it is.
+Train/validation split, by document: a document belongs to validation when the SHA-1 of
+its id, read as a fraction of 2**160, is below ``val_fraction``. Membership is a property
+of the id alone, so it does not change when files are added, removed or read in another
+order. A ``datasets.DatasetDict`` with ``train`` and ``validation`` splits is used as it is.
 
-Nothing is downloaded: a missing path or a corpus with no documents is a ``ValueError``
-naming the path.
+When that would leave a side empty (one text file, a few documents), the split is by
+ranges instead: the last ``val_fraction`` of each document's UTF-8 bytes (cut at a
+character boundary; for the byte-level tokenizer these are token ranges) is validation,
+the rest training. ``val_fraction = 0`` puts everything in training and nothing in
+validation.
+
+Text files that are not UTF-8 text (a NUL byte, or bytes that do not decode) are skipped
+with a warning naming them, never decoded into replacement characters. Nothing is
+downloaded: a missing path or a corpus with no documents is a ``ValueError`` naming what
+was searched.
 """
 
 from __future__ import annotations
@@ -27,7 +35,8 @@ import hashlib
 import json
 import os
 import sysconfig
-from collections.abc import Iterable, Iterator
+import warnings
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
@@ -53,7 +62,8 @@ class CorpusConfig:
     text_field: str = "text"
     """Field holding the document text (``jsonl``, ``hf``)."""
     val_fraction: float = 0.01
-    """Share of documents (by hash of their id) in the validation split."""
+    """Share of documents (by hash of their id) in the validation split, or of each
+    document's bytes when a split by document would leave a side empty; 0: no validation."""
     max_documents: int | None = None
     """Stop after this many documents (per split); ``None``: no limit."""
     max_bytes: int | None = None
@@ -85,19 +95,81 @@ def iter_documents(config: CorpusConfig, split: Split = "train") -> Iterator[Doc
     """
     if split not in ("train", "validation", "all"):
         raise ValueError(f"split must be 'train', 'validation' or 'all', got {split!r}")
+    skipped: list[Path] = []  # text files that are not text
+    native = False  # an HF dataset's own split: used as it is
     if config.kind == "python":
-        docs = python_source_documents(split=split, val_fraction=config.val_fraction)
         where = "the Python installation (" + ", ".join(str(p) for _, p in python_source_roots()) + ")"
+        ids = (doc_id for doc_id, _ in list_python_sources("all"))
+
+        def documents(part: Split) -> Iterator[Document]:
+            return python_source_documents(split=part, val_fraction=config.val_fraction)
+
     elif config.kind == "text":
-        docs = _split_filter(text_documents(config.paths, config.patterns), split, config.val_fraction)
-        where = ", ".join(config.paths)
+        files = [pair for entry in config.paths for pair in _text_files(entry, config.patterns)]
+        where = f"{', '.join(config.paths)} (files matching {', '.join(config.patterns)})"
+        ids = (doc_id for doc_id, path in files if not _looks_binary(path))
+
+        def documents(part: Split) -> Iterator[Document]:
+            return _split_filter(_read_text_files(files, skipped), part, config.val_fraction)
+
     elif config.kind == "jsonl":
-        docs = _split_filter(jsonl_documents(config.paths, config.text_field), split, config.val_fraction)
+        jsonl_files = [_existing(path) for path in config.paths]
         where = ", ".join(config.paths)
+        ids = (doc_id for doc_id, _ in _jsonl_records(jsonl_files, config.text_field))
+
+        def documents(part: Split) -> Iterator[Document]:
+            return _split_filter(_jsonl_records(jsonl_files, config.text_field), part, config.val_fraction)
+
     else:
-        docs = hf_documents(config.paths[0], config.text_field, split=split, val_fraction=config.val_fraction)
         where = config.paths[0]
-    return _nonempty(limit_documents(docs, config.max_documents, config.max_bytes), where, split)
+        table = _hf_table(config.paths[0], config.text_field, split)
+        native = table.native
+        ids = (doc_id for doc_id, _ in _hf_rows(table, config.text_field))
+
+        def documents(part: Split) -> Iterator[Document]:
+            rows = _hf_rows(table, config.text_field)
+            return rows if table.native else _split_filter(rows, part, config.val_fraction)
+
+    def docs() -> Iterator[Document]:
+        if split == "all" or native or split_by_document(ids, config.val_fraction):
+            yield from documents(split)
+            return
+        for doc_id, text in documents("all"):
+            if part := split_by_range(text, split, config.val_fraction):
+                yield doc_id, part
+
+    def describe() -> str:
+        what = f"no documents in {where}" if split == "all" else f"no documents in split {split!r} of {where}"
+        if skipped:
+            names = ", ".join(str(p) for p in skipped[:3]) + (", ..." if len(skipped) > 3 else "")
+            what += f"; {len(skipped)} file(s) skipped as not UTF-8 text: {names}"
+        return what
+
+    return _nonempty(limit_documents(docs(), config.max_documents, config.max_bytes), describe)
+
+
+def split_by_document(ids: Iterable[str], val_fraction: float) -> bool:
+    """Whether documents with these ids split by their hash into two non-empty sides
+    (always, for ``val_fraction = 0``: validation is meant to be empty). Reads ``ids``
+    only until a document of each side has been seen."""
+    if val_fraction == 0:
+        return True
+    seen = set()
+    for doc_id in ids:
+        seen.add(in_validation(doc_id, val_fraction))
+        if len(seen) == 2:
+            return True
+    return False
+
+
+def split_by_range(text: str, split: Split, val_fraction: float) -> str:
+    """The ``split`` part of one document split by ranges: validation is the last
+    ``val_fraction`` of its UTF-8 bytes (at least one byte of a longer document), cut
+    at a character boundary; training is the rest."""
+    data = text.encode("utf-8")
+    n_val = max(1, round(len(data) * val_fraction)) if len(data) > 1 else 0
+    head = data[: len(data) - n_val].decode("utf-8", errors="ignore")
+    return head if split == "train" else text[len(head) :]
 
 
 def in_validation(doc_id: str, val_fraction: float) -> bool:
@@ -173,11 +245,30 @@ def text_documents(
 ) -> Iterator[Document]:
     """Text files: each entry of ``paths`` is a file, a folder (searched recursively for
     ``patterns``, sorted) or a glob pattern (sorted matches). Ids are the file paths as
-    found, relative to the folder for folder entries. Non-UTF-8 files are skipped."""
+    found, relative to the folder for folder entries. Files that are not UTF-8
+    text are skipped with a warning."""
     patterns = tuple(patterns)
     # Listed now, so a missing path fails at the call rather than at the first document.
     files = [(doc_id, path) for entry in paths for doc_id, path in _text_files(entry, patterns)]
-    return ((doc_id, text) for doc_id, path in files if (text := _read_text(path)))
+    return _read_text_files(files, [])
+
+
+def _read_text_files(files: list[tuple[str, Path]], skipped: list[Path]) -> Iterator[Document]:
+    """The texts of ``files``; a file that is not UTF-8 text is skipped with a warning and
+    appended to ``skipped``."""
+    for doc_id, path in files:
+        try:
+            data = path.read_bytes()
+        except OSError as e:
+            warnings.warn(f"skipping {path}: {e.strerror}", stacklevel=2)
+            skipped.append(path)
+            continue
+        text = _decode_text(data)
+        if text is None:
+            warnings.warn(f"skipping {path}: not a UTF-8 text file (binary?)", stacklevel=2)
+            skipped.append(path)
+        elif text:
+            yield doc_id, text
 
 
 def jsonl_documents(paths: Iterable[str], text_field: str = "text") -> Iterator[Document]:
@@ -207,10 +298,23 @@ def hf_documents(
 ) -> Iterator[Document]:
     """Rows of a Hugging Face dataset saved at ``path`` (``datasets.load_from_disk``).
 
-    A ``DatasetDict`` holding ``split`` gives that split as it is; otherwise (a single
-    ``Dataset``, or a dict with a ``train`` split only) rows are split by the hash of their
-    id ``"<split name>:<row index>"``.
+    A ``DatasetDict`` holding ``train`` and ``validation`` gives the requested split as it
+    is; otherwise (a single ``Dataset``, or a dict with a ``train`` split only) rows are split
+    by the hash of their id ``"<split name>:<row index>"``.
     """
+    table = _hf_table(path, text_field, split)
+    rows = _hf_rows(table, text_field)
+    return rows if table.native else _split_filter(rows, split, val_fraction)
+
+
+@dataclass(frozen=True)
+class _HFTable:
+    rows: object  # a datasets.Dataset
+    name: str  # its split name, or "data"
+    native: bool  # the requested split itself, not to be split again
+
+
+def _hf_table(path: str, text_field: str, split: Split) -> _HFTable:
     folder = _existing(path)
     try:
         import datasets
@@ -220,20 +324,25 @@ def hf_documents(
         ) from e
     loaded = datasets.load_from_disk(str(folder))
     if isinstance(loaded, datasets.DatasetDict):
-        if split in loaded:
-            table, name, hashed = loaded[split], split, False
+        # its own splits only when it has both: splitting "train" by hash for validation
+        # while reading "train" whole for training would put documents in both
+        if split in loaded and {"train", "validation"} <= set(loaded):
+            table = _HFTable(loaded[split], split, True)
         elif "train" in loaded:
-            table, name, hashed = loaded["train"], "train", True
+            table = _HFTable(loaded["train"], "train", False)
         else:
             raise ValueError(
                 f"dataset at {folder} has splits {sorted(loaded)}; expected {split!r} or 'train'"
             )
     else:
-        table, name, hashed = loaded, "data", True
-    if text_field not in table.column_names:
-        raise ValueError(f"dataset at {folder} has columns {table.column_names}, not {text_field!r}")
-    docs = ((f"{name}:{i}", row[text_field]) for i, row in enumerate(table) if row[text_field])
-    return _split_filter(docs, split, val_fraction) if hashed else docs
+        table = _HFTable(loaded, "data", False)
+    if text_field not in table.rows.column_names:
+        raise ValueError(f"dataset at {folder} has columns {table.rows.column_names}, not {text_field!r}")
+    return table
+
+
+def _hf_rows(table: _HFTable, text_field: str) -> Iterator[Document]:
+    return ((f"{table.name}:{i}", row[text_field]) for i, row in enumerate(table.rows) if row[text_field])
 
 
 def _split_filter(docs: Iterable[Document], split: Split, val_fraction: float) -> Iterator[Document]:
@@ -242,13 +351,13 @@ def _split_filter(docs: Iterable[Document], split: Split, val_fraction: float) -
             yield doc_id, text
 
 
-def _nonempty(docs: Iterator[Document], where: str, split: Split) -> Iterator[Document]:
+def _nonempty(docs: Iterator[Document], describe: Callable[[], str]) -> Iterator[Document]:
     empty = True
     for doc in docs:
         empty = False
         yield doc
     if empty:
-        raise ValueError(f"empty corpus: no documents in split {split!r} of {where}")
+        raise ValueError(f"empty corpus: {describe()}")
 
 
 def _walk_sorted(folder: Path, skip: set[str]) -> Iterator[Path]:
@@ -293,6 +402,25 @@ def _existing(path: str | os.PathLike) -> Path:
 
 def _read_text(path: Path) -> str | None:
     try:
-        return path.read_bytes().decode("utf-8")
-    except (OSError, UnicodeDecodeError):
+        return _decode_text(path.read_bytes())
+    except OSError:
         return None
+
+
+def _decode_text(data: bytes) -> str | None:
+    """``data`` as text, or ``None`` when it is not UTF-8 text (a NUL byte: binary)."""
+    if b"\x00" in data:
+        return None
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError:
+        return None
+
+
+def _looks_binary(path: Path) -> bool:
+    """A NUL byte in the first 8 KiB (what ``grep`` and ``git`` check); unreadable counts."""
+    try:
+        with path.open("rb") as f:
+            return b"\x00" in f.read(8192)
+    except OSError:
+        return True

@@ -1,9 +1,10 @@
 """A corpus tokenised once and cached: the tokenizer and the train/validation token shards.
 
 A corpus and a tokenizer choice map to one folder under ``data_dir`` named by a hash of
-both; it holds ``tokenizer/``, ``train/`` and ``validation/`` shard folders and a
-``ready.json`` written last, so a folder without it (an interrupted build) is rebuilt and
-never read. Under ``torchrun`` rank 0 builds while the others wait at a barrier.
+both; it holds ``tokenizer/``, ``train/`` and ``validation/`` shard folders (no
+``validation/`` when ``val_fraction`` is 0) and a ``ready.json`` written last, so a
+folder without it (an interrupted build) is rebuilt and never read. Under ``torchrun``
+rank 0 builds while the others wait at a barrier.
 Training reads the train split, evaluations the validation split, of the same cache.
 """
 
@@ -37,7 +38,8 @@ class PreparedData:
     directory: Path
     tokenizer: Tokenizer
     train: TokenShards
-    validation: TokenShards
+    validation: TokenShards | None
+    """``None`` when the corpus has no validation split (``val_fraction = 0``)."""
 
 
 def data_key(corpus: CorpusConfig, tokenizer: str, vocab_size: int) -> str:
@@ -82,9 +84,8 @@ def prepare_data(
             f"the tokenizer has {loaded.vocab_size} ids but model.vocab_size is "
             f"{vocab_size}; raise model.vocab_size"
         )
-    return PreparedData(
-        directory, loaded, TokenShards(directory / "train"), TokenShards(directory / "validation")
-    )
+    validation = TokenShards(directory / "validation") if corpus.val_fraction > 0 else None
+    return PreparedData(directory, loaded, TokenShards(directory / "train"), validation)
 
 
 def cached_with(
@@ -113,7 +114,7 @@ def _build(corpus: CorpusConfig, tokenizer: str, vocab_size: int, directory: Pat
     directory.mkdir(parents=True)
     made = _make_tokenizer(corpus, tokenizer, vocab_size)
     made.save(directory / "tokenizer")
-    for split in ("train", "validation"):
+    for split in ("train", "validation") if corpus.val_fraction > 0 else ("train",):
         write_shards(
             iter_documents(corpus, split),
             made,
@@ -125,7 +126,9 @@ def _build(corpus: CorpusConfig, tokenizer: str, vocab_size: int, directory: Pat
         "corpus": asdict(corpus),
         "tokenizer": tokenizer,
         "train_tokens": TokenShards(directory / "train").num_tokens,
-        "validation_tokens": TokenShards(directory / "validation").num_tokens,
+        "validation_tokens": TokenShards(directory / "validation").num_tokens
+        if corpus.val_fraction > 0
+        else 0,
     }
     write_json_atomic(directory / READY_FILE, info)
 

@@ -210,6 +210,11 @@ def eval_windows(
         # machine, a missing cache) could give different ids than the model was trained on.
         tokenizer = str(loaded.tokenizer_path)
     data = prepare_data(corpus, tokenizer, vocab_size=vocab_size, data_dir=data_dir, progress=False)
+    if data.validation is None:
+        raise ValueError(
+            f"the corpus of {loaded.name} has no validation split (val_fraction = 0): pass a corpus to "
+            "evaluate on (--corpus.kind, --corpus.paths)"
+        )
     sampler = WindowSampler(shards=data.validation, seq_len=seq_len, batch_size=num, seed=seed)
     x, y = sampler.batch(0)
     return torch.cat([x, y[:, -1:]], dim=1)  # [num, seq_len + 1]
