@@ -80,16 +80,16 @@ def test_op_boundary_agrees_with_a_direct_tile_check_of_d(t, hq, h, bound):
 
 
 def test_capture_hooks_read_what_the_op_receives(fox_run, monkeypatch):
-    import lapse.models.decoder as decoder
+    import lapse.layers.forgetting as forgetting_layer
 
     seen = []
-    real = decoder.forgetting_attention
+    real = forgetting_layer.forgetting_attention
 
     def spy(q, k, v, log_fgate, **kwargs):
         seen.append((q.detach().clone(), k.detach().clone(), log_fgate.detach().clone()))
         return real(q, k, v, log_fgate, **kwargs)
 
-    monkeypatch.setattr(decoder, "forgetting_attention", spy)
+    monkeypatch.setattr(forgetting_layer, "forgetting_attention", spy)
     model = load_model(fox_run).model
     ids = torch.randint(0, 258, (2, 130), generator=torch.Generator().manual_seed(0))
     heads = [(0, 1), (1, 3), (1, 0)]
