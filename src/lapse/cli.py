@@ -127,14 +127,10 @@ def _app() -> SubcommandApp:
 
     @app.command(name="resume")
     def resume(args: Annotated[ResumeConfig, tyro.conf.arg(name="")]) -> None:
-        """Continue a training run from its last checkpoint."""
+        """Continue a training run from its newest intact checkpoint (options: this session)."""
         from lapse.train import resume as resume_run
 
-        summary = resume_run(
-            args.run_dir, steps=args.steps, time_limit_minutes=args.time_limit_minutes,
-            stop_at_step=args.stop_at_step, progress=args.progress,
-        )
-        _finish_training(summary)
+        _finish_training(resume_run(args.run_dir, **args.overrides()))
 
     app.command(bench, name="bench", help="Benchmarks (CUDA).")
     app.command(evals, name="eval", help="Evaluations; each writes results.json, PNG plots and summary.md.")

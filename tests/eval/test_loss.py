@@ -26,7 +26,7 @@ from lapse.eval.loss import (
     smooth,
 )
 from lapse.models import Decoder, preset
-from lapse.models.checkpoint import latest_checkpoint
+from lapse.models.checkpoint import file_digest, latest_checkpoint
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -39,6 +39,9 @@ def _uniform_run(fox_run, tmp_path):
     state = load_file(weights)
     state["lm_head.weight"].zero_()
     save_file(state, weights)
+    manifest = json.loads((weights.parent / "manifest.json").read_text())  # a deliberate edit: re-sign it
+    manifest["files"]["model.safetensors"] = file_digest(weights)
+    (weights.parent / "manifest.json").write_text(json.dumps(manifest))
     return run
 
 

@@ -20,7 +20,13 @@ from safetensors.torch import load_file
 from lapse.cli import main as cli_main
 from lapse.data import CorpusConfig
 from lapse.models import preset
-from lapse.models.checkpoint import latest_checkpoint, model_config_from_json
+from lapse.models.checkpoint import (
+    checkpoint_folders,
+    checkpoint_step,
+    file_digest,
+    latest_checkpoint,
+    model_config_from_json,
+)
 from lapse.train import (
     TrainConfig,
     lr_at,
@@ -322,6 +328,9 @@ def test_the_time_limit_counts_this_session_only(tmp_path, data_dir):
     saved = torch.load(folder / "trainer_state.pt", weights_only=False)
     saved["state"]["elapsed_s"] = 10_000.0
     torch.save(saved, folder / "trainer_state.pt")
+    manifest = json.loads((folder / "manifest.json").read_text())  # a deliberate edit: re-sign it
+    manifest["files"]["trainer_state.pt"] = file_digest(folder / "trainer_state.pt")
+    (folder / "manifest.json").write_text(json.dumps(manifest))
     more = resume(first["run_dir"], time_limit_minutes=1.0)
     assert more["status"] == "finished" and more["step"] == 8
 
@@ -352,3 +361,50 @@ def test_a_resumed_bpe_run_keeps_its_tokenizer_when_the_cache_is_gone(tmp_path, 
     assert {p.name: p.read_bytes() for p in (run / "tokenizer").iterdir()} == saved
     built = [p for p in (tmp_path / "data").iterdir() if p.is_dir()]
     assert len(built) == 1 and built[0].name.startswith("python-tok-")  # tokenised with the saved one
+
+
+def test_the_newest_checkpoints_are_kept_and_pinned_ones_too(tmp_path, data_dir):
+    first = train(
+        tiny(tmp_path, data_dir, steps=10, checkpoint_every=2, pin_steps=(3,), val_every=0, acp_stats_every=0)
+    )
+    run = Path(first["run_dir"])
+    assert [checkpoint_step(p) for p in checkpoint_folders(run)] == [10, 8, 3]
+    (run / "checkpoint-0000008" / "pinned").touch()  # pinned after the fact
+    resume(run, steps=14)
+    assert [checkpoint_step(p) for p in checkpoint_folders(run)] == [14, 12, 8, 3]
+
+
+def test_a_record_after_a_stop_or_a_resume_says_how_many_steps_it_averages(tmp_path, data_dir):
+    first = train(
+        tiny(tmp_path, data_dir, steps=12, log_every=4, stop_at_step=6, checkpoint_every=0, val_every=0,
+             acp_stats_every=0)
+    )
+    resume(first["run_dir"])
+    records = kinds(read_metrics(Path(first["run_dir"])), "train")
+    assert [(r["step"], r["averaged_steps"]) for r in records] == [(4, 4), (6, 2), (8, 2), (12, 4)]
+
+
+def test_one_text_file_trains_and_validates(tmp_path, data_dir):
+    book = tmp_path / "book.txt"
+    book.write_text("".join(f"{i}: the quick brown fox jumps over the lazy dog\n" for i in range(4000)))
+    corpus = CorpusConfig(kind="text", paths=(str(book),))
+    s = train(tiny(tmp_path, tmp_path / "data", corpus=corpus, steps=4, val_every=2, acp_stats_every=0))
+    val = kinds(read_metrics(Path(s["run_dir"])), "val")
+    assert s["status"] == "finished" and [r["step"] for r in val] == [2, 4]
+
+
+def test_val_fraction_zero_trains_without_validation(tmp_path, data_dir):
+    corpus = replace(train_preset("cpu-tiny").corpus, val_fraction=0.0)
+    s = train(tiny(tmp_path, tmp_path / "data", corpus=corpus, steps=4, val_every=2, acp_stats_every=0))
+    records = read_metrics(Path(s["run_dir"]))
+    assert s["status"] == "finished" and not kinds(records, "val") and len(kinds(records, "train")) == 4
+
+
+def test_resume_takes_run_time_fields_only(tmp_path, data_dir, capsys):
+    first = train(tiny(tmp_path, data_dir, steps=4, stop_at_step=2, val_every=0, acp_stats_every=0))
+    with pytest.raises(ValueError, match=r"resume cannot change \['lr'\]"):
+        resume(first["run_dir"], lr=1.0)
+    cli_main(["resume", first["run_dir"], "--no-progress", "--log-every", "2", "--keep-checkpoints", "1"])
+    assert "finished at step 4/4" in capsys.readouterr().out
+    assert [checkpoint_step(p) for p in checkpoint_folders(first["run_dir"])] == [4]
+    assert kinds(read_metrics(Path(first["run_dir"])), "train")[-1]["averaged_steps"] == 2

@@ -2,9 +2,9 @@
 
 :func:`load_model` takes any of the places a lapse model lives:
 
-- a training run folder (``config.json`` + ``checkpoint.json``, see
-  :mod:`lapse.models.checkpoint`): the last checkpoint, the run's tokenizer, the run's
-  saved configuration;
+- a training run folder (``config.json`` + ``checkpoint-*/``, see
+  :mod:`lapse.models.checkpoint`): the newest checkpoint (verified: a damaged one is an
+  error naming the file), the run's tokenizer, the run's saved configuration;
 - one ``checkpoint-<step>/`` folder inside such a run;
 - a Hugging Face folder written by ``LapseForCausalLM.save_pretrained`` (its tokenizer
   too when one was saved beside it).
@@ -33,7 +33,15 @@ from lapse.data import (
     prepare_data,
 )
 from lapse.models import Decoder, ModelConfig
-from lapse.models.checkpoint import CONFIG_FILE, POINTER, SavedRun, latest_checkpoint, load_weights, read_run
+from lapse.models.checkpoint import (
+    CHECKPOINT_NAME,
+    CONFIG_FILE,
+    SavedRun,
+    checkpoint_folders,
+    latest_checkpoint,
+    load_weights,
+    read_run,
+)
 
 
 @dataclass
@@ -87,11 +95,9 @@ def load_model(
     if not path.exists():
         raise ValueError(f"model path does not exist: {path}")
     run_dir, folder = None, None
-    if (path / POINTER).exists():
+    if (path / CONFIG_FILE).exists() and checkpoint_folders(path):
         run_dir, folder = path, latest_checkpoint(path)
-    elif (path / "model.safetensors").exists() and (path.parent / CONFIG_FILE).exists() and (
-        path.parent / POINTER
-    ).exists():
+    elif CHECKPOINT_NAME.fullmatch(path.name) and (path.parent / CONFIG_FILE).exists():
         run_dir, folder = path.parent, path
     if run_dir is not None:
         train_config = read_run(run_dir)
@@ -114,8 +120,8 @@ def load_model(
         train_config, label = None, name or path.name
     else:
         raise ValueError(
-            f"no lapse model at {path}: expected a run folder (checkpoint.json), a checkpoint folder "
-            "(model.safetensors inside a run) or a Hugging Face folder saved by LapseForCausalLM"
+            f"no lapse model at {path}: expected a run folder (config.json and checkpoint-*/), a "
+            "checkpoint folder of a run, or a Hugging Face folder saved by LapseForCausalLM"
         )
     model = model.to(device=device, dtype=dtype).eval()
     return LoadedModel(

@@ -113,7 +113,8 @@ class TrainConfig:
     """Steps between metrics lines (train loss averaged over the interval)."""
 
     val_every: int = 100
-    """Steps between validation losses (and one at the end); 0: never."""
+    """Steps between validation losses (and one at the end); 0: never (nor when
+    ``corpus.val_fraction`` is 0: there is no validation split)."""
 
     val_batches: int = 4
     """Batches of ``batch_size`` rows per validation (the same windows every time)."""
@@ -123,6 +124,14 @@ class TrainConfig:
 
     checkpoint_every: int = 100
     """Steps between checkpoints (and one at the end or on interruption); 0: only those."""
+
+    keep_checkpoints: int = 2
+    """Checkpoints kept: the newest this many (a resume falls back to an older one when the
+    newest is damaged), plus pinned ones."""
+
+    pin_steps: tuple[int, ...] = ()
+    """Steps at which a checkpoint is written and kept for good (``touch
+    RUN/checkpoint-<step>/pinned`` pins one after the fact)."""
 
     time_limit_minutes: float | None = None
     """Stop cleanly (checkpoint, report) after this much training time; ``None``: no limit."""
@@ -150,6 +159,11 @@ class TrainConfig:
             value = getattr(self, name)
             if not isinstance(value, int) or value < 0:
                 raise ValueError(f"{name} must be a non-negative integer, got {value!r}")
+        if not isinstance(self.keep_checkpoints, int) or self.keep_checkpoints < 1:
+            raise ValueError(f"keep_checkpoints must be a positive integer, got {self.keep_checkpoints!r}")
+        if isinstance(self.pin_steps, int) or any(not isinstance(s, int) or s < 1 for s in self.pin_steps):
+            raise ValueError(f"pin_steps must be a tuple of positive steps, got {self.pin_steps!r}")
+        self.pin_steps = tuple(self.pin_steps)
         if self.stop_at_step is not None and self.stop_at_step < 1:
             raise ValueError(f"stop_at_step must be positive or None, got {self.stop_at_step}")
         if self.log_every == 0:
@@ -195,20 +209,79 @@ class TrainConfig:
         return self.model.max_seq_len if self.seq_len is None else self.seq_len
 
 
+RESUME_FIELDS: tuple[str, ...] = (
+    "steps",
+    "stop_at_step",
+    "time_limit_minutes",
+    "progress",
+    "log_every",
+    "val_every",
+    "acp_stats_every",
+    "checkpoint_every",
+    "keep_checkpoints",
+    "pin_steps",
+    "compile",
+    "device",
+    "data_dir",
+    "peak_tflops",
+)
+"""Fields of :class:`TrainConfig` a resumed run may change: how the session runs and what
+it records, never the model, the data or the optimisation (the curve would not continue)."""
+
+
 @dataclass(kw_only=True)
 class ResumeConfig:
-    """Continue a training run from its last checkpoint, with its saved configuration."""
+    """Continue a training run from its newest intact checkpoint, with its saved
+    configuration; the options change this session only (unset: as saved), except
+    ``--steps``, which the run keeps."""
 
     run_dir: tyro.conf.Positional[Path]
-    """The run folder (it holds ``checkpoint.json`` and ``config.json``)."""
+    """The run folder (it holds ``config.json`` and ``checkpoint-*/``)."""
     steps: int | None = None
-    """New total number of optimizer steps; ``None``: the saved one."""
-    time_limit_minutes: float | None = None
-    """Stop cleanly after this much more training time."""
+    """New total number of optimizer steps (kept for later resumes)."""
     stop_at_step: int | None = None
     """End this session after this step with a checkpoint."""
-    progress: bool | None = None
-    """Show the progress bar; ``None``: as saved."""
+    time_limit_minutes: float | None = None
+    """Stop cleanly after this much more training time."""
+    progress: tyro.conf.FlagCreatePairsOff[bool] = False
+    """Show the progress bar."""
+    no_progress: tyro.conf.FlagCreatePairsOff[bool] = False
+    """Hide the progress bar."""
+    log_every: int | None = None
+    """Steps between metrics lines."""
+    val_every: int | None = None
+    """Steps between validation losses; 0: never."""
+    acp_stats_every: int | None = None
+    """Steps between ACP statistics; 0: never."""
+    checkpoint_every: int | None = None
+    """Steps between checkpoints; 0: only at the end or on interruption."""
+    keep_checkpoints: int | None = None
+    """The newest this many checkpoints are kept, plus pinned ones."""
+    pin_steps: tuple[int, ...] | None = None
+    """Steps at which a checkpoint is written and kept for good."""
+    compile: tyro.conf.FlagCreatePairsOff[bool] = False
+    """``torch.compile`` each block."""
+    no_compile: tyro.conf.FlagCreatePairsOff[bool] = False
+    """Run the blocks eagerly."""
+    device: str | None = None
+    """``cuda``, ``cpu``, ``auto``."""
+    data_dir: Path | None = None
+    """Where the tokenised corpus is cached."""
+    peak_tflops: float | None = None
+    """Peak TFLOP/s of one device, for MFU."""
+
+    def __post_init__(self) -> None:
+        for flag in ("progress", "compile"):
+            if getattr(self, flag) and getattr(self, f"no_{flag}"):
+                raise ValueError(f"--{flag} and --no-{flag} contradict each other")
+
+    def overrides(self) -> dict:
+        """The fields to change, as keyword arguments of :func:`lapse.train.resume`."""
+        out = {name: getattr(self, name) for name in RESUME_FIELDS if name not in ("progress", "compile")}
+        for flag in ("progress", "compile"):
+            if getattr(self, flag) or getattr(self, f"no_{flag}"):
+                out[flag] = getattr(self, flag)
+        return {k: v for k, v in out.items() if v is not None}
 
 
 def preset_cpu_small() -> TrainConfig:

@@ -1,7 +1,8 @@
 """What a run leaves to look at: JSONL metrics, a loss plot and a Markdown report.
 
 ``metrics.jsonl`` holds one JSON object per line with a ``kind``: ``train`` (step, tokens,
-loss averaged over the logging interval, lr, gradient norm, tokens/s, MFU), ``val``
+loss averaged over the logging interval and ``averaged_steps``, how many steps that is:
+fewer than ``log_every`` right after a stop or a resume; lr, gradient norm, tokens/s, MFU), ``val``
 (validation loss) and ``acp`` (pruned fraction per layer and head). Lines are appended and
 flushed as they come; on resume the file is cut back to the checkpoint's step so the curve
 continues without duplicates.

@@ -5,6 +5,7 @@ checkpoint (the loss curve continues exactly: batches are a pure function of the
 the learning rate a pure function of the step, and the optimizer state is restored).
 Both end in :func:`_run`, which works the same in one process and under ``torchrun``:
 
+    _hold_run_dir   one writer per run folder (a lock), leftovers of dead writers removed
     _setup          the run folder, the data, the model and optimizer, the saved state
     _train          until the last step or a stop: one optimizer step, then whatever
                     falls due after it (log, ACP statistics, validation, checkpoint)
@@ -13,7 +14,8 @@ Both end in :func:`_run`, which works the same in one process and under ``torchr
 
 Ctrl-C (SIGINT) or SIGTERM stops the run after the current step with a checkpoint, the
 plot and the report; a second Ctrl-C stops at once, and the last complete checkpoint
-stays valid (see :mod:`.checkpoint`).
+stays valid (see :mod:`.checkpoint`). A resume starts from the newest intact checkpoint:
+a damaged newer one is named, set aside (``checkpoint-<step>.damaged``) and skipped.
 """
 
 from __future__ import annotations
@@ -23,7 +25,8 @@ import math
 import os
 import signal
 import time
-from contextlib import contextmanager
+import warnings
+from contextlib import ExitStack, contextmanager
 from dataclasses import asdict, dataclass, replace
 from datetime import datetime
 from pathlib import Path
@@ -37,15 +40,18 @@ from lapse.files import write_json_atomic
 from lapse.models import Decoder, flops_per_token, optimizer_groups, param_count
 from lapse.models.checkpoint import (
     CONFIG_FILE,
+    CheckpointError,
+    checkpoint_folders,
     corpus_config_from_json,
-    latest_checkpoint,
+    latest_intact_checkpoint,
     model_config_from_json,
+    read_run,
 )
 from lapse.models.mfu import peak_tflops
 from lapse.ops.forgetting import set_value_checks
 
-from .checkpoint import load_checkpoint, save_checkpoint
-from .config import TrainConfig
+from .checkpoint import load_checkpoint, remove_stale_temporaries, save_checkpoint, set_aside
+from .config import RESUME_FIELDS, TrainConfig
 from .data import prepare_data, with_run_tokenizer
 from .distributed import (
     World,
@@ -57,6 +63,7 @@ from .distributed import (
     parallelize,
     unwrap,
 )
+from .lock import RunInUse, run_lock
 from .metrics import MetricsLog, plot_losses, write_report
 
 
@@ -76,31 +83,20 @@ def train(cfg: TrainConfig) -> dict:
     return _run(cfg, resuming=False)
 
 
-def resume(
-    run_dir: str | Path,
-    *,
-    steps: int | None = None,
-    time_limit_minutes: float | None = None,
-    stop_at_step: int | None = None,
-    progress: bool | None = None,
-) -> dict:
-    """Continue the run in ``run_dir`` from its last checkpoint with its saved config;
-    ``steps`` raises (or keeps) the total number of steps."""
+def resume(run_dir: str | Path, **overrides) -> dict:
+    """Continue the run in ``run_dir`` from its newest intact checkpoint with its saved
+    config. ``overrides``: run-time fields of :class:`TrainConfig` for this session
+    (:data:`~lapse.train.config.RESUME_FIELDS`; ``None`` keeps the saved value); a new
+    ``steps`` total is saved with the run, so a later plain resume keeps it."""
+    unknown = sorted(set(overrides) - set(RESUME_FIELDS))
+    if unknown:
+        raise ValueError(f"resume cannot change {unknown}; it takes {', '.join(RESUME_FIELDS)}")
     run_dir = Path(run_dir)
-    if latest_checkpoint(run_dir) is None:
-        raise ValueError(f"{run_dir} holds no checkpoint to resume from (no checkpoint.json)")
-    saved = json.loads((run_dir / CONFIG_FILE).read_text())
-    cfg = config_from_json(saved)
-    if steps is not None and steps != cfg.steps:
-        # the new total is part of the run from now on: a later plain resume keeps it
-        saved["steps"] = steps
-        write_json_atomic(run_dir / CONFIG_FILE, saved)
-    overrides = {"run_dir": run_dir, "time_limit_minutes": time_limit_minutes, "stop_at_step": stop_at_step}
-    if steps is not None:
-        overrides["steps"] = steps
-    if progress is not None:
-        overrides["progress"] = progress
-    return _run(replace(cfg, **overrides), resuming=True)
+    cfg = config_from_json(read_run(run_dir).config)
+    # a stop or a time limit belongs to the session that set it, not to the run
+    session = {"run_dir": run_dir, "time_limit_minutes": None, "stop_at_step": None}
+    session.update({k: v for k, v in overrides.items() if v is not None})
+    return _run(replace(cfg, **session), resuming=True)
 
 
 def print_outcome(summary: dict) -> None:
@@ -237,7 +233,7 @@ class _Run:
     run_dir: Path
     data: PreparedData
     sampler: WindowSampler
-    val_sampler: WindowSampler
+    val_sampler: WindowSampler | None  # None: the corpus has no validation split
     micro: int  # rows per forward and backward on this rank
     model: Decoder
     wrapped: torch.nn.Module  # the model as the loop calls it (FSDP2 / DDP / itself)
@@ -265,33 +261,70 @@ class _Run:
 def _run(cfg: TrainConfig, *, resuming: bool) -> dict:
     world = init_world(cfg.device)
     try:
-        run = _setup(cfg, world, resuming)
-        # The handlers stay installed until the final checkpoint is written, and again for
-        # the report: a SIGTERM then must not kill the process half way.
-        stop = _StopFlag()
-        with _signals(stop):
-            status = _train(run, stop)
-            _end_session(run)
-        summary = _summary(run, status)
-        if world.main:
+        run_dir = cfg.run_dir if resuming else _new_run_dir(cfg, world)
+        with _hold_run_dir(run_dir, world):
+            run = _setup(replace(cfg, run_dir=run_dir), world, resuming)
+            # The handlers stay installed until the final checkpoint is written, and again
+            # for the report: a SIGTERM then must not kill the process half way.
+            stop = _StopFlag()
             with _signals(stop):
-                plot_losses(run.run_dir)
-                write_report(run.run_dir, summary)
+                status = _train(run, stop)
+                _end_session(run)
+            summary = _summary(run, status)
+            if world.main:
+                with _signals(stop):
+                    plot_losses(run.run_dir)
+                    write_report(run.run_dir, summary)
         return summary
     finally:
         close_world(world)
 
 
+@contextmanager
+def _hold_run_dir(run_dir: Path, world: World):
+    """Hold the run folder's lock (rank 0, for all ranks) and remove what dead writers left;
+    every rank fails alike when another process holds it."""
+    with ExitStack() as stack:
+        error = None
+        if world.main:
+            try:
+                run_dir.mkdir(parents=True, exist_ok=True)
+            except OSError as e:
+                error = FileNotFoundError(f"cannot create the run folder {run_dir}: {e.strerror}")
+            else:
+                try:
+                    stack.enter_context(run_lock(run_dir))
+                except RunInUse as e:
+                    error = e
+        if world.distributed:
+            message = [None if error is None else str(error)]
+            dist.broadcast_object_list(message, src=0)
+            if error is None and message[0] is not None:
+                error = RunInUse(message[0])
+        if error is not None:
+            raise error
+        if world.main:
+            for path in remove_stale_temporaries(run_dir):
+                print(f"removed {path.name}, left by an interrupted writer", flush=True)
+        yield
+
+
 def _setup(cfg: TrainConfig, world: World, resuming: bool) -> _Run:
     """The run folder, the data, the model and optimizer, and the progress so far."""
-    run_dir = cfg.run_dir if resuming else _new_run_dir(cfg, world)
-    cfg = replace(cfg, run_dir=run_dir)
-    if world.main:
-        run_dir.mkdir(parents=True, exist_ok=True)
-        if not resuming:
-            (run_dir / CONFIG_FILE).write_text(json.dumps(config_to_json(cfg), indent=2) + "\n")
+    run_dir = cfg.run_dir
     if resuming:
+        folder = _resume_point(run_dir, world)
+        if world.main:
+            _save_total_steps(run_dir, cfg.steps)
         cfg = with_run_tokenizer(cfg, run_dir / "tokenizer")
+    else:
+        if checkpoint_folders(run_dir):
+            raise ValueError(
+                f"{run_dir} already holds a run with a checkpoint; continue it with "
+                f"`lapse resume {run_dir}` or choose another run_dir"
+            )
+        if world.main:
+            write_json_atomic(run_dir / CONFIG_FILE, config_to_json(cfg))
     show = cfg.progress and world.main
     data = prepare_data(cfg, rank=world.rank, progress=show)
     if world.main and not resuming:
@@ -302,7 +335,7 @@ def _setup(cfg: TrainConfig, world: World, resuming: bool) -> _Run:
     # Progress so far: a resumed run continues from its checkpoint's step.
     state = {"step": 0, "tokens": 0, "elapsed_s": 0.0}
     if resuming:
-        state = load_checkpoint(latest_checkpoint(run_dir), wrapped, optimizer)
+        state = load_checkpoint(folder, wrapped, optimizer)
     start = state["step"]
     log = MetricsLog(run_dir, enabled=world.main, resume_step=start if resuming else None)
     if resuming and world.main:
@@ -325,7 +358,9 @@ def _setup(cfg: TrainConfig, world: World, resuming: bool) -> _Run:
         ),
         val_sampler=WindowSampler(
             shards=data.validation, seq_len=cfg.context, batch_size=cfg.batch_size, seed=cfg.seed + 1
-        ),
+        )
+        if data.validation is not None
+        else None,
         micro=micro,
         model=model,
         wrapped=wrapped,
@@ -393,13 +428,39 @@ def _new_run_dir(cfg: TrainConfig, world: World) -> Path:
     ]
     if world.distributed:  # one name for all ranks (their clocks may straddle a second)
         dist.broadcast_object_list(name, src=0)
-    run_dir = Path(name[0])
-    if latest_checkpoint(run_dir) is not None:
-        raise ValueError(
-            f"{run_dir} already holds a run with a checkpoint; continue it with "
-            f"`lapse resume {run_dir}` or choose another run_dir"
-        )
-    return run_dir
+    return Path(name[0])
+
+
+def _resume_point(run_dir: Path, world: World) -> Path:
+    """The newest intact checkpoint (rank 0 decides for all); newer damaged ones are named
+    and set aside, never read again."""
+    found: list = [None, None]  # the folder's name, or the error every rank raises
+    if world.main:
+        folder, damaged = latest_intact_checkpoint(run_dir)
+        if folder is None and damaged:
+            found[1] = CheckpointError(f"no intact checkpoint in {run_dir}: " + "; ".join(map(str, damaged)))
+        elif folder is None:
+            found[1] = ValueError(f"{run_dir} holds no checkpoint to resume from")
+        else:
+            # latest_intact_checkpoint went newest first: the damaged ones are the newest folders
+            for error, bad in zip(damaged, checkpoint_folders(run_dir), strict=False):
+                aside = set_aside(bad)
+                aside_note = f"{bad.name} set aside as {aside.name}"
+                warnings.warn(f"{error}; resuming from {folder.name} ({aside_note})", stacklevel=2)
+            found[0] = folder.name
+    if world.distributed:
+        dist.broadcast_object_list(found, src=0)
+    if found[1] is not None:
+        raise found[1]
+    return run_dir / found[0]
+
+
+def _save_total_steps(run_dir: Path, steps: int) -> None:
+    """A new total of steps is part of the run from now on: a later plain resume keeps it."""
+    saved = json.loads((run_dir / CONFIG_FILE).read_text())
+    if saved["steps"] != steps:
+        saved["steps"] = steps
+        write_json_atomic(run_dir / CONFIG_FILE, saved)
 
 
 def _train(run: _Run, stop: _StopFlag) -> str:
@@ -415,10 +476,10 @@ def _train(run: _Run, stop: _StopFlag) -> str:
             _log_train(run)
         if collect:
             _log_acp(run)
-        if cfg.val_every and (step % cfg.val_every == 0 or step == cfg.steps):
+        if run.val_sampler is not None and cfg.val_every and (step % cfg.val_every == 0 or step == cfg.steps):
             with run.interval.paused():
                 _validate(run)
-        if cfg.checkpoint_every and step % cfg.checkpoint_every == 0:
+        if (cfg.checkpoint_every and step % cfg.checkpoint_every == 0) or step in cfg.pin_steps:
             _log_train(run)  # the checkpoint's elapsed time and the metrics end at the same step
             with run.interval.paused():
                 _checkpoint(run)
@@ -447,7 +508,8 @@ def _optimizer_step(run: _Run, collect_acp_stats: bool) -> None:
 
 
 def _log_train(run: _Run) -> None:
-    """A ``train`` record: the loss averaged over the steps since the last one, throughput."""
+    """A ``train`` record: the loss averaged over the steps since the last record of this
+    session (``averaged_steps``: fewer than ``log_every`` after a stop or a resume), throughput."""
     interval = run.interval
     if interval.steps == 0:
         return
@@ -465,6 +527,7 @@ def _log_train(run: _Run) -> None:
             "step": run.step,
             "tokens": run.state["tokens"],
             "loss": loss,
+            "averaged_steps": interval.steps,
             "lr": interval.lr,
             "grad_norm": float(grad_norm),
             "tokens_per_s": tok_s,
@@ -514,7 +577,10 @@ def _validate(run: _Run) -> None:
 
 
 def _checkpoint(run: _Run) -> None:
-    save_checkpoint(run.run_dir, run.wrapped, run.optimizer, dict(run.state), run.world)
+    save_checkpoint(
+        run.run_dir, run.wrapped, run.optimizer, dict(run.state), run.world,
+        keep=run.cfg.keep_checkpoints, pinned_steps=run.cfg.pin_steps,
+    )
     run.last_saved = run.step
 
 
