@@ -1,7 +1,10 @@
-"""The `lapse` command, run in-process."""
+"""The `lapse` command, run in-process (and once as a command line)."""
 
 import json
+import os
 import shlex
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -89,3 +92,66 @@ def test_bench_attention_smoke_gpu(tmp_path):
             "ms" in row[m] or "error" in row[m] for m in ("fwd", "fwd+bwd")
         ), name
     assert (tmp_path / "results.md").read_text().startswith("# lapse bench attention")
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["train", "cpu-tiny", "--steps", "0"], "error: steps must be a positive integer, got 0"),
+        (["train", "cpu-tiny", "--batch-size", "0"], "error: batch_size must be a positive integer, got 0"),
+        (["train", "cpu-tiny", "--lr", "nan"], "error: lr must be a positive number, got nan"),
+        (
+            ["train", "cpu-tiny", "--corpus.kind", "text", "--corpus.paths", "/nonexistent/book.txt"],
+            "error: corpus path '/nonexistent/book.txt' does not exist (corpus.kind='text')",
+        ),
+        (
+            ["train", "cpu-tiny", "--run-dir", "/proc/nonexistent/run"],
+            "error: cannot create the run folder /proc/nonexistent/run: No such file or directory",
+        ),
+        (
+            ["resume", "/nonexistent/run"],
+            "error: /nonexistent/run is not a training run folder (no config.json)",
+        ),
+        (["export", "/nonexistent/run", "/tmp/out"], "error: model path does not exist: /nonexistent/run"),
+    ],
+    ids=["steps", "batch-size", "lr", "corpus-path", "run-dir", "resume", "export"],
+)
+def test_user_errors_are_one_line_and_exit_2(args, message, capsys, monkeypatch):
+    monkeypatch.delenv("LAPSE_DEBUG", raising=False)
+    with pytest.raises(SystemExit) as e:
+        main(args)
+    assert e.value.code == 2
+    captured = capsys.readouterr()
+    assert captured.err.splitlines() == [message]
+
+
+def test_debug_shows_the_traceback(monkeypatch):
+    monkeypatch.delenv("LAPSE_DEBUG", raising=False)
+    with pytest.raises(ValueError, match="steps must be a positive integer"):
+        main(["train", "cpu-tiny", "--steps", "0", "--debug"])
+    monkeypatch.setenv("LAPSE_DEBUG", "1")
+    with pytest.raises(ValueError, match="steps must be a positive integer"):
+        main(["train", "cpu-tiny", "--steps", "0"])
+
+
+def test_an_error_from_inside_a_library_keeps_its_traceback(monkeypatch):
+    """The same exception types raised deep in a library (not by a lapse check) are bugs."""
+    import lapse.train.trainer as trainer
+
+    def broken(*args, **kwargs):
+        return json.loads("{")  # json raises ValueError from its own code
+
+    monkeypatch.delenv("LAPSE_DEBUG", raising=False)
+    monkeypatch.setattr(trainer, "_run", broken)
+    with pytest.raises(json.JSONDecodeError):
+        main(["train", "cpu-tiny", "--steps", "1"])
+
+
+def test_the_command_line_prints_one_line(tmp_path):
+    env = {k: v for k, v in os.environ.items() if k != "LAPSE_DEBUG"}
+    done = subprocess.run(
+        [sys.executable, "-m", "lapse.cli", "train", "cpu-tiny", "--steps", "0"],
+        capture_output=True, text=True, env=env, cwd=tmp_path, timeout=120,
+    )
+    assert done.returncode == 2 and done.stdout == ""
+    assert done.stderr == "error: steps must be a positive integer, got 0\n"

@@ -13,7 +13,12 @@ Wiring only: each command runs a typed config of the package that does the work.
 
 from __future__ import annotations
 
+import os
+import sys
+import traceback
+import warnings
 from collections.abc import Callable, Sequence
+from pathlib import Path
 from typing import Annotated
 
 import tyro
@@ -29,6 +34,7 @@ from lapse.eval.loss import PerTokenLossConfig, PplConfig
 from lapse.eval.niah import NiahConfig
 from lapse.eval.report import ReportConfig
 from lapse.train.config import TRAIN_PRESETS, ResumeConfig, TrainConfig
+from lapse.train.lock import RunInUse
 
 
 def _finish_training(summary: dict) -> None:
@@ -154,12 +160,53 @@ def _app() -> SubcommandApp:
 
 
 def main(argv: Sequence[str] | None = None) -> None:
-    """Entry point of the ``lapse`` command (``argv`` defaults to ``sys.argv[1:]``)."""
-    _app().cli(
-        prog="lapse",
-        description="lapse: attention that forgets (FoX, ACP) in PyTorch + Triton.",
-        args=argv,
-    )
+    """Entry point of the ``lapse`` command (``argv`` defaults to ``sys.argv[1:]``).
+
+    A user error (a bad value, a missing file, a damaged checkpoint, a run folder in use)
+    prints one line, ``error: ...``, and exits with status 2; ``--debug`` (anywhere on the
+    line) or ``LAPSE_DEBUG=1`` shows the traceback instead.
+    """
+    args = list(sys.argv[1:] if argv is None else argv)
+    debug = "--debug" in args or os.environ.get("LAPSE_DEBUG", "") not in ("", "0")
+    args = [a for a in args if a != "--debug"]
+    with warnings.catch_warnings():
+        warnings.showwarning = _show_warning
+        try:
+            _app().cli(
+                prog="lapse",
+                description="lapse: attention that forgets (FoX, ACP) in PyTorch + Triton. "
+                "--debug (or LAPSE_DEBUG=1): tracebacks for errors.",
+                args=args,
+            )
+        except USER_ERRORS as e:
+            if debug or not _raised_by_lapse(e):
+                raise
+            print(f"error: {_one_line(e)}", file=sys.stderr)
+            raise SystemExit(2) from None
+
+
+USER_ERRORS = (ValueError, TypeError, FileNotFoundError, NotADirectoryError, PermissionError, RunInUse)
+"""What a user's input can cause; raised by lapse's own checks they are one line, not a traceback."""
+
+
+def _raised_by_lapse(e: BaseException) -> bool:
+    """Whether the error comes from lapse's code (a check, a file it opened), not from deep
+    inside a library, where the same types mean a bug whose traceback matters."""
+    frames = traceback.extract_tb(e.__traceback__)
+    return bool(frames) and Path(frames[-1].filename).resolve().is_relative_to(_PACKAGE)
+
+
+_PACKAGE = Path(__file__).resolve().parent
+
+
+def _one_line(e: BaseException) -> str:
+    if isinstance(e, OSError) and e.filename is not None and e.strerror:
+        return f"{e.strerror}: {e.filename}"
+    return " ".join(str(e).split()) or type(e).__name__
+
+
+def _show_warning(message, category, filename, lineno, file=None, line=None) -> None:
+    print(f"warning: {message}", file=sys.stderr if file is None else file)
 
 
 if __name__ == "__main__":
