@@ -28,6 +28,7 @@ from .common import (
 )
 from .decode import forgetting_attention_cached, forgetting_attention_decode
 from .naive import naive_forgetting_attention
+from .paged import forgetting_attention_paged_decode
 
 __all__ = [
     "ACP_BLOCK",
@@ -37,6 +38,7 @@ __all__ = [
     "forgetting_attention",
     "forgetting_attention_cached",
     "forgetting_attention_decode",
+    "forgetting_attention_paged_decode",
     "naive_forgetting_attention",
     "set_value_checks",
 ]
