@@ -3,6 +3,7 @@
 lapse train PRESET [--field value ...]   train a model (presets: lapse.train.TRAIN_PRESETS)
 lapse resume RUN_DIR [--steps N]         continue a run from its last checkpoint
 lapse export RUN_DIR OUT_DIR             a trained model as a Hugging Face folder
+lapse generate RUN --prompt TEXT         text under an eviction policy (--policy dense|window|acp|h2o|a2sf)
 lapse eval per-token-loss|ppl|niah|acp|lm-eval   evaluations (JSON, PNG, Markdown)
 lapse report RUN [RUN ...]               one Markdown page: runs and their evaluations
 lapse bench attention                    time forgetting attention against its peers (CUDA)
@@ -33,6 +34,7 @@ from lapse.eval.lm_eval_config import LmEvalConfig
 from lapse.eval.loss import PerTokenLossConfig, PplConfig
 from lapse.eval.niah import NiahConfig
 from lapse.eval.report import ReportConfig
+from lapse.generation.command import GenerateConfig
 from lapse.train.config import TRAIN_PRESETS, ResumeConfig, TrainConfig
 from lapse.train.lock import RunInUse
 
@@ -140,6 +142,14 @@ def _app() -> SubcommandApp:
 
     app.command(bench, name="bench", help="Benchmarks (CUDA).")
     app.command(evals, name="eval", help="Evaluations; each writes results.json, PNG plots and summary.md.")
+
+    @app.command(name="generate")
+    def generate(cfg: Annotated[GenerateConfig, tyro.conf.arg(name="")]) -> None:
+        """Generate text from a trained run under an eviction policy (dense, window, acp,
+        h2o, a2sf); ends with tokens/s and the KV bytes held against a dense cache."""
+        from lapse.generation.command import run_generate
+
+        run_generate(cfg)
 
     @app.command(name="export")
     def export(args: Annotated[ExportConfig, tyro.conf.arg(name="")]) -> None:

@@ -11,6 +11,11 @@ the same GPU:
 - ``lapse``: :func:`lapse.generation.decode_one_token`, eager;
 - ``lapse-compile``: :func:`lapse.generation.compiled_decode_one_token` (``torch.compile``
   with ``mode="reduce-overhead"``, ``fullgraph=True``: one CUDA graph per step);
+- ``paged-<policy>`` (``--policies``): the compiled step over a
+  :class:`~lapse.kv.PagedStore` under an eviction policy, the evictions (every
+  ``--every`` steps, outside the step) inside the timed region; ``kv-<policy>``: the
+  share of a dense cache's KV bytes the store holds at the end (whole pages, the next
+  steps' pages included);
 - ``hf-llama-compile``: ``transformers``' ``LlamaForCausalLM`` of the same sizes (the
   LLaMA block: SwiGLU of the same width, RoPE, SDPA) with a ``StaticCache`` and its decode
   step compiled the same way, the recipe of the transformers documentation: what a user
@@ -37,7 +42,7 @@ from typing import Literal
 import torch
 
 from lapse.files import write_text_atomic
-from lapse.generation import compiled_decode_one_token, decode_one_token, prefill
+from lapse.generation import POLICIES, compiled_decode_one_token, decode_one_token, evict, paged_store_for, prefill
 from lapse.kv import DenseStore
 from lapse.models import Decoder, param_count, preset
 
@@ -58,6 +63,15 @@ class DecodeBenchConfig:
     """``BxT``: batch and prompt length."""
     providers: tuple[str, ...] = PROVIDERS
     """Any of ``lapse``, ``lapse-compile``, ``hf-llama-compile``."""
+    policies: tuple[str, ...] = ()
+    """Eviction policies timed over the paged store, compiled (``dense``, ``window``,
+    ``acp``, ``h2o``, ``a2sf`` with their defaults below), beside the dense store."""
+    budget: float = 0.2
+    """h2o / a2sf budget (share of the prompt)."""
+    window: int = 1024
+    """window policy: recent positions kept (4 sinks)."""
+    every: int = 16
+    """Evict every this many steps (timed: eviction is part of the cost)."""
     steps: int = 32
     """Timed decode steps per measurement."""
     warmup: int = 4
@@ -78,6 +92,9 @@ class DecodeBenchConfig:
         unknown = sorted(set(self.providers) - set(PROVIDERS))
         if unknown:
             raise ValueError(f"unknown providers {unknown}; valid: {PROVIDERS}")
+        unknown = sorted(set(self.policies) - set(POLICIES))
+        if unknown:
+            raise ValueError(f"unknown policies {unknown}; valid: {tuple(POLICIES)}")
         for w in self.workloads:
             parts = w.split("x")
             if len(parts) != 2 or not all(p.isdigit() and int(p) > 0 for p in parts):
@@ -111,6 +128,38 @@ def time_lapse(model: Decoder, batch: int, prompt: int, cfg: DecodeBenchConfig, 
     token = prefill(model, ids, store).argmax(-1, keepdim=True)
     fn = compiled_decode_one_token() if compile else decode_one_token
     return _timed_steps(lambda tok: fn(model, tok, store), token, cfg, device)
+
+
+def _policy(name: str, cfg: DecodeBenchConfig):
+    kwargs = {"every": cfg.every}
+    if name in ("h2o", "a2sf"):
+        kwargs.update(budget=cfg.budget)
+    if name == "window":
+        kwargs.update(window=cfg.window)
+    return POLICIES[name](**({} if name == "dense" else kwargs))
+
+
+@torch.no_grad()
+def time_paged(model: Decoder, batch: int, prompt: int, cfg: DecodeBenchConfig, name: str) -> tuple[float, float]:
+    """ms per compiled decode step over the paged store under policy ``name`` (evictions
+    included), and the share of a dense cache's KV bytes it holds at the end."""
+    device = next(model.parameters()).device
+    policy = _policy(name, cfg)
+    ids = torch.randint(0, model.config.vocab_size, (batch, prompt), device=device)
+    store = paged_store_for(model, batch, prompt, cfg.warmup + cfg.steps + 1, policy)
+    token = prefill(model, ids, store).argmax(-1, keepdim=True)
+    fn = compiled_decode_one_token()
+    count = [0]
+
+    def step(tok: torch.Tensor) -> torch.Tensor:
+        if count[0] % policy.every == 0:
+            evict(model, store, policy)
+            store.reserve(min(policy.every, cfg.warmup + cfg.steps - count[0]))
+        count[0] += 1
+        return fn(model, tok, store)
+
+    ms = _timed_steps(step, token, cfg, device)
+    return ms, store.bytes_held() / store.bytes_if_dense()
 
 
 @torch.no_grad()
@@ -188,6 +237,12 @@ def run(cfg: DecodeBenchConfig) -> dict:
                 if provider in cfg.providers:
                     row[provider] = time_lapse(model, batch, prompt, cfg, compile=provider == "lapse-compile")
                     print(f"{workload} {arch} {provider}: {row[provider]:.3f} ms/step", flush=True)
+            for policy in cfg.policies:
+                if policy == "acp" and model_cfg.attention != "forgetting":
+                    continue
+                ms, share = time_paged(model, batch, prompt, cfg, policy)
+                row[f"paged-{policy}"], row[f"kv-{policy}"] = ms, share
+                print(f"{workload} {arch} paged {policy}: {ms:.3f} ms/step, KV {100 * share:.1f}% of dense", flush=True)
             if bandwidth is not None:
                 row["limit"] = bandwidth_limit_ms(model_cfg, batch, prompt + cfg.warmup + cfg.steps / 2,
                                                   torch.finfo(dtype).bits // 8, bandwidth)
@@ -216,7 +271,8 @@ def run(cfg: DecodeBenchConfig) -> dict:
 def markdown_table(results: dict) -> str:
     """ms per decode step, one row per (workload, arch), providers as columns."""
     env = results["env"]
-    cols = [p for p in PROVIDERS if any(p in r for r in results["rows"])] + ["limit"]
+    extra = [k for r in results["rows"] for k in r if k.startswith(("paged-", "kv-"))]
+    cols = [p for p in PROVIDERS if any(p in r for r in results["rows"])] + list(dict.fromkeys(extra)) + ["limit"]
     lines = [
         f"Decode step, {env['preset']} shapes, {env['dtype']}, random init, {env['device']}, torch {env['torch']}, "
         f"commit {env['commit']}, {env['date']}: ms per step (wall time of {env['steps']} greedy steps after "

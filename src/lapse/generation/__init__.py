@@ -4,6 +4,10 @@ The decoding state is a :mod:`lapse.kv` store (``DenseStore``); ``Decoder.forwar
 cache=store)`` appends to it. The Hugging Face adapter is :mod:`lapse.hf`.
 """
 
-from .generate import compiled_decode_one_token, decode_one_token, generate, prefill, sample
+from .generate import compiled_decode_one_token, decode_one_token, evict, generate, paged_store_for, prefill, sample
+from .policies import A2SF, H2O, POLICIES, ACPBoundary, Dense, Policy, SinkWindow
 
-__all__ = ["compiled_decode_one_token", "decode_one_token", "generate", "prefill", "sample"]
+__all__ = [
+    "A2SF", "H2O", "POLICIES", "ACPBoundary", "Dense", "Policy", "SinkWindow", "compiled_decode_one_token",
+    "decode_one_token", "evict", "generate", "paged_store_for", "prefill", "sample",
+]

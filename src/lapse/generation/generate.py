@@ -19,8 +19,10 @@ from collections.abc import Callable
 import torch
 from torch import Tensor
 
-from lapse.kv import DenseStore, KVCache
+from lapse.kv import DenseStore, KVCache, PagedStore
 from lapse.models import Decoder
+
+from .policies import Policy
 
 
 @torch.no_grad()
@@ -50,6 +52,31 @@ def compiled_decode_one_token(
     store's buffers must not be reallocated between steps (give the store its capacity).
     ``backend="aot_eager"`` checks the trace without code generation (tests on CPU)."""
     return torch.compile(decode_one_token, mode=mode, backend=backend, fullgraph=True)
+
+
+def paged_store_for(model: Decoder, batch: int, prompt_len: int, max_new_tokens: int, policy: Policy,
+                    page_size: int = 16) -> PagedStore:
+    """A paged store for ``policy``: room for the prompt, and a pool and table no larger
+    than the policy's bound (plus the steps between evictions) once the prompt is cut."""
+    policy.check(model)
+    total = prompt_len + max_new_tokens
+    bound = policy.max_tokens(prompt_len)
+    per_head = total if bound is None else min(total, max(prompt_len, bound + policy.every))
+    heads = model.config.kv_heads
+    pages = batch * heads * -(-per_head // page_size)
+    return PagedStore(model.config.n_layers, max_context=total, max_tokens=per_head, pages=pages,
+                      page_size=page_size, score_decay=policy.score_decay)
+
+
+@torch.no_grad()
+def evict(model: Decoder, store: PagedStore, policy: Policy) -> None:
+    """Applies ``policy`` to every layer of ``store`` (outside any compiled step)."""
+    for i, block in enumerate(model.blocks):
+        snap = store.snapshot(i)
+        bound = block.attn.logit_bound()
+        if bound is not None:
+            snap.bound = bound.view(model.config.kv_heads, -1)  # [K, G]
+        store.evict(i, policy.keep(snap))
 
 
 def sample(
@@ -88,6 +115,8 @@ def generate(
     cache: KVCache | None = None,
     return_logits: bool = False,
     compile: bool = False,
+    policy: Policy | None = None,
+    on_token: Callable[[Tensor], None] | None = None,
 ) -> Tensor | tuple[Tensor, Tensor]:
     """Continues every prompt by ``max_new_tokens`` tokens (no stop token: all run to the end).
 
@@ -102,6 +131,12 @@ def generate(
         return_logits: also return the logits each new token was drawn from.
         compile: decode with :func:`compiled_decode_one_token` (CUDA graphs on a GPU;
             the first call compiles, which takes a while).
+        policy: an eviction policy (:mod:`lapse.generation.policies`): the tokens go into a
+            :class:`~lapse.kv.PagedStore` (:func:`paged_store_for`, unless ``cache`` is
+            one), the prompt is cut to the policy's budget after the prefill, and the
+            policy runs again every ``policy.every`` steps, outside the decode step.
+        on_token: called with each new token ``[B, 1]`` as it is drawn (streaming; reading
+            it on the host waits for the device each step).
 
     Returns:
         ``[B, T + N]`` the prompts followed by the new tokens, and with ``return_logits``
@@ -113,8 +148,12 @@ def generate(
         raise ValueError(f"temperature must be >= 0, got {temperature!r}")
     if top_k is not None and (not isinstance(top_k, int) or top_k < 1):
         raise ValueError(f"top_k must be a positive integer or None, got {top_k!r}")
-    if cache is None:
+    if cache is None and policy is not None:
+        cache = paged_store_for(model, input_ids.shape[0], input_ids.shape[1], max_new_tokens, policy)
+    elif cache is None:
         cache = DenseStore(model.config.n_layers, capacity=input_ids.shape[1] + max_new_tokens)
+    elif policy is not None:
+        policy.check(model)
     step = compiled_decode_one_token() if compile else decode_one_token
     logits = prefill(model, input_ids, cache)  # [B, V]
     if compile and cache.capacity < cache.length + max_new_tokens - 1:
@@ -124,12 +163,19 @@ def generate(
         )
     steps = [logits]
     tokens = [sample(logits, temperature, top_k, generator)]  # [B, 1] each
-    for _ in range(max_new_tokens - 1):
+    if on_token is not None:
+        on_token(tokens[-1])
+    for i in range(max_new_tokens - 1):
+        if policy is not None and i % policy.every == 0:
+            evict(model, cache, policy)  # the prompt's cut first, then every `every` steps
+            cache.reserve(min(policy.every, max_new_tokens - 1 - i))  # pages for the next steps
         logits = step(model, tokens[-1], cache)
         if compile and return_logits:
             logits = logits.clone()  # the next CUDA-graph replay overwrites it
         steps.append(logits)
         tokens.append(sample(logits, temperature, top_k, generator))
+        if on_token is not None:
+            on_token(tokens[-1])
     out = torch.cat([input_ids, *tokens], dim=1)  # [B, T + N]
     if not return_logits:
         return out

@@ -3,10 +3,16 @@
 Below ``layers/`` and above ``ops/``: layers call a :class:`KVCache` (``append``,
 ``view``, ``state``), models call ``begin`` and ``advance`` once per forward, and nothing
 above imports a concrete store except whoever makes one (``generation/``, ``hf/``, a user).
+:class:`DenseStore` keeps every token in buffers allocated once; :class:`PagedStore` keeps
+pages per (sequence, kv head) from a shared pool, so eviction policies free real memory.
 """
 
 from .dense import DenseStore
+from .paged import LayerSnapshot, PagedStore, PagedView
 from .extras import GateState, LayerState, ShiftState, static_zeros
 from .protocol import KVCache, KVView
 
-__all__ = ["DenseStore", "GateState", "KVCache", "KVView", "LayerState", "ShiftState", "static_zeros"]
+__all__ = [
+    "DenseStore", "GateState", "KVCache", "KVView", "LayerSnapshot", "LayerState", "PagedStore", "PagedView",
+    "ShiftState", "static_zeros",
+]

@@ -18,7 +18,7 @@ import math
 import torch
 from torch import Tensor, nn
 
-from lapse.kv import KVCache, ShiftState
+from lapse.kv import KVCache, PagedView, ShiftState
 
 from .norm import RMSNorm
 from .shift import KVShift
@@ -111,6 +111,34 @@ class Attention(nn.Module):
         k_prev.copy_(key[:, -1:])
         v_prev.copy_(val[:, -1:])
         return shifted
+
+    def _paged_decode(self, q: Tensor, view: PagedView, cache: KVCache, backend: str,
+                      c_query: Tensor | None = None) -> Tensor:
+        """One new token per sequence over a paged store (its key already appended):
+        ``[B, 1, H, D]``; records the step's attention per slot where the store tracks scores."""
+        from lapse.ops.forgetting import forgetting_attention_paged_decode
+
+        if q.shape[1] != 1:
+            raise ValueError(
+                f"a paged store takes a prefill, then one token per step; got {q.shape[1]} tokens after a prefix"
+            )
+        out = forgetting_attention_paged_decode(
+            q[:, 0], view.k, view.v, view.page_table, view.lengths,
+            c_pages=view.extras.get("c"), c_query=c_query, scale=self.scale,
+            return_key_probs=view.tracks_scores, check_values=False, backend=backend,
+        )
+        if not view.tracks_scores:
+            return out[:, None]
+        o, probs = out
+        cache.record_scores(self.layer_idx, probs)  # [B, K, W]
+        return o[:, None]  # [B, 1, H, D]
+
+    def _record_prefill_scores(self, q: Tensor, k: Tensor, cache: KVCache, log_fgate: Tensor | None = None) -> None:
+        """The prompt's accumulated attention per key (H2O, A2SF), without an L x L matrix."""
+        from lapse.ops import attention_key_scores
+
+        scores = attention_key_scores(q, k, log_fgate=log_fgate, scale=self.scale, alpha=cache.score_decay)
+        cache.record_prefill_scores(self.layer_idx, scores)  # [B, T, K]
 
     @torch.no_grad()
     def logit_bound(self) -> Tensor | None:

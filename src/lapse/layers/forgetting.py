@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from lapse.kv import GateState, KVCache
+from lapse.kv import GateState, KVCache, PagedView
 from lapse.ops.forgetting import cumulative_log_gates, forgetting_attention, forgetting_attention_cached
 
 from .attention import Attention
@@ -22,7 +22,9 @@ class ForgettingAttention(Attention):
     With a cache: each token's cumulative log gate ``c_j`` (float64) is kept beside its
     key; the first call (prefill) runs the full-sequence op (ACP included), later calls
     :func:`lapse.ops.forgetting.forgetting_attention_cached` (one token: the split-K
-    decode kernel on CUDA). Decoding is dense: ACP prunes only in the full-sequence op.
+    decode kernel on CUDA), or over a paged store
+    :func:`lapse.ops.forgetting.forgetting_attention_paged_decode`. ACP prunes only in the
+    full-sequence op; at decoding time the ``ACPBoundary`` eviction policy carries it on.
 
     Args: those of :class:`~lapse.layers.Attention`, and
         acp: prune with ACP (SPEC section 3), tolerance ``acp_eps``. The bound ``U`` is
@@ -52,10 +54,15 @@ class ForgettingAttention(Attention):
         c = cumulative_log_gates(log_fgate, initial=c_last, dtype=torch.float64)  # [B, T, H]
         c_last.copy_(c[:, -1])
         cache.append(self.layer_idx, k, v, c=c)
-        if first:
-            return self._full(q, k, v, log_fgate)
         view = cache.view(self.layer_idx)
+        paged = isinstance(view, PagedView)
+        if first:
+            if paged and view.tracks_scores:
+                self._record_prefill_scores(q, k, cache, log_fgate)
+            return self._full(q, k, v, log_fgate)
         backend = "torch" if self.backend == "naive" else self.backend
+        if paged:
+            return self._paged_decode(q, view, cache, backend, c_query=c[:, -1])
         return forgetting_attention_cached(
             q, view.k, view.v, view.extras["c"], view.seqlens,
             scale=self.scale, backend=backend, check_values=False,

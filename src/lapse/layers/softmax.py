@@ -6,7 +6,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from lapse.kv import KVCache
+from lapse.kv import KVCache, PagedView
 
 from .attention import Attention
 from .rotary import RotaryEmbedding
@@ -17,7 +17,8 @@ class SoftmaxAttention(Attention):
 
     With a cache: the first call (prefill) runs causal SDPA on its own tokens; later calls
     attend over the held keys with a mask ``key position <= query position`` (one token:
-    over the whole buffer, a fixed shape for compiled decoding).
+    over the whole buffer, a fixed shape for compiled decoding), or over a paged store with
+    the paged decode op (no bias).
 
     Args: those of :class:`~lapse.layers.Attention`, and ``rope_base`` (theta).
     """
@@ -38,9 +39,13 @@ class SoftmaxAttention(Attention):
             return self._sdpa(q, k, v, None)
         first = t > 1 and cache.length == 0  # prefill: its own tokens, causal
         cache.append(self.layer_idx, k, v)
-        if first:
-            return self._sdpa(q, k, v, None)
         view = cache.view(self.layer_idx)
+        if first:
+            if isinstance(view, PagedView) and view.tracks_scores:
+                self._record_prefill_scores(q, k, cache)
+            return self._sdpa(q, k, v, None)
+        if isinstance(view, PagedView):
+            return self._paged_decode(q, view, cache, "auto")
         keys, values = view.k, view.v  # [B, S, K, D]
         if t > 1:  # a chunk after a prefix (eager): only the held slots
             n = cache.length + t

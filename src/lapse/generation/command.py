@@ -1,0 +1,191 @@
+"""``lapse generate``: text from a trained run under an eviction policy.
+
+One prompt (``--prompt``, streamed to the terminal as it is generated) or a JSONL file of
+prompts (``--prompts-file``, one ``{"prompt": ...}`` per line, written back with a
+``"completion"`` each), greedy or sampled, with any policy of
+:mod:`lapse.generation.policies` and its fields. It ends with one line: tokens/s and the KV
+bytes the paged store held against what a dense cache would hold.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Literal
+
+import torch
+import tyro
+
+from lapse.data import load_tokenizer
+from lapse.files import write_text_atomic
+from lapse.kv import PagedStore
+from lapse.models import Decoder
+from lapse.models.checkpoint import CHECKPOINT_NAME, CONFIG_FILE, latest_checkpoint, load_weights, read_run
+
+from .generate import generate, paged_store_for
+from .policies import A2SF, H2O, ACPBoundary, Dense, Policy, SinkWindow
+
+
+@dataclass(kw_only=True)
+class GenerateConfig:
+    """Generate text from a trained run (or one of its checkpoints) under an eviction policy."""
+
+    model: tyro.conf.Positional[Path]
+    """A run folder (its newest intact checkpoint) or one of its checkpoint folders."""
+    prompt: str | None = None
+    """One prompt; the text streams to the terminal."""
+    prompts_file: Path | None = None
+    """JSONL, one ``{"prompt": "..."}`` per line; completions go to ``out``."""
+    out: Path | None = None
+    """Where ``--prompts-file`` completions go (default: ``<prompts_file>.out.jsonl``)."""
+    max_new_tokens: int = 128
+    """Tokens to generate per prompt (stops early at the tokenizer's end of text)."""
+    max_context: int | None = None
+    """Longest prompt + generation; default: the model's training context."""
+    temperature: float = 0.0
+    """0: greedy; otherwise sample from softmax(logits / temperature)."""
+    top_k: int | None = None
+    """Sample from the k most likely tokens only."""
+    seed: int = 0
+    """Seed of the sampling."""
+    policy: Literal["dense", "window", "acp", "h2o", "a2sf"] = "dense"
+    """Eviction policy: keep everything; sinks + window; ACP boundary (FoX Pro); H2O; A2SF."""
+    budget: float = 0.2
+    """h2o / a2sf: tokens kept per head, a share of the prompt if <= 1, else a count."""
+    recent: int = 32
+    """h2o / a2sf: recent positions always kept."""
+    alpha: float = 0.9
+    """a2sf: forgetting factor of the accumulated scores."""
+    sinks: int = 4
+    """window / h2o / a2sf: first positions always kept (attention sinks)."""
+    window: int = 1024
+    """window: recent positions kept."""
+    eps: float = math.exp(-10)
+    """acp: attention mass a row may lose to eviction."""
+    every: int = 16
+    """Evict every this many steps (outside the decode step)."""
+    device: str = "auto"
+    """``auto``: CUDA when available."""
+    compile: bool = False
+    """Compile the decode step (CUDA graphs on a GPU)."""
+
+    def __post_init__(self) -> None:
+        if (self.prompt is None) == (self.prompts_file is None):
+            raise ValueError("give exactly one of --prompt and --prompts-file")
+        if self.prompt is not None and not self.prompt:
+            raise ValueError("--prompt is empty: give some text to continue")
+        if self.prompts_file is not None and not self.prompts_file.is_file():
+            raise FileNotFoundError(f"--prompts-file {self.prompts_file} does not exist")
+        if self.max_new_tokens < 1:
+            raise ValueError(f"--max-new-tokens must be at least 1, got {self.max_new_tokens}")
+
+    def make_policy(self) -> Policy:
+        budget = int(self.budget) if self.budget > 1 else float(self.budget)
+        return {
+            "dense": lambda: Dense(),
+            "window": lambda: SinkWindow(sinks=self.sinks, window=self.window, every=self.every),
+            "acp": lambda: ACPBoundary(eps=self.eps, every=self.every),
+            "h2o": lambda: H2O(budget=budget, recent=self.recent, sinks=self.sinks, every=self.every),
+            "a2sf": lambda: A2SF(budget=budget, recent=self.recent, alpha=self.alpha, sinks=self.sinks,
+                                 every=self.every),
+        }[self.policy]()
+
+
+def load_run_model(path: Path, device: torch.device) -> tuple[Decoder, object]:
+    """The model and tokenizer of a run folder or one of its checkpoint folders."""
+    if not path.exists():
+        raise FileNotFoundError(f"no such run or checkpoint folder: {path}")
+    if CHECKPOINT_NAME.fullmatch(path.name) and (path.parent / CONFIG_FILE).exists():
+        run_dir, folder = path.parent, path
+    else:
+        run_dir, folder = path, latest_checkpoint(path)
+        if folder is None:
+            raise ValueError(f"{path} holds no checkpoint yet")
+    model = Decoder(read_run(run_dir).model)
+    load_weights(folder, model)
+    return model.to(device).eval(), load_tokenizer(run_dir / "tokenizer")
+
+
+def run_generate(cfg: GenerateConfig) -> dict:
+    """Generates for every prompt, prints (or writes) the text, then the summary line;
+    returns the summary."""
+    device = torch.device("cuda" if cfg.device == "auto" and torch.cuda.is_available() else
+                          "cpu" if cfg.device == "auto" else cfg.device)
+    model, tokenizer = load_run_model(cfg.model, device)
+    policy = cfg.make_policy()
+    policy.check(model)
+    limit = cfg.max_context or model.config.max_seq_len
+    if cfg.prompt is not None:
+        prompts = [cfg.prompt]
+    else:
+        lines = [line for line in cfg.prompts_file.read_text().splitlines() if line.strip()]
+        prompts = [json.loads(line)["prompt"] for line in lines]
+    generator = torch.Generator(device=device).manual_seed(cfg.seed)
+    completions, tokens, seconds, held, dense = [], 0, 0.0, 0, 0
+    for prompt in prompts:
+        ids = tokenizer.encode(prompt)
+        if not ids:
+            raise ValueError(f"a prompt encodes to no tokens: {prompt!r}")
+        if len(ids) + cfg.max_new_tokens > limit:
+            raise ValueError(
+                f"the prompt ({len(ids)} tokens) + max_new_tokens ({cfg.max_new_tokens}) exceed max_context "
+                f"({limit}, the model's training context by default): shorten them or pass --max-context"
+            )
+        store = paged_store_for(model, 1, len(ids), cfg.max_new_tokens, policy)
+        stream = _Stream(tokenizer, tokenizer.eos_id, echo=cfg.prompt is not None)
+        start = time.perf_counter()
+        out = generate(model, torch.tensor([ids], device=device), cfg.max_new_tokens, temperature=cfg.temperature,
+                       top_k=cfg.top_k, generator=generator, cache=store, policy=policy, compile=cfg.compile,
+                       on_token=stream)
+        seconds += time.perf_counter() - start
+        new = out[0, len(ids):].tolist()
+        new = new[: new.index(tokenizer.eos_id)] if tokenizer.eos_id in new else new
+        tokens += len(new)
+        held, dense = held + _final_bytes(store)[0], dense + _final_bytes(store)[1]
+        completions.append(tokenizer.decode(new))
+        if cfg.prompt is not None:
+            print(flush=True)
+    if cfg.prompts_file is not None:
+        out_path = cfg.out or cfg.prompts_file.with_suffix(".out.jsonl")
+        rows = [json.dumps({"prompt": p, "completion": c}) for p, c in zip(prompts, completions, strict=True)]
+        write_text_atomic(out_path, "\n".join(rows) + "\n")
+        print(f"{len(rows)} completions written to {out_path}")
+    summary = {"tokens": tokens, "seconds": seconds, "tokens_per_s": tokens / max(seconds, 1e-9),
+               "kv_bytes": held, "kv_bytes_dense": dense, "kv_share": held / max(dense, 1), "policy": repr(policy)}
+    print(f"{tokens} tokens in {seconds:.2f} s: {summary['tokens_per_s']:.1f} tokens/s; KV held "
+          f"{held / 2**20:.2f} MiB, {100 * summary['kv_share']:.1f}% of a dense cache ({cfg.policy})")
+    return summary
+
+
+def _final_bytes(store: PagedStore) -> tuple[int, int]:
+    return store.bytes_held(), store.bytes_if_dense()
+
+
+class _Stream:
+    """Prints the new text as tokens arrive (one prompt), holding back bytes that do not
+    decode yet; stops printing at the end of text."""
+
+    def __init__(self, tokenizer, eos_id: int, echo: bool):
+        self.tokenizer, self.eos_id, self.echo = tokenizer, eos_id, echo
+        self.ids: list[int] = []
+        self.shown = 0
+        self.done = False
+
+    def __call__(self, token: torch.Tensor) -> None:
+        if not self.echo or self.done:
+            return
+        t = int(token[0, 0])
+        if t == self.eos_id:
+            self.done = True
+            return
+        self.ids.append(t)
+        text = self.tokenizer.decode(self.ids)
+        if text.endswith("\ufffd"):  # an unfinished UTF-8 sequence: wait for its next byte
+            return
+        sys.stdout.write(text[self.shown:])
+        sys.stdout.flush()
+        self.shown = len(text)

@@ -1,0 +1,34 @@
+"""``SinkWindow``: attention sinks plus a recent window (StreamingLLM)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from torch import Tensor
+
+from lapse.kv import LayerSnapshot
+
+from .base import Policy, recent_or_sink
+
+
+@dataclass(frozen=True, kw_only=True)
+class SinkWindow(Policy):
+    """Keeps the first ``sinks`` positions and the last ``window`` of each sequence."""
+
+    sinks: int = 4
+    """Positions at the start always kept (the attention sinks)."""
+    window: int = 1024
+    """The most recent positions kept (the new token included)."""
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if not isinstance(self.window, int) or self.window < 1:
+            raise ValueError(f"window must be a positive integer, got {self.window!r}")
+        if not isinstance(self.sinks, int) or self.sinks < 0:
+            raise ValueError(f"sinks must be a non-negative integer, got {self.sinks!r}")
+
+    def max_tokens(self, prompt_len: int) -> int:
+        return self.sinks + self.window
+
+    def keep(self, snap: LayerSnapshot) -> Tensor:
+        return recent_or_sink(snap, self.window, self.sinks)

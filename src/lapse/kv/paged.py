@@ -1,0 +1,381 @@
+"""The paged KV store: memory that follows the kept tokens, per sequence and per kv head.
+
+Per layer, a pool of pages of ``page_size`` slots shared by every sequence and key/value
+head, and a page table per (sequence, kv head) with its length (vLLM's PagedAttention,
+made per head: every head keeps a different number of tokens under eviction). The kept
+tokens of a (sequence, head) sit in logical order: logical slot ``i`` is page
+``page_table[b, h, i // page_size]`` at offset ``i % page_size``. Each slot carries, beside
+``k`` and ``v``, the token's absolute position, the per-slot extras a method appends
+(FoX's ``c`` for each query head of the group, float64), and an accumulated attention
+score when a policy asks for one (H2O, A2SF).
+
+What happens where:
+
+- inside a (compiled) step: :meth:`PagedStore.append` writes the new tokens into slots
+  that :meth:`PagedStore.reserve` gave pages to beforehand, and attention reads the pages
+  through the table (``lapse.ops.forgetting.forgetting_attention_paged_decode``); tensor
+  ops only, on buffers allocated once, so a step can be captured in a CUDA graph;
+- outside it (every few steps): :meth:`PagedStore.reserve` takes pages from the free list
+  for the next steps, :meth:`PagedStore.snapshot` shows a policy what each head holds, and
+  :meth:`PagedStore.evict` keeps what the policy says, packs the kept tokens to the front
+  and returns the freed pages to the pool, where any sequence can reuse them.
+
+Legend: B batch, H key/value heads, G query heads per kv head, D head dim, P pages,
+S page size, W table width (slots per head), T new tokens.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from .extras import static_zeros
+from .protocol import S as StateType
+
+
+@dataclass(eq=False)
+class PagedView:
+    """What attention reads of one layer of a :class:`PagedStore` after its append.
+
+    Attributes:
+        k, v: ``[P, S, D]`` the pools.
+        page_table: ``[B, H, W // S]`` int32 pages of each (sequence, kv head) in order.
+        lengths: ``[B, H]`` int32 tokens held per head, the new ones included.
+        extras: per-slot pools by name (``"c"``: ``[P, S, G]``), ``"pos"`` ``[P, S]`` int32.
+        seqlens: ``[B]`` int32 tokens of each sequence so far, the new ones included.
+        tracks_scores: the store accumulates attention scores (record them).
+    """
+
+    k: Tensor
+    v: Tensor
+    page_table: Tensor
+    lengths: Tensor
+    extras: dict[str, Tensor]
+    seqlens: Tensor
+    tracks_scores: bool
+
+
+@dataclass(eq=False)
+class LayerSnapshot:
+    """What one layer holds, per (sequence, kv head), in logical order, for a policy.
+
+    Attributes:
+        layer_idx: the layer.
+        valid: ``[B, H, W]`` bool, slots below the head's length.
+        positions: ``[B, H, W]`` int64 absolute positions (-1 where not valid).
+        scores: ``[B, H, W]`` float32 accumulated attention (zeros when not tracked).
+        c: ``[B, H, W, G]`` float64 FoX cumulative log gates, or ``None``.
+        c_now: ``[B, H, G]`` float64 the ``c`` of each sequence's last token, or ``None``.
+        seqlens: ``[B]`` int64 tokens of each sequence so far.
+        prompt_len: tokens of the prompt (for budgets given as a fraction of it).
+        max_context: the largest position the store holds (ACP's ``L``).
+        bound: ``[H, G]`` float32 ``U >= max |scale q.k|`` per query head, or ``None``
+            (the generation loop fills it in from the layer).
+    """
+
+    layer_idx: int
+    valid: Tensor
+    positions: Tensor
+    scores: Tensor
+    c: Tensor | None
+    c_now: Tensor | None
+    seqlens: Tensor
+    prompt_len: int
+    max_context: int
+    bound: Tensor | None = None
+
+
+class PagedStore:
+    """A :class:`~lapse.kv.KVCache` whose memory follows the kept tokens (module doc).
+
+    Args:
+        n_layers: attention layers it serves.
+        max_context: the largest position it will hold (RoPE tables, ACP's ``L``).
+        max_tokens: most tokens one (sequence, head) holds at once (the table width);
+            default ``max_context``. A policy with a budget needs only budget + the steps
+            between evictions.
+        pages: pages in each layer's pool; default enough for every head to hold
+            ``max_tokens`` (no saving in memory: give fewer for a budget).
+        page_size: slots per page.
+        score_decay: track accumulated attention scores, decayed by this factor per
+            query (A2SF's alpha; 1 is H2O); ``None``: no scores.
+    """
+
+    def __init__(self, n_layers: int, *, max_context: int, max_tokens: int | None = None,
+                 pages: int | None = None, page_size: int = 16, score_decay: float | None = None):
+        for name, value in (("n_layers", n_layers), ("max_context", max_context), ("page_size", page_size)):
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        if page_size & (page_size - 1) or page_size < 16:
+            raise ValueError(f"page_size must be a power of two >= 16, got {page_size}")
+        max_tokens = max_context if max_tokens is None else max_tokens
+        if not isinstance(max_tokens, int) or not 1 <= max_tokens <= max_context:
+            raise ValueError(f"max_tokens must be an integer in [1, max_context = {max_context}], got {max_tokens!r}")
+        if pages is not None and (not isinstance(pages, int) or pages < 1):
+            raise ValueError(f"pages must be a positive integer or None, got {pages!r}")
+        if score_decay is not None and not 0 <= score_decay <= 1:
+            raise ValueError(f"score_decay must be in [0, 1] or None, got {score_decay!r}")
+        self.n_layers, self.capacity, self.page_size = n_layers, max_context, page_size
+        self.width = page_size * math.ceil(max_tokens / page_size)
+        self.pages, self.score_decay = pages, score_decay
+        self.prompt_len = 0
+        self.seqlens: Tensor | None = None
+        self.k: list[Tensor | None] = [None] * n_layers
+        self.v: list[Tensor | None] = [None] * n_layers
+        self.extras: list[dict[str, Tensor]] = [{} for _ in range(n_layers)]
+        self.page_table: list[Tensor | None] = [None] * n_layers  # [B, H, W/S] int32
+        self.lengths: list[Tensor | None] = [None] * n_layers  # [B, H] int32
+        self.states: list[dict[str, object]] = [{} for _ in range(n_layers)]
+        self._free: list[list[int]] = [[] for _ in range(n_layers)]  # host free lists
+        self._owned: list[list[list[list[int]]]] = [[] for _ in range(n_layers)]  # [B][H] page ids, in order
+        self._length: int | None = 0
+        self._t = 0
+        self._positions: Tensor | None = None
+        self._after: Tensor | None = None
+
+    # -- the KVCache protocol ------------------------------------------------------------
+
+    @property
+    def batch_size(self) -> int | None:
+        return None if self.seqlens is None else self.seqlens.shape[0]
+
+    @property
+    def length(self) -> int:
+        """Tokens of each sequence so far (positions, not tokens held)."""
+        if self._length is None:
+            self._length = 0 if self.seqlens is None else int(self.seqlens.max())
+        return self._length
+
+    def begin(self, batch_size: int, t: int, device: torch.device) -> Tensor:
+        if not torch.compiler.is_compiling():
+            if self.seqlens is None:
+                self.seqlens = static_zeros(batch_size, dtype=torch.int32, device=device)
+            elif batch_size != self.seqlens.shape[0]:
+                raise ValueError(
+                    f"the cache holds {self.seqlens.shape[0]} sequences but input_ids has {batch_size}: "
+                    "use a fresh cache for a new batch"
+                )
+            if self.length + t > self.capacity:
+                raise ValueError(
+                    f"{self.length} + {t} tokens exceed the store's max_context = {self.capacity}"
+                )
+            if self.length == 0:
+                self.prompt_len = t
+            self.reserve(t)
+        self._t = t
+        self._positions = self.seqlens[:, None].long() + torch.arange(t, device=device)  # [B, T]
+        self._after = self.seqlens + t
+        return self._positions
+
+    def append(self, layer_idx: int, k: Tensor, v: Tensor, **extras: Tensor) -> None:
+        if self.k[layer_idx] is None:
+            self._allocate(layer_idx, k, v, extras)
+        b, t, h, _ = k.shape
+        s = self.page_size
+        lengths = self.lengths[layer_idx]  # [B, H]
+        slots = lengths[:, :, None].long() + torch.arange(t, device=k.device)  # [B, H, T]
+        pages = self.page_table[layer_idx].long().gather(2, slots // s)  # [B, H, T]
+        offsets = slots % s  # [B, H, T]
+        self.k[layer_idx][pages, offsets] = k.transpose(1, 2)  # [B, H, T, D]
+        self.v[layer_idx][pages, offsets] = v.transpose(1, 2)
+        pools = self.extras[layer_idx]
+        for name, value in extras.items():
+            per_head = value.view(b, t, h, -1).transpose(1, 2)  # [B, H, T, G]: query heads by group
+            pools[name][pages, offsets] = per_head
+        pools["pos"][pages, offsets] = self._positions[:, None, :].expand(b, h, t).to(torch.int32)
+        if "score" in pools:
+            pools["score"][pages, offsets] = 0.0
+        lengths.add_(t)
+
+    def view(self, layer_idx: int) -> PagedView:
+        extras = self.extras[layer_idx]
+        return PagedView(self.k[layer_idx], self.v[layer_idx], self.page_table[layer_idx],
+                         self.lengths[layer_idx], extras, self._after, "score" in extras)
+
+    def state(self, layer_idx: int, kind: type[StateType]) -> StateType:
+        states = self.states[layer_idx]
+        name = kind.__name__
+        if name not in states:
+            states[name] = kind()
+        return states[name]
+
+    def advance(self) -> None:
+        self.seqlens.add_(self._t)
+        if torch.compiler.is_compiling():
+            self._length = None
+        elif self._length is not None:
+            self._length += self._t
+
+    def reorder(self, index: Tensor) -> None:
+        raise NotImplementedError("PagedStore does not reorder its batch (beam search needs a DenseStore)")
+
+    # -- scores (H2O, A2SF) ----------------------------------------------------------------
+
+    def record_scores(self, layer_idx: int, probs: Tensor) -> None:
+        """Adds one step's attention ``[B, H, W]`` (per logical slot, summed over the group)
+        to the accumulated scores, after decaying them: ``A = decay * A + a``."""
+        pages, offsets, valid = self._slots(layer_idx)
+        score = self.extras[layer_idx]["score"]
+        new = self.score_decay * score[pages, offsets] + probs[..., : self.width]  # [B, H, W]
+        score[pages, offsets] = torch.where(valid, new, score[pages, offsets])
+
+    def record_prefill_scores(self, layer_idx: int, scores: Tensor) -> None:
+        """Sets the prompt's accumulated scores ``[B, T, H]`` (from
+        ``lapse.ops.attention_key_scores``) of the tokens just appended, in order."""
+        b, t, h = scores.shape
+        s = self.page_size
+        lengths = self.lengths[layer_idx]
+        slots = (lengths[:, :, None].long() - t) + torch.arange(t, device=scores.device)  # [B, H, T]
+        pages = self.page_table[layer_idx].long().gather(2, slots // s)
+        self.extras[layer_idx]["score"][pages, slots % s] = scores.transpose(1, 2).float()
+
+    # -- outside the step: pages and eviction ----------------------------------------------
+
+    def reserve(self, t: int) -> None:
+        """Gives every (sequence, head) of every allocated layer pages for ``t`` more tokens
+        (reads the lengths back once). Raises when the pool or the table is full."""
+        for i in range(self.n_layers):
+            if self.lengths[i] is None:
+                continue
+            needed = (self.lengths[i].long() + t + self.page_size - 1) // self.page_size  # [B, H]
+            self._grant(i, needed.tolist())
+
+    def snapshot(self, layer_idx: int) -> LayerSnapshot:
+        """What the layer holds, gathered into logical order per head (for a policy)."""
+        pages, offsets, valid = self._slots(layer_idx)
+        pools = self.extras[layer_idx]
+        positions = torch.where(valid, pools["pos"][pages, offsets].long(), -1)
+        scores = pools["score"][pages, offsets] if "score" in pools else torch.zeros(valid.shape, device=valid.device)
+        c = pools["c"][pages, offsets] if "c" in pools else None  # [B, H, W, G]
+        c_now = None
+        gate = self.states[layer_idx].get("GateState")
+        if gate is not None and gate.c_last is not None:
+            b, h = valid.shape[:2]
+            c_now = gate.c_last.view(b, h, -1)  # [B, H, G]
+        return LayerSnapshot(layer_idx, valid, positions, scores, c, c_now, self.seqlens.long(), self.prompt_len,
+                             self.capacity)
+
+    def evict(self, layer_idx: int, keep: Tensor) -> None:
+        """Keeps the slots where ``keep`` ``[B, H, W]`` is True (and valid), packs them to the
+        front of their head in order, and returns the pages no longer needed to the pool."""
+        pages, offsets, valid = self._slots(layer_idx)
+        keep = keep & valid
+        new_len = keep.sum(-1).to(torch.int32)  # [B, H]
+        order = torch.argsort((~keep).to(torch.int8), dim=-1, stable=True)  # kept slots first, in order
+        src_p, src_o = pages.gather(2, order), offsets.gather(2, order)
+        dst = torch.arange(self.width, device=keep.device) < new_len[..., None].long()  # [B, H, W]
+        pools = [self.k[layer_idx], self.v[layer_idx], *self.extras[layer_idx].values()]
+        for pool in pools:
+            moved = pool[src_p, src_o]  # [B, H, W, ...] read all before writing
+            pool[pages[dst], offsets[dst]] = moved[dst]
+        self.lengths[layer_idx].copy_(new_len)
+        kept_pages = ((new_len.long() + self.page_size - 1) // self.page_size).tolist()
+        self._release(layer_idx, kept_pages)
+
+    def bytes_held(self) -> int:
+        """Bytes of the pages in use (keys, values and every per-slot pool)."""
+        total = 0
+        for i in range(self.n_layers):
+            if self.k[i] is None:
+                continue
+            used = sum(len(p) for row in self._owned[i] for p in row)
+            per_page = sum(pool[0].numel() * pool.element_size()
+                           for pool in (self.k[i], self.v[i], *self.extras[i].values()))
+            total += used * per_page
+        return total
+
+    def bytes_if_dense(self) -> int:
+        """Bytes the same pools would hold keeping every token of every sequence (no
+        eviction, no partly filled pages): what :meth:`bytes_held` is compared with."""
+        total = 0
+        for i in range(self.n_layers):
+            if self.k[i] is None:
+                continue
+            b, h = self.lengths[i].shape
+            per_slot = sum(pool[0, 0].numel() * pool.element_size()
+                           for pool in (self.k[i], self.v[i], *self.extras[i].values()))
+            total += per_slot * h * int(self.seqlens.sum())
+        return total
+
+    def tokens_held(self) -> int:
+        """Tokens held, summed over layers, sequences and heads."""
+        return sum(int(x.sum()) for x in self.lengths if x is not None)
+
+    # -- internals -----------------------------------------------------------------------
+
+    def _slots(self, layer_idx: int) -> tuple[Tensor, Tensor, Tensor]:
+        """Page and offset of every logical slot ``[B, H, W]`` (page 0 where unallocated),
+        and whether the slot is below the head's length."""
+        s = self.page_size
+        slots = torch.arange(self.width, device=self.lengths[layer_idx].device)  # [W]
+        table = self.page_table[layer_idx].long().clamp_min(0)  # [B, H, W/S]
+        pages = table[:, :, slots // s]  # [B, H, W]
+        valid = slots < self.lengths[layer_idx][..., None].long()
+        return pages, (slots % s).expand_as(pages), valid
+
+    def _allocate(self, layer_idx: int, k: Tensor, v: Tensor, extras: dict[str, Tensor]) -> None:
+        b, _, h, d = k.shape
+        s, table = self.page_size, self.width // self.page_size
+        n = self.pages if self.pages is not None else b * h * table
+        dev = k.device
+        self.k[layer_idx] = static_zeros(n, s, d, dtype=k.dtype, device=dev)
+        self.v[layer_idx] = static_zeros(n, s, v.shape[-1], dtype=v.dtype, device=dev)
+        pools = {name: static_zeros(n, s, x.shape[-1] // h, dtype=x.dtype, device=dev) for name, x in extras.items()}
+        pools["pos"] = static_zeros(n, s, dtype=torch.int32, device=dev)
+        if self.score_decay is not None:
+            pools["score"] = static_zeros(n, s, dtype=torch.float32, device=dev)
+        self.extras[layer_idx] = pools
+        self.page_table[layer_idx] = static_zeros(b, h, table, dtype=torch.int32, device=dev).fill_(-1)
+        self.lengths[layer_idx] = static_zeros(b, h, dtype=torch.int32, device=dev)
+        self._free[layer_idx] = list(range(n - 1, -1, -1))
+        self._owned[layer_idx] = [[[] for _ in range(h)] for _ in range(b)]
+        self._grant(layer_idx, [[-(-self._t // s)] * h for _ in range(b)])
+
+    def _grant(self, layer_idx: int, needed: list[list[int]]) -> None:
+        """Pages from the free list until (b, h) owns ``needed[b][h]`` pages."""
+        table_width = self.width // self.page_size
+        free, owned = self._free[layer_idx], self._owned[layer_idx]
+        updates = []
+        for b, row in enumerate(needed):
+            for h, n in enumerate(row):
+                mine = owned[b][h]
+                if n > table_width:
+                    raise ValueError(
+                        f"layer {layer_idx}, sequence {b}, head {h} would hold more than max_tokens = {self.width} "
+                        "tokens: evict more often or build the store with a larger max_tokens"
+                    )
+                while len(mine) < n:
+                    if not free:
+                        raise RuntimeError(
+                            f"the page pool of layer {layer_idx} is full ({self.k[layer_idx].shape[0]} pages of "
+                            f"{self.page_size}): give the store more pages or the policy a smaller budget"
+                        )
+                    mine.append(free.pop())
+                    updates.append((b, h, len(mine) - 1, mine[-1]))
+        if updates:
+            idx = torch.tensor(updates, dtype=torch.long)
+            table = self.page_table[layer_idx]
+            table[idx[:, 0].to(table.device), idx[:, 1].to(table.device), idx[:, 2].to(table.device)] = (
+                idx[:, 3].to(device=table.device, dtype=torch.int32)
+            )
+
+    def _release(self, layer_idx: int, kept: list[list[int]]) -> None:
+        """Returns the pages of (b, h) past its first ``kept[b][h]`` to the free list."""
+        table = self.page_table[layer_idx]
+        cleared = []
+        for b, row in enumerate(kept):
+            for h, n in enumerate(row):
+                mine = self._owned[layer_idx][b][h]
+                while len(mine) > n:
+                    self._free[layer_idx].append(mine.pop())
+                    cleared.append((b, h, len(mine)))
+        if cleared:
+            idx = torch.tensor(cleared, dtype=torch.long).to(table.device)
+            table[idx[:, 0], idx[:, 1], idx[:, 2]] = -1
+
+    def __repr__(self) -> str:
+        return (f"PagedStore(layers={self.n_layers}, length={self.length}, page_size={self.page_size}, "
+                f"width={self.width}, bytes_held={self.bytes_held()})")

@@ -1,0 +1,78 @@
+"""The paged store on its own: writes through the page table, compaction on eviction,
+pages returned to the pool and reused by another sequence, clear errors when full."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from lapse.kv import KVCache, PagedStore
+
+
+def _fill(store: PagedStore, b: int, t: int, start: int) -> None:
+    """Appends t tokens to layer 0 whose every key entry is its position (h and b encoded too)."""
+    store.begin(b, t, torch.device("cpu"))
+    pos = torch.arange(start, start + t, dtype=torch.float32)
+    k = pos[None, :, None, None] + 1000 * torch.arange(2.0)[None, None, :, None] + 10000 * torch.arange(b * 1.0)[:, None, None, None]
+    k = k.expand(b, t, 2, 4).clone()
+    c = -pos[None, :, None].expand(b, t, 4).double()  # [B, T, HQ = 4]: G = 2 per kv head
+    store.append(0, k, -k, c=c)
+    store.advance()
+
+
+def _held(store: PagedStore) -> torch.Tensor:
+    snap = store.snapshot(0)
+    return snap.positions, snap.valid
+
+
+def test_paged_store_writes_through_the_table_and_compacts_on_eviction():
+    store = PagedStore(1, max_context=200, page_size=16)
+    assert isinstance(store, KVCache)
+    _fill(store, 2, 40, 0)
+    _fill(store, 2, 1, 40)
+    view = store.view(0)
+    assert view.lengths.tolist() == [[41, 41], [41, 41]] and view.seqlens.tolist() == [41, 41]
+    positions, valid = _held(store)
+    assert torch.equal(positions[valid].view(2, 2, 41), torch.arange(41).expand(2, 2, 41))
+    keep = (positions % 3 == 0) & valid
+    keep[1, 1] = valid[1, 1] & (positions[1, 1] >= 30)  # heads keep different numbers of tokens
+    free_before = len(store._free[0])
+    store.evict(0, keep)
+    assert store.lengths[0].tolist() == [[14, 14], [14, 11]]
+    positions, valid = _held(store)
+    assert positions[0, 0, :14].tolist() == list(range(0, 41, 3))
+    assert positions[1, 1, :11].tolist() == list(range(30, 41))
+    # keys and FoX c moved with their positions
+    pages, offsets, _ = store._slots(0)
+    k = store.k[0][pages, offsets][..., 0]  # [B, H, W]
+    assert k[1, 1, :11].tolist() == [p + 1000 + 10000 for p in range(30, 41)]
+    c = store.extras[0]["c"][pages, offsets]  # [B, H, W, G]
+    assert c[0, 1, :14, 1].tolist() == [-float(p) for p in range(0, 41, 3)]
+    assert len(store._free[0]) == free_before + 2 * 2 * 2  # 3 pages per head before, 1 after
+    assert store.bytes_held() < store.bytes_if_dense()
+
+
+def test_freed_pages_are_reused_and_a_full_pool_says_so():
+    store = PagedStore(1, max_context=1000, max_tokens=64, pages=6, page_size=16)
+    _fill(store, 1, 48, 0)  # 2 heads x 3 pages: the whole pool
+    positions, valid = _held(store)
+    store.evict(0, valid & (positions >= 40))
+    assert len(store._free[0]) == 4
+    for start in range(48, 48 + 40):  # 40 more tokens in pages the eviction freed
+        _fill(store, 1, 1, start)
+    positions, valid = _held(store)
+    assert positions[0, 0, : int(store.lengths[0][0, 0])].tolist() == list(range(40, 88))
+    with pytest.raises(RuntimeError, match="page pool of layer 0 is full"):
+        _fill(store, 1, 16, 88)
+
+
+def test_store_errors():
+    with pytest.raises(ValueError, match="page_size must be a power of two"):
+        PagedStore(1, max_context=10, page_size=24)
+    with pytest.raises(ValueError, match="max_tokens must be an integer"):
+        PagedStore(1, max_context=10, max_tokens=20)
+    store = PagedStore(1, max_context=32, max_tokens=16)
+    with pytest.raises(ValueError, match="more than max_tokens = 16"):
+        _fill(store, 1, 20, 0)
+    with pytest.raises(ValueError, match="exceed the store's max_context"):
+        _fill(PagedStore(1, max_context=8), 1, 9, 0)
