@@ -1,5 +1,11 @@
 """Pure functions on tensors: the attention ops of lapse."""
 
 from .forgetting import AttentionStats, forgetting_attention, forgetting_attention_decode
+from .scores import attention_key_scores
 
-__all__ = ["AttentionStats", "forgetting_attention", "forgetting_attention_decode"]
+__all__ = [
+    "AttentionStats",
+    "attention_key_scores",
+    "forgetting_attention",
+    "forgetting_attention_decode",
+]
