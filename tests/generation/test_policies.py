@@ -1,0 +1,188 @@
+"""Generation with eviction: the paged store under each policy (CPU).
+
+What must hold (issue 12): a policy that keeps everything (``Dense``, or a budget never
+reached) gives exactly the dense cache's tokens and logits; eviction frees pages that are
+then reused, so the bytes held follow the budget, not the generated length; ``SinkWindow``
+keeps exactly its positions; ``ACPBoundary`` really evicts on gates that forget and moves
+the logits by no more than its bound allows; H2O/A2SF never exceed their budget and
+``A2SF(alpha=1)`` chooses what ``H2O`` chooses.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from lapse.generation import A2SF, H2O, ACPBoundary, Dense, SinkWindow, generate, paged_store_for, prefill
+from lapse.kv import LayerSnapshot, PagedStore
+from lapse.models import ARCHS, Decoder, preset
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+ATOL32 = 2e-5  # as tests/generation/test_generate.py: cached against uncached, float32
+
+
+def _model(arch: str, **overrides) -> Decoder:
+    torch.manual_seed(0)
+    return Decoder(preset("tiny", arch, init_std=0.1, n_kv_heads=2, **overrides)).eval()
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("policy", [Dense(), H2O(budget=64, recent=4), SinkWindow(sinks=2, window=64, every=4)],
+                         ids=["dense", "h2o-unreached", "window-unreached"])
+def test_policies_that_keep_everything_equal_the_dense_cache(arch, policy):
+    model = _model(arch)
+    ids = torch.randint(0, model.config.vocab_size, (2, 9), generator=torch.Generator().manual_seed(1))
+    out, logits = generate(model, ids, 16, return_logits=True)
+    got, got_logits = generate(model, ids, 16, return_logits=True, policy=policy)
+    assert torch.equal(got, out)
+    torch.testing.assert_close(got_logits, logits, atol=ATOL32, rtol=0)
+
+
+def test_sink_window_keeps_exactly_its_positions_and_reuses_pages():
+    model = _model("transformer-pro")
+    ids = torch.randint(0, model.config.vocab_size, (2, 40))
+    policy = SinkWindow(sinks=3, window=20, every=1)
+    store = paged_store_for(model, 2, 40, 60, policy)
+    generate(model, ids, 60, policy=policy, cache=store)
+    snap = store.snapshot(0)
+    held = snap.positions[snap.valid].view(2, 2, -1)  # [B, H, kept]
+    # 40 + 59 tokens appended; the last eviction ran at length 98 (window 78..97), then 98 came
+    expected = torch.cat([torch.arange(3), torch.arange(78, 99)])
+    assert torch.equal(held, expected.expand(2, 2, -1))
+    # the pool was sized for the prompt and never grew: pages freed by eviction came back
+    assert store.k[0].shape[0] == 2 * 2 * math.ceil(40 / 16)
+    assert store.bytes_held() < store.bytes_if_dense() / 3
+
+
+def test_bytes_held_follow_the_budget_not_the_length():
+    model = _model("fox-pro")
+    ids = torch.randint(0, model.config.vocab_size, (1, 32))
+    held = []
+    for new in (40, 120):
+        store = paged_store_for(model, 1, 32, new, H2O(budget=24, recent=8, every=1))
+        generate(model, ids, new, policy=H2O(budget=24, recent=8, every=1), cache=store)
+        assert int(store.lengths[0].max()) <= 24 + 1
+        held.append(store.bytes_held())
+    assert held[0] == held[1]
+
+
+def _snapshot(scores: torch.Tensor, seqlen: int, prompt_len: int = 16) -> LayerSnapshot:
+    b, h, w = scores.shape
+    positions = torch.arange(w).expand(b, h, w)
+    return LayerSnapshot(0, torch.ones(b, h, w, dtype=torch.bool), positions, scores, None, None,
+                         torch.full((b,), seqlen), prompt_len, 1024)
+
+
+def test_a2sf_keeps_recent_sinks_and_the_highest_scores_within_the_budget():
+    g = torch.Generator().manual_seed(0)
+    scores = torch.rand(2, 3, 16, generator=g)
+    snap = _snapshot(scores, 16)
+    keep = A2SF(budget=7, recent=3, sinks=1, alpha=0.5).keep(snap)
+    assert (keep.sum(-1) == 7).all()
+    assert keep[..., 13:].all() and keep[..., 0].all()
+    for b in range(2):
+        for h in range(3):
+            middle = scores[b, h, 1:13]
+            top = set((middle.argsort(descending=True)[:3] + 1).tolist())
+            assert set(keep[b, h].nonzero().flatten().tolist()) - {0, 13, 14, 15} == top
+    assert torch.equal(H2O(budget=7, recent=3, sinks=1).keep(snap), A2SF(budget=7, recent=3, sinks=1, alpha=1.0).keep(snap))
+    layer = A2SF(budget=7, recent=3, per="layer").keep(snap)
+    assert (layer == layer[:, :1]).all()  # one set for the whole layer
+    assert (A2SF(budget=0.25, recent=2).keep(_snapshot(scores, 16, prompt_len=16)).sum(-1) == 4).all()
+
+
+def test_a2sf_alpha_one_generates_what_h2o_generates():
+    model = _model("fox-llama")
+    ids = torch.randint(0, model.config.vocab_size, (2, 30))
+    a = generate(model, ids, 20, policy=H2O(budget=12, recent=4))
+    b = generate(model, ids, 20, policy=A2SF(budget=12, recent=4, alpha=1.0))
+    assert torch.equal(a, b)
+
+
+def test_acp_boundary_evicts_forgotten_keys_within_its_bound():
+    """Gates that forget fast (forget-gate bias -4: f ~ 0.02) make almost every key fall
+    below delta within a few tokens; the evicting run's logits stay within a small bound of
+    the dense run's and its heads hold few tokens."""
+    model = _model("fox-pro")
+    with torch.no_grad():
+        for block in model.blocks:
+            block.attn.fgate.bias.fill_(-4.0)
+    ids = torch.randint(0, model.config.vocab_size, (2, 64))
+    out, logits = generate(model, ids, 24, return_logits=True)
+    policy = ACPBoundary(every=1)
+    store = paged_store_for(model, 2, 64, 24, policy)
+    got, got_logits = generate(model, ids, 24, return_logits=True, policy=policy, cache=store)
+    assert torch.equal(got, out)
+    # each dropped weight is below eps / L of its row: the logits move by far less than eps here
+    assert (got_logits - logits).abs().max() < 1e-4
+    assert int(store.lengths[0].max()) < 64 and store.bytes_held() < store.bytes_if_dense()
+
+
+def test_policy_errors_are_one_clear_line():
+    with pytest.raises(ValueError, match="window must be a positive integer"):
+        SinkWindow(window=0)
+    with pytest.raises(ValueError, match="budget must be a positive number"):
+        H2O(budget=0)
+    with pytest.raises(ValueError, match="recent \\+ sinks"):
+        H2O(budget=4, recent=8)
+    with pytest.raises(ValueError, match="H2O is A2SF with alpha = 1"):
+        H2O(budget=8, recent=2, alpha=0.5)
+    with pytest.raises(ValueError, match="ACPBoundary needs forgetting attention with QK-norm"):
+        generate(_model("transformer-pro"), torch.zeros(1, 4, dtype=torch.long), 2, policy=ACPBoundary())
+    with pytest.raises(ValueError, match="no QK-norm"):
+        generate(_model("fox-llama"), torch.zeros(1, 4, dtype=torch.long), 2, policy=ACPBoundary())
+    with pytest.raises(ValueError, match="exceed the store's max_context"):
+        model = _model("fox-pro")
+        prefill(model, torch.zeros(1, 40, dtype=torch.long), PagedStore(2, max_context=32))
+
+
+@pytest.mark.parametrize("arch", ["fox-pro", "transformer-llama"])
+def test_compiled_step_over_the_paged_store_equals_eager(arch):
+    """The paged decode step traces whole (fullgraph); eviction and page grants run between
+    steps, outside it, and the compiled step keeps computing what the eager one does."""
+    from lapse.generation import compiled_decode_one_token, decode_one_token, evict
+
+    model = _model(arch)
+    ids = torch.randint(0, model.config.vocab_size, (2, 24))
+    policy = SinkWindow(sinks=2, window=12, every=4)
+    compiled = compiled_decode_one_token(mode=None, backend="aot_eager")
+    runs = []
+    for step in (decode_one_token, compiled):
+        store = paged_store_for(model, 2, 24, 16, policy)
+        token = prefill(model, ids, store).argmax(-1, keepdim=True)
+        out = []
+        for i in range(15):
+            if i % policy.every == 0:
+                evict(model, store, policy)
+                store.reserve(policy.every)
+            logits = step(model, token, store)
+            out.append(logits)
+            token = logits.argmax(-1, keepdim=True)
+        runs.append(torch.stack(out, 1))
+    torch.testing.assert_close(runs[1], runs[0], atol=ATOL32, rtol=0)
+
+
+def test_sink_window_equals_full_attention_with_the_matching_mask():
+    """The plain reference: one uncached forward over the whole generated sequence whose
+    attention mask lets query position p (past the prompt) see the sinks and the window
+    ``[p - window, p]``, as eviction before every step leaves them."""
+    model = _model("transformer-llama")
+    t, n, sinks, window = 20, 16, 2, 8
+    ids = torch.randint(0, model.config.vocab_size, (2, t), generator=torch.Generator().manual_seed(3))
+    out, logits = generate(model, ids, n, return_logits=True, policy=SinkWindow(sinks=sinks, window=window, every=1))
+    length = t + n - 1
+    p = torch.arange(length)[:, None]
+    j = torch.arange(length)[None, :]
+    mask = (j <= p) & ((p < t) | (j < sinks) | (j >= p - window))  # [T + n - 1, T + n - 1]
+    with torch.no_grad():
+        unmasked, _ = model(out[:, :-1])
+    for block in model.blocks:
+        attn = block.attn
+        plain = attn._sdpa
+        attn._sdpa = lambda q, k, v, m, plain=plain: plain(q, k, v, mask if m is None else m)
+    with torch.no_grad():
+        ref, _ = model(out[:, :-1])
+    torch.testing.assert_close(logits, ref[:, t - 1 :], atol=ATOL32, rtol=0)
+    assert (logits - unmasked[:, t - 1 :]).abs().max() > 100 * ATOL32  # the eviction mattered
