@@ -140,26 +140,32 @@ def _policy(name: str, cfg: DecodeBenchConfig):
 
 
 @torch.no_grad()
-def time_paged(model: Decoder, batch: int, prompt: int, cfg: DecodeBenchConfig, name: str) -> tuple[float, float]:
+def time_paged(model: Decoder, batch: int, prompt: int, cfg: DecodeBenchConfig,
+               name: str) -> tuple[float, float, float]:
     """ms per compiled decode step over the paged store under policy ``name`` (evictions
-    included), and the share of a dense cache's KV bytes it holds at the end."""
+    included), the share of a dense cache's KV bytes it holds at the end, and the ms per
+    step of the evictions alone (timed between synchronisations, amortised)."""
     device = next(model.parameters()).device
     policy = _policy(name, cfg)
     ids = torch.randint(0, model.config.vocab_size, (batch, prompt), device=device)
     store = paged_store_for(model, batch, prompt, cfg.warmup + cfg.steps + 1, policy)
     token = prefill(model, ids, store).argmax(-1, keepdim=True)
     fn = compiled_decode_one_token()
-    count = [0]
+    count, evicting = [0], [0.0]
 
     def step(tok: torch.Tensor) -> torch.Tensor:
         if count[0] % policy.every == 0:
+            start = time.perf_counter()
             evict(model, store, policy)
             store.reserve(min(policy.every, cfg.warmup + cfg.steps - count[0]))
+            if device.type == "cuda":
+                torch.cuda.synchronize()
+            evicting[0] += time.perf_counter() - start if count[0] >= cfg.warmup else 0.0
         count[0] += 1
         return fn(model, tok, store)
 
     ms = _timed_steps(step, token, cfg, device)
-    return ms, store.bytes_held() / store.bytes_if_dense()
+    return ms, store.bytes_held() / store.bytes_if_dense(), evicting[0] / cfg.steps * 1e3
 
 
 @torch.no_grad()
@@ -240,9 +246,10 @@ def run(cfg: DecodeBenchConfig) -> dict:
             for policy in cfg.policies:
                 if policy == "acp" and model_cfg.attention != "forgetting":
                     continue
-                ms, share = time_paged(model, batch, prompt, cfg, policy)
-                row[f"paged-{policy}"], row[f"kv-{policy}"] = ms, share
-                print(f"{workload} {arch} paged {policy}: {ms:.3f} ms/step, KV {100 * share:.1f}% of dense", flush=True)
+                ms, share, evict_ms = time_paged(model, batch, prompt, cfg, policy)
+                row[f"paged-{policy}"], row[f"kv-{policy}"], row[f"evict-{policy}"] = ms, share, evict_ms
+                print(f"{workload} {arch} paged {policy}: {ms:.3f} ms/step ({evict_ms:.3f} evicting), "
+                      f"KV {100 * share:.1f}% of dense", flush=True)
             if bandwidth is not None:
                 row["limit"] = bandwidth_limit_ms(model_cfg, batch, prompt + cfg.warmup + cfg.steps / 2,
                                                   torch.finfo(dtype).bits // 8, bandwidth)
@@ -271,7 +278,7 @@ def run(cfg: DecodeBenchConfig) -> dict:
 def markdown_table(results: dict) -> str:
     """ms per decode step, one row per (workload, arch), providers as columns."""
     env = results["env"]
-    extra = [k for r in results["rows"] for k in r if k.startswith(("paged-", "kv-"))]
+    extra = [k for r in results["rows"] for k in r if k.startswith(("paged-", "kv-", "evict-"))]
     cols = [p for p in PROVIDERS if any(p in r for r in results["rows"])] + list(dict.fromkeys(extra)) + ["limit"]
     lines = [
         f"Decode step, {env['preset']} shapes, {env['dtype']}, random init, {env['device']}, torch {env['torch']}, "

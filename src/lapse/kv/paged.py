@@ -217,7 +217,7 @@ class PagedStore:
     def record_scores(self, layer_idx: int, probs: Tensor) -> None:
         """Adds one step's attention ``[B, H, W]`` (per logical slot, summed over the group)
         to the accumulated scores, after decaying them: ``A = decay * A + a``."""
-        pages, offsets, valid = self._slots(layer_idx)
+        pages, offsets, valid = self._slots(layer_idx, full=True)
         score = self.extras[layer_idx]["score"]
         new = self.score_decay * score[pages, offsets] + probs[..., : self.width]  # [B, H, W]
         score[pages, offsets] = torch.where(valid, new, score[pages, offsets])
@@ -259,14 +259,15 @@ class PagedStore:
                              self.capacity)
 
     def evict(self, layer_idx: int, keep: Tensor) -> None:
-        """Keeps the slots where ``keep`` ``[B, H, W]`` is True (and valid), packs them to the
-        front of their head in order, and returns the pages no longer needed to the pool."""
+        """Keeps the slots where ``keep`` ``[B, H, W]`` (shaped as :meth:`snapshot`'s) is True
+        and valid, packs them to the front of their head in order, and returns the pages no
+        longer needed to the pool."""
         pages, offsets, valid = self._slots(layer_idx)
         keep = keep & valid
         new_len = keep.sum(-1).to(torch.int32)  # [B, H]
         order = torch.argsort((~keep).to(torch.int8), dim=-1, stable=True)  # kept slots first, in order
         src_p, src_o = pages.gather(2, order), offsets.gather(2, order)
-        dst = torch.arange(self.width, device=keep.device) < new_len[..., None].long()  # [B, H, W]
+        dst = torch.arange(keep.shape[-1], device=keep.device) < new_len[..., None].long()  # [B, H, W]
         pools = [self.k[layer_idx], self.v[layer_idx], *self.extras[layer_idx].values()]
         for pool in pools:
             moved = pool[src_p, src_o]  # [B, H, W, ...] read all before writing
@@ -306,11 +307,18 @@ class PagedStore:
 
     # -- internals -----------------------------------------------------------------------
 
-    def _slots(self, layer_idx: int) -> tuple[Tensor, Tensor, Tensor]:
+    def _slots(self, layer_idx: int, full: bool = False) -> tuple[Tensor, Tensor, Tensor]:
         """Page and offset of every logical slot ``[B, H, W]`` (page 0 where unallocated),
-        and whether the slot is below the head's length."""
+        and whether the slot is below the head's length. ``W`` is the table width when
+        ``full`` (a fixed shape, inside the step), else only as many slots as the fullest
+        head has pages for (known on the host: eviction passes then cost what is held,
+        not what the table could hold)."""
         s = self.page_size
-        slots = torch.arange(self.width, device=self.lengths[layer_idx].device)  # [W]
+        if full:
+            width = self.width
+        else:
+            width = s * max(1, max(len(pages) for row in self._owned[layer_idx] for pages in row))
+        slots = torch.arange(width, device=self.lengths[layer_idx].device)  # [W]
         table = self.page_table[layer_idx].long().clamp_min(0)  # [B, H, W/S]
         pages = table[:, :, slots // s]  # [B, H, W]
         valid = slots < self.lengths[layer_idx][..., None].long()
