@@ -271,7 +271,10 @@ class PagedStore:
         pools = [self.k[layer_idx], self.v[layer_idx], *self.extras[layer_idx].values()]
         for pool in pools:
             moved = pool[src_p, src_o]  # [B, H, W, ...] read all before writing
-            pool[pages[dst], offsets[dst]] = moved[dst]
+            here = pool[pages, offsets]
+            mask = dst.view(*dst.shape, *(1,) * (moved.dim() - 3))
+            # every owned slot is written once (no boolean indexing: no host sync)
+            pool[pages, offsets] = torch.where(mask, moved, here)
         self.lengths[layer_idx].copy_(new_len)
         kept_pages = ((new_len.long() + self.page_size - 1) // self.page_size).tolist()
         self._release(layer_idx, kept_pages)
@@ -308,7 +311,8 @@ class PagedStore:
     # -- internals -----------------------------------------------------------------------
 
     def _slots(self, layer_idx: int, full: bool = False) -> tuple[Tensor, Tensor, Tensor]:
-        """Page and offset of every logical slot ``[B, H, W]`` (page 0 where unallocated),
+        """Page and offset of every logical slot ``[B, H, W]`` (the scratch page where the head
+        owns none: writes through it hit no other head's slot),
         and whether the slot is below the head's length. ``W`` is the table width when
         ``full`` (a fixed shape, inside the step), else only as many slots as the fullest
         head has pages for (known on the host: eviction passes then cost what is held,
@@ -319,7 +323,8 @@ class PagedStore:
         else:
             width = s * max(1, max(len(pages) for row in self._owned[layer_idx] for pages in row))
         slots = torch.arange(width, device=self.lengths[layer_idx].device)  # [W]
-        table = self.page_table[layer_idx].long().clamp_min(0)  # [B, H, W/S]
+        table = self.page_table[layer_idx].long()
+        table = table.masked_fill(table < 0, self.k[layer_idx].shape[0] - 1)  # [B, H, W/S]: unowned -> scratch
         pages = table[:, :, slots // s]  # [B, H, W]
         valid = slots < self.lengths[layer_idx][..., None].long()
         return pages, (slots % s).expand_as(pages), valid
@@ -329,12 +334,14 @@ class PagedStore:
         s, table = self.page_size, self.width // self.page_size
         n = self.pages if self.pages is not None else b * h * table
         dev = k.device
-        self.k[layer_idx] = static_zeros(n, s, d, dtype=k.dtype, device=dev)
-        self.v[layer_idx] = static_zeros(n, s, v.shape[-1], dtype=v.dtype, device=dev)
-        pools = {name: static_zeros(n, s, x.shape[-1] // h, dtype=x.dtype, device=dev) for name, x in extras.items()}
-        pools["pos"] = static_zeros(n, s, dtype=torch.int32, device=dev)
+        # one page more than handed out: the scratch page that unowned table entries point to
+        self.k[layer_idx] = static_zeros(n + 1, s, d, dtype=k.dtype, device=dev)
+        self.v[layer_idx] = static_zeros(n + 1, s, v.shape[-1], dtype=v.dtype, device=dev)
+        pools = {name: static_zeros(n + 1, s, x.shape[-1] // h, dtype=x.dtype, device=dev)
+                 for name, x in extras.items()}
+        pools["pos"] = static_zeros(n + 1, s, dtype=torch.int32, device=dev)
         if self.score_decay is not None:
-            pools["score"] = static_zeros(n, s, dtype=torch.float32, device=dev)
+            pools["score"] = static_zeros(n + 1, s, dtype=torch.float32, device=dev)
         self.extras[layer_idx] = pools
         self.page_table[layer_idx] = static_zeros(b, h, table, dtype=torch.int32, device=dev).fill_(-1)
         self.lengths[layer_idx] = static_zeros(b, h, dtype=torch.int32, device=dev)
@@ -358,7 +365,7 @@ class PagedStore:
                 while len(mine) < n:
                     if not free:
                         raise RuntimeError(
-                            f"the page pool of layer {layer_idx} is full ({self.k[layer_idx].shape[0]} pages of "
+                            f"the page pool of layer {layer_idx} is full ({self.k[layer_idx].shape[0] - 1} pages of "
                             f"{self.page_size}): give the store more pages or the policy a smaller budget"
                         )
                     mine.append(free.pop())
