@@ -137,6 +137,8 @@ def run_generate(cfg: GenerateConfig) -> dict:
             )
         store = paged_store_for(model, 1, len(ids), cfg.max_new_tokens, policy)
         stream = _Stream(tokenizer, tokenizer.eos_id, echo=cfg.prompt is not None)
+        if cfg.prompt is not None:
+            print(prompt, end="", flush=True)
         start = time.perf_counter()
         out = generate(model, torch.tensor([ids], device=device), cfg.max_new_tokens, temperature=cfg.temperature,
                        top_k=cfg.top_k, generator=generator, cache=store, policy=policy, compile=cfg.compile,

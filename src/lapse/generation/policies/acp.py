@@ -28,6 +28,10 @@ class ACPBoundary(Policy):
     max_context: int | None = None
     """``L``: the most keys a row attends to; ``None``: the store's ``max_context``."""
 
+    every: int = 64
+    """Evict every this many steps: a kept suffix or window only grows by ``every`` tokens
+    meanwhile, and an eviction pass costs ~50 ms at 125M shapes (BENCHMARKS.md)."""
+
     def __post_init__(self) -> None:
         super().__post_init__()
         if not 0 < self.eps < 1:

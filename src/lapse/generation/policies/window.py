@@ -20,6 +20,10 @@ class SinkWindow(Policy):
     window: int = 1024
     """The most recent positions kept (the new token included)."""
 
+    every: int = 64
+    """Evict every this many steps: a kept suffix or window only grows by ``every`` tokens
+    meanwhile, and an eviction pass costs ~50 ms at 125M shapes (BENCHMARKS.md)."""
+
     def __post_init__(self) -> None:
         super().__post_init__()
         if not isinstance(self.window, int) or self.window < 1:

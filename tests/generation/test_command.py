@@ -1,0 +1,69 @@
+"""``lapse generate`` from the command line, on a small trained run (the fixture run of
+tests/fixtures/before_restructure: cpu-tiny FoX (Pro), two steps)."""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+from pathlib import Path
+
+import pytest
+
+from lapse.cli import main
+
+RUN = Path(__file__).parents[1] / "fixtures" / "before_restructure" / "run-fox-pro"
+SUMMARY = re.compile(r"^(\d+) tokens in [\d.]+ s: [\d.]+ tokens/s; KV held [\d.]+ MiB, ([\d.]+)% of a dense cache \((\w+)\)$")
+
+
+@pytest.fixture
+def run(tmp_path):
+    return shutil.copytree(RUN, tmp_path / "run")
+
+
+@pytest.mark.parametrize("policy", ["dense", "window", "acp", "h2o", "a2sf"])
+def test_generate_streams_and_ends_with_one_summary_line(run, capsys, policy):
+    main(["generate", str(run), "--prompt", "def f(x):", "--max-new-tokens", "40", "--max-context", "64",
+          "--policy", policy, "--window", "8", "--sinks", "2", "--recent", "4", "--budget", "0.5", "--every", "4"])
+    lines = capsys.readouterr().out.strip().splitlines()
+    assert lines[0].startswith("def f(x):")
+    match = SUMMARY.match(lines[-1])
+    assert match and match.group(3) == policy, lines[-1]
+    share = float(match.group(2))
+    assert (share >= 99.0) if policy == "dense" else (share < 100.0)
+
+
+def test_prompts_file_in_jsonl_out(run, tmp_path, capsys):
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("\n".join(json.dumps({"prompt": p}) for p in ("import os", "class A:")) + "\n")
+    main(["generate", str(run), "--prompts-file", str(prompts), "--max-new-tokens", "8", "--max-context", "64",
+          "--temperature", "0.8", "--top-k", "20"])
+    rows = [json.loads(line) for line in (tmp_path / "prompts.out.jsonl").read_text().splitlines()]
+    assert [r["prompt"] for r in rows] == ["import os", "class A:"] and all("completion" in r for r in rows)
+    assert SUMMARY.match(capsys.readouterr().out.strip().splitlines()[-1])
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--prompt", ""], "--prompt is empty"),
+        (["--prompt", "x" * 60, "--max-new-tokens", "10"], r"exceed max_context \(64"),
+        (["--prompt", "x", "--policy", "window", "--window", "0"], "window must be a positive integer"),
+        (["--prompt", "x", "--policy", "h2o", "--budget", "4", "--recent", "8"], "must fit in the budget"),
+        ([], "give exactly one of --prompt and --prompts-file"),
+    ],
+    ids=["empty", "too-long", "window-0", "budget", "no-prompt"],
+)
+def test_bad_input_is_one_line(run, capsys, args, message):
+    with pytest.raises(SystemExit) as e:
+        main(["generate", str(run), *args])
+    assert e.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error: ") and re.search(message, err[0]), err
+
+
+def test_missing_run_is_one_line(tmp_path, capsys):
+    with pytest.raises(SystemExit) as e:
+        main(["generate", str(tmp_path / "nowhere"), "--prompt", "x"])
+    assert e.value.code == 2
+    assert "no such run or checkpoint folder" in capsys.readouterr().err
