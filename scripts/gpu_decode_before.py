@@ -31,6 +31,9 @@ for workload in sys.argv[1:]:
                     t0 = time.perf_counter()
                 token = decode_one_token(model, token, cache).argmax(-1, keepdim=True)
             torch.cuda.synchronize()
-        print(f"before {workload} {arch} lapse: {(time.perf_counter() - t0) / STEPS * 1e3:.3f} ms/step", flush=True)
+        print(
+            f"before {workload} {arch} lapse: {(time.perf_counter() - t0) / STEPS * 1e3:.3f} ms/step",
+            flush=True,
+        )
         del model, cache
         torch.cuda.empty_cache()

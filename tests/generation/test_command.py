@@ -13,7 +13,9 @@ import pytest
 from lapse.cli import main
 
 RUN = Path(__file__).parents[1] / "fixtures" / "before_restructure" / "run-fox-pro"
-SUMMARY = re.compile(r"^(\d+) tokens in [\d.]+ s: [\d.]+ tokens/s; KV held [\d.]+ MiB, ([\d.]+)% of a dense cache \((\w+)\)$")
+SUMMARY = re.compile(
+    r"^(\d+) tokens in [\d.]+ s: [\d.]+ tokens/s; KV held [\d.]+ MiB, ([\d.]+)% of a dense cache \((\w+)\)$"
+)
 
 
 @pytest.fixture
@@ -23,8 +25,30 @@ def run(tmp_path):
 
 @pytest.mark.parametrize("policy", ["dense", "window", "acp", "h2o", "a2sf"])
 def test_generate_streams_and_ends_with_one_summary_line(run, capsys, policy):
-    main(["generate", str(run), "--prompt", "def f(x):", "--max-new-tokens", "40", "--max-context", "64",
-          "--policy", policy, "--window", "8", "--sinks", "2", "--recent", "4", "--budget", "0.5", "--every", "4"])
+    main(
+        [
+            "generate",
+            str(run),
+            "--prompt",
+            "def f(x):",
+            "--max-new-tokens",
+            "40",
+            "--max-context",
+            "64",
+            "--policy",
+            policy,
+            "--window",
+            "8",
+            "--sinks",
+            "2",
+            "--recent",
+            "4",
+            "--budget",
+            "0.5",
+            "--every",
+            "4",
+        ]
+    )
     lines = capsys.readouterr().out.strip().splitlines()
     assert lines[0].startswith("def f(x):")
     match = SUMMARY.match(lines[-1])
@@ -36,8 +60,22 @@ def test_generate_streams_and_ends_with_one_summary_line(run, capsys, policy):
 def test_prompts_file_in_jsonl_out(run, tmp_path, capsys):
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text("\n".join(json.dumps({"prompt": p}) for p in ("import os", "class A:")) + "\n")
-    main(["generate", str(run), "--prompts-file", str(prompts), "--max-new-tokens", "8", "--max-context", "64",
-          "--temperature", "0.8", "--top-k", "20"])
+    main(
+        [
+            "generate",
+            str(run),
+            "--prompts-file",
+            str(prompts),
+            "--max-new-tokens",
+            "8",
+            "--max-context",
+            "64",
+            "--temperature",
+            "0.8",
+            "--top-k",
+            "20",
+        ]
+    )
     rows = [json.loads(line) for line in (tmp_path / "prompts.out.jsonl").read_text().splitlines()]
     assert [r["prompt"] for r in rows] == ["import os", "class A:"] and all("completion" in r for r in rows)
     assert SUMMARY.match(capsys.readouterr().out.strip().splitlines()[-1])

@@ -1,4 +1,5 @@
-"""Cached decoding (``lapse.generation`` over ``lapse.kv.DenseStore``) against recomputing the whole sequence (CPU).
+"""Cached decoding (``lapse.generation`` over ``lapse.kv.DenseStore``) against recomputing
+the whole sequence (CPU).
 
 Cached generation must equal uncached generation token for token (litgpt's test), and
 its logits must match the full forward's to rounding. Tolerances are measured, not

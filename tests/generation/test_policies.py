@@ -29,8 +29,11 @@ def _model(arch: str, **overrides) -> Decoder:
 
 
 @pytest.mark.parametrize("arch", ARCHS)
-@pytest.mark.parametrize("policy", [Dense(), H2O(budget=64, recent=4), SinkWindow(sinks=2, window=64, every=4)],
-                         ids=["dense", "h2o-unreached", "window-unreached"])
+@pytest.mark.parametrize(
+    "policy",
+    [Dense(), H2O(budget=64, recent=4), SinkWindow(sinks=2, window=64, every=4)],
+    ids=["dense", "h2o-unreached", "window-unreached"],
+)
 def test_policies_that_keep_everything_equal_the_dense_cache(arch, policy):
     model = _model(arch)
     ids = torch.randint(0, model.config.vocab_size, (2, 9), generator=torch.Generator().manual_seed(1))
@@ -71,8 +74,17 @@ def test_bytes_held_follow_the_budget_not_the_length():
 def _snapshot(scores: torch.Tensor, seqlen: int, prompt_len: int = 16) -> LayerSnapshot:
     b, h, w = scores.shape
     positions = torch.arange(w).expand(b, h, w)
-    return LayerSnapshot(0, torch.ones(b, h, w, dtype=torch.bool), positions, scores, None, None,
-                         torch.full((b,), seqlen), prompt_len, 1024)
+    return LayerSnapshot(
+        0,
+        torch.ones(b, h, w, dtype=torch.bool),
+        positions,
+        scores,
+        None,
+        None,
+        torch.full((b,), seqlen),
+        prompt_len,
+        1024,
+    )
 
 
 def test_a2sf_keeps_recent_sinks_and_the_highest_scores_within_the_budget():
@@ -87,7 +99,9 @@ def test_a2sf_keeps_recent_sinks_and_the_highest_scores_within_the_budget():
             middle = scores[b, h, 1:13]
             top = set((middle.argsort(descending=True)[:3] + 1).tolist())
             assert set(keep[b, h].nonzero().flatten().tolist()) - {0, 13, 14, 15} == top
-    assert torch.equal(H2O(budget=7, recent=3, sinks=1).keep(snap), A2SF(budget=7, recent=3, sinks=1, alpha=1.0).keep(snap))
+    assert torch.equal(
+        H2O(budget=7, recent=3, sinks=1).keep(snap), A2SF(budget=7, recent=3, sinks=1, alpha=1.0).keep(snap)
+    )
     layer = A2SF(budget=7, recent=3, per="layer").keep(snap)
     assert (layer == layer[:, :1]).all()  # one set for the whole layer
     assert (A2SF(budget=0.25, recent=2).keep(_snapshot(scores, 16, prompt_len=16)).sum(-1) == 4).all()
@@ -171,7 +185,9 @@ def test_sink_window_equals_full_attention_with_the_matching_mask():
     model = _model("transformer-llama")
     t, n, sinks, window = 20, 16, 2, 8
     ids = torch.randint(0, model.config.vocab_size, (2, t), generator=torch.Generator().manual_seed(3))
-    out, logits = generate(model, ids, n, return_logits=True, policy=SinkWindow(sinks=sinks, window=window, every=1))
+    out, logits = generate(
+        model, ids, n, return_logits=True, policy=SinkWindow(sinks=sinks, window=window, every=1)
+    )
     length = t + n - 1
     p = torch.arange(length)[:, None]
     j = torch.arange(length)[None, :]

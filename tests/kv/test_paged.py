@@ -13,7 +13,11 @@ def _fill(store: PagedStore, b: int, t: int, start: int) -> None:
     """Appends t tokens to layer 0 whose every key entry is its position (h and b encoded too)."""
     store.begin(b, t, torch.device("cpu"))
     pos = torch.arange(start, start + t, dtype=torch.float32)
-    k = pos[None, :, None, None] + 1000 * torch.arange(2.0)[None, None, :, None] + 10000 * torch.arange(b * 1.0)[:, None, None, None]
+    k = (
+        pos[None, :, None, None]
+        + 1000 * torch.arange(2.0)[None, None, :, None]
+        + 10000 * torch.arange(b * 1.0)[:, None, None, None]
+    )
     k = k.expand(b, t, 2, 4).clone()
     c = -pos[None, :, None].expand(b, t, 4).double()  # [B, T, HQ = 4]: G = 2 per kv head
     store.append(0, k, -k, c=c)

@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import json
 import platform
-import subprocess
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
@@ -41,8 +40,16 @@ from typing import Literal
 
 import torch
 
+from lapse.bench.attention import git_commit
 from lapse.files import write_text_atomic
-from lapse.generation import POLICIES, compiled_decode_one_token, decode_one_token, evict, paged_store_for, prefill
+from lapse.generation import (
+    POLICIES,
+    compiled_decode_one_token,
+    decode_one_token,
+    evict,
+    paged_store_for,
+    prefill,
+)
 from lapse.kv import DenseStore
 from lapse.models import Decoder, param_count, preset
 
@@ -103,8 +110,12 @@ class DecodeBenchConfig:
             raise ValueError(f"steps must be >= 1 and warmup >= 0, got {self.steps}, {self.warmup}")
 
 
-def _timed_steps(step: Callable[[torch.Tensor], torch.Tensor], token: torch.Tensor, cfg: DecodeBenchConfig,
-                 device: torch.device) -> float:
+def _timed_steps(
+    step: Callable[[torch.Tensor], torch.Tensor],
+    token: torch.Tensor,
+    cfg: DecodeBenchConfig,
+    device: torch.device,
+) -> float:
     """ms per step of ``warmup`` untimed then ``steps`` timed greedy steps (wall time)."""
     for _ in range(cfg.warmup):
         token = step(token).argmax(-1, keepdim=True)
@@ -119,8 +130,15 @@ def _timed_steps(step: Callable[[torch.Tensor], torch.Tensor], token: torch.Tens
 
 
 @torch.no_grad()
-def time_lapse(model: Decoder, batch: int, prompt: int, cfg: DecodeBenchConfig, *, compile: bool,
-               make_store: Callable[..., object] = DenseStore) -> float:
+def time_lapse(
+    model: Decoder,
+    batch: int,
+    prompt: int,
+    cfg: DecodeBenchConfig,
+    *,
+    compile: bool,
+    make_store: Callable[..., object] = DenseStore,
+) -> float:
     """ms per decode step of a lapse model after a prefill of ``batch x prompt`` random tokens."""
     device = next(model.parameters()).device
     ids = torch.randint(0, model.config.vocab_size, (batch, prompt), device=device)
@@ -140,8 +158,9 @@ def _policy(name: str, cfg: DecodeBenchConfig):
 
 
 @torch.no_grad()
-def time_paged(model: Decoder, batch: int, prompt: int, cfg: DecodeBenchConfig,
-               name: str) -> tuple[float, float, float]:
+def time_paged(
+    model: Decoder, batch: int, prompt: int, cfg: DecodeBenchConfig, name: str
+) -> tuple[float, float, float]:
     """ms per compiled decode step over the paged store under policy ``name`` (evictions
     included), the share of a dense cache's KV bytes it holds at the end, and the ms per
     step of the evictions alone (timed between synchronisations, amortised)."""
@@ -169,30 +188,46 @@ def time_paged(model: Decoder, batch: int, prompt: int, cfg: DecodeBenchConfig,
 
 
 @torch.no_grad()
-def time_hf_llama(model_cfg, batch: int, prompt: int, cfg: DecodeBenchConfig, device: torch.device,
-                  dtype: torch.dtype) -> float:
+def time_hf_llama(
+    model_cfg, batch: int, prompt: int, cfg: DecodeBenchConfig, device: torch.device, dtype: torch.dtype
+) -> float:
     """ms per decode step of HF's LlamaForCausalLM of the same sizes, StaticCache + compile."""
     from transformers import LlamaConfig, LlamaForCausalLM, StaticCache
 
     capacity = prompt + cfg.warmup + cfg.steps + 1
     hf_cfg = LlamaConfig(
-        vocab_size=model_cfg.vocab_size, hidden_size=model_cfg.d_model,
-        intermediate_size=model_cfg.mlp_hidden, num_hidden_layers=model_cfg.n_layers,
-        num_attention_heads=model_cfg.n_heads, num_key_value_heads=model_cfg.kv_heads,
-        max_position_embeddings=capacity, rope_theta=model_cfg.rope_base, tie_word_embeddings=False,
+        vocab_size=model_cfg.vocab_size,
+        hidden_size=model_cfg.d_model,
+        intermediate_size=model_cfg.mlp_hidden,
+        num_hidden_layers=model_cfg.n_layers,
+        num_attention_heads=model_cfg.n_heads,
+        num_key_value_heads=model_cfg.kv_heads,
+        max_position_embeddings=capacity,
+        rope_theta=model_cfg.rope_base,
+        tie_word_embeddings=False,
     )
     hf_cfg._attn_implementation = "sdpa"
     model = LlamaForCausalLM(hf_cfg).to(device=device, dtype=dtype).eval()
     cache = StaticCache(config=hf_cfg, max_cache_len=capacity)
     ids = torch.randint(0, model_cfg.vocab_size, (batch, prompt), device=device)
-    out = model(ids, past_key_values=cache, cache_position=torch.arange(prompt, device=device),
-                use_cache=True, logits_to_keep=1)
+    out = model(
+        ids,
+        past_key_values=cache,
+        cache_position=torch.arange(prompt, device=device),
+        use_cache=True,
+        logits_to_keep=1,
+    )
     token = out.logits[:, -1].argmax(-1, keepdim=True)
     position = torch.tensor([prompt], device=device)
 
     def hf_step(tok: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
-        return model(tok, position_ids=pos[None].expand(tok.shape[0], 1), cache_position=pos,
-                     past_key_values=cache, use_cache=True).logits[:, -1]
+        return model(
+            tok,
+            position_ids=pos[None].expand(tok.shape[0], 1),
+            cache_position=pos,
+            past_key_values=cache,
+            use_cache=True,
+        ).logits[:, -1]
 
     compiled = torch.compile(hf_step, mode="reduce-overhead", fullgraph=True)
 
@@ -213,14 +248,6 @@ def bandwidth_limit_ms(model_cfg, batch: int, tokens: float, itemsize: int, band
     if model_cfg.attention == "forgetting":
         kv += model_cfg.n_layers * batch * tokens * model_cfg.n_heads * 8
     return (weights + kv) / bandwidth * 1e3
-
-
-def _commit() -> str:
-    try:
-        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                              check=True).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
 
 
 def run(cfg: DecodeBenchConfig) -> dict:
@@ -248,11 +275,19 @@ def run(cfg: DecodeBenchConfig) -> dict:
                     continue
                 ms, share, evict_ms = time_paged(model, batch, prompt, cfg, policy)
                 row[f"paged-{policy}"], row[f"kv-{policy}"], row[f"evict-{policy}"] = ms, share, evict_ms
-                print(f"{workload} {arch} paged {policy}: {ms:.3f} ms/step ({evict_ms:.3f} evicting), "
-                      f"KV {100 * share:.1f}% of dense", flush=True)
+                print(
+                    f"{workload} {arch} paged {policy}: {ms:.3f} ms/step ({evict_ms:.3f} evicting), "
+                    f"KV {100 * share:.1f}% of dense",
+                    flush=True,
+                )
             if bandwidth is not None:
-                row["limit"] = bandwidth_limit_ms(model_cfg, batch, prompt + cfg.warmup + cfg.steps / 2,
-                                                  torch.finfo(dtype).bits // 8, bandwidth)
+                row["limit"] = bandwidth_limit_ms(
+                    model_cfg,
+                    batch,
+                    prompt + cfg.warmup + cfg.steps / 2,
+                    torch.finfo(dtype).bits // 8,
+                    bandwidth,
+                )
             rows.append(row)
             del model
             if device.type == "cuda":
@@ -260,12 +295,27 @@ def run(cfg: DecodeBenchConfig) -> dict:
         if "hf-llama-compile" in cfg.providers:
             model_cfg = preset(cfg.preset, "transformer-llama")
             ms = time_hf_llama(model_cfg, batch, prompt, cfg, device, dtype)
-            rows.append({"workload": workload, "batch": batch, "prompt": prompt, "arch": "hf-llama",
-                         "hf-llama-compile": ms})
+            rows.append(
+                {
+                    "workload": workload,
+                    "batch": batch,
+                    "prompt": prompt,
+                    "arch": "hf-llama",
+                    "hf-llama-compile": ms,
+                }
+            )
             print(f"{workload} hf-llama compile: {ms:.3f} ms/step", flush=True)
-    env = {"device": name, "torch": torch.__version__, "commit": cfg.commit or _commit(), "date": time.strftime("%Y-%m-%d"),
-           "dtype": cfg.dtype, "preset": cfg.preset, "steps": cfg.steps, "warmup": cfg.warmup,
-           "bandwidth": bandwidth}
+    env = {
+        "device": name,
+        "torch": torch.__version__,
+        "commit": cfg.commit or git_commit() or "unknown",
+        "date": time.strftime("%Y-%m-%d"),
+        "dtype": cfg.dtype,
+        "preset": cfg.preset,
+        "steps": cfg.steps,
+        "warmup": cfg.warmup,
+        "bandwidth": bandwidth,
+    }
     results = {"env": env, "config": {k: str(v) for k, v in asdict(cfg).items()}, "rows": rows}
     cfg.out_dir.mkdir(parents=True, exist_ok=True)
     write_text_atomic(cfg.out_dir / "results.json", json.dumps(results, indent=2))
@@ -279,9 +329,14 @@ def markdown_table(results: dict) -> str:
     """ms per decode step, one row per (workload, arch), providers as columns."""
     env = results["env"]
     extra = [k for r in results["rows"] for k in r if k.startswith(("paged-", "kv-", "evict-"))]
-    cols = [p for p in PROVIDERS if any(p in r for r in results["rows"])] + list(dict.fromkeys(extra)) + ["limit"]
+    cols = (
+        [p for p in PROVIDERS if any(p in r for r in results["rows"])]
+        + list(dict.fromkeys(extra))
+        + ["limit"]
+    )
     lines = [
-        f"Decode step, {env['preset']} shapes, {env['dtype']}, random init, {env['device']}, torch {env['torch']}, "
+        f"Decode step, {env['preset']} shapes, {env['dtype']}, random init, {env['device']}, "
+        f"torch {env['torch']}, "
         f"commit {env['commit']}, {env['date']}: ms per step (wall time of {env['steps']} greedy steps after "
         f"{env['warmup']} warm-up steps; limit: bytes read once at {env['bandwidth']} B/s)",
         "",

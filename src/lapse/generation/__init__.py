@@ -4,7 +4,15 @@ The decoding state is a :mod:`lapse.kv` store (``DenseStore``); ``Decoder.forwar
 cache=store)`` appends to it. The Hugging Face adapter is :mod:`lapse.hf`.
 """
 
-from .generate import compiled_decode_one_token, decode_one_token, evict, generate, paged_store_for, prefill, sample
+from .generate import (
+    compiled_decode_one_token,
+    decode_one_token,
+    evict,
+    generate,
+    paged_store_for,
+    prefill,
+    sample,
+)
 from .policies import A2SF, H2O, POLICIES, ACPBoundary, Dense, Policy, SinkWindow
 
 __all__ = [

@@ -90,8 +90,9 @@ class GenerateConfig:
             "window": lambda: SinkWindow(sinks=self.sinks, window=self.window, every=self.every),
             "acp": lambda: ACPBoundary(eps=self.eps, every=self.every),
             "h2o": lambda: H2O(budget=budget, recent=self.recent, sinks=self.sinks, every=self.every),
-            "a2sf": lambda: A2SF(budget=budget, recent=self.recent, alpha=self.alpha, sinks=self.sinks,
-                                 every=self.every),
+            "a2sf": lambda: A2SF(
+                budget=budget, recent=self.recent, alpha=self.alpha, sinks=self.sinks, every=self.every
+            ),
         }[self.policy]()
 
 
@@ -113,8 +114,13 @@ def load_run_model(path: Path, device: torch.device) -> tuple[Decoder, object]:
 def run_generate(cfg: GenerateConfig) -> dict:
     """Generates for every prompt, prints (or writes) the text, then the summary line;
     returns the summary."""
-    device = torch.device("cuda" if cfg.device == "auto" and torch.cuda.is_available() else
-                          "cpu" if cfg.device == "auto" else cfg.device)
+    device = torch.device(
+        "cuda"
+        if cfg.device == "auto" and torch.cuda.is_available()
+        else "cpu"
+        if cfg.device == "auto"
+        else cfg.device
+    )
     model, tokenizer = load_run_model(cfg.model, device)
     policy = cfg.make_policy()
     policy.check(model)
@@ -140,11 +146,20 @@ def run_generate(cfg: GenerateConfig) -> dict:
         if cfg.prompt is not None:
             print(prompt, end="", flush=True)
         start = time.perf_counter()
-        out = generate(model, torch.tensor([ids], device=device), cfg.max_new_tokens, temperature=cfg.temperature,
-                       top_k=cfg.top_k, generator=generator, cache=store, policy=policy, compile=cfg.compile,
-                       on_token=stream)
+        out = generate(
+            model,
+            torch.tensor([ids], device=device),
+            cfg.max_new_tokens,
+            temperature=cfg.temperature,
+            top_k=cfg.top_k,
+            generator=generator,
+            cache=store,
+            policy=policy,
+            compile=cfg.compile,
+            on_token=stream,
+        )
         seconds += time.perf_counter() - start
-        new = out[0, len(ids):].tolist()
+        new = out[0, len(ids) :].tolist()
         new = new[: new.index(tokenizer.eos_id)] if tokenizer.eos_id in new else new
         tokens += len(new)
         held, dense = held + _final_bytes(store)[0], dense + _final_bytes(store)[1]
@@ -156,10 +171,19 @@ def run_generate(cfg: GenerateConfig) -> dict:
         rows = [json.dumps({"prompt": p, "completion": c}) for p, c in zip(prompts, completions, strict=True)]
         write_text_atomic(out_path, "\n".join(rows) + "\n")
         print(f"{len(rows)} completions written to {out_path}")
-    summary = {"tokens": tokens, "seconds": seconds, "tokens_per_s": tokens / max(seconds, 1e-9),
-               "kv_bytes": held, "kv_bytes_dense": dense, "kv_share": held / max(dense, 1), "policy": repr(policy)}
-    print(f"{tokens} tokens in {seconds:.2f} s: {summary['tokens_per_s']:.1f} tokens/s; KV held "
-          f"{held / 2**20:.2f} MiB, {100 * summary['kv_share']:.1f}% of a dense cache ({cfg.policy})")
+    summary = {
+        "tokens": tokens,
+        "seconds": seconds,
+        "tokens_per_s": tokens / max(seconds, 1e-9),
+        "kv_bytes": held,
+        "kv_bytes_dense": dense,
+        "kv_share": held / max(dense, 1),
+        "policy": repr(policy),
+    }
+    print(
+        f"{tokens} tokens in {seconds:.2f} s: {summary['tokens_per_s']:.1f} tokens/s; KV held "
+        f"{held / 2**20:.2f} MiB, {100 * summary['kv_share']:.1f}% of a dense cache ({cfg.policy})"
+    )
     return summary
 
 
@@ -188,6 +212,6 @@ class _Stream:
         text = self.tokenizer.decode(self.ids)
         if text.endswith("\ufffd"):  # an unfinished UTF-8 sequence: wait for its next byte
             return
-        sys.stdout.write(text[self.shown:])
+        sys.stdout.write(text[self.shown :])
         sys.stdout.flush()
         self.shown = len(text)

@@ -8,8 +8,8 @@ pages per (sequence, kv head) from a shared pool, so eviction policies free real
 """
 
 from .dense import DenseStore
-from .paged import LayerSnapshot, PagedStore, PagedView
 from .extras import GateState, LayerState, ShiftState, static_zeros
+from .paged import LayerSnapshot, PagedStore, PagedView
 from .protocol import KVCache, KVView
 
 __all__ = [

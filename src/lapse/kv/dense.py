@@ -19,11 +19,12 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from .base import StoreBase
 from .extras import static_zeros
-from .protocol import S, KVView
+from .protocol import KVView
 
 
-class DenseStore:
+class DenseStore(StoreBase):
     """The decoding state of a model of ``n_layers`` attention layers (the
     :class:`~lapse.kv.KVCache` protocol). Make one per batch of sequences and pass it to
     every call of the model: ``model(prompt, cache=store)``, then ``model(token, cache=store)``.
@@ -35,41 +36,13 @@ class DenseStore:
     """
 
     def __init__(self, n_layers: int, capacity: int = 0):
-        if not isinstance(n_layers, int) or isinstance(n_layers, bool) or n_layers < 1:
-            raise ValueError(f"n_layers must be a positive integer, got {n_layers!r}")
+        super().__init__(n_layers)
         if not isinstance(capacity, int) or isinstance(capacity, bool) or capacity < 0:
             raise ValueError(f"capacity must be a non-negative integer, got {capacity!r}")
-        self.n_layers = n_layers
         self.capacity = capacity
-        self.seqlens: Tensor | None = None
         self.k: list[Tensor | None] = [None] * n_layers
         self.v: list[Tensor | None] = [None] * n_layers
         self.extras: list[dict[str, Tensor]] = [{} for _ in range(n_layers)]
-        self.states: list[dict[str, object]] = [{} for _ in range(n_layers)]
-        self._length: int | None = 0  # host copy of seqlens (None: unknown after compiled steps)
-        self._t = 0  # new tokens of the forward in progress
-        self._positions: Tensor | None = None  # [B, T] their positions
-        self._after: Tensor | None = None  # [B] int32 seqlens + T
-
-    @property
-    def batch_size(self) -> int | None:
-        """Sequences held (``None`` before the first call)."""
-        return None if self.seqlens is None else self.seqlens.shape[0]
-
-    @property
-    def length(self) -> int:
-        """Tokens held per sequence; reads ``seqlens`` back once after compiled steps."""
-        if self._length is None:
-            self._length = 0 if self.seqlens is None else int(self.seqlens.max())
-        return self._length
-
-    def begin(self, batch_size: int, t: int, device: torch.device) -> Tensor:
-        if not torch.compiler.is_compiling():
-            self._make_room(batch_size, t, device)
-        self._t = t
-        self._positions = self.seqlens[:, None].long() + torch.arange(t, device=device)  # [B, T]
-        self._after = self.seqlens + t  # [B] int32
-        return self._positions
 
     def append(self, layer_idx: int, k: Tensor, v: Tensor, **extras: Tensor) -> None:
         if not torch.compiler.is_compiling():
@@ -83,20 +56,6 @@ class DenseStore:
 
     def view(self, layer_idx: int) -> KVView:
         return KVView(self.k[layer_idx], self.v[layer_idx], self.extras[layer_idx], self._after)
-
-    def state(self, layer_idx: int, kind: type[S]) -> S:
-        states = self.states[layer_idx]
-        name = kind.__name__
-        if name not in states:
-            states[name] = kind()
-        return states[name]
-
-    def advance(self) -> None:
-        self.seqlens.add_(self._t)
-        if torch.compiler.is_compiling():
-            self._length = None
-        elif self._length is not None:
-            self._length += self._t
 
     def reorder(self, index: Tensor) -> None:
         def moved(x: Tensor) -> Tensor:
@@ -114,16 +73,8 @@ class DenseStore:
             for state in self.states[i].values():
                 state.reorder(index)
 
-    def _make_room(self, batch_size: int, t: int, device: torch.device) -> None:
-        """Allocates ``seqlens`` on the first call, checks the batch, and grows every
-        buffer (x2, keeping the held slots) when ``t`` more tokens do not fit."""
-        if self.seqlens is None:
-            self.seqlens = static_zeros(batch_size, dtype=torch.int32, device=device)
-        elif batch_size != self.seqlens.shape[0]:
-            raise ValueError(
-                f"the cache holds {self.seqlens.shape[0]} sequences but input_ids has {batch_size}: "
-                "use a fresh cache for a new batch"
-            )
+    def _make_room(self, t: int) -> None:
+        """Grows every buffer (x2, keeping the held slots) when ``t`` more tokens do not fit."""
         needed = self.length + t
         if needed <= self.capacity:
             return

@@ -32,8 +32,8 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from .base import StoreBase
 from .extras import static_zeros
-from .protocol import S as StateType
 
 
 @dataclass(eq=False)
@@ -88,7 +88,7 @@ class LayerSnapshot:
     bound: Tensor | None = None
 
 
-class PagedStore:
+class PagedStore(StoreBase):
     """A :class:`~lapse.kv.KVCache` whose memory follows the kept tokens (module doc).
 
     Args:
@@ -104,71 +104,52 @@ class PagedStore:
             query (A2SF's alpha; 1 is H2O); ``None``: no scores.
     """
 
-    def __init__(self, n_layers: int, *, max_context: int, max_tokens: int | None = None,
-                 pages: int | None = None, page_size: int = 16, score_decay: float | None = None):
-        for name, value in (("n_layers", n_layers), ("max_context", max_context), ("page_size", page_size)):
+    def __init__(
+        self,
+        n_layers: int,
+        *,
+        max_context: int,
+        max_tokens: int | None = None,
+        pages: int | None = None,
+        page_size: int = 16,
+        score_decay: float | None = None,
+    ):
+        super().__init__(n_layers)
+        for name, value in (("max_context", max_context), ("page_size", page_size)):
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
         if page_size & (page_size - 1) or page_size < 16:
             raise ValueError(f"page_size must be a power of two >= 16, got {page_size}")
         max_tokens = max_context if max_tokens is None else max_tokens
         if not isinstance(max_tokens, int) or not 1 <= max_tokens <= max_context:
-            raise ValueError(f"max_tokens must be an integer in [1, max_context = {max_context}], got {max_tokens!r}")
+            raise ValueError(
+                f"max_tokens must be an integer in [1, max_context = {max_context}], got {max_tokens!r}"
+            )
         if pages is not None and (not isinstance(pages, int) or pages < 1):
             raise ValueError(f"pages must be a positive integer or None, got {pages!r}")
         if score_decay is not None and not 0 <= score_decay <= 1:
             raise ValueError(f"score_decay must be in [0, 1] or None, got {score_decay!r}")
-        self.n_layers, self.capacity, self.page_size = n_layers, max_context, page_size
+        self.capacity, self.page_size = max_context, page_size
         self.width = page_size * math.ceil(max_tokens / page_size)
         self.pages, self.score_decay = pages, score_decay
         self.prompt_len = 0
-        self.seqlens: Tensor | None = None
         self.k: list[Tensor | None] = [None] * n_layers
         self.v: list[Tensor | None] = [None] * n_layers
         self.extras: list[dict[str, Tensor]] = [{} for _ in range(n_layers)]
         self.page_table: list[Tensor | None] = [None] * n_layers  # [B, H, W/S] int32
         self.lengths: list[Tensor | None] = [None] * n_layers  # [B, H] int32
-        self.states: list[dict[str, object]] = [{} for _ in range(n_layers)]
         self._free: list[list[int]] = [[] for _ in range(n_layers)]  # host free lists
         self._owned: list[list[list[list[int]]]] = [[] for _ in range(n_layers)]  # [B][H] page ids, in order
-        self._length: int | None = 0
-        self._t = 0
-        self._positions: Tensor | None = None
-        self._after: Tensor | None = None
 
-    # -- the KVCache protocol ------------------------------------------------------------
+    # -- the KVCache protocol (begin, state, advance, length: StoreBase) -------------------
 
-    @property
-    def batch_size(self) -> int | None:
-        return None if self.seqlens is None else self.seqlens.shape[0]
-
-    @property
-    def length(self) -> int:
-        """Tokens of each sequence so far (positions, not tokens held)."""
-        if self._length is None:
-            self._length = 0 if self.seqlens is None else int(self.seqlens.max())
-        return self._length
-
-    def begin(self, batch_size: int, t: int, device: torch.device) -> Tensor:
-        if not torch.compiler.is_compiling():
-            if self.seqlens is None:
-                self.seqlens = static_zeros(batch_size, dtype=torch.int32, device=device)
-            elif batch_size != self.seqlens.shape[0]:
-                raise ValueError(
-                    f"the cache holds {self.seqlens.shape[0]} sequences but input_ids has {batch_size}: "
-                    "use a fresh cache for a new batch"
-                )
-            if self.length + t > self.capacity:
-                raise ValueError(
-                    f"{self.length} + {t} tokens exceed the store's max_context = {self.capacity}"
-                )
-            if self.length == 0:
-                self.prompt_len = t
-            self.reserve(t)
-        self._t = t
-        self._positions = self.seqlens[:, None].long() + torch.arange(t, device=device)  # [B, T]
-        self._after = self.seqlens + t
-        return self._positions
+    def _make_room(self, t: int) -> None:
+        """Checks the context, notes the prompt's length, and grants pages for ``t`` tokens."""
+        if self.length + t > self.capacity:
+            raise ValueError(f"{self.length} + {t} tokens exceed the store's max_context = {self.capacity}")
+        if self.length == 0:
+            self.prompt_len = t
+        self.reserve(t)
 
     def append(self, layer_idx: int, k: Tensor, v: Tensor, **extras: Tensor) -> None:
         if self.k[layer_idx] is None:
@@ -192,22 +173,15 @@ class PagedStore:
 
     def view(self, layer_idx: int) -> PagedView:
         extras = self.extras[layer_idx]
-        return PagedView(self.k[layer_idx], self.v[layer_idx], self.page_table[layer_idx],
-                         self.lengths[layer_idx], extras, self._after, "score" in extras)
-
-    def state(self, layer_idx: int, kind: type[StateType]) -> StateType:
-        states = self.states[layer_idx]
-        name = kind.__name__
-        if name not in states:
-            states[name] = kind()
-        return states[name]
-
-    def advance(self) -> None:
-        self.seqlens.add_(self._t)
-        if torch.compiler.is_compiling():
-            self._length = None
-        elif self._length is not None:
-            self._length += self._t
+        return PagedView(
+            self.k[layer_idx],
+            self.v[layer_idx],
+            self.page_table[layer_idx],
+            self.lengths[layer_idx],
+            extras,
+            self._after,
+            "score" in extras,
+        )
 
     def reorder(self, index: Tensor) -> None:
         raise NotImplementedError("PagedStore does not reorder its batch (beam search needs a DenseStore)")
@@ -248,15 +222,20 @@ class PagedStore:
         pages, offsets, valid = self._slots(layer_idx)
         pools = self.extras[layer_idx]
         positions = torch.where(valid, pools["pos"][pages, offsets].long(), -1)
-        scores = pools["score"][pages, offsets] if "score" in pools else torch.zeros(valid.shape, device=valid.device)
+        scores = (
+            pools["score"][pages, offsets]
+            if "score" in pools
+            else torch.zeros(valid.shape, device=valid.device)
+        )
         c = pools["c"][pages, offsets] if "c" in pools else None  # [B, H, W, G]
         c_now = None
         gate = self.states[layer_idx].get("GateState")
         if gate is not None and gate.c_last is not None:
             b, h = valid.shape[:2]
             c_now = gate.c_last.view(b, h, -1)  # [B, H, G]
-        return LayerSnapshot(layer_idx, valid, positions, scores, c, c_now, self.seqlens.long(), self.prompt_len,
-                             self.capacity)
+        return LayerSnapshot(
+            layer_idx, valid, positions, scores, c, c_now, self.seqlens.long(), self.prompt_len, self.capacity
+        )
 
     def evict(self, layer_idx: int, keep: Tensor) -> None:
         """Keeps the slots where ``keep`` ``[B, H, W]`` (shaped as :meth:`snapshot`'s) is True
@@ -286,8 +265,10 @@ class PagedStore:
             if self.k[i] is None:
                 continue
             used = sum(len(p) for row in self._owned[i] for p in row)
-            per_page = sum(pool[0].numel() * pool.element_size()
-                           for pool in (self.k[i], self.v[i], *self.extras[i].values()))
+            per_page = sum(
+                pool[0].numel() * pool.element_size()
+                for pool in (self.k[i], self.v[i], *self.extras[i].values())
+            )
             total += used * per_page
         return total
 
@@ -299,8 +280,10 @@ class PagedStore:
             if self.k[i] is None:
                 continue
             b, h = self.lengths[i].shape
-            per_slot = sum(pool[0, 0].numel() * pool.element_size()
-                           for pool in (self.k[i], self.v[i], *self.extras[i].values()))
+            per_slot = sum(
+                pool[0, 0].numel() * pool.element_size()
+                for pool in (self.k[i], self.v[i], *self.extras[i].values())
+            )
             total += per_slot * h * int(self.seqlens.sum())
         return total
 
@@ -324,7 +307,9 @@ class PagedStore:
             width = s * max(1, max(len(pages) for row in self._owned[layer_idx] for pages in row))
         slots = torch.arange(width, device=self.lengths[layer_idx].device)  # [W]
         table = self.page_table[layer_idx].long()
-        table = table.masked_fill(table < 0, self.k[layer_idx].shape[0] - 1)  # [B, H, W/S]: unowned -> scratch
+        table = table.masked_fill(
+            table < 0, self.k[layer_idx].shape[0] - 1
+        )  # [B, H, W/S]: unowned -> scratch
         pages = table[:, :, slots // s]  # [B, H, W]
         valid = slots < self.lengths[layer_idx][..., None].long()
         return pages, (slots % s).expand_as(pages), valid
@@ -337,8 +322,10 @@ class PagedStore:
         # one page more than handed out: the scratch page that unowned table entries point to
         self.k[layer_idx] = static_zeros(n + 1, s, d, dtype=k.dtype, device=dev)
         self.v[layer_idx] = static_zeros(n + 1, s, v.shape[-1], dtype=v.dtype, device=dev)
-        pools = {name: static_zeros(n + 1, s, x.shape[-1] // h, dtype=x.dtype, device=dev)
-                 for name, x in extras.items()}
+        pools = {
+            name: static_zeros(n + 1, s, x.shape[-1] // h, dtype=x.dtype, device=dev)
+            for name, x in extras.items()
+        }
         pools["pos"] = static_zeros(n + 1, s, dtype=torch.int32, device=dev)
         if self.score_decay is not None:
             pools["score"] = static_zeros(n + 1, s, dtype=torch.float32, device=dev)
@@ -359,13 +346,15 @@ class PagedStore:
                 mine = owned[b][h]
                 if n > table_width:
                     raise ValueError(
-                        f"layer {layer_idx}, sequence {b}, head {h} would hold more than max_tokens = {self.width} "
+                        f"layer {layer_idx}, sequence {b}, head {h} would hold more than "
+                        f"max_tokens = {self.width} "
                         "tokens: evict more often or build the store with a larger max_tokens"
                     )
                 while len(mine) < n:
                     if not free:
                         raise RuntimeError(
-                            f"the page pool of layer {layer_idx} is full ({self.k[layer_idx].shape[0] - 1} pages of "
+                            f"the page pool of layer {layer_idx} is full "
+                            f"({self.k[layer_idx].shape[0] - 1} pages of "
                             f"{self.page_size}): give the store more pages or the policy a smaller budget"
                         )
                     mine.append(free.pop())
@@ -373,9 +362,9 @@ class PagedStore:
         if updates:
             idx = torch.tensor(updates, dtype=torch.long)
             table = self.page_table[layer_idx]
-            table[idx[:, 0].to(table.device), idx[:, 1].to(table.device), idx[:, 2].to(table.device)] = (
-                idx[:, 3].to(device=table.device, dtype=torch.int32)
-            )
+            table[idx[:, 0].to(table.device), idx[:, 1].to(table.device), idx[:, 2].to(table.device)] = idx[
+                :, 3
+            ].to(device=table.device, dtype=torch.int32)
 
     def _release(self, layer_idx: int, kept: list[list[int]]) -> None:
         """Returns the pages of (b, h) past its first ``kept[b][h]`` to the free list."""
@@ -392,5 +381,7 @@ class PagedStore:
             table[idx[:, 0], idx[:, 1], idx[:, 2]] = -1
 
     def __repr__(self) -> str:
-        return (f"PagedStore(layers={self.n_layers}, length={self.length}, page_size={self.page_size}, "
-                f"width={self.width}, bytes_held={self.bytes_held()})")
+        return (
+            f"PagedStore(layers={self.n_layers}, length={self.length}, page_size={self.page_size}, "
+            f"width={self.width}, bytes_held={self.bytes_held()})"
+        )

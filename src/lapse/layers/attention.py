@@ -120,7 +120,8 @@ class Attention(nn.Module):
 
         if q.shape[1] != 1:
             raise ValueError(
-                f"a paged store takes a prefill, then one token per step; got {q.shape[1]} tokens after a prefix"
+                "a paged store takes a prefill, then one token per step; "
+                f"got {q.shape[1]} tokens after a prefix"
             )
         out = forgetting_attention_paged_decode(
             q[:, 0], view.k, view.v, view.page_table, view.lengths,
@@ -133,7 +134,9 @@ class Attention(nn.Module):
         cache.record_scores(self.layer_idx, probs)  # [B, K, W]
         return o[:, None]  # [B, 1, H, D]
 
-    def _record_prefill_scores(self, q: Tensor, k: Tensor, cache: KVCache, log_fgate: Tensor | None = None) -> None:
+    def _record_prefill_scores(
+        self, q: Tensor, k: Tensor, cache: KVCache, log_fgate: Tensor | None = None
+    ) -> None:
         """The prompt's accumulated attention per key (H2O, A2SF), without an L x L matrix."""
         from lapse.ops import attention_key_scores
 

@@ -36,7 +36,8 @@ ARCH_ALIASES: dict[str, tuple[str, str]] = {
 }
 """The four architectures of the FoX paper as (attention kind, block kind)."""
 
-assert set(get_args(AttentionKind)) == set(ATTENTION_KINDS) and set(get_args(BlockKindName)) == set(BLOCK_KINDS)
+assert set(get_args(AttentionKind)) == set(ATTENTION_KINDS)
+assert set(get_args(BlockKindName)) == set(BLOCK_KINDS)
 
 
 @dataclass(kw_only=True)

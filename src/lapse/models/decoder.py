@@ -115,7 +115,9 @@ class Decoder(nn.Module):
         if cache is None:
             return
         if not isinstance(cache, KVCache):
-            raise TypeError(f"cache must be a lapse.kv.KVCache (e.g. lapse.kv.DenseStore), got {type(cache).__name__}")
+            raise TypeError(
+                f"cache must be a lapse.kv.KVCache (e.g. lapse.kv.DenseStore), got {type(cache).__name__}"
+            )
         if cache.n_layers != len(self.blocks):
             raise ValueError(
                 f"the cache has {cache.n_layers} layers but the model has {len(self.blocks)}: "

@@ -12,7 +12,11 @@ from .h2o import H2O
 from .window import SinkWindow
 
 POLICIES: dict[str, type[Policy]] = {
-    "dense": Dense, "window": SinkWindow, "acp": ACPBoundary, "h2o": H2O, "a2sf": A2SF,
+    "dense": Dense,
+    "window": SinkWindow,
+    "acp": ACPBoundary,
+    "h2o": H2O,
+    "a2sf": A2SF,
 }
 
 __all__ = ["A2SF", "ACPBoundary", "H2O", "POLICIES", "Dense", "Policy", "SinkWindow"]

@@ -51,7 +51,9 @@ class A2SF(Policy):
         if self.per not in ("head", "layer"):
             raise ValueError(f"per must be 'head' or 'layer', got {self.per!r}")
         if isinstance(self.budget, int) and self.recent + self.sinks > self.budget:
-            raise ValueError(f"recent + sinks ({self.recent} + {self.sinks}) must fit in the budget ({self.budget})")
+            raise ValueError(
+                f"recent + sinks ({self.recent} + {self.sinks}) must fit in the budget ({self.budget})"
+            )
 
     @property
     def score_decay(self) -> float:
@@ -70,6 +72,7 @@ class A2SF(Policy):
         candidate = snap.valid & ~fixed
         ranked = torch.where(candidate, scores, float("-inf"))
         order = torch.argsort(ranked, dim=-1, descending=True, stable=True)
-        rank = torch.empty_like(order).scatter_(-1, order, torch.arange(order.shape[-1], device=order.device)
-                                                .expand_as(order))
+        rank = torch.empty_like(order).scatter_(
+            -1, order, torch.arange(order.shape[-1], device=order.device).expand_as(order)
+        )
         return fixed | (candidate & (rank < room))

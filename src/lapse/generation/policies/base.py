@@ -55,7 +55,9 @@ def check_budget(budget: int | float) -> None:
     if isinstance(budget, bool) or not (
         (isinstance(budget, int) and budget >= 1) or (isinstance(budget, float) and 0 < budget <= 1)
     ):
-        raise ValueError(f"budget must be a positive number of tokens or a fraction in (0, 1], got {budget!r}")
+        raise ValueError(
+            f"budget must be a positive number of tokens or a fraction in (0, 1], got {budget!r}"
+        )
 
 
 def recent_or_sink(snap: LayerSnapshot, recent: int, sinks: int) -> Tensor:
