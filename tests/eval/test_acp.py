@@ -155,8 +155,8 @@ def test_same_seed_same_results(acp_eval, tmp_path):
 
 def test_chosen_heads_and_errors(fox_run, tmp_path, monkeypatch):
     import lapse.eval.acp as acp
-    from lapse.models import preset
     from lapse.hf import LapseConfig, LapseForCausalLM
+    from lapse.models import preset
 
     transformer = tmp_path / "transformer"
     LapseForCausalLM(LapseConfig.from_model_config(preset("tiny", "transformer-llama"))).save_pretrained(
@@ -189,8 +189,8 @@ def test_fox_llama_with_the_bound_from_data(fox_run, eval_data_dir, tmp_path, mo
     each sequence (``acp="auto"``), and the drawn heads' boundaries must still agree."""
     import lapse.eval.acp as acp
     from lapse.data import CorpusConfig
-    from lapse.models import preset
     from lapse.hf import LapseConfig, LapseForCausalLM
+    from lapse.models import preset
 
     llama = tmp_path / "fox-llama"
     config = preset("tiny", "fox-llama", vocab_size=320, max_seq_len=64)

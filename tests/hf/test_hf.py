@@ -20,8 +20,8 @@ pytest.importorskip("transformers")
 from transformers import AutoConfig, AutoModelForCausalLM  # noqa: E402
 
 from lapse.generation import generate  # noqa: E402
-from lapse.models import ARCHS, PRESETS, ModelConfig, preset  # noqa: E402
 from lapse.hf import LapseCache, LapseConfig, LapseForCausalLM  # noqa: E402
+from lapse.models import ARCHS, PRESETS, ModelConfig, preset  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
