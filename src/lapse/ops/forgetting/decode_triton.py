@@ -4,7 +4,9 @@ The public function and the plain torch reference are in ``decode.py``. Split-K
 flash-decoding: program ``(split, b * H + h)`` owns one key head and all ``GROUP = HQ // H``
 query heads that read it, so each K/V tile is loaded once per group; it runs an online
 softmax (base 2) over its share of the keys and writes a float32 partial ``(acc, m, l)``;
-a second kernel merges the splits. One split writes the output directly.
+a second kernel merges the splits. One split writes the output directly. The online
+softmax step, the split epilogue, the launch options and the merge are shared with the
+paged split kernel of ``paged_triton.py``.
 
 The launch is wrapped in the custom op ``lapse::forgetting_decode`` so that
 ``torch.compile(fullgraph=True)`` and CUDA graphs see one opaque call with known output
@@ -27,6 +29,62 @@ _MIN_KEYS_PER_SPLIT = 256
 MAX_SPLITS = 128
 # Tiles kept in flight per program by Triton's software pipelining (its default on Hopper).
 _PIPELINE_STAGES = 3
+
+
+@triton_jit
+def _online_softmax_update(b_s, b_v, b_m, b_l, b_acc, DOT_PRECISION: tl.constexpr):
+    """One tile of the online softmax (base 2): base-2 logits ``b_s`` [BG, BN] (-inf where
+    masked) and values ``b_v`` [BN, BD] folded into the running ``(m, l, acc)``."""
+    b_m_new = tl.maximum(b_m, tl.max(b_s, axis=1))  # [BG]
+    # A row with no kept key yet has m = -inf; exp2(-inf - 0) = 0 keeps it NaN-free.
+    b_m_safe = tl.where(b_m_new == float("-inf"), 0.0, b_m_new)
+    b_alpha = tl.exp2(b_m - b_m_safe)  # [BG]
+    b_p = tl.exp2(b_s - b_m_safe[:, None])  # [BG, BN]
+    b_l = b_l * b_alpha + tl.sum(b_p, axis=1)
+    b_pv = tl.dot(b_p.to(b_v.dtype), b_v, input_precision=DOT_PRECISION)  # [BG, BD]
+    b_acc = b_acc * b_alpha[:, None] + b_pv
+    return b_m_new, b_l, b_acc
+
+
+@triton_jit
+def _store_split_result(
+    b_acc,
+    b_m,
+    b_l,
+    o,
+    lse,
+    acc_part,
+    m_part,
+    l_part,
+    i_b,
+    i_s,
+    o_hq,
+    o_d,
+    m_g,
+    m_d,
+    num_splits,
+    stride_ob,
+    stride_oh,
+    HQ: tl.constexpr,
+    D: tl.constexpr,
+    IS_SINGLE_SPLIT: tl.constexpr,
+):
+    """The epilogue of a split program over the query heads ``o_hq`` [BG] of batch ``i_b``:
+    one split writes ``o`` and ``lse``; several write float32 partials ``(acc, m, l)``."""
+    m_gd = m_g[:, None] & m_d[None, :]
+    if IS_SINGLE_SPLIT:
+        # The only split saw every key, the new token's among them (finite logit), so
+        # l >= 1 on every real row.
+        b_l_safe = tl.where(m_g, b_l, 1.0)
+        p_o = o + i_b * stride_ob + o_hq[:, None] * stride_oh + o_d[None, :]
+        tl.store(p_o, (b_acc / b_l_safe[:, None]).to(o.dtype.element_ty), mask=m_gd)
+        b_lse = (b_m + tl.log2(b_l_safe)) * LN2_TL
+        tl.store(lse + i_b * HQ + o_hq, b_lse, mask=m_g)
+    else:
+        o_row = (i_b * HQ + o_hq) * num_splits + i_s  # [BG] row of [B, HQ, splits]
+        tl.store(acc_part + o_row[:, None] * D + o_d[None, :], b_acc, mask=m_gd)
+        tl.store(m_part + o_row, b_m, mask=m_g)
+        tl.store(l_part + o_row, b_l, mask=m_g)
 
 
 @triton_jit
@@ -118,29 +176,10 @@ def _decode_split_kernel(
         b_s = tl.dot(b_q, tl.trans(b_k), input_precision=DOT_PRECISION)  # [BG, BN]
         b_s = b_s * scale_log2 + b_bias * LOG2E_TL
         b_s = tl.where(m_gj, b_s, float("-inf"))
-        b_m_new = tl.maximum(b_m, tl.max(b_s, axis=1))  # [BG]
-        # A row with no kept key yet has m = -inf; exp2(-inf - 0) = 0 keeps it NaN-free.
-        b_m_safe = tl.where(b_m_new == float("-inf"), 0.0, b_m_new)
-        b_alpha = tl.exp2(b_m - b_m_safe)  # [BG]
-        b_p = tl.exp2(b_s - b_m_safe[:, None])  # [BG, BN]
-        b_l = b_l * b_alpha + tl.sum(b_p, axis=1)
-        b_pv = tl.dot(b_p.to(b_v.dtype), b_v, input_precision=DOT_PRECISION)  # [BG, BD]
-        b_acc = b_acc * b_alpha[:, None] + b_pv
-        b_m = b_m_new
+        b_m, b_l, b_acc = _online_softmax_update(b_s, b_v, b_m, b_l, b_acc, DOT_PRECISION)
 
-    m_gd = m_g[:, None] & m_d[None, :]
-    if IS_SINGLE_SPLIT:
-        # The only split saw key t (bias 0, finite logit), so l >= 1 on every real row.
-        b_l_safe = tl.where(m_g, b_l, 1.0)
-        p_o = o + i_b * stride_ob + o_hq[:, None] * stride_oh + o_d[None, :]
-        tl.store(p_o, (b_acc / b_l_safe[:, None]).to(o.dtype.element_ty), mask=m_gd)
-        b_lse = (b_m + tl.log2(b_l_safe)) * LN2_TL
-        tl.store(lse + i_b * (H * GROUP) + o_hq, b_lse, mask=m_g)
-    else:
-        o_row = (i_b * (H * GROUP) + o_hq) * num_splits + i_s  # [BG] row of [B, HQ, splits]
-        tl.store(acc_part + o_row[:, None] * D + o_d[None, :], b_acc, mask=m_gd)
-        tl.store(m_part + o_row, b_m, mask=m_g)
-        tl.store(l_part + o_row, b_l, mask=m_g)
+    _store_split_result(b_acc, b_m, b_l, o, lse, acc_part, m_part, l_part, i_b, i_s, o_hq, o_d,
+                        m_g, m_d, num_splits, stride_ob, stride_oh, H * GROUP, D, IS_SINGLE_SPLIT)
 
 
 @triton_jit
@@ -209,6 +248,74 @@ def _choose_num_splits(capacity: int, programs: int, resident: int) -> int:
     return max(1, min(by_wave, by_length, MAX_SPLITS))
 
 
+def _split_launch(
+    q: Tensor, group: int, keys: int, programs: int, num_splits: int | None
+) -> tuple[int, dict]:
+    """``(num_splits, options)`` of a split kernel over ``programs`` key heads of ``group``
+    query heads each, at most ``keys`` keys per head: ``num_splits`` chosen when None, and
+    the launch options both split kernels share (tiles ``BG``, ``BN``, ``BD``, dot
+    precision, ``IS_SINGLE_SPLIT``, warps and stages)."""
+    block_d = max(16, triton.next_power_of_2(q.shape[-1]))
+    # tl.dot needs 16 rows: small groups are padded. A multiply-and-sum over an unpadded
+    # [group, BN, BD] product spilled registers and ran 2-10x slower on an H100.
+    block_g = max(16, triton.next_power_of_2(group))
+    block_n = 64 if block_d <= 128 else 32
+    if num_splits is None:
+        tile_bytes = 2 * block_n * block_d * q.element_size()  # one K and one V tile
+        num_splits = _choose_num_splits(keys, programs, _resident_programs(q.device, tile_bytes))
+    options = dict(
+        BG=block_g,
+        BN=block_n,
+        BD=block_d,
+        DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        IS_SINGLE_SPLIT=num_splits == 1,
+        num_warps=4,
+        num_stages=_PIPELINE_STAGES,
+    )
+    return num_splits, options
+
+
+def _split_workspace(q: Tensor, num_splits: int) -> tuple[Tensor, Tensor, Tensor]:
+    """Fresh float32 partials of the splits for ``q`` [B, HQ, D]: ``acc [B, HQ, splits, D]``,
+    ``m`` and ``l`` ``[B, HQ, splits]``."""
+    b, hq, d = q.shape
+    return (
+        q.new_empty(b, hq, num_splits, d, dtype=torch.float32),
+        q.new_empty(b, hq, num_splits, dtype=torch.float32),
+        q.new_empty(b, hq, num_splits, dtype=torch.float32),
+    )
+
+
+def _combine_splits(
+    acc_part: Tensor,
+    m_part: Tensor,
+    l_part: Tensor,
+    o: Tensor,
+    lse: Tensor,
+    num_splits: int,
+    block_d: int,
+) -> None:
+    """Merges the partials of several splits into ``o`` [B, HQ, D] and ``lse`` [B, HQ];
+    nothing to do after one split, which wrote them itself."""
+    b, hq, d = o.shape
+    if num_splits > 1:
+        _decode_combine_kernel[(b * hq,)](
+            acc_part,
+            m_part,
+            l_part,
+            o,
+            lse,
+            num_splits,
+            o.stride(0),
+            o.stride(1),
+            HQ=hq,
+            D=d,
+            BS=triton.next_power_of_2(num_splits),
+            BD=block_d,
+            num_warps=4,
+        )
+
+
 def launch_decode(
     q: Tensor,
     k_cache: Tensor,
@@ -233,20 +340,8 @@ def launch_decode(
     q, k_cache, v_cache = (
         t if t.stride(-1) == 1 else t.contiguous() for t in (q, k_cache, v_cache)
     )
-    block_d = max(16, triton.next_power_of_2(d))
-    # tl.dot needs 16 rows: small groups are padded. A multiply-and-sum over an unpadded
-    # [group, BN, BD] product spilled registers and ran 2-10x slower on an H100.
-    block_g = max(16, triton.next_power_of_2(group))
-    block_n = 64 if block_d <= 128 else 32
-    if num_splits is None:
-        tile_bytes = 2 * block_n * block_d * q.element_size()  # one K and one V tile
-        num_splits = _choose_num_splits(s, b * h, _resident_programs(q.device, tile_bytes))
-    if workspace is None:
-        acc_part = q.new_empty(b, hq, num_splits, d, dtype=torch.float32)
-        m_part = q.new_empty(b, hq, num_splits, dtype=torch.float32)
-        l_part = q.new_empty(b, hq, num_splits, dtype=torch.float32)
-    else:
-        acc_part, m_part, l_part = workspace
+    num_splits, options = _split_launch(q, group, s, b * h, num_splits)
+    acc_part, m_part, l_part = _split_workspace(q, num_splits) if workspace is None else workspace
     ws = window_start if window_start is not None else cache_seqlens  # unread placeholder
     ws_strides = (ws.stride(0), ws.stride(1)) if window_start is not None else (0, 0)
     _decode_split_kernel[(num_splits, b * h)](
@@ -280,31 +375,10 @@ def launch_decode(
         H=h,
         GROUP=group,
         D=d,
-        BG=block_g,
-        BN=block_n,
-        BD=block_d,
-        DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         USE_WINDOW=window_start is not None,
-        IS_SINGLE_SPLIT=num_splits == 1,
-        num_warps=4,
-        num_stages=_PIPELINE_STAGES,
+        **options,
     )
-    if num_splits > 1:
-        _decode_combine_kernel[(b * hq,)](
-            acc_part,
-            m_part,
-            l_part,
-            o,
-            lse,
-            num_splits,
-            o.stride(0),
-            o.stride(1),
-            HQ=hq,
-            D=d,
-            BS=triton.next_power_of_2(num_splits),
-            BD=block_d,
-            num_warps=4,
-        )
+    _combine_splits(acc_part, m_part, l_part, o, lse, num_splits, options["BD"])
 
 
 @torch.library.custom_op("lapse::forgetting_decode", mutates_args=())

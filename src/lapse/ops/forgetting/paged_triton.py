@@ -5,11 +5,12 @@ The public function and the plain torch reference are in ``paged.py``. The kerne
 head and the ``GROUP = HQ // H`` query heads that read it and runs an online softmax
 (base 2) over its share of the head's ``lengths[b, h]`` logical slots, finding each
 slot's page through the page table (a gathered load per key row, so a tile may span
-pages of any size); the splits are merged by ``decode_triton``'s combine kernel. With
-``return_key_probs`` the split kernel also writes its base-2 logits to a float32 scratch,
-and a third kernel turns them into probabilities with the final log-sum-exp and sums
-them over the group (what H2O/A2SF accumulate): re-reading ``G`` floats per slot is
-cheaper than re-reading the key (``2 D`` bytes in 16 bits).
+pages of any size); the online softmax step, the epilogue, the launch options and the
+kernel that merges the splits are ``decode_triton``'s. With ``return_key_probs`` the
+split kernel also writes its base-2 logits to a float32 scratch, and a third kernel
+turns them into probabilities with the final log-sum-exp and sums them over the group
+(what H2O/A2SF accumulate): re-reading ``G`` floats per slot is cheaper than re-reading
+the key (``2 D`` bytes in 16 bits).
 
 The launch is wrapped in the custom op ``lapse::forgetting_paged_decode`` so that
 ``torch.compile(fullgraph=True)`` and CUDA graphs see one opaque call with known output
@@ -26,12 +27,13 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from ..backend import LN2_TL, LOG2E, LOG2E_TL, tl, triton, triton_jit
+from ..backend import LOG2E, LOG2E_TL, tl, triton, triton_jit
 from .decode_triton import (
-    _PIPELINE_STAGES,
-    _choose_num_splits,
-    _decode_combine_kernel,
-    _resident_programs,
+    _combine_splits,
+    _online_softmax_update,
+    _split_launch,
+    _split_workspace,
+    _store_split_result,
 )
 
 _BLOCK_PROBS = 256
@@ -131,29 +133,10 @@ def _paged_split_kernel(
         b_s = tl.where(m_gj, b_s, float("-inf"))
         if RETURN_PROBS:
             tl.store(s_part + o_srow[:, None] + o_j[None, :], b_s, mask=m_gj)
-        b_m_new = tl.maximum(b_m, tl.max(b_s, axis=1))  # [BG]
-        # A row with no key yet has m = -inf; exp2(-inf - 0) = 0 keeps it NaN-free.
-        b_m_safe = tl.where(b_m_new == float("-inf"), 0.0, b_m_new)
-        b_alpha = tl.exp2(b_m - b_m_safe)  # [BG]
-        b_p = tl.exp2(b_s - b_m_safe[:, None])  # [BG, BN]
-        b_l = b_l * b_alpha + tl.sum(b_p, axis=1)
-        b_pv = tl.dot(b_p.to(b_v.dtype), b_v, input_precision=DOT_PRECISION)  # [BG, BD]
-        b_acc = b_acc * b_alpha[:, None] + b_pv
-        b_m = b_m_new
+        b_m, b_l, b_acc = _online_softmax_update(b_s, b_v, b_m, b_l, b_acc, DOT_PRECISION)
 
-    m_gd = m_g[:, None] & m_d[None, :]
-    if IS_SINGLE_SPLIT:
-        # The only split saw every slot (n >= 1, finite logits), so l >= 1 on every real row.
-        b_l_safe = tl.where(m_g, b_l, 1.0)
-        p_o = o + i_b * stride_ob + o_hq[:, None] * stride_oh + o_d[None, :]
-        tl.store(p_o, (b_acc / b_l_safe[:, None]).to(o.dtype.element_ty), mask=m_gd)
-        b_lse = (b_m + tl.log2(b_l_safe)) * LN2_TL
-        tl.store(lse + i_b * (H * GROUP) + o_hq, b_lse, mask=m_g)
-    else:
-        o_row = (i_b * (H * GROUP) + o_hq) * num_splits + i_s  # [BG] row of [B, HQ, splits]
-        tl.store(acc_part + o_row[:, None] * D + o_d[None, :], b_acc, mask=m_gd)
-        tl.store(m_part + o_row, b_m, mask=m_g)
-        tl.store(l_part + o_row, b_l, mask=m_g)
+    _store_split_result(b_acc, b_m, b_l, o, lse, acc_part, m_part, l_part, i_b, i_s, o_hq, o_d,
+                        m_g, m_d, num_splits, stride_ob, stride_oh, H * GROUP, D, IS_SINGLE_SPLIT)
 
 
 @triton_jit
@@ -217,18 +200,10 @@ def launch_paged_decode(
     q, k_pages, v_pages, page_table = (
         t if t.stride(-1) == 1 else t.contiguous() for t in (q, k_pages, v_pages, page_table)
     )
-    block_d = max(16, triton.next_power_of_2(d))
-    # tl.dot needs 16 rows: small groups are padded (see decode_triton.launch_decode).
-    block_g = max(16, triton.next_power_of_2(group))
-    block_n = 64 if block_d <= 128 else 32
-    if num_splits is None:
-        tile_bytes = 2 * block_n * block_d * q.element_size()  # one K and one V tile
-        num_splits = _choose_num_splits(n_slots, b * h, _resident_programs(q.device, tile_bytes))
+    num_splits, options = _split_launch(q, group, n_slots, b * h, num_splits)
     return_probs = key_probs is not None
     if workspace is None:
-        acc_part = q.new_empty(b, hq, num_splits, d, dtype=torch.float32)
-        m_part = q.new_empty(b, hq, num_splits, dtype=torch.float32)
-        l_part = q.new_empty(b, hq, num_splits, dtype=torch.float32)
+        acc_part, m_part, l_part = _split_workspace(q, num_splits)
         # without key probabilities the logits are not kept: an unread placeholder
         s_part = q.new_empty(b, h, group, n_slots, dtype=torch.float32) if return_probs else m_part
     else:
@@ -274,32 +249,11 @@ def launch_paged_decode(
         GROUP=group,
         D=d,
         PAGE_SIZE=page_size,
-        BG=block_g,
-        BN=block_n,
-        BD=block_d,
-        DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         USE_BIAS=use_bias,
         RETURN_PROBS=return_probs,
-        IS_SINGLE_SPLIT=num_splits == 1,
-        num_warps=4,
-        num_stages=_PIPELINE_STAGES,
+        **options,
     )
-    if num_splits > 1:
-        _decode_combine_kernel[(b * hq,)](
-            acc_part,
-            m_part,
-            l_part,
-            o,
-            lse,
-            num_splits,
-            o.stride(0),
-            o.stride(1),
-            HQ=hq,
-            D=d,
-            BS=triton.next_power_of_2(num_splits),
-            BD=block_d,
-            num_warps=4,
-        )
+    _combine_splits(acc_part, m_part, l_part, o, lse, num_splits, options["BD"])
     if return_probs:
         _paged_key_probs_kernel[(triton.cdiv(n_slots, _BLOCK_PROBS), b * h)](
             s_part,
