@@ -243,3 +243,30 @@ def test_cached_greedy_equals_uncached_on_cuda(arch):
         print(f"{arch} compile={compile}: max |cached - full| logits on CUDA {err:.2e}")
         assert torch.equal(got, expected)
         torch.testing.assert_close(cached_logits, logits, atol=GPU_ATOL32, rtol=0)
+
+
+def test_top_p_keeps_the_nucleus_only():
+    logits = torch.log(torch.tensor([[0.5, 0.3, 0.15, 0.05]])).repeat(2000, 1)
+    g = torch.Generator().manual_seed(0)
+    drawn = sample(logits, temperature=1.0, top_p=0.7, generator=g)  # 0.5 + 0.3 reach 0.7
+    assert set(drawn.flatten().tolist()) == {0, 1}
+    assert abs((drawn == 0).float().mean().item() - 0.5 / 0.8) < 0.05
+    only = sample(logits, temperature=1.0, top_p=0.1, generator=g)  # the most likely token always stays
+    assert set(only.flatten().tolist()) == {0}
+
+
+def test_stop_tokens_end_each_sequence_and_the_loop():
+    model = _model("fox-pro")
+    ids = torch.randint(0, model.config.vocab_size, (2, 5), generator=torch.Generator().manual_seed(2))
+    free = generate(model, ids, 30)
+    stop = int(free[0, 8])  # the 4th new token of sequence 0: it stops there
+    out = generate(model, ids, 30, stop_tokens=(stop,), check_every=4)
+    for row in range(2):
+        new = free[row, 5:].tolist()
+        end = new.index(stop) + 1 if stop in new else len(new)
+        assert out[row, 5 : 5 + end].tolist() == new[:end]
+        assert (out[row, 5 + end :] == stop).all()
+    if stop in free[1, 5:].tolist():
+        assert out.shape[1] < free.shape[1]  # both ended: the loop stopped early
+    with pytest.raises(ValueError, match="top_p must be in"):
+        generate(model, ids, 3, temperature=1.0, top_p=0.0)

@@ -50,6 +50,8 @@ class GenerateConfig:
     """0: greedy; otherwise sample from softmax(logits / temperature)."""
     top_k: int | None = None
     """Sample from the k most likely tokens only."""
+    top_p: float | None = None
+    """Sample from the most likely tokens whose probability reaches p (nucleus)."""
     seed: int = 0
     """Seed of the sampling."""
     policy: Literal["dense", "window", "acp", "h2o", "a2sf"] = "dense"

@@ -14,7 +14,7 @@ Legend: B batch, T prompt length, N new tokens, V vocabulary.
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import torch
 from torch import Tensor
@@ -84,13 +84,16 @@ def sample(
     temperature: float = 0.0,
     top_k: int | None = None,
     generator: torch.Generator | None = None,
+    top_p: float | None = None,
 ) -> Tensor:
     """The next token ``[B, 1]`` (int64) from logits ``[B, V]``.
 
     ``temperature == 0``: the argmax. Otherwise a draw from ``softmax(logits / temperature)``
-    restricted to the ``top_k`` largest logits (all when ``None``): ``argmax_v p_v / E_v``
-    with ``E_v ~ Exp(1)`` is distributed as ``p`` (the Gumbel-max trick), and unlike
-    ``torch.multinomial`` it never synchronises with the host.
+    restricted to the ``top_k`` largest logits (all when ``None``) and then to the smallest
+    set of most likely tokens whose probability reaches ``top_p`` (nucleus sampling; all
+    when ``None``): ``argmax_v p_v / E_v`` with ``E_v ~ Exp(1)`` is distributed as ``p``
+    (the Gumbel-max trick), and unlike ``torch.multinomial`` it never synchronises with the
+    host.
     """
     if temperature == 0:
         return logits.argmax(dim=-1, keepdim=True)
@@ -98,6 +101,11 @@ def sample(
     if top_k is not None:
         kth = torch.topk(logits, min(top_k, logits.shape[-1]), dim=-1).values[:, -1:]  # [B, 1]
         logits = logits.masked_fill(logits < kth, float("-inf"))
+    if top_p is not None:
+        sorted_p, order = torch.softmax(logits, dim=-1).sort(dim=-1, descending=True)  # [B, V]
+        before = sorted_p.cumsum(-1) - sorted_p  # mass of the more likely tokens
+        drop = torch.zeros_like(before, dtype=torch.bool).scatter_(-1, order, before >= top_p)
+        logits = logits.masked_fill(drop, float("-inf"))  # the most likely token always stays
     probs = torch.softmax(logits, dim=-1)  # [B, V]
     race = torch.empty_like(probs).exponential_(1, generator=generator)  # [B, V]
     return (probs / race).argmax(dim=-1, keepdim=True)
@@ -111,20 +119,27 @@ def generate(
     *,
     temperature: float = 0.0,
     top_k: int | None = None,
+    top_p: float | None = None,
     generator: torch.Generator | None = None,
+    stop_tokens: Sequence[int] = (),
+    check_every: int = 16,
     cache: KVCache | None = None,
     return_logits: bool = False,
     compile: bool = False,
     policy: Policy | None = None,
     on_token: Callable[[Tensor], None] | None = None,
 ) -> Tensor | tuple[Tensor, Tensor]:
-    """Continues every prompt by ``max_new_tokens`` tokens (no stop token: all run to the end).
+    """Continues every prompt by up to ``max_new_tokens`` tokens.
 
     Args:
         model: a :class:`lapse.models.Decoder`.
         input_ids: ``[B, T]`` the prompts, all of the same length (no padding).
         max_new_tokens: how many tokens to append, at least 1.
-        temperature, top_k, generator: see :func:`sample`; greedy by default.
+        temperature, top_k, top_p, generator: see :func:`sample`; greedy by default.
+        stop_tokens: a sequence that draws one of these ends there: its later positions
+            repeat ``stop_tokens[0]``. The device is asked whether every sequence has
+            ended only every ``check_every`` steps (no host sync per token), and
+            generation stops early when all have.
         cache: a store to continue (its sequences go on with ``input_ids``); a fresh
             :class:`~lapse.kv.DenseStore` with room for ``T + max_new_tokens`` positions
             by default.
@@ -139,7 +154,8 @@ def generate(
             it on the host waits for the device each step).
 
     Returns:
-        ``[B, T + N]`` the prompts followed by the new tokens, and with ``return_logits``
+        ``[B, T + N]`` the prompts followed by the new tokens (``N`` below
+        ``max_new_tokens`` when every sequence stopped early), and with ``return_logits``
         the logits ``[B, N, V]`` (float32 or the model's dtype if wider).
     """
     if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
@@ -148,6 +164,10 @@ def generate(
         raise ValueError(f"temperature must be >= 0, got {temperature!r}")
     if top_k is not None and (not isinstance(top_k, int) or top_k < 1):
         raise ValueError(f"top_k must be a positive integer or None, got {top_k!r}")
+    if top_p is not None and not 0 < top_p <= 1:
+        raise ValueError(f"top_p must be in (0, 1] or None, got {top_p!r}")
+    if not isinstance(check_every, int) or check_every < 1:
+        raise ValueError(f"check_every must be a positive integer, got {check_every!r}")
     if cache is None and policy is not None:
         cache = paged_store_for(model, input_ids.shape[0], input_ids.shape[1], max_new_tokens, policy)
     elif cache is None:
@@ -161,11 +181,24 @@ def generate(
             f"a compiled decode step needs the room in advance: the cache has capacity {cache.capacity} "
             f"for {cache.length} + {max_new_tokens - 1} tokens"
         )
+    stops = torch.tensor(list(stop_tokens), dtype=torch.long, device=input_ids.device)  # [S]
+    done = torch.zeros(input_ids.shape[0], 1, dtype=torch.bool, device=input_ids.device)  # [B, 1]
+
+    def draw(logits: Tensor) -> Tensor:
+        nonlocal done
+        token = sample(logits, temperature, top_k, generator, top_p)  # [B, 1]
+        if len(stop_tokens):
+            token = torch.where(done, stops[0], token)
+            done = done | torch.isin(token, stops)
+        if on_token is not None:
+            on_token(token)
+        return token
+
     steps = [logits]
-    tokens = [sample(logits, temperature, top_k, generator)]  # [B, 1] each
-    if on_token is not None:
-        on_token(tokens[-1])
+    tokens = [draw(logits)]  # [B, 1] each
     for i in range(max_new_tokens - 1):
+        if len(stop_tokens) and i % check_every == 0 and bool(done.all()):
+            break
         if policy is not None and i % policy.every == 0:
             evict(model, cache, policy)  # the prompt's cut first, then every `every` steps
             cache.reserve(min(policy.every, max_new_tokens - 1 - i))  # pages for the next steps
@@ -173,9 +206,7 @@ def generate(
         if compile and return_logits:
             logits = logits.clone()  # the next CUDA-graph replay overwrites it
         steps.append(logits)
-        tokens.append(sample(logits, temperature, top_k, generator))
-        if on_token is not None:
-            on_token(tokens[-1])
+        tokens.append(draw(logits))
     out = torch.cat([input_ids, *tokens], dim=1)  # [B, T + N]
     if not return_logits:
         return out

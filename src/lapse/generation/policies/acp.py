@@ -45,7 +45,8 @@ class ACPBoundary(Policy):
             if not getattr(attn, "supports_acp", False) or attn.logit_bound() is None:
                 raise ValueError(
                     "ACPBoundary needs forgetting attention with QK-norm (fox-pro) in every layer, so "
-                    f"that the bound U holds for every later query; layer {i} of this {model.config.name} model has "
+                    f"that the bound U holds for every later query; layer {i} of this "
+                    f"{model.config.name} model has "
                     f"{'no forget gate' if not getattr(attn, 'supports_acp', False) else 'no QK-norm'}"
                 )
 
