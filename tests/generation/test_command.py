@@ -14,7 +14,8 @@ from lapse.cli import main
 
 RUN = Path(__file__).parents[1] / "fixtures" / "before_restructure" / "run-fox-pro"
 SUMMARY = re.compile(
-    r"^(\d+) tokens in [\d.]+ s: [\d.]+ tokens/s; KV held [\d.]+ MiB, ([\d.]+)% of a dense cache \((\w+)\)$"
+    r"^(\d+) tokens in [\d.]+ s: [\d.]+ tokens/s; KV held [\d.]+ MiB, ([\d.]+)% of a dense cache "
+    r"\((\w+); whole pages, the next steps' included\)$"
 )
 
 
@@ -105,3 +106,32 @@ def test_missing_run_is_one_line(tmp_path, capsys):
         main(["generate", str(tmp_path / "nowhere"), "--prompt", "x"])
     assert e.value.code == 2
     assert "no such run or checkpoint folder" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("policy", ["h2o", "a2sf", "window", "acp"])
+def test_default_policy_fields_work_on_a_short_prompt(run, capsys, policy):
+    main(
+        [
+            "generate",
+            str(run),
+            "--prompt",
+            "def ",
+            "--max-new-tokens",
+            "40",
+            "--max-context",
+            "64",
+            "--policy",
+            policy,
+            "--top-p",
+            "0.9",
+            "--temperature",
+            "0.7",
+        ]
+    )
+    assert SUMMARY.match(capsys.readouterr().out.strip().splitlines()[-1])
+
+
+def test_top_p_out_of_range_is_one_line(run, capsys):
+    with pytest.raises(SystemExit) as e:
+        main(["generate", str(run), "--prompt", "x", "--top-p", "2"])
+    assert e.value.code == 2 and "--top-p must be in (0, 1]" in capsys.readouterr().err

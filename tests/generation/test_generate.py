@@ -259,14 +259,13 @@ def test_stop_tokens_end_each_sequence_and_the_loop():
     model = _model("fox-pro")
     ids = torch.randint(0, model.config.vocab_size, (2, 5), generator=torch.Generator().manual_seed(2))
     free = generate(model, ids, 30)
-    stop = int(free[0, 8])  # the 4th new token of sequence 0: it stops there
-    out = generate(model, ids, 30, stop_tokens=(stop,), check_every=4)
+    stops = (int(free[0, 8]), int(free[1, 6]))  # sequence 0 stops by its 4th new token, 1 by its 2nd
+    out = generate(model, ids, 30, stop_tokens=stops, check_every=4)
     for row in range(2):
         new = free[row, 5:].tolist()
-        end = new.index(stop) + 1 if stop in new else len(new)
+        end = min(new.index(s) for s in stops if s in new) + 1
         assert out[row, 5 : 5 + end].tolist() == new[:end]
-        assert (out[row, 5 + end :] == stop).all()
-    if stop in free[1, 5:].tolist():
-        assert out.shape[1] < free.shape[1]  # both ended: the loop stopped early
+        assert (out[row, 5 + end :] == stops[0]).all()
+    assert out.shape[1] <= 5 + 4 + 4  # both ended by step 4: the check at step 4 stopped the loop
     with pytest.raises(ValueError, match="top_p must be in"):
         generate(model, ids, 3, temperature=1.0, top_p=0.0)

@@ -31,7 +31,7 @@ def _model(arch: str, **overrides) -> Decoder:
 @pytest.mark.parametrize("arch", ARCHS)
 @pytest.mark.parametrize(
     "policy",
-    [Dense(), H2O(budget=64, recent=4), SinkWindow(sinks=2, window=64, every=4)],
+    [Dense(), H2O(budget=24, recent=4), SinkWindow(sinks=2, window=64, every=4)],
     ids=["dense", "h2o-unreached", "window-unreached"],
 )
 def test_policies_that_keep_everything_equal_the_dense_cache(arch, policy):
@@ -202,3 +202,65 @@ def test_sink_window_equals_full_attention_with_the_matching_mask():
         ref, _ = model(out[:, :-1])
     torch.testing.assert_close(logits, ref[:, t - 1 :], atol=ATOL32, rtol=0)
     assert (logits - unmasked[:, t - 1 :]).abs().max() > 100 * ATOL32  # the eviction mattered
+
+
+def test_review_regressions_paged_store_misuse():
+    """A compiled step over a PagedStore without a policy has its pages granted up front;
+    a second prompt into a used PagedStore fails before touching it; a cache that does not
+    match the policy (kind, score decay) is one clear error; a failed page grant leaves
+    the table and the free list as they were."""
+    model = _model("fox-pro")
+    ids = torch.randint(0, model.config.vocab_size, (2, 9))
+    dense_out, dense_logits = generate(model, ids, 20, return_logits=True)
+    import sys
+
+    gen = sys.modules["lapse.generation.generate"]  # the module (the package exports the function)
+
+    real = gen.compiled_decode_one_token
+    gen.compiled_decode_one_token = lambda: real(mode=None, backend="aot_eager")
+    try:
+        out, logits = generate(
+            model, ids, 20, return_logits=True, cache=PagedStore(2, max_context=40), compile=True
+        )
+    finally:
+        gen.compiled_decode_one_token = real
+    assert torch.equal(out, dense_out)
+    torch.testing.assert_close(logits, dense_logits, atol=ATOL32, rtol=0)
+
+    store = PagedStore(2, max_context=64)
+    prefill(model, ids, store)
+    lengths = [x.clone() for x in store.lengths]
+    with pytest.raises(ValueError, match="takes a prefill, then one token per step"):
+        prefill(model, ids, store)
+    assert all(torch.equal(a, b) for a, b in zip(lengths, store.lengths, strict=True))
+    assert store.length == 9
+
+    with pytest.raises(ValueError, match="needs a PagedStore with score_decay=1.0"):
+        generate(model, ids, 4, cache=PagedStore(2, max_context=64), policy=H2O(budget=8, recent=2))
+    with pytest.raises(ValueError, match="got DenseStore"):
+        from lapse.kv import DenseStore
+
+        generate(model, ids, 4, cache=DenseStore(2), policy=Dense())
+
+    small = PagedStore(1, max_context=64, pages=2, page_size=16)
+    small.begin(1, 16, torch.device("cpu"))
+    k = torch.zeros(1, 16, 2, 4)
+    small.append(0, k, k)  # two heads x one page: the whole pool
+    small.advance()
+    table, free = small.page_table[0].clone(), list(small._free[0])
+    with pytest.raises(RuntimeError, match="page pool of layer 0 is full"):
+        small.reserve(1)
+    assert torch.equal(small.page_table[0], table) and small._free[0] == free
+
+
+def test_fractional_budgets_keep_recent_and_sinks():
+    """A budget share below recent + sinks keeps recent + sinks (the default command's case)."""
+    policy = H2O(budget=0.2, recent=32, sinks=4)
+    assert policy.tokens(10) == 36 and policy.tokens(1000) == 200
+    model = _model("transformer-llama")
+    ids = torch.randint(0, model.config.vocab_size, (1, 20))
+    store = paged_store_for(model, 1, 20, 30, policy)
+    generate(model, ids, 30, policy=policy, cache=store)
+    assert int(store.lengths[0].max()) <= 36 + 1
+    with pytest.raises(ValueError, match="larger than the context"):
+        generate(model, ids, 4, policy=H2O(budget=100, recent=2))

@@ -67,7 +67,7 @@ def test_freed_pages_are_reused_and_a_full_pool_says_so():
     positions, valid = _held(store)
     assert positions[0, 0, : int(store.lengths[0][0, 0])].tolist() == list(range(40, 88))
     with pytest.raises(RuntimeError, match="page pool of layer 0 is full"):
-        _fill(store, 1, 16, 88)
+        _fill(store, 1, 1, 88)  # a 4th page per head: none is free
 
 
 def test_store_errors():

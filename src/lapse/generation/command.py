@@ -68,8 +68,9 @@ class GenerateConfig:
     """window: recent positions kept."""
     eps: float = math.exp(-10)
     """acp: attention mass a row may lose to eviction."""
-    every: int = 16
-    """Evict every this many steps (outside the decode step)."""
+    every: int | None = None
+    """Evict every this many steps (outside the decode step); default: the policy's own
+    (window, acp: 64; h2o, a2sf: 1)."""
     device: str = "auto"
     """``auto``: CUDA when available."""
     compile: bool = False
@@ -84,16 +85,19 @@ class GenerateConfig:
             raise FileNotFoundError(f"--prompts-file {self.prompts_file} does not exist")
         if self.max_new_tokens < 1:
             raise ValueError(f"--max-new-tokens must be at least 1, got {self.max_new_tokens}")
+        if self.top_p is not None and not 0 < self.top_p <= 1:
+            raise ValueError(f"--top-p must be in (0, 1], got {self.top_p}")
 
     def make_policy(self) -> Policy:
         budget = int(self.budget) if self.budget > 1 else float(self.budget)
+        every = {} if self.every is None else {"every": self.every}
         return {
             "dense": lambda: Dense(),
-            "window": lambda: SinkWindow(sinks=self.sinks, window=self.window, every=self.every),
-            "acp": lambda: ACPBoundary(eps=self.eps, every=self.every),
-            "h2o": lambda: H2O(budget=budget, recent=self.recent, sinks=self.sinks, every=self.every),
+            "window": lambda: SinkWindow(sinks=self.sinks, window=self.window, **every),
+            "acp": lambda: ACPBoundary(eps=self.eps, **every),
+            "h2o": lambda: H2O(budget=budget, recent=self.recent, sinks=self.sinks, **every),
             "a2sf": lambda: A2SF(
-                budget=budget, recent=self.recent, alpha=self.alpha, sinks=self.sinks, every=self.every
+                budget=budget, recent=self.recent, alpha=self.alpha, sinks=self.sinks, **every
             ),
         }[self.policy]()
 
@@ -130,8 +134,7 @@ def run_generate(cfg: GenerateConfig) -> dict:
     if cfg.prompt is not None:
         prompts = [cfg.prompt]
     else:
-        lines = [line for line in cfg.prompts_file.read_text().splitlines() if line.strip()]
-        prompts = [json.loads(line)["prompt"] for line in lines]
+        prompts = _read_prompts(cfg.prompts_file)
     generator = torch.Generator(device=device).manual_seed(cfg.seed)
     completions, tokens, seconds, held, dense = [], 0, 0.0, 0, 0
     for prompt in prompts:
@@ -154,7 +157,9 @@ def run_generate(cfg: GenerateConfig) -> dict:
             cfg.max_new_tokens,
             temperature=cfg.temperature,
             top_k=cfg.top_k,
+            top_p=cfg.top_p,
             generator=generator,
+            stop_tokens=(tokenizer.eos_id,),
             cache=store,
             policy=policy,
             compile=cfg.compile,
@@ -184,9 +189,28 @@ def run_generate(cfg: GenerateConfig) -> dict:
     }
     print(
         f"{tokens} tokens in {seconds:.2f} s: {summary['tokens_per_s']:.1f} tokens/s; KV held "
-        f"{held / 2**20:.2f} MiB, {100 * summary['kv_share']:.1f}% of a dense cache ({cfg.policy})"
+        f"{held / 2**20:.2f} MiB, {100 * summary['kv_share']:.1f}% of a dense cache ({cfg.policy}; whole "
+        "pages, the next steps' included)"
     )
     return summary
+
+
+def _read_prompts(path: Path) -> list[str]:
+    """The ``"prompt"`` of every non-empty JSONL line; one-line errors naming the line."""
+    prompts = []
+    for n, line in enumerate(path.read_text().splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{path}:{n} is not JSON ({e.msg})") from None
+        if not isinstance(row, dict) or not isinstance(row.get("prompt"), str):
+            raise ValueError(f'{path}:{n} has no "prompt" string')
+        prompts.append(row["prompt"])
+    if not prompts:
+        raise ValueError(f"{path} holds no prompts")
+    return prompts
 
 
 def _final_bytes(store: PagedStore) -> tuple[int, int]:

@@ -60,6 +60,7 @@ def paged_store_for(model: Decoder, batch: int, prompt_len: int, max_new_tokens:
     than the policy's bound (plus the steps between evictions) once the prompt is cut."""
     policy.check(model)
     total = prompt_len + max_new_tokens
+    policy.check_context(prompt_len, total)
     bound = policy.max_tokens(prompt_len)
     per_head = total if bound is None else min(total, max(prompt_len, bound + policy.every))
     heads = model.config.kv_heads
@@ -140,7 +141,8 @@ def generate(
             repeat ``stop_tokens[0]``. The device is asked whether every sequence has
             ended only every ``check_every`` steps (no host sync per token), and
             generation stops early when all have.
-        cache: a store to continue (its sequences go on with ``input_ids``); a fresh
+        cache: a store to continue (its sequences go on with ``input_ids``; a
+            :class:`~lapse.kv.PagedStore` takes a prompt only when empty); a fresh
             :class:`~lapse.kv.DenseStore` with room for ``T + max_new_tokens`` positions
             by default.
         return_logits: also return the logits each new token was drawn from.
@@ -168,11 +170,22 @@ def generate(
         raise ValueError(f"top_p must be in (0, 1] or None, got {top_p!r}")
     if not isinstance(check_every, int) or check_every < 1:
         raise ValueError(f"check_every must be a positive integer, got {check_every!r}")
+    if not isinstance(input_ids, Tensor) or input_ids.dim() != 2 or input_ids.shape[1] < 1:
+        got = tuple(input_ids.shape) if isinstance(input_ids, Tensor) else type(input_ids).__name__
+        raise ValueError(f"input_ids must be [batch, time] with at least one token, got {got}")
     if cache is None and policy is not None:
         cache = paged_store_for(model, input_ids.shape[0], input_ids.shape[1], max_new_tokens, policy)
     elif cache is None:
         cache = DenseStore(model.config.n_layers, capacity=input_ids.shape[1] + max_new_tokens)
     elif policy is not None:
+        if not isinstance(cache, PagedStore) or cache.score_decay != policy.score_decay:
+            got = type(cache).__name__
+            if isinstance(cache, PagedStore):
+                got += f" with score_decay={cache.score_decay}"
+            raise ValueError(
+                f"a {type(policy).__name__} policy needs a PagedStore with score_decay={policy.score_decay} "
+                f"(make it with paged_store_for), got {got}"
+            )
         policy.check(model)
     step = compiled_decode_one_token() if compile else decode_one_token
     logits = prefill(model, input_ids, cache)  # [B, V]
@@ -194,6 +207,8 @@ def generate(
             on_token(token)
         return token
 
+    if policy is None and isinstance(cache, PagedStore):
+        cache.reserve(max_new_tokens - 1)  # pages for every step, before any (compiled) step
     steps = [logits]
     tokens = [draw(logits)]  # [B, 1] each
     for i in range(max_new_tokens - 1):

@@ -147,6 +147,11 @@ class PagedStore(StoreBase):
         """Checks the context, notes the prompt's length, and grants pages for ``t`` tokens."""
         if self.length + t > self.capacity:
             raise ValueError(f"{self.length} + {t} tokens exceed the store's max_context = {self.capacity}")
+        if self.length > 0 and t > 1:
+            raise ValueError(
+                f"a paged store takes a prefill, then one token per step; got {t} tokens after "
+                f"{self.length}: use a fresh store (or a DenseStore for chunks)"
+            )
         if self.length == 0:
             self.prompt_len = t
         self.reserve(t)
@@ -340,23 +345,26 @@ class PagedStore(StoreBase):
         """Pages from the free list until (b, h) owns ``needed[b][h]`` pages."""
         table_width = self.width // self.page_size
         free, owned = self._free[layer_idx], self._owned[layer_idx]
-        updates = []
+        # check everything first: a failed grant leaves the table and the lists as they were
         for b, row in enumerate(needed):
             for h, n in enumerate(row):
-                mine = owned[b][h]
                 if n > table_width:
                     raise ValueError(
                         f"layer {layer_idx}, sequence {b}, head {h} would hold more than "
                         f"max_tokens = {self.width} "
                         "tokens: evict more often or build the store with a larger max_tokens"
                     )
+        wanted = sum(max(0, n - len(owned[b][h])) for b, row in enumerate(needed) for h, n in enumerate(row))
+        if wanted > len(free):
+            raise RuntimeError(
+                f"the page pool of layer {layer_idx} is full ({self.k[layer_idx].shape[0] - 1} pages of "
+                f"{self.page_size}): give the store more pages or the policy a smaller budget"
+            )
+        updates = []
+        for b, row in enumerate(needed):
+            for h, n in enumerate(row):
+                mine = owned[b][h]
                 while len(mine) < n:
-                    if not free:
-                        raise RuntimeError(
-                            f"the page pool of layer {layer_idx} is full "
-                            f"({self.k[layer_idx].shape[0] - 1} pages of "
-                            f"{self.page_size}): give the store more pages or the policy a smaller budget"
-                        )
                     mine.append(free.pop())
                     updates.append((b, h, len(mine) - 1, mine[-1]))
         if updates:

@@ -20,15 +20,16 @@ class A2SF(Policy):
     prefill without an L x L matrix). A head keeps its ``recent`` last positions and ``sinks``
     first ones, and fills the rest of ``budget`` with the highest scores.
 
-    Variants, as fields: ``every=1`` evicts before every step (the budget is never exceeded;
-    in a store that frees memory an evicted token cannot return, so re-selecting the top-k
+    Variants, as fields: ``every=1`` evicts before every step (a step attends to the budget
+    plus the new token; in a store that frees memory an evicted token cannot return, so re-selecting the top-k
     each step and evicting the lowest each step choose the same tokens), larger ``every``
     evicts in batches; ``per="layer"`` sums the scores over a layer's heads so all its heads
     keep the same tokens; ``sinks`` keeps attention sinks.
     """
 
     budget: int | float = 0.2
-    """Tokens kept per head: an int, or a float in (0, 1] as a share of the prompt."""
+    """Tokens kept per head: an int, or a float in (0, 1] as a share of the prompt; at least
+    ``recent + sinks``."""
     recent: int = 32
     """The most recent positions always kept (inside the budget)."""
     alpha: float = 0.9
@@ -59,11 +60,23 @@ class A2SF(Policy):
     def score_decay(self) -> float:
         return self.alpha
 
+    def tokens(self, prompt_len: int) -> int:
+        """The budget in tokens for a prompt of ``prompt_len``: at least ``recent + sinks``,
+        which are always kept."""
+        return max(resolve_budget(self.budget, prompt_len), self.recent + self.sinks)
+
     def max_tokens(self, prompt_len: int) -> int:
-        return resolve_budget(self.budget, prompt_len)
+        return self.tokens(prompt_len)
+
+    def check_context(self, prompt_len: int, max_context: int) -> None:
+        if isinstance(self.budget, int) and self.budget > max_context:
+            raise ValueError(
+                f"budget ({self.budget} tokens) is larger than the context ({max_context}): nothing would "
+                "ever be evicted; give a smaller budget or a share of the prompt"
+            )
 
     def keep(self, snap: LayerSnapshot) -> Tensor:
-        budget = resolve_budget(self.budget, snap.prompt_len)
+        budget = self.tokens(snap.prompt_len)
         fixed = recent_or_sink(snap, self.recent, self.sinks)  # [B, H, W]
         scores = snap.scores
         if self.per == "layer":  # every head of the layer holds the same positions in the same order

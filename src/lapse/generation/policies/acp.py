@@ -53,6 +53,11 @@ class ACPBoundary(Policy):
     def keep(self, snap: LayerSnapshot) -> Tensor:
         if snap.c is None or snap.c_now is None or snap.bound is None:
             raise ValueError("ACPBoundary needs the FoX gates c and the layer's bound U in the snapshot")
+        if self.max_context is not None and self.max_context < snap.max_context:
+            raise ValueError(
+                f"ACPBoundary(max_context={self.max_context}) is below the store's max_context "
+                f"({snap.max_context}): the eps guarantee needs L >= every row's length"
+            )
         length = self.max_context or snap.max_context
         delta = -2 * snap.bound.double() - math.log(length) + math.log(self.eps)  # [H, G]
         bias = snap.c_now[:, :, None, :] - snap.c  # [B, H, W, G] float64

@@ -4,7 +4,7 @@ never touches memory: the store (:class:`lapse.kv.PagedStore`) frees the pages.
 
 Eviction runs outside the decode step, every ``every`` steps (and once after the prefill),
 so a step can be captured in a CUDA graph; between two evictions a head holds up to
-``every - 1`` tokens more than the policy's budget.
+``every`` tokens more than the policy's budget (the step's own token included).
 """
 
 from __future__ import annotations
@@ -34,6 +34,9 @@ class Policy:
 
     def check(self, model: nn.Module) -> None:
         """Raises ``ValueError`` when the policy does not fit the model."""
+
+    def check_context(self, prompt_len: int, max_context: int) -> None:
+        """Raises ``ValueError`` when the policy cannot work in ``max_context`` tokens."""
 
     def max_tokens(self, prompt_len: int) -> int | None:
         """Most tokens a head keeps after an eviction (``None``: not bounded)."""

@@ -18,7 +18,8 @@ class SinkWindow(Policy):
     sinks: int = 4
     """Positions at the start always kept (the attention sinks)."""
     window: int = 1024
-    """The most recent positions kept (the new token included)."""
+    """The most recent held positions kept at each eviction (a step then attends to them
+    and its own new token)."""
 
     every: int = 64
     """Evict every this many steps: a kept suffix or window only grows by ``every`` tokens
