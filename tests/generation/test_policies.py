@@ -14,6 +14,8 @@ import math
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from lapse.generation import A2SF, H2O, ACPBoundary, Dense, SinkWindow, generate, paged_store_for, prefill
 from lapse.kv import LayerSnapshot, PagedStore
@@ -308,3 +310,58 @@ def test_accumulated_scores_equal_a_materialised_reference(arch):
     # the store keeps scores in float32 (values up to ~10 here): measured 7.1e-7 (transformer)
     # and 3.9e-7 (FoX); allowed 2e-6
     torch.testing.assert_close(snap.scores[..., :n].double(), expected, atol=2e-6, rtol=0)
+
+
+@settings(max_examples=12, deadline=None)
+@given(
+    kv_heads=st.sampled_from([1, 2, 4]),
+    prompt=st.integers(1, 40),
+    bias=st.floats(-4.0, 1.0),
+    log_eps=st.floats(-12.0, -3.0),
+    seed=st.integers(0, 2**16),
+)
+def test_acp_eviction_moves_each_attention_row_by_at_most_its_bound(kv_heads, prompt, bias, log_eps, seed):
+    """SPEC section 3: the evicted keys of a row hold at most ``eps`` of its attention, so
+    its output moves by at most ``2 eps max|v| / (1 - eps)``. One FoX (Pro) layer in float64,
+    the same tokens fed to a dense store and to a paged store evicting before every step;
+    each decode step's attention output is compared row by row."""
+    from lapse.generation import decode_one_token, evict
+    from lapse.kv import DenseStore
+
+    eps = math.exp(log_eps)
+    torch.manual_seed(seed)
+    model = Decoder(preset("tiny", "fox-pro", n_layers=1, n_kv_heads=kv_heads, init_std=0.3)).double().eval()
+    with torch.no_grad():
+        model.blocks[0].attn.fgate.bias.fill_(bias)
+    policy = ACPBoundary(eps=eps, every=1)
+    ids = torch.randint(0, model.config.vocab_size, (2, prompt + 24))
+    outs = {"dense": [], "acp": []}
+    attn = model.blocks[0].attn
+    real = attn.attend
+    values = []
+
+    def capture(name):
+        def fn(q, k, v, x, positions, cache):
+            o = real(q, k, v, x, positions, cache)
+            outs[name].append(o)
+            values.append(v.abs().max())
+            return o
+
+        return fn
+
+    dense, paged = DenseStore(1), paged_store_for(model, 2, prompt, 25, policy)
+    for name, store in (("dense", dense), ("acp", paged)):
+        attn.attend = capture(name)
+        prefill(model, ids[:, :prompt], store)
+        for t in range(prompt, prompt + 24):
+            if name == "acp":
+                evict(model, store, policy)
+                store.reserve(1)
+            decode_one_token(model, ids[:, t : t + 1], store)
+    attn.attend = real
+    bound = 2 * eps * max(float(v) for v in values) / (1 - eps) + 1e-12
+    for o_dense, o_acp in zip(outs["dense"][1:], outs["acp"][1:], strict=True):
+        assert (o_dense - o_acp).abs().max() <= bound
+    if bias <= -2:  # gates that forget (f < 0.12): the store must really have evicted
+        assert int(paged.lengths[0].max()) < prompt + 24
+        assert paged.bytes_held() < paged.bytes_if_dense()
