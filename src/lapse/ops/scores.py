@@ -387,7 +387,10 @@ def attention_key_scores(
         if backend == "triton":
             from .scores_triton import triton_attention_key_scores
 
-            return triton_attention_key_scores(q, k, log_fgate, lse, p, chunk_size)
+            live = first_live_query(p.t, p.alpha, torch.float32)
+            return triton_attention_key_scores(
+                q, k, log_fgate, lse, p, chunk_size, log_weights(p.t, p.alpha, q.device), live
+            )
         c = None if log_fgate is None else cumulative_log_gates(log_fgate)  # [B, T, HQ] f64
         cq, ck = (CHUNK_Q, CHUNK_K) if chunk_size is None else (chunk_size, chunk_size)
         return chunked_attention_key_scores(q, k, c, lse, p, cq, ck)

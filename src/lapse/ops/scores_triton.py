@@ -28,7 +28,6 @@ import triton.language as tl
 
 from .backend import LOG2E, LOG2E_TL
 from .forgetting.common import cumulative_log_gates, split_hi_lo
-from .scores import first_live_query, log_weights
 
 # Tests set this to fill the outputs with NaN before the launch, so an unwritten column
 # shows up instead of passing on stale memory.
@@ -158,9 +157,12 @@ def _empty(*shape, like: torch.Tensor) -> torch.Tensor:
     return out.fill_(float("nan")) if POISON_OUTPUTS else out
 
 
-def triton_attention_key_scores(q, k, log_fgate, lse, p, chunk_size: int | None):
+def triton_attention_key_scores(q, k, log_fgate, lse, p, chunk_size: int | None, log_w, live: int):
     """A(j) ``[B, T, H]`` float32 through the kernels; ``p`` the validated problem of
-    :func:`lapse.ops.scores.attention_key_scores`, ``chunk_size`` the tile length."""
+    :func:`lapse.ops.scores.attention_key_scores`, ``chunk_size`` the tile length, ``log_w``
+    ``[T]`` float64 the queries' log weights and ``live`` the first query whose weight is
+    not zero (``scores.log_weights``, ``scores.first_live_query``; passed in so that this
+    file does not import its caller)."""
     if chunk_size is None:
         cfg = tile_config(p.d)
     else:
@@ -181,7 +183,6 @@ def triton_attention_key_scores(q, k, log_fgate, lse, p, chunk_size: int | None)
         c_hi, c_lo = split_hi_lo(cumulative_log_gates(log_fgate))  # [B, HQ, T] float32 each
     else:
         c_hi = c_lo = a  # never read
-    live = first_live_query(p.t, p.alpha, torch.float32)
     consts = dict(D=p.d, BD=max(16, triton.next_power_of_2(p.d)), BM=bm, BN=bn,
                   USE_GATE=use_gate, DOT_PREC="ieee" if q.dtype.itemsize == 4 else "tf32")
     qk_scale = p.scale * LOG2E
@@ -198,7 +199,7 @@ def triton_attention_key_scores(q, k, log_fgate, lse, p, chunk_size: int | None)
     else:
         lse2 = lse.double() * LOG2E
     # shift_i = log2(lse_i / w_i), from float64 weights; rows before `live` weigh 0: +inf
-    logw2 = log_weights(p.t, p.alpha, q.device) * LOG2E  # [T]
+    logw2 = log_w * LOG2E  # [T]
     shift = (lse2.double() - logw2).to(torch.float32)  # [B, HQ, T]
     shift[..., :live] = float("inf")
     _scores_kernel[(triton.cdiv(p.t, bn), p.batch * p.h)](
