@@ -384,3 +384,35 @@ def test_empty_prompt():
     q, k = torch.randn(2, 0, 4, 8), torch.randn(2, 0, 2, 8)
     for backend in ("naive", "torch"):
         assert attention_key_scores(q, k, backend=backend).shape == (2, 0, 2)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("gated", [False, True], ids=["softmax", "fox"])
+@pytest.mark.parametrize("alpha", [1.0, 0.9])
+def test_triton_on_cuda_at_prefill_size(gated, alpha):
+    """bf16 at a real prompt size (B 2, T 4096, 12 heads over 4, D 64): the Triton kernels
+    against the chunked torch path on the same GPU, both against float64 (the torch path
+    run in float64 on the same rounded inputs), errors relative to the largest score."""
+    g = torch.Generator(device="cuda").manual_seed(0)
+    b, t, hq, h, d = 2, 4096, 12, 4, 64
+    q = torch.randn(b, t, hq, d, device="cuda", generator=g).to(torch.bfloat16)
+    k = torch.randn(b, t, h, d, device="cuda", generator=g).to(torch.bfloat16)
+    gate = F.logsigmoid(torch.randn(b, t, hq, device="cuda", generator=g) + 3) if gated else None
+    ref = attention_key_scores(
+        q.double(),
+        k.double(),
+        log_fgate=None if gate is None else gate.double(),
+        alpha=alpha,
+        backend="torch",
+    )
+    scale = ref.abs().max()
+    errs = {}
+    for backend in ("triton", "torch"):
+        out = attention_key_scores(q, k, log_fgate=gate, alpha=alpha, backend=backend)
+        assert torch.isfinite(out).all()
+        errs[backend] = ((out.double() - ref).abs().max() / scale).item()
+    print(
+        f"gated={gated} alpha={alpha}: relative error triton {errs['triton']:.2e}, torch {errs['torch']:.2e}"
+    )
+    assert errs["triton"] <= 2 * errs["torch"] + FLOOR_ULPS * F32_ULP

@@ -19,7 +19,8 @@ the same GPU:
 - ``hf-llama-compile``: ``transformers``' ``LlamaForCausalLM`` of the same sizes (the
   LLaMA block: SwiGLU of the same width, RoPE, SDPA) with a ``StaticCache`` and its decode
   step compiled the same way, the recipe of the transformers documentation: what a user
-  who compiles HF's Llama gets.
+  who compiles HF's Llama gets;
+- ``hf-llama-eager``: the same model with its default ``DynamicCache``, eager.
 
 The bandwidth limit is the bytes one step must read (every weight but the input
 embedding once, the held keys and values, and FoX's float64 ``c``) over the HBM
@@ -53,7 +54,7 @@ from lapse.generation import (
 from lapse.kv import DenseStore
 from lapse.models import Decoder, param_count, preset
 
-PROVIDERS = ("lapse", "lapse-compile", "hf-llama-compile")
+PROVIDERS = ("lapse", "lapse-compile", "hf-llama-compile", "hf-llama-eager")
 # HBM bandwidth (bytes/s) by device name, for the limit
 HBM_BANDWIDTH = {"H100": 3.35e12, "H200": 4.8e12}
 
@@ -69,7 +70,7 @@ class DecodeBenchConfig:
     workloads: tuple[str, ...] = ("8x4096", "4x16384", "2x32768")
     """``BxT``: batch and prompt length."""
     providers: tuple[str, ...] = PROVIDERS
-    """Any of ``lapse``, ``lapse-compile``, ``hf-llama-compile``."""
+    """Any of ``lapse``, ``lapse-compile``, ``hf-llama-compile``, ``hf-llama-eager``."""
     policies: tuple[str, ...] = ()
     """Eviction policies timed over the paged store, compiled (``dense``, ``window``,
     ``acp``, ``h2o``, ``a2sf`` with their defaults below), beside the dense store."""
@@ -189,10 +190,17 @@ def time_paged(
 
 @torch.no_grad()
 def time_hf_llama(
-    model_cfg, batch: int, prompt: int, cfg: DecodeBenchConfig, device: torch.device, dtype: torch.dtype
+    model_cfg,
+    batch: int,
+    prompt: int,
+    cfg: DecodeBenchConfig,
+    device: torch.device,
+    dtype: torch.dtype,
+    compile: bool = True,
 ) -> float:
-    """ms per decode step of HF's LlamaForCausalLM of the same sizes, StaticCache + compile."""
-    from transformers import LlamaConfig, LlamaForCausalLM, StaticCache
+    """ms per decode step of HF's LlamaForCausalLM of the same sizes: StaticCache + compile,
+    or (``compile=False``) its default DynamicCache, eager."""
+    from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM, StaticCache
 
     capacity = prompt + cfg.warmup + cfg.steps + 1
     hf_cfg = LlamaConfig(
@@ -208,7 +216,7 @@ def time_hf_llama(
     )
     hf_cfg._attn_implementation = "sdpa"
     model = LlamaForCausalLM(hf_cfg).to(device=device, dtype=dtype).eval()
-    cache = StaticCache(config=hf_cfg, max_cache_len=capacity)
+    cache = StaticCache(config=hf_cfg, max_cache_len=capacity) if compile else DynamicCache(config=hf_cfg)
     ids = torch.randint(0, model_cfg.vocab_size, (batch, prompt), device=device)
     out = model(
         ids,
@@ -229,7 +237,7 @@ def time_hf_llama(
             use_cache=True,
         ).logits[:, -1]
 
-    compiled = torch.compile(hf_step, mode="reduce-overhead", fullgraph=True)
+    compiled = torch.compile(hf_step, mode="reduce-overhead", fullgraph=True) if compile else hf_step
 
     def step(tok: torch.Tensor) -> torch.Tensor:
         logits = compiled(tok, position)
@@ -292,19 +300,16 @@ def run(cfg: DecodeBenchConfig) -> dict:
             del model
             if device.type == "cuda":
                 torch.cuda.empty_cache()
-        if "hf-llama-compile" in cfg.providers:
-            model_cfg = preset(cfg.preset, "transformer-llama")
-            ms = time_hf_llama(model_cfg, batch, prompt, cfg, device, dtype)
-            rows.append(
-                {
-                    "workload": workload,
-                    "batch": batch,
-                    "prompt": prompt,
-                    "arch": "hf-llama",
-                    "hf-llama-compile": ms,
-                }
-            )
-            print(f"{workload} hf-llama compile: {ms:.3f} ms/step", flush=True)
+        hf_row = {"workload": workload, "batch": batch, "prompt": prompt, "arch": "hf-llama"}
+        for provider in ("hf-llama-compile", "hf-llama-eager"):
+            if provider in cfg.providers:
+                model_cfg = preset(cfg.preset, "transformer-llama")
+                compiled = provider == "hf-llama-compile"
+                ms = time_hf_llama(model_cfg, batch, prompt, cfg, device, dtype, compile=compiled)
+                hf_row[provider] = ms
+                print(f"{workload} {provider}: {hf_row[provider]:.3f} ms/step", flush=True)
+        if len(hf_row) > 4:
+            rows.append(hf_row)
     env = {
         "device": name,
         "torch": torch.__version__,
