@@ -48,6 +48,7 @@ from lapse.generation import (
     compiled_decode_one_token,
     decode_one_token,
     evict,
+    logit_bounds,
     paged_store_for,
     prefill,
 )
@@ -170,13 +171,14 @@ def time_paged(
     ids = torch.randint(0, model.config.vocab_size, (batch, prompt), device=device)
     store = paged_store_for(model, batch, prompt, cfg.warmup + cfg.steps + 1, policy)
     token = prefill(model, ids, store).argmax(-1, keepdim=True)
+    bounds = logit_bounds(model)
     fn = compiled_decode_one_token()
     count, evicting = [0], [0.0]
 
     def step(tok: torch.Tensor) -> torch.Tensor:
         if count[0] % policy.every == 0:
             start = time.perf_counter()
-            evict(model, store, policy)
+            evict(model, store, policy, bounds)
             store.reserve(min(policy.every, cfg.warmup + cfg.steps - count[0]))
             if device.type == "cuda":
                 torch.cuda.synchronize()

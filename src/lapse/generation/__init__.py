@@ -1,7 +1,8 @@
 """Token generation: prefill, a compilable one-token decode step, sampling, generate.
 
-The decoding state is a :mod:`lapse.kv` store (``DenseStore``); ``Decoder.forward(...,
-cache=store)`` appends to it. The Hugging Face adapter is :mod:`lapse.hf`.
+The decoding state is a :mod:`lapse.kv` store (``DenseStore``, or ``PagedStore`` under an
+eviction policy of :mod:`.policies`); ``Decoder.forward(..., cache=store)`` appends to it.
+The Hugging Face adapter is :mod:`lapse.hf`.
 """
 
 from .generate import (
@@ -9,6 +10,7 @@ from .generate import (
     decode_one_token,
     evict,
     generate,
+    logit_bounds,
     paged_store_for,
     prefill,
     sample,
@@ -17,5 +19,5 @@ from .policies import A2SF, H2O, POLICIES, ACPBoundary, Dense, Policy, SinkWindo
 
 __all__ = [
     "A2SF", "H2O", "POLICIES", "ACPBoundary", "Dense", "Policy", "SinkWindow", "compiled_decode_one_token",
-    "decode_one_token", "evict", "generate", "paged_store_for", "prefill", "sample",
+    "decode_one_token", "evict", "generate", "logit_bounds", "paged_store_for", "prefill", "sample",
 ]

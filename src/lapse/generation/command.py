@@ -22,7 +22,6 @@ import tyro
 
 from lapse.data import load_tokenizer
 from lapse.files import write_text_atomic
-from lapse.kv import PagedStore
 from lapse.models import Decoder
 from lapse.models.checkpoint import CHECKPOINT_NAME, CONFIG_FILE, latest_checkpoint, load_weights, read_run
 
@@ -169,7 +168,7 @@ def run_generate(cfg: GenerateConfig) -> dict:
         new = out[0, len(ids) :].tolist()
         new = new[: new.index(tokenizer.eos_id)] if tokenizer.eos_id in new else new
         tokens += len(new)
-        held, dense = held + _final_bytes(store)[0], dense + _final_bytes(store)[1]
+        held, dense = held + store.bytes_held(), dense + store.bytes_if_dense()
         completions.append(tokenizer.decode(new))
         if cfg.prompt is not None:
             print(flush=True)
@@ -211,10 +210,6 @@ def _read_prompts(path: Path) -> list[str]:
     if not prompts:
         raise ValueError(f"{path} holds no prompts")
     return prompts
-
-
-def _final_bytes(store: PagedStore) -> tuple[int, int]:
-    return store.bytes_held(), store.bytes_if_dense()
 
 
 class _Stream:

@@ -69,14 +69,24 @@ def paged_store_for(model: Decoder, batch: int, prompt_len: int, max_new_tokens:
                       page_size=page_size, score_decay=policy.score_decay)
 
 
+def logit_bounds(model: Decoder) -> list[Tensor | None]:
+    """Each layer's ``U >= max |scale q.k|`` ``[K, G]`` (``None`` without QK-norm): what
+    :class:`~lapse.generation.policies.ACPBoundary` reads; the weights do not change while
+    generating, so compute it once."""
+    bounds = [block.attn.logit_bound() for block in model.blocks]
+    return [None if b is None else b.view(model.config.kv_heads, -1) for b in bounds]
+
+
 @torch.no_grad()
-def evict(model: Decoder, store: PagedStore, policy: Policy) -> None:
-    """Applies ``policy`` to every layer of ``store`` (outside any compiled step)."""
-    for i, block in enumerate(model.blocks):
+def evict(
+    model: Decoder, store: PagedStore, policy: Policy, bounds: list[Tensor | None] | None = None
+) -> None:
+    """Applies ``policy`` to every layer of ``store`` (outside any compiled step);
+    ``bounds``: :func:`logit_bounds` of the model, computed here when not given."""
+    bounds = logit_bounds(model) if bounds is None else bounds
+    for i in range(len(model.blocks)):
         snap = store.snapshot(i)
-        bound = block.attn.logit_bound()
-        if bound is not None:
-            snap.bound = bound.view(model.config.kv_heads, -1)  # [K, G]
+        snap.bound = bounds[i]
         store.evict(i, policy.keep(snap))
 
 
@@ -209,13 +219,14 @@ def generate(
 
     if policy is None and isinstance(cache, PagedStore):
         cache.reserve(max_new_tokens - 1)  # pages for every step, before any (compiled) step
+    bounds = None if policy is None else logit_bounds(model)
     steps = [logits]
     tokens = [draw(logits)]  # [B, 1] each
     for i in range(max_new_tokens - 1):
         if len(stop_tokens) and i % check_every == 0 and bool(done.all()):
             break
         if policy is not None and i % policy.every == 0:
-            evict(model, cache, policy)  # the prompt's cut first, then every `every` steps
+            evict(model, cache, policy, bounds)  # the prompt's cut first, then every `every` steps
             cache.reserve(min(policy.every, max_new_tokens - 1 - i))  # pages for the next steps
         logits = step(model, tokens[-1], cache)
         if compile and return_logits:

@@ -292,10 +292,6 @@ class PagedStore(StoreBase):
             total += per_slot * h * int(self.seqlens.sum())
         return total
 
-    def tokens_held(self) -> int:
-        """Tokens held, summed over layers, sequences and heads."""
-        return sum(int(x.sum()) for x in self.lengths if x is not None)
-
     # -- internals -----------------------------------------------------------------------
 
     def _slots(self, layer_idx: int, full: bool = False) -> tuple[Tensor, Tensor, Tensor]:

@@ -19,6 +19,8 @@ import torch
 from torch import Tensor, nn
 
 from lapse.kv import KVCache, PagedView, ShiftState
+from lapse.ops import attention_key_scores
+from lapse.ops.forgetting import forgetting_attention_paged_decode
 
 from .norm import RMSNorm
 from .shift import KVShift
@@ -115,14 +117,8 @@ class Attention(nn.Module):
     def _paged_decode(self, q: Tensor, view: PagedView, cache: KVCache, backend: str,
                       c_query: Tensor | None = None) -> Tensor:
         """One new token per sequence over a paged store (its key already appended):
-        ``[B, 1, H, D]``; records the step's attention per slot where the store tracks scores."""
-        from lapse.ops.forgetting import forgetting_attention_paged_decode
-
-        if q.shape[1] != 1:
-            raise ValueError(
-                "a paged store takes a prefill, then one token per step; "
-                f"got {q.shape[1]} tokens after a prefix"
-            )
+        ``[B, 1, H, D]`` (the store refuses more tokens after a prefix); records the step's
+        attention per slot where the store tracks scores."""
         out = forgetting_attention_paged_decode(
             q[:, 0], view.k, view.v, view.page_table, view.lengths,
             c_pages=view.extras.get("c"), c_query=c_query, scale=self.scale,
@@ -135,12 +131,19 @@ class Attention(nn.Module):
         return o[:, None]  # [B, 1, H, D]
 
     def _record_prefill_scores(
-        self, q: Tensor, k: Tensor, cache: KVCache, log_fgate: Tensor | None = None
+        self,
+        q: Tensor,
+        k: Tensor,
+        cache: KVCache,
+        log_fgate: Tensor | None = None,
+        lse: Tensor | None = None,
     ) -> None:
-        """The prompt's accumulated attention per key (H2O, A2SF), without an L x L matrix."""
-        from lapse.ops import attention_key_scores
-
-        scores = attention_key_scores(q, k, log_fgate=log_fgate, scale=self.scale, alpha=cache.score_decay)
+        """The prompt's accumulated attention per key (H2O, A2SF), without an L x L matrix;
+        ``lse`` ``[B, H, T]``: the forward's row log-sum-exp when it has one (else a pass
+        computes it)."""
+        scores = attention_key_scores(
+            q, k, log_fgate=log_fgate, lse=lse, scale=self.scale, alpha=cache.score_decay
+        )
         cache.record_prefill_scores(self.layer_idx, scores)  # [B, T, K]
 
     @torch.no_grad()

@@ -57,9 +57,11 @@ class ForgettingAttention(Attention):
         view = cache.view(self.layer_idx)
         paged = isinstance(view, PagedView)
         if first:
-            if paged and view.tracks_scores:
-                self._record_prefill_scores(q, k, cache, log_fgate)
-            return self._full(q, k, v, log_fgate)
+            if not (paged and view.tracks_scores):
+                return self._full(q, k, v, log_fgate)
+            o, lse = self._full(q, k, v, log_fgate, return_lse=True)  # the scores reuse its lse
+            self._record_prefill_scores(q, k, cache, log_fgate, lse)
+            return o
         backend = "torch" if self.backend == "naive" else self.backend
         if paged:
             return self._paged_decode(q, view, cache, backend, c_query=c[:, -1])
@@ -71,17 +73,22 @@ class ForgettingAttention(Attention):
     # torch.compile leaves the op eager: Inductor re-compiles user Triton kernels itself and
     # fails on the nested @triton.jit helpers of the forward kernel (Triton 3.6, torch 2.11).
     @torch.compiler.disable
-    def _full(self, q: Tensor, k: Tensor, v: Tensor, log_fgate: Tensor) -> Tensor:
-        """FoX attention over the whole sequence (training, or the prefill)."""
+    def _full(
+        self, q: Tensor, k: Tensor, v: Tensor, log_fgate: Tensor, return_lse: bool = False
+    ) -> Tensor | tuple[Tensor, Tensor]:
+        """FoX attention over the whole sequence (training, or the prefill); with
+        ``return_lse`` also its row log-sum-exp ``[B, H, T]``."""
         out = forgetting_attention(
             q, k, v, log_fgate,
             scale=self.scale, acp=self.acp_bound(), acp_eps=self.acp_eps,
-            return_stats=self.collect_stats, backend=self.backend,
+            return_lse=return_lse, return_stats=self.collect_stats, backend=self.backend,
         )
-        if not self.collect_stats:
+        if not (return_lse or self.collect_stats):
             return out
-        o, self.last_stats = out
-        return o
+        out = list(out)
+        if self.collect_stats:
+            self.last_stats = out.pop()
+        return tuple(out) if return_lse else out[0]
 
     @torch.no_grad()
     def acp_bound(self) -> Tensor | str | None:
