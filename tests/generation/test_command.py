@@ -82,6 +82,44 @@ def test_prompts_file_in_jsonl_out(run, tmp_path, capsys):
     assert SUMMARY.match(capsys.readouterr().out.strip().splitlines()[-1])
 
 
+@pytest.mark.parametrize("policy", ["dense", "h2o"])
+def test_prompts_file_batches_ragged_prompts_as_one_at_a_time(run, tmp_path, policy):
+    """Greedy completions of prompts of different lengths, 3 per batch (a ragged batch and
+    a last batch of 2), equal those made one prompt at a time."""
+    prompts = tmp_path / "prompts.jsonl"
+    texts = ["import os", "class A:", "def f(x):\n    return", "x", "for i in range(10):"]
+    prompts.write_text("\n".join(json.dumps({"prompt": p}) for p in texts) + "\n")
+    outs = []
+    for size in (1, 3):
+        out = tmp_path / f"out{size}.jsonl"
+        main(
+            [
+                "generate",
+                str(run),
+                "--prompts-file",
+                str(prompts),
+                "--out",
+                str(out),
+                "--batch-size",
+                str(size),
+                "--max-new-tokens",
+                "12",
+                "--max-context",
+                "64",
+                "--policy",
+                policy,
+                "--budget",
+                "4",
+                "--recent",
+                "2",
+                "--sinks",
+                "1",
+            ]
+        )
+        outs.append([json.loads(line)["completion"] for line in out.read_text().splitlines()])
+    assert outs[0] == outs[1] and len(outs[0]) == 5
+
+
 @pytest.mark.parametrize(
     ("args", "message"),
     [

@@ -98,13 +98,53 @@ def test_forward_cache_and_loss():
     assert isinstance(model(ids, return_dict=False), tuple)
 
 
+@pytest.mark.parametrize("arch", ARCHS)
+def test_padded_batches_equal_each_prompt_alone(arch):
+    """Left padding (what ``generate`` wants), cached and uncached, and a right-padded
+    forward: every row equals that prompt run alone."""
+    model = _hf_model(arch, n_kv_heads=2)
+    gen = torch.Generator().manual_seed(2)
+    prompts = [torch.randint(1, model.config.vocab_size, (n,), generator=gen) for n in (6, 2, 9)]
+    t = max(len(p) for p in prompts)
+    left = torch.zeros(3, t, dtype=torch.long)
+    mask = torch.zeros(3, t, dtype=torch.long)
+    for b, p in enumerate(prompts):
+        left[b, t - len(p) :], mask[b, t - len(p) :] = p, 1
+    for use_cache in (True, False):
+        out = model.generate(
+            left, attention_mask=mask, max_new_tokens=10, do_sample=False, use_cache=use_cache, pad_token_id=0
+        )
+        for b, p in enumerate(prompts):
+            alone = model.generate(p[None], max_new_tokens=10, do_sample=False)
+            assert torch.equal(out[b, t:], alone[0, len(p) :]), (use_cache, b)
+    right = torch.zeros(3, t, dtype=torch.long)
+    for b, p in enumerate(prompts):
+        right[b, : len(p)] = p
+    logits = model(right, attention_mask=(right != 0).long()).logits
+    labels = right.masked_fill(right == 0, -100)
+    loss = model(left, attention_mask=mask, labels=left.masked_fill(mask == 0, -100)).loss
+    expected = []
+    for b, p in enumerate(prompts):
+        one = model(p[None], labels=p[None])
+        torch.testing.assert_close(logits[b, : len(p)], one.logits[0], atol=2e-5, rtol=0)
+        expected.append(F.cross_entropy(one.logits[0, :-1], p[1:], reduction="sum"))
+    torch.testing.assert_close(loss, sum(expected) / (labels[:, 1:] != -100).sum(), atol=1e-5, rtol=0)
+
+
 def test_unsupported_inputs_raise():
     model = _hf_model("fox-llama")
     ids = torch.randint(0, model.config.vocab_size, (2, 6))
     mask = torch.ones_like(ids)
-    mask[0, 0] = 0
-    with pytest.raises(ValueError, match="do not support padding"):
+    mask[0, 2] = 0
+    with pytest.raises(ValueError, match="one contiguous run of tokens per row"):
         model(ids, attention_mask=mask)
+    out = model(ids)
+    with pytest.raises(ValueError, match="marks new tokens as padding after a prefix"):
+        model(
+            ids[:, :2],
+            attention_mask=torch.cat([torch.ones_like(ids), torch.tensor([[1, 0], [1, 1]])], 1),
+            past_key_values=out.past_key_values,
+        )
     with pytest.raises(ValueError, match="inputs_embeds"):
         model(inputs_embeds=torch.zeros(2, 6, 64))
 
@@ -142,6 +182,8 @@ def test_export_written_before_attention_and_block_loads(tmp_path):
 
 
 def test_core_packages_do_not_import_transformers():
-    code = ("import sys, lapse.ops, lapse.kv, lapse.layers, lapse.models, lapse.generation; "
-            "sys.exit('transformers' in sys.modules)")
+    code = (
+        "import sys, lapse.ops, lapse.kv, lapse.layers, lapse.models, lapse.generation; "
+        "sys.exit('transformers' in sys.modules)"
+    )
     assert subprocess.run([sys.executable, "-c", code]).returncode == 0

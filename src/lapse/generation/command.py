@@ -19,6 +19,7 @@ from typing import Literal
 
 import torch
 import tyro
+from tqdm.auto import tqdm
 
 from lapse.data import load_tokenizer
 from lapse.files import write_text_atomic
@@ -74,6 +75,8 @@ class GenerateConfig:
     """``auto``: CUDA when available."""
     compile: bool = False
     """Compile the decode step (CUDA graphs on a GPU)."""
+    batch_size: int = 8
+    """``--prompts-file``: prompts generated together (of any lengths: a ragged batch)."""
 
     def __post_init__(self) -> None:
         if (self.prompt is None) == (self.prompts_file is None):
@@ -86,6 +89,8 @@ class GenerateConfig:
             raise ValueError(f"--max-new-tokens must be at least 1, got {self.max_new_tokens}")
         if self.top_p is not None and not 0 < self.top_p <= 1:
             raise ValueError(f"--top-p must be in (0, 1], got {self.top_p}")
+        if self.batch_size < 1:
+            raise ValueError(f"--batch-size must be at least 1, got {self.batch_size}")
 
     def make_policy(self) -> Policy:
         budget = int(self.budget) if self.budget > 1 else float(self.budget)
@@ -136,6 +141,7 @@ def run_generate(cfg: GenerateConfig) -> dict:
         prompts = _read_prompts(cfg.prompts_file)
     generator = torch.Generator(device=device).manual_seed(cfg.seed)
     completions, tokens, seconds, held, dense = [], 0, 0.0, 0, 0
+    encoded = []
     for prompt in prompts:
         ids = tokenizer.encode(prompt)
         if not ids:
@@ -145,14 +151,23 @@ def run_generate(cfg: GenerateConfig) -> dict:
                 f"the prompt ({len(ids)} tokens) + max_new_tokens ({cfg.max_new_tokens}) exceed max_context "
                 f"({limit}, the model's training context by default): shorten them or pass --max-context"
             )
-        store = paged_store_for(model, 1, len(ids), cfg.max_new_tokens, policy)
+        encoded.append(ids)
+    size = 1 if cfg.prompt is not None else cfg.batch_size
+    batches = [encoded[i : i + size] for i in range(0, len(encoded), size)]
+    progress = tqdm(total=len(encoded), unit="prompt", disable=cfg.prompt is not None or len(batches) == 1)
+    for batch in batches:
+        lengths = [len(ids) for ids in batch]
+        ids = torch.full((len(batch), max(lengths)), tokenizer.eos_id, device=device)
+        for b, row in enumerate(batch):
+            ids[b, : len(row)] = torch.tensor(row, device=device)
+        store = paged_store_for(model, len(batch), max(lengths), cfg.max_new_tokens, policy)
         stream = _Stream(tokenizer, tokenizer.eos_id, echo=cfg.prompt is not None)
         if cfg.prompt is not None:
-            print(prompt, end="", flush=True)
+            print(cfg.prompt, end="", flush=True)
         start = time.perf_counter()
         out = generate(
             model,
-            torch.tensor([ids], device=device),
+            ids,
             cfg.max_new_tokens,
             temperature=cfg.temperature,
             top_k=cfg.top_k,
@@ -163,15 +178,19 @@ def run_generate(cfg: GenerateConfig) -> dict:
             policy=policy,
             compile=cfg.compile,
             on_token=stream,
+            lengths=lengths if len(set(lengths)) > 1 else None,
         )
         seconds += time.perf_counter() - start
-        new = out[0, len(ids) :].tolist()
-        new = new[: new.index(tokenizer.eos_id)] if tokenizer.eos_id in new else new
-        tokens += len(new)
+        for b, n in enumerate(lengths):
+            new = out[b, n : n + cfg.max_new_tokens].tolist()
+            new = new[: new.index(tokenizer.eos_id)] if tokenizer.eos_id in new else new
+            tokens += len(new)
+            completions.append(tokenizer.decode(new))
         held, dense = held + store.bytes_held(), dense + store.bytes_if_dense()
-        completions.append(tokenizer.decode(new))
+        progress.update(len(batch))
         if cfg.prompt is not None:
             print(flush=True)
+    progress.close()
     if cfg.prompts_file is not None:
         out_path = cfg.out or cfg.prompts_file.with_suffix(".out.jsonl")
         rows = [json.dumps({"prompt": p, "completion": c}) for p, c in zip(prompts, completions, strict=True)]

@@ -19,18 +19,19 @@ from collections.abc import Callable, Sequence
 import torch
 from torch import Tensor
 
-from lapse.kv import DenseStore, KVCache, PagedStore
+from lapse.kv import DenseStore, KVCache, PagedStore, check_lengths
 from lapse.models import Decoder
 
 from .policies import Policy
 
 
 @torch.no_grad()
-def prefill(model: Decoder, input_ids: Tensor, cache: KVCache) -> Tensor:
+def prefill(model: Decoder, input_ids: Tensor, cache: KVCache, lengths: Tensor | None = None) -> Tensor:
     """Runs the prompt ``[B, T]`` into ``cache``; returns the last position's logits ``[B, V]``
-    (only that position is projected to the vocabulary)."""
-    hidden = model.hidden_states(input_ids, cache=cache)  # [B, T, C]
-    return model.lm_head(hidden[:, -1])  # [B, V]
+    (only that position is projected to the vocabulary). ``lengths`` ``[B]``: prompts of
+    different lengths, right-padded (each one's last position)."""
+    hidden = model.hidden_states(input_ids, cache=cache, lengths=lengths)  # [B, T, C]
+    return model.lm_head(cache.last(hidden))  # [B, V]
 
 
 @torch.no_grad()
@@ -54,8 +55,9 @@ def compiled_decode_one_token(
     return torch.compile(decode_one_token, mode=mode, backend=backend, fullgraph=True)
 
 
-def paged_store_for(model: Decoder, batch: int, prompt_len: int, max_new_tokens: int, policy: Policy,
-                    page_size: int = 16) -> PagedStore:
+def paged_store_for(
+    model: Decoder, batch: int, prompt_len: int, max_new_tokens: int, policy: Policy, page_size: int = 16
+) -> PagedStore:
     """A paged store for ``policy``: room for the prompt, and a pool and table no larger
     than the policy's bound (plus the steps between evictions) once the prompt is cut."""
     policy.check(model)
@@ -65,8 +67,14 @@ def paged_store_for(model: Decoder, batch: int, prompt_len: int, max_new_tokens:
     per_head = total if bound is None else min(total, max(prompt_len, bound + policy.every))
     heads = model.config.kv_heads
     pages = batch * heads * -(-per_head // page_size)
-    return PagedStore(model.config.n_layers, max_context=total, max_tokens=per_head, pages=pages,
-                      page_size=page_size, score_decay=policy.score_decay)
+    return PagedStore(
+        model.config.n_layers,
+        max_context=total,
+        max_tokens=per_head,
+        pages=pages,
+        page_size=page_size,
+        score_decay=policy.score_decay,
+    )
 
 
 def logit_bounds(model: Decoder) -> list[Tensor | None]:
@@ -139,12 +147,14 @@ def generate(
     compile: bool = False,
     policy: Policy | None = None,
     on_token: Callable[[Tensor], None] | None = None,
+    lengths: Sequence[int] | Tensor | None = None,
+    pad_token_id: int | None = None,
 ) -> Tensor | tuple[Tensor, Tensor]:
     """Continues every prompt by up to ``max_new_tokens`` tokens.
 
     Args:
         model: a :class:`lapse.models.Decoder`.
-        input_ids: ``[B, T]`` the prompts, all of the same length (no padding).
+        input_ids: ``[B, T]`` the prompts; of different lengths with ``lengths``.
         max_new_tokens: how many tokens to append, at least 1.
         temperature, top_k, top_p, generator: see :func:`sample`; greedy by default.
         stop_tokens: a sequence that draws one of these ends there: its later positions
@@ -164,11 +174,19 @@ def generate(
             policy runs again every ``policy.every`` steps, outside the decode step.
         on_token: called with each new token ``[B, 1]`` as it is drawn (streaming; reading
             it on the host waits for the device each step).
+        lengths: ``[B]`` a ragged batch: row ``b`` of ``input_ids`` is a prompt of
+            ``lengths[b]`` tokens followed by padding (any ids). Each prompt is prefilled
+            alone in effect (the store holds none of the padding) and continues from its
+            own last token; the same as generating each prompt on its own.
+        pad_token_id: what fills a ragged row after its end in the result (default
+            ``stop_tokens[0]``, else 0).
 
     Returns:
         ``[B, T + N]`` the prompts followed by the new tokens (``N`` below
-        ``max_new_tokens`` when every sequence stopped early), and with ``return_logits``
-        the logits ``[B, N, V]`` (float32 or the model's dtype if wider).
+        ``max_new_tokens`` when every sequence stopped early; with ``lengths``, row ``b``
+        is its prompt, its ``N`` new tokens, then padding: ``out[b, : lengths[b] + N]``),
+        and with ``return_logits`` the logits ``[B, N, V]`` (float32 or the model's
+        dtype if wider).
     """
     if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be a positive integer, got {max_new_tokens!r}")
@@ -183,6 +201,8 @@ def generate(
     if not isinstance(input_ids, Tensor) or input_ids.dim() != 2 or input_ids.shape[1] < 1:
         got = tuple(input_ids.shape) if isinstance(input_ids, Tensor) else type(input_ids).__name__
         raise ValueError(f"input_ids must be [batch, time] with at least one token, got {got}")
+    if lengths is not None:
+        lengths, _ = check_lengths(lengths, *input_ids.shape, input_ids.device)
     if cache is None and policy is not None:
         cache = paged_store_for(model, input_ids.shape[0], input_ids.shape[1], max_new_tokens, policy)
     elif cache is None:
@@ -198,7 +218,7 @@ def generate(
             )
         policy.check(model)
     step = compiled_decode_one_token() if compile else decode_one_token
-    logits = prefill(model, input_ids, cache)  # [B, V]
+    logits = prefill(model, input_ids, cache, lengths)  # [B, V]
     if compile and cache.capacity < cache.length + max_new_tokens - 1:
         raise ValueError(
             f"a compiled decode step needs the room in advance: the cache has capacity {cache.capacity} "
@@ -233,7 +253,16 @@ def generate(
             logits = logits.clone()  # the next CUDA-graph replay overwrites it
         steps.append(logits)
         tokens.append(draw(logits))
-    out = torch.cat([input_ids, *tokens], dim=1)  # [B, T + N]
+    new = torch.cat(tokens, dim=1)  # [B, N]
+    if lengths is None:
+        out = torch.cat([input_ids, new], dim=1)  # [B, T + N]
+    else:  # each prompt's new tokens right after it, then padding
+        pad = pad_token_id if pad_token_id is not None else (stop_tokens[0] if len(stop_tokens) else 0)
+        t = input_ids.shape[1]
+        out = input_ids.new_full((input_ids.shape[0], t + new.shape[1]), pad)  # [B, T + N]
+        prompt = torch.arange(t, device=out.device) < lengths[:, None]  # [B, T]
+        out[:, :t] = torch.where(prompt, input_ids, pad)
+        out.scatter_(1, lengths[:, None] + torch.arange(new.shape[1], device=out.device), new)
     if not return_logits:
         return out
     return out, torch.stack(steps, dim=1).to(torch.promote_types(logits.dtype, torch.float32))  # [B, N, V]

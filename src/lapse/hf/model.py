@@ -16,7 +16,14 @@ the Auto classes. ``lapse.hf`` is the only package that imports ``transformers``
   ``DynamicCache`` (``_supports_default_dynamic_cache`` returns False, the route
   transformers keeps for models with their own cache).
 
-Not supported: padding (an ``attention_mask`` with zeros raises), ``inputs_embeds``,
+Padding: an ``attention_mask`` whose ones are one contiguous run per row (left padding,
+as ``generate`` wants for decoder-only models, or right padding). A padded row is moved
+so that its tokens come first, run as a ragged batch (``Decoder(..., lengths=)``: the
+cache holds no padding and each sequence continues from its own last token), and its
+logits moved back; the result equals each row run alone. Later calls with a cache bring
+one token per sequence (``generate``'s decode steps) whose mask entries are 1.
+
+Not supported: holes in a row's mask, padding in a chunk after a prefix, ``inputs_embeds``,
 assisted generation (the cache cannot be cropped), hidden states and attention outputs.
 """
 
@@ -24,6 +31,7 @@ from __future__ import annotations
 
 from dataclasses import asdict, fields
 
+import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 from transformers import AutoConfig, AutoModelForCausalLM, GenerationMixin, PretrainedConfig, PreTrainedModel
@@ -160,7 +168,8 @@ class LapseForCausalLM(PreTrainedModel, GenerationMixin):
 
         Args:
             input_ids: ``[B, T]`` token ids (required: ``inputs_embeds`` is not supported).
-            attention_mask: optional ``[B, past + T]``; must be all ones (no padding).
+            attention_mask: optional ``[B, past + T]``; zeros mark padding (left or right,
+                see the module doc).
             past_key_values: a :class:`~lapse.hf.LapseCache` from an earlier call,
                 which this call appends to; ``None`` starts a new one when ``use_cache``.
             labels: ``[B, T]`` unshifted targets (``labels[:, t + 1]`` is the target of
@@ -174,18 +183,24 @@ class LapseForCausalLM(PreTrainedModel, GenerationMixin):
             raise ValueError("LapseForCausalLM needs input_ids (inputs_embeds is not supported)")
         if kwargs.get("inputs_embeds") is not None:
             raise ValueError("LapseForCausalLM does not take inputs_embeds; pass input_ids")
-        if attention_mask is not None and bool((attention_mask == 0).any()):
-            raise ValueError(
-                "attention_mask has zeros, but lapse models do not support padding: "
-                "generate from prompts of one length (or one prompt at a time)"
-            )
         use_cache = self.config.use_cache if use_cache is None else use_cache
         if past_key_values is None and use_cache:
             past_key_values = LapseCache(self.config.n_layers)
+        fresh = past_key_values is None or past_key_values.length == 0
+        start, lengths = _padding(attention_mask, input_ids.shape[1], fresh)
         shifted = None
         if labels is not None:
             shifted = F.pad(labels[:, 1:], (0, 1), value=-100)  # [B, T]: the target of every position
-        logits, loss = self.model(input_ids, shifted, cache=past_key_values)  # [B, T, V]
+        if start is not None:  # padded rows, their tokens first (a ragged batch)
+            input_ids = _roll(input_ids, start)
+            shifted = None if shifted is None else _roll(shifted, start)
+            if shifted is not None:  # the targets of padding positions are left out
+                shifted = shifted.masked_fill(
+                    torch.arange(shifted.shape[1], device=shifted.device) >= lengths[:, None], -100
+                )
+        logits, loss = self.model(input_ids, shifted, cache=past_key_values, lengths=lengths)  # [B, T, V]
+        if start is not None:
+            logits = _roll(logits, -start)  # back where the tokens were
         out = CausalLMOutputWithPast(
             loss=loss, logits=logits, past_key_values=past_key_values if use_cache else None
         )
@@ -199,6 +214,39 @@ class LapseForCausalLM(PreTrainedModel, GenerationMixin):
                 f"past_key_values must be a lapse.hf.LapseCache, got {type(past_key_values).__name__}"
             )
         return super().prepare_inputs_for_generation(input_ids, past_key_values=past_key_values, **kwargs)
+
+
+def _padding(mask: Tensor | None, t: int, fresh: bool) -> tuple[Tensor | None, Tensor | None]:
+    """Where each row's tokens start ``[B]`` and how many there are ``[B]``, for an
+    ``attention_mask`` with zeros; ``(None, None)`` without padding. One line of error
+    for a mask that is not one contiguous run of ones per row."""
+    if mask is None or bool((mask == 1).all()):
+        return None, None
+    if not fresh:
+        if bool((mask[:, -t:] != 1).any()):
+            raise ValueError(
+                "attention_mask marks new tokens as padding after a prefix: lapse pads only the first "
+                "call (the prompt); later calls bring one real token per sequence"
+            )
+        return None, None  # the cache holds no padding; the earlier zeros were the prompt's
+    mask = mask[:, -t:].long()  # [B, T]
+    lengths = mask.sum(1)  # [B]
+    start = mask.argmax(1)  # [B] the first 1
+    pos = torch.arange(t, device=mask.device)
+    run = (pos >= start[:, None]) & (pos < (start + lengths)[:, None])  # [B, T]
+    if bool((lengths == 0).any()) or not torch.equal(run, mask.bool()):
+        raise ValueError(
+            "attention_mask must mark one contiguous run of tokens per row (left or right padding), "
+            "with at least one token"
+        )
+    return start, lengths
+
+
+def _roll(x: Tensor, shift: Tensor) -> Tensor:
+    """Row ``b`` of ``x`` ``[B, T, ...]`` moved ``shift[b]`` places to the left, cyclically."""
+    t = x.shape[1]
+    index = (torch.arange(t, device=x.device) + shift[:, None].to(x.device)) % t  # [B, T]
+    return x.gather(1, index.view(*index.shape, *(1,) * (x.dim() - 2)).expand_as(x))
 
 
 def register() -> None:

@@ -7,6 +7,7 @@ above imports a concrete store except whoever makes one (``generation/``, ``hf/`
 pages per (sequence, kv head) from a shared pool, so eviction policies free real memory.
 """
 
+from .base import check_lengths
 from .dense import DenseStore
 from .extras import GateState, LayerState, ShiftState, static_zeros
 from .paged import LayerSnapshot, PagedStore, PagedView
@@ -14,5 +15,5 @@ from .protocol import KVCache, KVView
 
 __all__ = [
     "DenseStore", "GateState", "KVCache", "KVView", "LayerSnapshot", "LayerState", "PagedStore", "PagedView",
-    "ShiftState", "static_zeros",
+    "ShiftState", "check_lengths", "static_zeros",
 ]

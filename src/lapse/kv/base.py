@@ -30,6 +30,9 @@ class StoreBase:
         self._t = 0  # new tokens of the forward in progress
         self._positions: Tensor | None = None  # [B, T] their positions
         self._after: Tensor | None = None  # [B] int32 seqlens + T
+        self._new: Tensor | None = None  # [B] int64 new tokens per sequence in a ragged forward
+        self.new_lengths: list[int] | None = None
+        """Host copy of the ragged forward's ``lengths`` (``None``: every sequence brings ``T``)."""
 
     @property
     def batch_size(self) -> int | None:
@@ -43,7 +46,12 @@ class StoreBase:
             self._length = 0 if self.seqlens is None else int(self.seqlens.max())
         return self._length
 
-    def begin(self, batch_size: int, t: int, device: torch.device) -> Tensor:
+    def begin(self, batch_size: int, t: int, device: torch.device, lengths: Tensor | None = None) -> Tensor:
+        self._new, self.new_lengths = None, None
+        if lengths is not None:
+            if self.length > 0:
+                raise ValueError("lengths (a ragged batch) are taken by the first forward only (the prefill)")
+            self._new, self.new_lengths = check_lengths(lengths, batch_size, t, device)
         if not torch.compiler.is_compiling():
             if self.seqlens is None:
                 self.seqlens = static_zeros(batch_size, dtype=torch.int32, device=device)
@@ -55,8 +63,13 @@ class StoreBase:
             self._make_room(t)
         self._t = t
         self._positions = self.seqlens[:, None].long() + torch.arange(t, device=device)  # [B, T]
-        self._after = self.seqlens + t  # [B] int32
+        self._after = self.seqlens + (t if self._new is None else self._new.int())  # [B] int32
         return self._positions
+
+    def last(self, x: Tensor) -> Tensor:
+        if self._new is None:
+            return x[:, -1]
+        return x[torch.arange(x.shape[0], device=x.device), self._new.to(x.device) - 1]
 
     def _make_room(self, t: int) -> None:
         """Outside compiled code, before ``t`` new tokens: checks and allocation of the store."""
@@ -69,8 +82,23 @@ class StoreBase:
         return states[name]
 
     def advance(self) -> None:
+        if self._new is not None:
+            self.seqlens.add_(self._new.int())
+            self._length = None  # the longest sequence: read back when asked
+            return
         self.seqlens.add_(self._t)
         if torch.compiler.is_compiling():
             self._length = None
         elif self._length is not None:
             self._length += self._t
+
+
+def check_lengths(lengths, batch_size: int, t: int, device: torch.device) -> tuple[Tensor, list[int]]:
+    """A ragged forward's new tokens per sequence: ``[B]`` int64 on ``device`` and the
+    host list; each in ``[1, t]``."""
+    host = lengths.tolist() if isinstance(lengths, Tensor) else list(lengths)
+    if len(host) != batch_size or not all(isinstance(n, int) and 1 <= n <= t for n in host):
+        raise ValueError(
+            f"lengths must be {batch_size} integers in [1, {t}] (tokens per sequence), got {host}"
+        )
+    return torch.tensor(host, dtype=torch.long, device=device), host

@@ -9,7 +9,8 @@ graph: inside compiled code the store neither checks nor grows anything.
 Outside compiled code (prefill, chunks, an eager step) :meth:`DenseStore.begin` makes
 room: a store made without enough ``capacity`` reallocates at twice the size (a copy),
 so it works without a capacity, at a cost; give ``capacity`` (prompt + new tokens) to
-allocate once. Every sequence of the batch has the same length (no left padding yet).
+allocate once. Sequences may hold different lengths: a ragged prefill (``begin(...,
+lengths)``) writes each prompt's padding into slots past its length, which count as free.
 
 Legend: B batch, S capacity, T new tokens, K key/value heads, D head dim.
 """

@@ -70,10 +70,13 @@ class LayerSnapshot:
         c: ``[B, H, W, G]`` float64 FoX cumulative log gates, or ``None``.
         c_now: ``[B, H, G]`` float64 the ``c`` of each sequence's last token, or ``None``.
         seqlens: ``[B]`` int64 tokens of each sequence so far.
-        prompt_len: tokens of the prompt (for budgets given as a fraction of it).
+        prompt_len: tokens of the prompt, the longest one of a ragged batch (for budgets
+            given as a fraction of it).
         max_context: the largest position the store holds (ACP's ``L``).
         bound: ``[H, G]`` float32 ``U >= max |scale q.k|`` per query head, or ``None``
             (the generation loop fills it in from the layer).
+        prompt_lens: ``[B]`` int64 each sequence's prompt length (they differ in a ragged
+            batch); ``None``: all ``prompt_len``.
     """
 
     layer_idx: int
@@ -86,6 +89,7 @@ class LayerSnapshot:
     prompt_len: int
     max_context: int
     bound: Tensor | None = None
+    prompt_lens: Tensor | None = None
 
 
 class PagedStore(StoreBase):
@@ -133,6 +137,7 @@ class PagedStore(StoreBase):
         self.width = page_size * math.ceil(max_tokens / page_size)
         self.pages, self.score_decay = pages, score_decay
         self.prompt_len = 0
+        self.prompt_lens: Tensor | None = None  # [B] int64, a ragged prefill's lengths
         self.k: list[Tensor | None] = [None] * n_layers
         self.v: list[Tensor | None] = [None] * n_layers
         self.extras: list[dict[str, Tensor]] = [{} for _ in range(n_layers)]
@@ -153,7 +158,8 @@ class PagedStore(StoreBase):
                 f"{self.length}: use a fresh store (or a DenseStore for chunks)"
             )
         if self.length == 0:
-            self.prompt_len = t
+            self.prompt_len = t if self.new_lengths is None else max(self.new_lengths)
+            self.prompt_lens = self._new
         self.reserve(t)
 
     def append(self, layer_idx: int, k: Tensor, v: Tensor, **extras: Tensor) -> None:
@@ -174,7 +180,8 @@ class PagedStore(StoreBase):
         pools["pos"][pages, offsets] = self._positions[:, None, :].expand(b, h, t).to(torch.int32)
         if "score" in pools:
             pools["score"][pages, offsets] = 0.0
-        lengths.add_(t)
+        # a ragged prefill: the padding went into slots past each sequence's length (free)
+        lengths.add_(t if self._new is None else self._new[:, None].int())
 
     def view(self, layer_idx: int) -> PagedView:
         extras = self.extras[layer_idx]
@@ -207,7 +214,8 @@ class PagedStore(StoreBase):
         b, t, h = scores.shape
         s = self.page_size
         lengths = self.lengths[layer_idx]
-        slots = (lengths[:, :, None].long() - t) + torch.arange(t, device=scores.device)  # [B, H, T]
+        new = t if self._new is None else self._new[:, None, None]  # a ragged prefill's own lengths
+        slots = (lengths[:, :, None].long() - new) + torch.arange(t, device=scores.device)  # [B, H, T]
         pages = self.page_table[layer_idx].long().gather(2, slots // s)
         self.extras[layer_idx]["score"][pages, slots % s] = scores.transpose(1, 2).float()
 
@@ -239,7 +247,16 @@ class PagedStore(StoreBase):
             b, h = valid.shape[:2]
             c_now = gate.c_last.view(b, h, -1)  # [B, H, G]
         return LayerSnapshot(
-            layer_idx, valid, positions, scores, c, c_now, self.seqlens.long(), self.prompt_len, self.capacity
+            layer_idx,
+            valid,
+            positions,
+            scores,
+            c,
+            c_now,
+            self.seqlens.long(),
+            self.prompt_len,
+            self.capacity,
+            prompt_lens=self.prompt_lens,
         )
 
     def evict(self, layer_idx: int, keep: Tensor) -> None:

@@ -47,15 +47,28 @@ class KVCache(Protocol):
     n_layers: int
     capacity: int
     """Slots per sequence that the buffers hold (a Python int: a static shape)."""
+    new_lengths: list[int] | None
+    """The ragged forward's ``lengths`` on the host (``None``: not ragged); see :meth:`begin`."""
 
     @property
     def length(self) -> int:
         """Tokens held per sequence, on the host (may wait for the device once)."""
         ...
 
-    def begin(self, batch_size: int, t: int, device: torch.device) -> Tensor:
+    def begin(self, batch_size: int, t: int, device: torch.device, lengths: Tensor | None = None) -> Tensor:
         """Starts a forward of ``t`` new tokens per sequence; returns their positions ``[B, T]``
-        (int64). Outside compiled code it also checks the batch and makes room."""
+        (int64). Outside compiled code it also checks the batch and makes room.
+
+        ``lengths`` ``[B]``: a ragged forward (prompts of different lengths, right-padded
+        to ``t``): sequence ``b`` brings only its first ``lengths[b]`` tokens; the padding
+        after them is written into slots that count as free and never seen (attention is
+        causal), and :meth:`advance` adds ``lengths``."""
+        ...
+
+    def last(self, x: Tensor) -> Tensor:
+        """``x`` ``[B, T, ...]`` at each sequence's last new token ``[B, ...]``: ``x[:, -1]``,
+        or ``x[b, lengths[b] - 1]`` in a ragged forward (what the next token continues:
+        a layer's recurrent state, the prefill's logits)."""
         ...
 
     def append(self, layer_idx: int, k: Tensor, v: Tensor, **extras: Tensor) -> None:

@@ -110,8 +110,8 @@ class Attention(nn.Module):
         state = cache.state(self.layer_idx, ShiftState)
         k_prev, v_prev = state.ensure(key, val)  # [B, 1, K, D]
         shifted = self.k_shift.shift(key, x, k_prev), self.v_shift.shift(val, x, v_prev)
-        k_prev.copy_(key[:, -1:])
-        v_prev.copy_(val[:, -1:])
+        k_prev.copy_(cache.last(key)[:, None])
+        v_prev.copy_(cache.last(val)[:, None])
         return shifted
 
     def _paged_decode(self, q: Tensor, view: PagedView, cache: KVCache, backend: str,
@@ -140,11 +140,25 @@ class Attention(nn.Module):
     ) -> None:
         """The prompt's accumulated attention per key (H2O, A2SF), without an L x L matrix;
         ``lse`` ``[B, H, T]``: the forward's row log-sum-exp when it has one (else a pass
-        computes it)."""
-        scores = attention_key_scores(
-            q, k, log_fgate=log_fgate, lse=lse, scale=self.scale, alpha=cache.score_decay
-        )
-        cache.record_prefill_scores(self.layer_idx, scores)  # [B, T, K]
+        computes it). In a ragged prefill each prompt is scored on its own (the padding
+        after it must not add its queries' attention, and A2SF's weights count from
+        each prompt's last token)."""
+        def scores_of(q, k, log_fgate, lse):
+            return attention_key_scores(
+                q, k, log_fgate=log_fgate, lse=lse, scale=self.scale, alpha=cache.score_decay
+            )
+
+        if cache.new_lengths is None:
+            scores = scores_of(q, k, log_fgate, lse)  # [B, T, K]
+        else:
+            scores = torch.zeros(*k.shape[:3], dtype=torch.float32, device=k.device)  # [B, T, K]
+            for b, n in enumerate(cache.new_lengths):
+                scores[b, :n] = scores_of(
+                    q[b : b + 1, :n], k[b : b + 1, :n],
+                    None if log_fgate is None else log_fgate[b : b + 1, :n],
+                    None if lse is None else lse[b : b + 1, :, :n],
+                )[0]
+        cache.record_prefill_scores(self.layer_idx, scores)
 
     @torch.no_grad()
     def logit_bound(self) -> Tensor | None:

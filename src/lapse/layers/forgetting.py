@@ -52,7 +52,7 @@ class ForgettingAttention(Attention):
         first = t > 1 and cache.length == 0  # prefill: the full-sequence op
         c_last = cache.state(self.layer_idx, GateState).ensure(b, h, q.device)  # [B, H] float64
         c = cumulative_log_gates(log_fgate, initial=c_last, dtype=torch.float64)  # [B, T, H]
-        c_last.copy_(c[:, -1])
+        c_last.copy_(cache.last(c))
         cache.append(self.layer_idx, k, v, c=c)
         view = cache.view(self.layer_idx)
         paged = isinstance(view, PagedView)

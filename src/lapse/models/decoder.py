@@ -56,7 +56,12 @@ class Decoder(nn.Module):
         init_weights(self, config.init_std)
 
     def forward(
-        self, input_ids: Tensor, labels: Tensor | None = None, *, cache: KVCache | None = None
+        self,
+        input_ids: Tensor,
+        labels: Tensor | None = None,
+        *,
+        cache: KVCache | None = None,
+        lengths: Tensor | None = None,
     ) -> tuple[Tensor, Tensor | None]:
         """Logits and, with ``labels``, the mean cross-entropy.
 
@@ -70,6 +75,11 @@ class Decoder(nn.Module):
                 appended to it and they attend to everything held (for RoPE, their
                 positions continue the held ones). Empty at first: the first call is
                 the prefill.
+            lengths: ``[B]`` tokens of each row in a right-padded batch of prompts of
+                different lengths (a ragged prefill: the cache holds each prompt, not its
+                padding; ``cache.last`` picks each one's last position). Without a cache
+                nothing needs it (attention is causal: the padding after a prompt does
+                not change its logits).
 
         Returns:
             ``(logits, loss)``: logits ``[B, T, V]`` in the model's dtype, loss a float32
@@ -80,24 +90,26 @@ class Decoder(nn.Module):
             raise ValueError(
                 f"labels must have the shape of input_ids {shape}, got {tuple(getattr(labels, 'shape', ()))}"
             )
-        logits = self.lm_head(self.hidden_states(input_ids, cache=cache))  # [B, T, V]
+        logits = self.lm_head(self.hidden_states(input_ids, cache=cache, lengths=lengths))  # [B, T, V]
         if labels is None:
             return logits, None
         loss = F.cross_entropy(logits.float().flatten(0, 1), labels.flatten(), ignore_index=-100)
         return logits, loss
 
-    def hidden_states(self, input_ids: Tensor, *, cache: KVCache | None = None) -> Tensor:
+    def hidden_states(
+        self, input_ids: Tensor, *, cache: KVCache | None = None, lengths: Tensor | None = None
+    ) -> Tensor:
         """The final-norm output ``[B, T, C]``, the input of ``lm_head`` (what
         :meth:`forward` turns into logits; evaluations that must not hold ``[B, T, V]``
         logits project it a chunk of positions at a time, and the prefill projects only
-        the last position). ``cache`` as in :meth:`forward`."""
+        the last position). ``cache`` and ``lengths`` as in :meth:`forward`."""
         if not torch.compiler.is_compiling():
             self._check_inputs(input_ids, cache)
         b, t = input_ids.shape
         if cache is None:
             positions = torch.arange(t, device=input_ids.device)[None]  # [1, T]
         else:
-            positions = cache.begin(b, t, input_ids.device)  # [B, T]
+            positions = cache.begin(b, t, input_ids.device, lengths)  # [B, T]
         x = self.embed(input_ids)  # [B, T, C]
         for block in self.blocks:
             x = block(x, positions, cache)  # [B, T, C]

@@ -77,6 +77,11 @@ class A2SF(Policy):
 
     def keep(self, snap: LayerSnapshot) -> Tensor:
         budget = self.tokens(snap.prompt_len)
+        if snap.prompt_lens is not None and isinstance(
+            self.budget, float
+        ):  # a ragged batch: each its own share
+            budget = torch.round(snap.prompt_lens.double() * self.budget).long().clamp_min(1)
+            budget = budget.clamp_min(self.recent + self.sinks)[:, None, None]  # [B, 1, 1]
         fixed = recent_or_sink(snap, self.recent, self.sinks)  # [B, H, W]
         scores = snap.scores
         if self.per == "layer":  # every head of the layer holds the same positions in the same order
