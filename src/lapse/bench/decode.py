@@ -31,6 +31,7 @@ Legend: B batch, T prompt, N steps, V vocabulary.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import platform
 import time
@@ -54,6 +55,7 @@ from lapse.generation import (
 )
 from lapse.kv import DenseStore
 from lapse.models import Decoder, param_count, preset
+from lapse.models.checkpoint import latest_checkpoint, load_weights, read_run
 
 PROVIDERS = ("lapse", "lapse-compile", "hf-llama-compile", "hf-llama-eager")
 # HBM bandwidth (bytes/s) by device name, for the limit
@@ -66,6 +68,10 @@ class DecodeBenchConfig:
 
     preset: str = "125m"
     """Model preset (random init) whose shapes are timed."""
+    run: Path | None = None
+    """A trained run folder (its newest intact checkpoint) timed instead of random-init
+    presets (``archs`` and ``preset`` are then ignored): eviction policies such as
+    ``acp`` evict what the trained gates forget. Prompts stay random tokens."""
     archs: tuple[str, ...] = ("fox-pro", "transformer-pro")
     """Architectures of the lapse providers."""
     workloads: tuple[str, ...] = ("8x4096", "4x16384", "2x32768")
@@ -260,6 +266,25 @@ def bandwidth_limit_ms(model_cfg, batch: int, tokens: float, itemsize: int, band
     return (weights + kv) / bandwidth * 1e3
 
 
+def _model(cfg: DecodeBenchConfig, arch: str, prompt: int, device, dtype) -> tuple[object, Decoder]:
+    """A random-init model of ``cfg.preset`` and ``arch``, or the trained ``cfg.run``; its
+    context set to ``prompt`` (FoX has no position limit; RoPE tables follow)."""
+    if cfg.run is None:
+        model_cfg = preset(cfg.preset, arch, max_seq_len=prompt)
+        return model_cfg, Decoder(model_cfg).to(device=device, dtype=dtype).eval()
+    if not cfg.run.is_dir():
+        raise FileNotFoundError(f"--run {cfg.run} is not a run folder")
+    folder = latest_checkpoint(cfg.run)
+    if folder is None:
+        raise ValueError(f"--run {cfg.run} holds no checkpoint yet")
+    model_cfg = dataclasses.replace(
+        read_run(cfg.run).model, max_seq_len=max(prompt, read_run(cfg.run).model.max_seq_len)
+    )
+    model = Decoder(model_cfg)
+    load_weights(folder, model)
+    return model_cfg, model.to(device=device, dtype=dtype).eval()
+
+
 def run(cfg: DecodeBenchConfig) -> dict:
     """Times every (workload, arch, provider), writes ``results.json`` and ``results.md``
     into ``cfg.out_dir``, prints the table and returns the results."""
@@ -271,10 +296,10 @@ def run(cfg: DecodeBenchConfig) -> dict:
     rows = []
     for workload in cfg.workloads:
         batch, prompt = (int(x) for x in workload.split("x"))
-        for arch in cfg.archs:
+        for arch in cfg.archs if cfg.run is None else ("run",):
             torch.manual_seed(0)
-            model_cfg = preset(cfg.preset, arch, max_seq_len=prompt)
-            model = Decoder(model_cfg).to(device=device, dtype=dtype).eval()
+            model_cfg, model = _model(cfg, arch, prompt, device, dtype)
+            arch = model_cfg.name if cfg.run is None else f"{model_cfg.name} ({cfg.run.name})"
             row = {"workload": workload, "batch": batch, "prompt": prompt, "arch": arch}
             for provider in ("lapse", "lapse-compile"):
                 if provider in cfg.providers:
@@ -305,7 +330,10 @@ def run(cfg: DecodeBenchConfig) -> dict:
         hf_row = {"workload": workload, "batch": batch, "prompt": prompt, "arch": "hf-llama"}
         for provider in ("hf-llama-compile", "hf-llama-eager"):
             if provider in cfg.providers:
-                model_cfg = preset(cfg.preset, "transformer-llama")
+                if cfg.run is None:
+                    model_cfg = preset(cfg.preset, "transformer-llama")
+                else:  # the run's sizes in a LLaMA block
+                    model_cfg = dataclasses.replace(model_cfg, attention="softmax", block="llama", acp=False)
                 compiled = provider == "hf-llama-compile"
                 ms = time_hf_llama(model_cfg, batch, prompt, cfg, device, dtype, compile=compiled)
                 hf_row[provider] = ms
@@ -318,7 +346,8 @@ def run(cfg: DecodeBenchConfig) -> dict:
         "commit": cfg.commit or git_commit() or "unknown",
         "date": time.strftime("%Y-%m-%d"),
         "dtype": cfg.dtype,
-        "preset": cfg.preset,
+        "preset": cfg.preset if cfg.run is None else None,
+        "run": None if cfg.run is None else str(cfg.run),
         "steps": cfg.steps,
         "warmup": cfg.warmup,
         "bandwidth": bandwidth,
@@ -341,8 +370,9 @@ def markdown_table(results: dict) -> str:
         + list(dict.fromkeys(extra))
         + ["limit"]
     )
+    what = f"{env['preset']} shapes, random init" if env.get("run") is None else f"trained run {env['run']}"
     lines = [
-        f"Decode step, {env['preset']} shapes, {env['dtype']}, random init, {env['device']}, "
+        f"Decode step, {what}, {env['dtype']}, {env['device']}, "
         f"torch {env['torch']}, "
         f"commit {env['commit']}, {env['date']}: ms per step (wall time of {env['steps']} greedy steps after "
         f"{env['warmup']} warm-up steps; limit: bytes read once at {env['bandwidth']} B/s)",
