@@ -1,0 +1,200 @@
+"""CASTLE decoding over a UQ-KV cache: one new token per sequence (SPEC section 5).
+
+The cache holds, per slot ``s`` and query head, the lookahead vector ``u_s`` and the
+lookahead query ``q^U_s``, and per slot and causal kv head ``k^C_s, v^C_s``; all four
+are dense ``[B, S, heads, D]`` buffers (``S`` the capacity, the layout of ``kv``'s
+stores) with a per-sequence length. A step for the new token at slot ``t`` is
+
+1. the caller writes ``q^U_t, k^C_t, v^C_t`` into slot ``t`` (the store's ``append``)
+   and the length becomes ``t + 1``;
+2. :func:`castle_decode_update` adds ``sigmoid(q^U_s . k^U_t * scale) v^U_t`` to every
+   earlier ``u_s`` (SWL: only ``s >= t - W``, gathered, so O(W D) per head) and sets
+   ``u_t = 0``; ``k^U_t, v^U_t`` are used here and not kept;
+3. :func:`castle_attention_decode` evaluates ``softmax(q^C_t K^C^T * scale -
+   SiLU(q^C_t U^T * scale)) V^C`` over the slots ``s <= t``.
+
+Both are plain PyTorch with static shapes and no host reads (with ``check_values=False``),
+so a decode step compiles and captures into a CUDA graph. The cache after a prefill of
+``T`` tokens is ``castle_lookahead_keys(q_u, k_u, v_u)`` beside ``q_u, k_c, v_c``.
+
+Legend: B batch, S capacity, H query heads, HC causal kv heads, HU lookahead kv heads,
+D head dim, W window.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from ..forgetting.common import _shape, check_devices, check_float_dtype, check_tensors, resolve_scale
+from .common import check_group, check_window
+
+
+def _check_cache(name: str, x: Tensor, b: int, d: int) -> None:
+    if x.dim() != 4 or x.shape[0] != b or x.shape[-1] != d:
+        raise ValueError(f"{name} must be [batch={b}, capacity, heads, head_dim={d}], got {_shape(x)}")
+    check_float_dtype(name, x)
+
+
+def _check_seqlens(cache_seqlens: Tensor, b: int, s: int, check_values: bool) -> None:
+    if cache_seqlens.dtype != torch.int32 or tuple(cache_seqlens.shape) != (b,):
+        raise ValueError(f"cache_seqlens must be int32 [batch] = [{b}], got {_shape(cache_seqlens)}")
+    if check_values and bool(((cache_seqlens < 1) | (cache_seqlens > s)).any()):
+        raise ValueError(f"cache_seqlens must be in [1, capacity = {s}], got "
+                         f"{cache_seqlens.tolist()[:16]}")
+
+
+def castle_decode_update(
+    u_cache: Tensor,
+    qu_cache: Tensor,
+    k_u: Tensor,
+    v_u: Tensor,
+    cache_seqlens: Tensor,
+    *,
+    scale: float | None = None,
+    window: int | None = None,
+    check_values: bool = True,
+) -> Tensor:
+    """Adds the new token's lookahead contribution to the cached ``U``, in place.
+
+    With ``t = cache_seqlens[b] - 1`` (the new token's slot)::
+
+        u_s += sigmoid(q^U_s . k^U_t * scale) v^U_t    for s < t  (SWL: t - W <= s < t)
+        u_t  = 0
+
+    After the call ``u_cache[b, :t + 1]`` is ``U^t`` of SPEC section 5. Slots past ``t``
+    are left as they are (garbage there, NaN included, is never read). The arithmetic
+    runs in float32 (float64 for a float64 cache) and is rounded to ``u_cache``'s dtype;
+    keep ``U`` in float32: it is a running sum over the whole sequence.
+
+    Args:
+        u_cache: ``[B, S, H, D]`` the lookahead vectors, updated in place.
+        qu_cache: ``[B, S, H, D]`` the lookahead queries, ``q^U_t`` already at slot ``t``.
+        k_u, v_u: ``[B, HU, D]`` the new token's lookahead key and value, ``HU`` dividing
+            ``H`` (query head ``h`` reads ``h // (H / HU)``).
+        cache_seqlens: ``[B]`` int32 valid slots, the new token included, in ``[1, S]``.
+        scale: ``1 / sqrt(D)`` by default. window: ``None`` (CASTLE) or ``W >= 1``.
+        check_values: check ``cache_seqlens`` lies in ``[1, S]`` (one host read); pass
+            False in a compiled or captured step.
+
+    Returns:
+        ``u_cache``.
+    """
+    check_tensors(u_cache=u_cache, qu_cache=qu_cache, k_u=k_u, v_u=v_u, cache_seqlens=cache_seqlens)
+    check_devices(u_cache, qu_cache=qu_cache, k_u=k_u, v_u=v_u, cache_seqlens=cache_seqlens)
+    if k_u.dim() != 3 or k_u.shape != v_u.shape:
+        raise ValueError(f"k_u and v_u must be [batch, heads, head_dim] of one shape, got "
+                         f"{_shape(k_u)} and {_shape(v_u)}")
+    b, hu, d = k_u.shape
+    for name, x in (("k_u", k_u), ("v_u", v_u)):
+        check_float_dtype(name, x)
+    _check_cache("u_cache", u_cache, b, d)
+    _check_cache("qu_cache", qu_cache, b, d)
+    if u_cache.shape != qu_cache.shape:
+        raise ValueError(f"u_cache and qu_cache must have the same shape, got {_shape(u_cache)} "
+                         f"and {_shape(qu_cache)}")
+    _, s, h, _ = u_cache.shape
+    check_group("k_u", k_u[:, None], h)
+    window = check_window(window)
+    scale = resolve_scale(scale, d)
+    _check_seqlens(cache_seqlens, b, s, check_values)
+
+    acc = torch.float64 if u_cache.dtype == torch.float64 else torch.float32
+    ku = k_u.repeat_interleave(h // hu, dim=1).to(acc)  # [B, H, D]
+    vu = v_u.repeat_interleave(h // hu, dim=1).to(acc)  # [B, H, D]
+    t = cache_seqlens.long() - 1  # [B]
+    if window is None or window >= s:
+        # every slot, masked: O(S D) per head, the cost of the attention step itself
+        slots = torch.arange(s, device=u_cache.device)[None, :]  # [1, S]
+        q = qu_cache.to(acc)  # [B, S, H, D]
+        w = torch.sigmoid(torch.einsum("bshd,bhd->bsh", q, ku) * scale)  # [B, S, H]
+        keep = slots < t[:, None]
+        if window is not None:
+            keep = keep & (slots >= t[:, None] - window)
+        w = torch.where(keep[..., None], w, 0.0)  # NaN in unused slots cannot leak in
+        new = torch.where((slots == t[:, None])[..., None, None], 0.0,
+                          u_cache.to(acc) + w[..., None] * vu[:, None])  # [B, S, H, D]
+        u_cache.copy_(new)
+        return u_cache
+    # SWL: only the W slots before t change; gather their queries, scatter-add the change
+    rows = t[:, None] - window + torch.arange(window, device=u_cache.device)  # [B, W]
+    keep = rows >= 0
+    idx = rows.clamp_min(0)[:, :, None, None].expand(b, window, h, d)  # [B, W, H, D]
+    q = torch.gather(qu_cache, 1, idx).to(acc)  # [B, W, H, D]
+    w = torch.sigmoid(torch.einsum("bwhd,bhd->bwh", q, ku) * scale)  # [B, W, H]
+    w = torch.where(keep[..., None], w, 0.0)  # rows clamped to slot 0 (t < W) add 0
+    u_cache.scatter_add_(1, idx, (w[..., None] * vu[:, None]).to(u_cache.dtype))
+    last = t[:, None, None, None].expand(b, 1, h, d)  # [B, 1, H, D]
+    u_cache.scatter_(1, last, torch.zeros(b, 1, h, d, dtype=u_cache.dtype, device=u_cache.device))
+    return u_cache
+
+
+def castle_attention_decode(
+    q_c: Tensor,
+    k_c_cache: Tensor,
+    v_c_cache: Tensor,
+    u_cache: Tensor,
+    cache_seqlens: Tensor,
+    *,
+    scale: float | None = None,
+    return_lse: bool = False,
+    check_values: bool = True,
+):
+    """The new token's CASTLE output over its UQ-KV cache, after :func:`castle_decode_update`.
+
+    With ``t = cache_seqlens[b] - 1``::
+
+        o = softmax_s(q^C . k^C_s * scale - SiLU(q^C . u_s * scale)) v^C_s,   s <= t
+
+    (``u_t = 0``, so the new token scores itself by ``q^C . k^C_t`` alone). Float32
+    arithmetic (float64 for float64 ``q_c``); slots past ``t`` are masked before use.
+
+    Args:
+        q_c: ``[B, H, D]`` the new token's causal queries.
+        k_c_cache, v_c_cache: ``[B, S, HC, D]``, ``k^C_t, v^C_t`` already at slot ``t``;
+            ``HC`` dividing ``H``.
+        u_cache: ``[B, S, H, D]`` the lookahead vectors at time ``t``.
+        cache_seqlens: ``[B]`` int32 valid slots, the new token included.
+        scale: ``1 / sqrt(D)`` by default.
+        return_lse: also return the log-sum-exp ``[B, H]`` float32.
+        check_values: as in :func:`castle_decode_update`.
+
+    Returns:
+        ``o`` ``[B, H, D]`` in ``q_c``'s dtype, or ``(o, lse)``.
+    """
+    check_tensors(q_c=q_c, k_c_cache=k_c_cache, v_c_cache=v_c_cache, u_cache=u_cache,
+                  cache_seqlens=cache_seqlens)
+    check_devices(q_c, k_c_cache=k_c_cache, v_c_cache=v_c_cache, u_cache=u_cache,
+                  cache_seqlens=cache_seqlens)
+    if q_c.dim() != 3:
+        raise ValueError(f"q_c must be [batch, heads, head_dim], got {_shape(q_c)}")
+    check_float_dtype("q_c", q_c)
+    b, h, d = q_c.shape
+    for name, x in (("k_c_cache", k_c_cache), ("v_c_cache", v_c_cache), ("u_cache", u_cache)):
+        _check_cache(name, x, b, d)
+    if k_c_cache.shape != v_c_cache.shape:
+        raise ValueError(f"k_c_cache and v_c_cache must have the same shape, got "
+                         f"{_shape(k_c_cache)} and {_shape(v_c_cache)}")
+    s = k_c_cache.shape[1]
+    if u_cache.shape[1:3] != (s, h):
+        raise ValueError(f"u_cache must be [batch, capacity={s}, heads={h}, head_dim], got "
+                         f"{_shape(u_cache)}")
+    check_group("k_c_cache", k_c_cache, h)
+    scale = resolve_scale(scale, d)
+    _check_seqlens(cache_seqlens, b, s, check_values)
+
+    acc = torch.float64 if q_c.dtype == torch.float64 else torch.float32
+    hc = k_c_cache.shape[2]
+    keep = torch.arange(s, device=q_c.device)[None, :] < cache_seqlens[:, None].long()  # [B, S]
+    keep4 = keep[:, :, None, None]
+    kc = torch.where(keep4, k_c_cache, 0.0).repeat_interleave(h // hc, dim=2).to(acc)  # [B, S, H, D]
+    vc = torch.where(keep4, v_c_cache, 0.0).repeat_interleave(h // hc, dim=2).to(acc)  # [B, S, H, D]
+    u = torch.where(keep4, u_cache, 0.0).to(acc)  # [B, S, H, D]
+    q = q_c.to(acc)
+    s_c = torch.einsum("bhd,bshd->bhs", q, kc) * scale  # [B, H, S]
+    s_u = torch.einsum("bhd,bshd->bhs", q, u) * scale  # [B, H, S]
+    logits = (s_c - F.silu(s_u)).masked_fill(~keep[:, None, :], float("-inf"))
+    lse = torch.logsumexp(logits, dim=-1)  # [B, H]
+    o = torch.einsum("bhs,bshd->bhd", torch.softmax(logits, dim=-1), vc).to(q_c.dtype)
+    return (o, lse.float()) if return_lse else o
