@@ -84,3 +84,17 @@ def test_triton_equals_torch_f32():
     a = castle_attention(*xs, window=5, backend="triton")
     b = castle_attention(*xs, window=5, backend="torch")
     assert rel(a, b) < 1e-6
+
+
+@pytest.mark.parametrize("window", [None, 2, 40])
+def test_triton_backward_tiles_differently(monkeypatch, window):
+    """The backward shares only per-position tensors with the forward (lse, the final U),
+    so it may use other blocks: here 16 forward, 32 and 8 backward."""
+    _cpu_only()
+    from lapse.ops.castle.triton_fwd import block_config
+
+    case = Case(b=1, t=70, h=2, hc=1, hu=2, d=16, window=window)
+    for bwd_bt in (32, 8):
+        monkeypatch.setattr(triton_ops, "block_config", lambda d, interpret, backward=False, bt=bwd_bt:
+                            dict(BT=bt, num_warps=1) if backward else block_config(d, interpret))
+        compare(case, torch.float32, "triton", FLOOR[torch.float32], seed=12)

@@ -123,12 +123,19 @@ def _fwd_step_kernel(
         tl.store(p_acc, b_acc, mask=m_id)
 
 
-def block_config(d: int, interpret: bool) -> dict:
-    """Block size and warps by head dim. Not tuned on a GPU yet: 64-position blocks keep
-    every dot at 64 x 64 x D; D = 128 doubles the float32 tiles (U, acc), so 8 warps.
-    The interpreter gets 16-position blocks, so small test shapes span several steps."""
+def block_config(d: int, interpret: bool, backward: bool = False) -> dict:
+    """Block size and warps by head dim; the forward and the backward may tile
+    differently (they share only per-position tensors: lse and the final U).
+
+    Not tuned on a GPU yet. The forward holds two float32 ``[BT, D]`` tiles (U, acc), so
+    64-position blocks; the backward holds eight (U, R and six gradient accumulators),
+    so 32-position blocks keep it within the register file at D <= 128. The interpreter
+    gets 16-position blocks, so small test shapes span several wavefront steps.
+    """
     if interpret:
         return dict(BT=16, num_warps=1)
+    if backward:
+        return dict(BT=32, num_warps=4 if d <= 64 else 8)
     if d <= 64:
         return dict(BT=64, num_warps=4)
     if d <= 128:

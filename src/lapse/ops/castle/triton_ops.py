@@ -27,8 +27,9 @@ def _empty(*shape, dtype, device) -> Tensor:
     return torch.empty(shape, dtype=dtype, device=device)
 
 
-def _config(x: Tensor) -> dict:
-    return block_config(x.shape[-1], not x.is_cuda and os.environ.get("TRITON_INTERPRET") == "1")
+def _config(x: Tensor, backward: bool) -> dict:
+    interpret = not x.is_cuda and os.environ.get("TRITON_INTERPRET") == "1"
+    return block_config(x.shape[-1], interpret, backward)
 
 
 def _group_sum(g: Tensor, heads: int) -> Tensor:
@@ -49,16 +50,16 @@ class _TritonCastle(torch.autograd.Function):
         u = _empty(b, h, t, d, dtype=f32, device=dev)
         acc = _empty(b, h, t, d, dtype=f32, device=dev)
         m, l = _empty(b, h, t, dtype=f32, device=dev), _empty(b, h, t, dtype=f32, device=dev)
-        cfg = _config(qc)
-        launch_fwd(qc, kc, vc, qu, ku, vu, scale, window, o, lse2, u, acc, m, l, cfg)
+        launch_fwd(qc, kc, vc, qu, ku, vu, scale, window, o, lse2, u, acc, m, l,
+                   _config(qc, backward=False))
         ctx.save_for_backward(qc, kc, vc, qu, ku, vu, o, lse2, u)
-        ctx.args = (scale, window, cfg)
+        ctx.args = (scale, window)
         return o, lse2 * LN2
 
     @staticmethod
     def backward(ctx, do, dlse):
         qc, kc, vc, qu, ku, vu, o, lse2, u_end = ctx.saved_tensors
-        scale, window, cfg = ctx.args
+        scale, window = ctx.args
         b, t, h, d = qc.shape
         dev, f32 = qc.device, torch.float32
         do = torch.zeros_like(o) if do is None else do.contiguous()
@@ -69,7 +70,7 @@ class _TritonCastle(torch.autograd.Function):
         scratch = [_empty(b, h, t, d, dtype=f32, device=dev) for _ in range(2)]  # U, R
         grads = [_empty(b, h, t, d, dtype=f32, device=dev) for _ in range(6)]
         launch_bwd(qc, kc, vc, qu, ku, vu, do, lse2, delta, u_end, scratch, grads, scale,
-                   window, cfg)
+                   window, _config(qc, backward=True))
         dqc, dkc, dvc, dqu, dku, dvu = grads
         dt = qc.dtype
         return (
