@@ -30,6 +30,9 @@ def main():
     ap.add_argument("--prompt", type=int, default=32768)
     ap.add_argument("--policy", default="acp")
     ap.add_argument("--passes", type=int, default=5)
+    ap.add_argument(
+        "--compile", action="store_true", help="each layer's pass compiled (PagedStore.apply_policy)"
+    )
     args = ap.parse_args()
     dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     torch.manual_seed(0)
@@ -44,9 +47,12 @@ def main():
     bounds = logit_bounds(model)
     for i in range(args.passes):
         t0 = time.perf_counter()
-        evict(model, store, policy, bounds)
+        evict(model, store, policy, bounds, compile=args.compile)
         sync()
-        print(f"pass {i}: {1e3 * (time.perf_counter() - t0):.2f} ms; held {100 * store.bytes_held() / store.bytes_if_dense():.2f}%")
+        share = 100 * store.bytes_held() / store.bytes_if_dense()
+        print(f"pass {i}: {1e3 * (time.perf_counter() - t0):.2f} ms; held {share:.2f}%")
+    if args.compile:
+        return  # the phases below are the eager pass's
     # phases of one more pass, layer by layer
     phases = {"snapshot": 0.0, "keep": 0.0, "evict": 0.0}
     for layer in range(cfg.n_layers):
@@ -67,9 +73,11 @@ def main():
     print("phases (ms, all layers):", {k: round(1e3 * v, 2) for k, v in phases.items()})
     widths = [store._slots(i)[0].shape[-1] for i in range(cfg.n_layers)]
     print("snapshot widths per layer:", widths)
-    acts = [torch.profiler.ProfilerActivity.CPU] + ([torch.profiler.ProfilerActivity.CUDA] if dev.type == "cuda" else [])
+    acts = [torch.profiler.ProfilerActivity.CPU] + (
+        [torch.profiler.ProfilerActivity.CUDA] if dev.type == "cuda" else []
+    )
     with torch.profiler.profile(activities=acts) as prof:
-        evict(model, store, policy, bounds)
+        evict(model, store, policy, bounds, compile=args.compile)
         sync()
     ka = prof.key_averages()
     print(ka.table(sort_by="self_cpu_time_total", row_limit=15))

@@ -17,7 +17,17 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from lapse.generation import A2SF, H2O, ACPBoundary, Dense, SinkWindow, generate, paged_store_for, prefill
+from lapse.generation import (
+    A2SF,
+    H2O,
+    ACPBoundary,
+    Dense,
+    SinkWindow,
+    evict,
+    generate,
+    paged_store_for,
+    prefill,
+)
 from lapse.kv import LayerSnapshot, PagedStore
 from lapse.models import ARCHS, Decoder, preset
 
@@ -365,3 +375,57 @@ def test_acp_eviction_moves_each_attention_row_by_at_most_its_bound(kv_heads, pr
     if bias <= -2:  # gates that forget (f < 0.12): the store must really have evicted
         assert int(paged.lengths[0].max()) < prompt + 24
         assert paged.bytes_held() < paged.bytes_if_dense()
+
+
+@pytest.mark.parametrize(
+    "policy",
+    [
+        ACPBoundary(every=1),
+        SinkWindow(sinks=2, window=20, every=1),
+        A2SF(budget=24, recent=4, alpha=0.9, every=1),
+    ],
+    ids=["acp", "window", "a2sf"],
+)
+def test_compiled_eviction_pass_equals_eager(policy):
+    """The pass as one traced function (``aot_eager``: the trace, without code generation;
+    the GPU test compiles it with Inductor) leaves the store as the eager pass does."""
+    model = _model("fox-pro")
+    with torch.no_grad():
+        for block in model.blocks:
+            block.attn.fgate.bias.fill_(-2.0)  # ACP evicts
+    ids = torch.randint(0, model.config.vocab_size, (2, 70), generator=torch.Generator().manual_seed(4))
+    stores = []
+    for compile in (False, "aot_eager"):
+        store = paged_store_for(model, 2, 70, 30, policy)
+        tok = prefill(model, ids, store).argmax(-1, keepdim=True)
+        for _ in range(12):
+            evict(model, store, policy, compile=compile)
+            store.reserve(1)
+            with torch.no_grad():
+                tok = model(tok, cache=store)[0][:, -1].argmax(-1, keepdim=True)
+        stores.append(store)
+    eager, traced = stores
+    assert int(eager.lengths[0].max()) < 70  # the policy evicted
+    for i in range(model.config.n_layers):
+        assert torch.equal(eager.lengths[i], traced.lengths[i])
+        assert torch.equal(eager.page_table[i], traced.page_table[i])
+        a, b = eager.snapshot(i), traced.snapshot(i)
+        assert torch.equal(a.positions, b.positions) and torch.equal(a.valid, b.valid)
+    assert eager._free == traced._free and eager.bytes_held() == traced.bytes_held()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize(
+    "policy", [ACPBoundary(every=4), H2O(budget=24, recent=4, every=2)], ids=["acp", "h2o"]
+)
+def test_compiled_generation_with_eviction_equals_eager_on_cuda(policy):
+    """CUDA graphs for the step and Inductor for the eviction passes against both eager."""
+    model = _model("fox-pro").cuda()
+    with torch.no_grad():
+        for block in model.blocks:
+            block.attn.fgate.bias.fill_(-2.0)
+    ids = torch.randint(0, model.config.vocab_size, (2, 70), device="cuda")
+    runs = [generate(model, ids, 24, policy=policy, compile=c, return_logits=True) for c in (False, True)]
+    assert torch.equal(runs[0][0], runs[1][0])
+    torch.testing.assert_close(runs[0][1], runs[1][1], atol=ATOL32, rtol=0)

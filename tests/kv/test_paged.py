@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from lapse.kv import KVCache, PagedStore
+from lapse.kv.paged import _slots
 
 
 def _fill(store: PagedStore, b: int, t: int, start: int) -> None:
@@ -47,11 +48,13 @@ def test_paged_store_writes_through_the_table_and_compacts_on_eviction():
     assert positions[0, 0, :14].tolist() == list(range(0, 41, 3))
     assert positions[1, 1, :11].tolist() == list(range(30, 41))
     # keys and FoX c moved with their positions
-    pages, offsets, _ = store._slots(0)
+    pages, offsets, _ = _slots(store._tensors(0), *store._meta(0)[:2])
     k = store.k[0][pages, offsets][..., 0]  # [B, H, W]
     assert k[1, 1, :11].tolist() == [p + 1000 + 10000 for p in range(30, 41)]
     c = store.extras[0]["c"][pages, offsets]  # [B, H, W, G]
     assert c[0, 1, :14, 1].tolist() == [-float(p) for p in range(0, 41, 3)]
+    assert len(store._free[0]) == free_before  # the host's lists catch up when settled
+    store.settle()
     assert len(store._free[0]) == free_before + 2 * 2 * 2  # 3 pages per head before, 1 after
     assert store.bytes_held() < store.bytes_if_dense()
 
@@ -61,6 +64,7 @@ def test_freed_pages_are_reused_and_a_full_pool_says_so():
     _fill(store, 1, 48, 0)  # 2 heads x 3 pages: the whole pool
     positions, valid = _held(store)
     store.evict(0, valid & (positions >= 40))
+    store.settle()
     assert len(store._free[0]) == 4
     for start in range(48, 48 + 40):  # 40 more tokens in pages the eviction freed
         _fill(store, 1, 1, start)

@@ -87,15 +87,23 @@ def logit_bounds(model: Decoder) -> list[Tensor | None]:
 
 @torch.no_grad()
 def evict(
-    model: Decoder, store: PagedStore, policy: Policy, bounds: list[Tensor | None] | None = None
+    model: Decoder,
+    store: PagedStore,
+    policy: Policy,
+    bounds: list[Tensor | None] | None = None,
+    compile: bool | str | None = None,
 ) -> None:
     """Applies ``policy`` to every layer of ``store`` (outside any compiled step);
-    ``bounds``: :func:`logit_bounds` of the model, computed here when not given."""
+    ``bounds``: :func:`logit_bounds` of the model, computed here when not given.
+    ``compile``: run each layer's pass compiled (:meth:`PagedStore.apply_policy`); by
+    default on CUDA, where the pass is bound by kernel launches. The host's page lists
+    catch up once, at the end."""
     bounds = logit_bounds(model) if bounds is None else bounds
+    if compile is None:
+        compile = store.k[0] is not None and store.k[0].is_cuda
     for i in range(len(model.blocks)):
-        snap = store.snapshot(i)
-        snap.bound = bounds[i]
-        store.evict(i, policy.keep(snap))
+        store.apply_policy(i, policy.keep, bounds[i], compile=compile)
+    store.settle()
 
 
 def sample(
@@ -167,7 +175,8 @@ def generate(
             by default.
         return_logits: also return the logits each new token was drawn from.
         compile: decode with :func:`compiled_decode_one_token` (CUDA graphs on a GPU;
-            the first call compiles, which takes a while).
+            the first call compiles, which takes a while), and run the eviction passes
+            compiled (:func:`evict`).
         policy: an eviction policy (:mod:`lapse.generation.policies`): the tokens go into a
             :class:`~lapse.kv.PagedStore` (:func:`paged_store_for`, unless ``cache`` is
             one), the prompt is cut to the policy's budget after the prefill, and the
@@ -246,7 +255,7 @@ def generate(
         if len(stop_tokens) and i % check_every == 0 and bool(done.all()):
             break
         if policy is not None and i % policy.every == 0:
-            evict(model, cache, policy, bounds)  # the prompt's cut first, then every `every` steps
+            evict(model, cache, policy, bounds, compile=compile)  # the prompt's cut first, then every `every`
             cache.reserve(min(policy.every, max_new_tokens - 1 - i))  # pages for the next steps
         logits = step(model, tokens[-1], cache)
         if compile and return_logits:

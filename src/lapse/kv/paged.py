@@ -26,7 +26,9 @@ S page size, W table width (slots per head), T new tokens.
 
 from __future__ import annotations
 
+import functools
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -145,6 +147,7 @@ class PagedStore(StoreBase):
         self.lengths: list[Tensor | None] = [None] * n_layers  # [B, H] int32
         self._free: list[list[int]] = [[] for _ in range(n_layers)]  # host free lists
         self._owned: list[list[list[list[int]]]] = [[] for _ in range(n_layers)]  # [B][H] page ids, in order
+        self._pending: set[int] = set()  # layers evicted since the host's lists were settled
 
     # -- the KVCache protocol (begin, state, advance, length: StoreBase) -------------------
 
@@ -203,7 +206,7 @@ class PagedStore(StoreBase):
     def record_scores(self, layer_idx: int, probs: Tensor) -> None:
         """Adds one step's attention ``[B, H, W]`` (per logical slot, summed over the group)
         to the accumulated scores, after decaying them: ``A = decay * A + a``."""
-        pages, offsets, valid = self._slots(layer_idx, full=True)
+        pages, offsets, valid = _slots(self._tensors(layer_idx), self.width, self.page_size)
         score = self.extras[layer_idx]["score"]
         new = self.score_decay * score[pages, offsets] + probs[..., : self.width]  # [B, H, W]
         score[pages, offsets] = torch.where(valid, new, score[pages, offsets])
@@ -224,64 +227,65 @@ class PagedStore(StoreBase):
     def reserve(self, t: int) -> None:
         """Gives every (sequence, head) of every allocated layer pages for ``t`` more tokens
         (reads the lengths back once). Raises when the pool or the table is full."""
-        for i in range(self.n_layers):
-            if self.lengths[i] is None:
-                continue
-            needed = (self.lengths[i].long() + t + self.page_size - 1) // self.page_size  # [B, H]
-            self._grant(i, needed.tolist())
+        self.settle()
+        layers = [i for i in range(self.n_layers) if self.lengths[i] is not None]
+        if not layers:
+            return
+        held = torch.stack([self.lengths[i] for i in layers]).long()  # [layers, B, H]
+        needed = ((held + t + self.page_size - 1) // self.page_size).tolist()
+        for i, rows in zip(layers, needed, strict=True):
+            self._grant(i, rows)
 
     def snapshot(self, layer_idx: int) -> LayerSnapshot:
         """What the layer holds, gathered into logical order per head (for a policy)."""
-        pages, offsets, valid = self._slots(layer_idx)
-        pools = self.extras[layer_idx]
-        positions = torch.where(valid, pools["pos"][pages, offsets].long(), -1)
-        scores = (
-            pools["score"][pages, offsets]
-            if "score" in pools
-            else torch.zeros(valid.shape, device=valid.device)
-        )
-        c = pools["c"][pages, offsets] if "c" in pools else None  # [B, H, W, G]
-        c_now = None
-        gate = self.states[layer_idx].get("GateState")
-        if gate is not None and gate.c_last is not None:
-            b, h = valid.shape[:2]
-            c_now = gate.c_last.view(b, h, -1)  # [B, H, G]
-        return LayerSnapshot(
-            layer_idx,
-            valid,
-            positions,
-            scores,
-            c,
-            c_now,
-            self.seqlens.long(),
-            self.prompt_len,
-            self.capacity,
-            prompt_lens=self.prompt_lens,
-        )
+        return _snapshot(self._tensors(layer_idx), *self._meta(layer_idx))
 
     def evict(self, layer_idx: int, keep: Tensor) -> None:
         """Keeps the slots where ``keep`` ``[B, H, W]`` (shaped as :meth:`snapshot`'s) is True
         and valid, packs them to the front of their head in order, and returns the pages no
-        longer needed to the pool."""
-        pages, offsets, valid = self._slots(layer_idx)
-        keep = keep & valid
-        new_len = keep.sum(-1).to(torch.int32)  # [B, H]
-        order = torch.argsort((~keep).to(torch.int8), dim=-1, stable=True)  # kept slots first, in order
-        src_p, src_o = pages.gather(2, order), offsets.gather(2, order)
-        dst = torch.arange(keep.shape[-1], device=keep.device) < new_len[..., None].long()  # [B, H, W]
-        pools = [self.k[layer_idx], self.v[layer_idx], *self.extras[layer_idx].values()]
-        for pool in pools:
-            moved = pool[src_p, src_o]  # [B, H, W, ...] read all before writing
-            here = pool[pages, offsets]
-            mask = dst.view(*dst.shape, *(1,) * (moved.dim() - 3))
-            # every owned slot is written once (no boolean indexing: no host sync)
-            pool[pages, offsets] = torch.where(mask, moved, here)
-        self.lengths[layer_idx].copy_(new_len)
-        kept_pages = ((new_len.long() + self.page_size - 1) // self.page_size).tolist()
-        self._release(layer_idx, kept_pages)
+        longer needed to the pool. Device work only: the host's free list catches up at the
+        next :meth:`reserve`, :meth:`bytes_held` or :meth:`settle` (one read-back for all
+        the layers evicted meanwhile)."""
+        tensors = self._tensors(layer_idx)
+        _compact(tensors, _slots(tensors, *self._meta(layer_idx)[:2]), keep, self.page_size)
+        self._pending.add(layer_idx)
+
+    def apply_policy(
+        self,
+        layer_idx: int,
+        keep_fn: Callable[[LayerSnapshot], Tensor],
+        bound: Tensor | None = None,
+        compile: bool | str = False,
+    ) -> None:
+        """:meth:`snapshot`, ``keep_fn`` (a policy's ``keep``) and :meth:`evict` as one pure
+        function of the layer's tensors; with ``compile``, that function compiled by
+        ``torch.compile`` (dynamic shapes: one compilation per policy, whatever the widths),
+        which fuses the ~80 small kernels of a pass into a few (the pass is bound by their
+        launches, ``scripts/profile_evict.py``); a string names the ``torch.compile`` backend
+        (``"aot_eager"``: the trace without code generation, for tests on CPU)."""
+        fn = _compiled_pass("inductor" if compile is True else compile) if compile else _pass
+        fn(self._tensors(layer_idx), *self._meta(layer_idx), keep_fn, bound)
+        self._pending.add(layer_idx)
+
+    def settle(self) -> None:
+        """Returns the pages the evictions since the last call freed to the host's free
+        lists: one read-back of every evicted layer's lengths."""
+        if not self._pending:
+            return
+        layers = sorted(self._pending)
+        self._pending.clear()
+        held = torch.stack([self.lengths[i] for i in layers]).tolist()  # [layers][B][H]
+        s = self.page_size
+        for i, lengths in zip(layers, held, strict=True):
+            for b, row in enumerate(lengths):
+                for h, n in enumerate(row):
+                    mine, keep = self._owned[i][b][h], -(-n // s)
+                    while len(mine) > keep:
+                        self._free[i].append(mine.pop())  # the table entry is cleared on the device
 
     def bytes_held(self) -> int:
         """Bytes of the pages in use (keys, values and every per-slot pool)."""
+        self.settle()
         total = 0
         for i in range(self.n_layers):
             if self.k[i] is None:
@@ -311,26 +315,26 @@ class PagedStore(StoreBase):
 
     # -- internals -----------------------------------------------------------------------
 
-    def _slots(self, layer_idx: int, full: bool = False) -> tuple[Tensor, Tensor, Tensor]:
-        """Page and offset of every logical slot ``[B, H, W]`` (the scratch page where the head
-        owns none: writes through it hit no other head's slot),
-        and whether the slot is below the head's length. ``W`` is the table width when
-        ``full`` (a fixed shape, inside the step), else only as many slots as the fullest
-        head has pages for (known on the host: eviction passes then cost what is held,
-        not what the table could hold)."""
-        s = self.page_size
-        if full:
-            width = self.width
-        else:
-            width = s * max(1, max(len(pages) for row in self._owned[layer_idx] for pages in row))
-        slots = torch.arange(width, device=self.lengths[layer_idx].device)  # [W]
-        table = self.page_table[layer_idx].long()
-        table = table.masked_fill(
-            table < 0, self.k[layer_idx].shape[0] - 1
-        )  # [B, H, W/S]: unowned -> scratch
-        pages = table[:, :, slots // s]  # [B, H, W]
-        valid = slots < self.lengths[layer_idx][..., None].long()
-        return pages, (slots % s).expand_as(pages), valid
+    def _tensors(self, layer_idx: int) -> _LayerTensors:
+        gate = self.states[layer_idx].get("GateState")
+        c_now = None if gate is None or gate.c_last is None else gate.c_last
+        return _LayerTensors(
+            self.k[layer_idx],
+            self.v[layer_idx],
+            self.extras[layer_idx],
+            self.page_table[layer_idx],
+            self.lengths[layer_idx],
+            self.seqlens,
+            c_now,
+            self.prompt_lens,
+        )
+
+    def _meta(self, layer_idx: int) -> tuple[int, int, int, int, int]:
+        """``(width, page_size, layer_idx, prompt_len, max_context)`` of a pass over the layer:
+        as many slots as the fullest head has pages for (known on the host, so a pass costs
+        what is held, not what the table could hold)."""
+        pages = max(1, max(len(p) for row in self._owned[layer_idx] for p in row))
+        return pages * self.page_size, self.page_size, layer_idx, self.prompt_len, self.capacity
 
     def _allocate(self, layer_idx: int, k: Tensor, v: Tensor, extras: dict[str, Tensor]) -> None:
         b, _, h, d = k.shape
@@ -387,22 +391,109 @@ class PagedStore(StoreBase):
                 :, 3
             ].to(device=table.device, dtype=torch.int32)
 
-    def _release(self, layer_idx: int, kept: list[list[int]]) -> None:
-        """Returns the pages of (b, h) past its first ``kept[b][h]`` to the free list."""
-        table = self.page_table[layer_idx]
-        cleared = []
-        for b, row in enumerate(kept):
-            for h, n in enumerate(row):
-                mine = self._owned[layer_idx][b][h]
-                while len(mine) > n:
-                    self._free[layer_idx].append(mine.pop())
-                    cleared.append((b, h, len(mine)))
-        if cleared:
-            idx = torch.tensor(cleared, dtype=torch.long).to(table.device)
-            table[idx[:, 0], idx[:, 1], idx[:, 2]] = -1
-
     def __repr__(self) -> str:
         return (
             f"PagedStore(layers={self.n_layers}, length={self.length}, page_size={self.page_size}, "
             f"width={self.width}, bytes_held={self.bytes_held()})"
         )
+
+
+# -- a pass over one layer, as pure functions of its tensors (compilable) ---------------------
+
+
+@dataclass(eq=False)
+class _LayerTensors:
+    """One layer's buffers as a pass sees them (see :class:`PagedStore`)."""
+
+    k: Tensor
+    v: Tensor
+    extras: dict[str, Tensor]
+    table: Tensor
+    lengths: Tensor
+    seqlens: Tensor
+    c_now: Tensor | None
+    prompt_lens: Tensor | None
+
+
+def _slots(t: _LayerTensors, width: int, page_size: int) -> tuple[Tensor, Tensor, Tensor]:
+    """Page and offset of the first ``width`` logical slots of every head ``[B, H, W]`` (the
+    scratch page, the pool's last, where the head owns none: writes through it hit no other
+    head's slot), and whether each is below the head's length."""
+    slots = torch.arange(width, device=t.lengths.device)  # [W]
+    table = t.table.long()
+    table = torch.where(table < 0, t.k.shape[0] - 1, table)  # [B, H, W/S]: unowned -> scratch
+    pages = table[:, :, slots // page_size]  # [B, H, W]
+    valid = slots < t.lengths[..., None].long()
+    return pages, (slots % page_size).expand_as(pages), valid
+
+
+def _snapshot(
+    t: _LayerTensors,
+    width: int,
+    page_size: int,
+    layer_idx: int,
+    prompt_len: int,
+    max_context: int,
+    slots: tuple[Tensor, Tensor, Tensor] | None = None,
+) -> LayerSnapshot:
+    pages, offsets, valid = _slots(t, width, page_size) if slots is None else slots
+    pools = t.extras
+    positions = torch.where(valid, pools["pos"][pages, offsets].long(), -1)
+    scores = (
+        pools["score"][pages, offsets] if "score" in pools else torch.zeros(valid.shape, device=valid.device)
+    )
+    c = pools["c"][pages, offsets] if "c" in pools else None  # [B, H, W, G]
+    c_now = None if t.c_now is None else t.c_now.view(*valid.shape[:2], -1)  # [B, H, G]
+    return LayerSnapshot(
+        layer_idx,
+        valid,
+        positions,
+        scores,
+        c,
+        c_now,
+        t.seqlens.long(),
+        prompt_len,
+        max_context,
+        prompt_lens=t.prompt_lens,
+    )
+
+
+def _compact(t: _LayerTensors, slots: tuple[Tensor, Tensor, Tensor], keep: Tensor, page_size: int) -> None:
+    """Packs the kept valid slots of every head to its front, in order, sets the lengths
+    and clears the table entries past the kept pages (in place; no host sync)."""
+    pages, offsets, valid = slots
+    keep = keep & valid
+    new_len = keep.sum(-1)  # [B, H]
+    order = torch.argsort((~keep).to(torch.int8), dim=-1, stable=True)  # kept slots first, in order
+    src_p, src_o = pages.gather(2, order), offsets.gather(2, order)
+    dst = torch.arange(keep.shape[-1], device=keep.device) < new_len[..., None]  # [B, H, W]
+    # destinations past the new length write to the scratch page: every pool moves with one
+    # gather and one scatter, and no kept slot is overwritten before it is read (all reads first)
+    dst_p = torch.where(dst, pages, t.k.shape[0] - 1)
+    for pool in (t.k, t.v, *t.extras.values()):
+        pool[dst_p, offsets] = pool[src_p, src_o]
+    t.lengths.copy_(new_len)
+    kept_pages = (new_len + page_size - 1) // page_size  # [B, H]
+    columns = torch.arange(t.table.shape[-1], device=t.table.device)
+    t.table.masked_fill_(columns >= kept_pages[..., None], -1)
+
+
+def _pass(
+    t: _LayerTensors,
+    width: int,
+    page_size: int,
+    layer_idx: int,
+    prompt_len: int,
+    max_context: int,
+    keep_fn: Callable[[LayerSnapshot], Tensor],
+    bound: Tensor | None,
+) -> None:
+    slots = _slots(t, width, page_size)
+    snap = _snapshot(t, width, page_size, layer_idx, prompt_len, max_context, slots)
+    snap.bound = bound
+    _compact(t, slots, keep_fn(snap), page_size)
+
+
+@functools.cache
+def _compiled_pass(backend: str = "inductor"):
+    return torch.compile(_pass, dynamic=True, backend=backend)
