@@ -2,12 +2,14 @@
 
 Norms, SwiGLU, rotary embedding, KV-shift, and the attention layer (:class:`Attention`:
 projections and the Pro pieces) with its kinds: :class:`SoftmaxAttention` (RoPE + SDPA)
-and :class:`ForgettingAttention` (forget gate, ACP). Layers call ``ops`` for attention
+, :class:`ForgettingAttention` (forget gate, ACP) and :class:`DCPAttention` (softmax
+under DCP's learned keep mask). Layers call ``ops`` for attention
 and a ``kv`` protocol for decoding state; they never read a config or an architecture
 name (``lapse.models.registry`` turns a config into these).
 """
 
 from .attention import Attention
+from .dcp import DCPAttention, DCPStats
 from .forgetting import ForgettingAttention
 from .mlp import SwiGLU
 from .norm import RMSNorm, compute_dtype
@@ -17,6 +19,8 @@ from .softmax import SoftmaxAttention
 
 __all__ = [
     "Attention",
+    "DCPAttention",
+    "DCPStats",
     "ForgettingAttention",
     "KVShift",
     "RMSNorm",

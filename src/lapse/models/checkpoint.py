@@ -32,6 +32,7 @@ from safetensors.torch import load_file
 from torch import nn
 
 from lapse.data import CorpusConfig
+from lapse.layers import DCPAttention
 
 from .config import ModelConfig
 
@@ -201,16 +202,39 @@ def latest_intact_checkpoint(run_dir: str | Path) -> tuple[Path | None, list[Che
     return None, damaged
 
 
-def load_weights(folder: str | Path, model: nn.Module) -> None:
+def dcp_parameter_names(model: nn.Module) -> list[str]:
+    """The names (in ``model.state_dict()``) of what DCP adds to softmax attention: each
+    :class:`~lapse.layers.DCPAttention` layer's ``W_Qint``, ``W_Kint`` and ``beta``."""
+    layers = [m for m in model.modules() if isinstance(m, DCPAttention)]
+    added = {id(p) for layer in layers for p in layer.interaction_parameters()}
+    return [name for name, p in model.named_parameters() if id(p) in added]
+
+
+def load_weights(folder: str | Path, model: nn.Module, *, init_dcp: bool = False) -> None:
     """Only the weights of a checkpoint folder (for evaluation, export or fine-tuning),
-    verified against its manifest first."""
+    verified against its manifest first.
+
+    ``init_dcp``: ``model`` has DCP layers and the checkpoint is the same architecture with
+    softmax attention (no DCP parameters at all): load it and leave the interaction
+    parameters as they are (their init), the start of a DCP fine-tuning. Without it such a
+    checkpoint is an error: it was never trained to drop tokens.
+    """
     folder = verify_checkpoint(folder)
     path = folder / WEIGHTS_FILE
     try:
         weights = load_file(path)
     except (SafetensorError, OSError) as e:
         raise CheckpointError(f"checkpoint file {path} is damaged ({e})") from e
+    dcp = dcp_parameter_names(model)
+    if dcp and not init_dcp and not set(dcp) & set(weights):
+        raise ValueError(
+            f"checkpoint {folder} has no DCP parameters (W_Qint, W_Kint, beta): it holds a model "
+            "trained without DCP; start DCP from it with load_weights(..., init_dcp=True) or "
+            f"`lapse train ... --init-from {folder} --model.attention dcp`"
+        )
     missing, unexpected = model.load_state_dict(weights, strict=False)
+    if init_dcp and set(missing) == set(dcp):
+        missing = []
     if missing or unexpected:
         raise ValueError(
             f"checkpoint {folder} does not fit the model: missing {missing}, unexpected {unexpected}"
@@ -230,6 +254,7 @@ __all__ = [
     "checkpoint_folders",
     "checkpoint_step",
     "corpus_config_from_json",
+    "dcp_parameter_names",
     "file_digest",
     "latest_checkpoint",
     "latest_intact_checkpoint",

@@ -21,7 +21,7 @@ from typing import Literal, get_args
 
 from .registry import ATTENTION_KINDS, BLOCK_KINDS, attention_class
 
-AttentionKind = Literal["softmax", "forgetting"]
+AttentionKind = Literal["softmax", "forgetting", "dcp"]
 BlockKindName = Literal["llama", "pro"]
 Arch = Literal["fox-llama", "fox-pro", "transformer-llama", "transformer-pro"]
 AttentionBackend = Literal["auto", "triton", "torch", "naive"]
@@ -46,7 +46,9 @@ class ModelConfig:
 
     attention: AttentionKind = "forgetting"
     """``forgetting``: forgetting attention (FoX), no positional encoding; ``softmax``:
-    softmax attention with RoPE (the Transformer)."""
+    softmax attention with RoPE (the Transformer); ``dcp``: softmax attention with RoPE under
+    Dynamic Context Pruning's learned keep mask (SPEC section 6; ``dcp_r``, ``dcp_beta_init``),
+    usually fine-tuned from a softmax checkpoint (``lapse train --init-from``)."""
 
     block: BlockKindName = "pro"
     """``llama``: the LLaMA block; ``pro``: plus KV-shift, QK-norm, output norm and output gate."""
@@ -107,6 +109,14 @@ class ModelConfig:
     (FoX has no positional table and RoPE is computed on the fly); FLOP estimates and
     trainers use it as their default."""
 
+    dcp_r: int = 64
+    """DCP: width of the interaction projections ``W_Qint, W_Kint: d_model -> r`` of each
+    layer (``attention="dcp"`` only)."""
+
+    dcp_beta_init: float = 2.0
+    """DCP: initial value of each layer's scalar offset ``beta`` of the interaction logits
+    (``z = q_int . k_int / sqrt(r) + beta``; positive: keep at first)."""
+
     init_std: float = 0.02
     """Standard deviation of the normal init of every Linear and embedding weight."""
 
@@ -158,6 +168,12 @@ class ModelConfig:
                 raise ValueError(f"{name} must be in (0, 1), got {value!r}")
         if not self.rope_base > 1:
             raise ValueError(f"rope_base must be greater than 1, got {self.rope_base!r}")
+        if not isinstance(self.dcp_r, int) or isinstance(self.dcp_r, bool) or self.dcp_r < 1:
+            raise ValueError(
+                f"dcp_r (the DCP interaction dim) must be a positive integer, got {self.dcp_r!r}"
+            )
+        if not math.isfinite(self.dcp_beta_init):
+            raise ValueError(f"dcp_beta_init must be a finite number, got {self.dcp_beta_init!r}")
         if not self.init_std > 0:
             raise ValueError(f"init_std must be positive, got {self.init_std!r}")
         if self.acp and not kind.supports_acp:

@@ -177,13 +177,16 @@ def param_count(model: nn.Module, non_embedding: bool = True) -> int:
 
 
 def optimizer_groups(model: nn.Module, weight_decay: float) -> list[dict]:
-    """AdamW parameter groups: decay on Linear and embedding weights; none on norm gains
-    and biases (SPEC section 2). A parameter shared by several modules appears once."""
+    """AdamW parameter groups: decay on Linear and embedding weights; none on norm gains,
+    biases and scalars (DCP's ``beta``, an offset like a bias) (SPEC section 2). A parameter
+    shared by several modules appears once; frozen ones (``requires_grad`` off) are left out."""
     decay: dict[int, nn.Parameter] = {}
     no_decay: dict[int, nn.Parameter] = {}
     for module in model.modules():
         for name, p in module.named_parameters(recurse=False):
-            if isinstance(module, RMSNorm) or name == "bias":
+            if not p.requires_grad:
+                continue
+            if isinstance(module, RMSNorm) or name == "bias" or p.dim() == 0:
                 no_decay[id(p)] = p
             else:
                 decay[id(p)] = p

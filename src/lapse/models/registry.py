@@ -1,6 +1,6 @@
 """The one place a kind name becomes a class: attention kinds and block kinds.
 
-A config names its attention kind (``softmax``, ``forgetting``) and its block kind
+A config names its attention kind (``softmax``, ``forgetting``, ``dcp``) and its block kind
 (``llama``, ``pro``) as separate fields; :func:`build_attention` turns the two into a
 layer. A new method adds an entry here (and its layer in ``lapse.layers``); nothing else
 branches on its name.
@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
-from lapse.layers import Attention, ForgettingAttention, SoftmaxAttention
+from lapse.layers import Attention, DCPAttention, ForgettingAttention, SoftmaxAttention
 
 
 @dataclass(frozen=True)
@@ -39,8 +39,14 @@ def _forgetting(config, **common) -> Attention:
     return ForgettingAttention(**common, acp=config.acp, acp_eps=config.acp_eps, backend=config.attn_backend)
 
 
-ATTENTION_KINDS: dict[str, type[Attention]] = {"softmax": SoftmaxAttention, "forgetting": ForgettingAttention}
-_BUILDERS = {"softmax": _softmax, "forgetting": _forgetting}
+def _dcp(config, **common) -> Attention:
+    return DCPAttention(**common, rope_base=config.rope_base, r=config.dcp_r, beta_init=config.dcp_beta_init)
+
+
+ATTENTION_KINDS: dict[str, type[Attention]] = {
+    "softmax": SoftmaxAttention, "forgetting": ForgettingAttention, "dcp": DCPAttention,
+}
+_BUILDERS = {"softmax": _softmax, "forgetting": _forgetting, "dcp": _dcp}
 
 
 def attention_class(kind: str) -> type[Attention]:
