@@ -76,6 +76,8 @@ class LapseConfig(PretrainedConfig):
     acp: bool = _DEFAULT.acp
     acp_eps: float = _DEFAULT.acp_eps
     max_seq_len: int = _DEFAULT.max_seq_len
+    dcp_r: int = _DEFAULT.dcp_r
+    dcp_beta_init: float = _DEFAULT.dcp_beta_init
     init_std: float = _DEFAULT.init_std
     attn_backend: str = _DEFAULT.attn_backend
     use_cache: bool = True

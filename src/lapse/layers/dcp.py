@@ -158,6 +158,9 @@ class DCPAttention(SoftmaxAttention):
             keys, values, bias = keys[:, :n], values[:, :n], bias[..., :n]
         return self._sdpa(q, keys, values, bias[:, None])
 
+    # Eager under torch.compile: the trainer changes alpha every step, and a compiled graph
+    # would specialise on the float (a recompilation per step); the rest of the block compiles.
+    @torch.compiler.disable
     def _log_mask(self, q_int: Tensor, k_int: Tensor) -> Tensor:
         """``log I`` ``[B, T, T]`` of a full forward, under the mask of the current mode;
         kept for the sparsity loss and statistics when asked."""

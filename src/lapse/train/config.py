@@ -6,6 +6,10 @@ that derive from each other: ``cpu-small`` (the README's main job: a small FoX (
 with ACP on the local Python sources, a few minutes on a 2-core CPU) and ``cpu-tiny``
 (tests), ``gpu-20m`` (a quick run on one GPU), ``125m-16k`` (the FoX paper's 125M model
 at context 16384). The CLI (``lapse train PRESET --field value``) only overrides fields.
+
+Fine-tuning: ``--init-from RUN_OR_CHECKPOINT`` starts from trained weights;
+``--model.attention dcp`` turns a softmax model into Dynamic Context Pruning, trained
+with the ``--dcp.*`` fields (:class:`DCPTrainConfig`).
 """
 
 from __future__ import annotations
@@ -21,6 +25,39 @@ import tyro
 
 from lapse.data import DEFAULT_DATA_DIR, CorpusConfig
 from lapse.models import ModelConfig, preset
+
+
+@dataclass(kw_only=True)
+class DCPTrainConfig:
+    """Training of DCP models (SPEC section 6): the sparsity term and the alpha schedule.
+    Used when the model has DCP attention (``model.attention="dcp"``)."""
+
+    gamma: float = 0.0
+    """Weight of the sparsity term: loss = LM cross-entropy + ``gamma`` * mean over layers
+    and pairs ``j < k`` of ``I[k, j]``. 0: no push to drop (the baseline of a sweep)."""
+
+    alpha_start: float = 1.0
+    """alpha of the alpha-sigmoid at the first step (1: the logistic sigmoid)."""
+
+    alpha_end: float = 8.0
+    """alpha at the last step; a cosine from ``alpha_start`` runs between (a function of the
+    step, so a resumed run continues it)."""
+
+    interaction_only: bool = False
+    """Train only the interaction parameters (``W_Qint``, ``W_Kint``, ``beta``) and keep the
+    rest of the model frozen; ``False``: the whole model, as in the paper."""
+
+    def __post_init__(self) -> None:
+        if not (math.isfinite(self.gamma) and self.gamma >= 0):
+            raise ValueError(
+                f"dcp.gamma (the sparsity weight) must be a finite number >= 0, got {self.gamma!r}"
+            )
+        for name in ("alpha_start", "alpha_end"):
+            value = getattr(self, name)
+            if not (math.isfinite(value) and value >= 1):
+                raise ValueError(
+                    f"dcp.{name} must be a finite number >= 1 (the alpha-sigmoid's alpha), got {value!r}"
+                )
 
 
 @dataclass(kw_only=True)
@@ -45,6 +82,17 @@ class TrainConfig:
     """Where the checkpoint, metrics, plot and report go; ``None``:
     ``runs/<preset>-<arch>-<date>-<time>``. It must not hold a checkpoint already (resume
     such a folder with ``lapse resume``)."""
+
+    init_from: Path | None = None
+    """Fine-tuning: start from the weights of this run folder (its newest checkpoint) or
+    checkpoint folder. The model's architecture and tokenizer are then the saved run's;
+    of ``model`` only ``attention="dcp"`` (DCP on that run's softmax attention, the
+    interaction parameters at their init), ``dcp_r`` and ``dcp_beta_init`` apply, e.g.
+    ``lapse train cpu-tiny --init-from RUN --model.attention dcp --model.no-acp
+    --dcp.gamma 0.1`` (``--model.no-acp``: the preset's model has ACP, DCP has no gate)."""
+
+    dcp: DCPTrainConfig = field(default_factory=DCPTrainConfig)
+    """DCP training: sparsity weight, alpha schedule, what trains (DCP models only)."""
 
     seq_len: int | None = None
     """T, tokens per training row; ``None``: ``model.max_seq_len``."""
@@ -198,6 +246,8 @@ class TrainConfig:
                 f"the byte tokenizer has 258 ids (256 bytes + eos + bos); model.vocab_size is "
                 f"{self.model.vocab_size}"
             )
+        if self.init_from is not None and not Path(self.init_from).is_dir():
+            raise ValueError(f"init_from {str(self.init_from)!r} is not a run or checkpoint folder")
         if self.corpus.kind != "python":
             for p in self.corpus.paths:
                 if not glob.glob(p) and not Path(p).exists():

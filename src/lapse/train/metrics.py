@@ -3,7 +3,10 @@
 ``metrics.jsonl`` holds one JSON object per line with a ``kind``: ``train`` (step, tokens,
 loss averaged over the logging interval and ``averaged_steps``, how many steps that is:
 fewer than ``log_every`` right after a stop or a resume; lr, gradient norm, tokens/s, MFU), ``val``
-(validation loss) and ``acp`` (pruned fraction per layer and head). Lines are appended and
+(validation loss) and ``acp`` (pruned fraction per layer and head). A DCP model's ``train``
+records add ``alpha``, ``sparsity`` and ``sparsity_per_layer`` (the share of earlier tokens
+dropped, under the training mask) and ``sparsity_term`` (the unweighted penalty); its
+``val`` records add the sparsity under the step mask of inference. Lines are appended and
 flushed as they come; on resume the file is cut back to the checkpoint's step so the curve
 continues without duplicates.
 """
@@ -59,7 +62,8 @@ class MetricsLog:
 
 def plot_losses(run_dir: Path) -> Path | None:
     """``loss.png``: train and validation loss against tokens seen (and the ACP pruned
-    fraction when recorded). ``None`` when there is nothing to plot yet."""
+    fraction, or the DCP share of context dropped, when recorded). ``None`` when there is
+    nothing to plot yet."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -71,7 +75,8 @@ def plot_losses(run_dir: Path) -> Path | None:
     acp = [r for r in records if r["kind"] == "acp"]
     if not train:
         return None
-    panels = 2 if acp else 1
+    dcp = [r for r in train if "sparsity" in r]
+    panels = 1 + bool(acp) + bool(dcp)
     fig, axes = plt.subplots(1, panels, figsize=(6.5 * panels, 4.2), squeeze=False)
     ax = axes[0, 0]
     ax.plot([r["tokens"] for r in train], [r["loss"] for r in train], label="train", lw=1.2)
@@ -100,8 +105,31 @@ def plot_losses(run_dir: Path) -> Path | None:
         ax.set_ylim(0, 1)
         ax.grid(alpha=0.3)
         ax.legend(fontsize=7)
+    if dcp:
+        _plot_sparsity(axes[0, panels - 1], dcp, [r for r in val if "sparsity" in r])
     fig.tight_layout()
     return save_figure(fig, Path(run_dir) / "loss.png", dpi=110)
+
+
+def _plot_sparsity(ax, train: list[dict], val: list[dict]) -> None:
+    """DCP: the share of context dropped per layer (training mask), the mean under the
+    step mask of inference (validation), and alpha on a second axis."""
+    tokens = [r["tokens"] for r in train]
+    ax.plot(tokens, [r["sparsity"] for r in train], lw=1.5, color="k", label="all layers (train)")
+    for i in range(len(train[-1]["sparsity_per_layer"])):
+        ax.plot(tokens, [r["sparsity_per_layer"][i] for r in train], lw=0.8, alpha=0.7, label=f"layer {i}")
+    if val:
+        ax.plot([r["tokens"] for r in val], [r["sparsity"] for r in val], "s--", ms=4, color="C3",
+                label="all layers (val, step mask)")
+    ax.set_xlabel("tokens")
+    ax.set_ylabel("share of earlier tokens dropped")
+    ax.set_title("DCP sparsity")
+    ax.set_ylim(0, 1)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7, loc="upper left")
+    twin = ax.twinx()
+    twin.plot(tokens, [r["alpha"] for r in train], ":", color="0.5", lw=1)
+    twin.set_ylabel("alpha (dotted)")
 
 
 def write_report(run_dir: Path, summary: dict) -> Path:
@@ -146,6 +174,23 @@ def write_report(run_dir: Path, summary: dict) -> Path:
             f"- ACP: {100 * acp[-1]['pruned']:.1f}% of attention tiles pruned at step "
             f"{acp[-1]['step']} (per layer: {per_layer})"
         )
+    dcp = [r for r in train if "sparsity" in r]
+    if dcp and s.get("dcp"):
+        last = dcp[-1]
+        per_layer = ", ".join(f"{x:.2f}" for x in last["sparsity_per_layer"])
+        lines.append(
+            f"- DCP: gamma {s['dcp']['gamma']}, alpha {last['alpha']:.2f} at step {last['step']} "
+            f"(schedule {s['dcp']['alpha'][0]} -> {s['dcp']['alpha'][1]}); "
+            f"{100 * last['sparsity']:.1f}% of the context dropped in training (per layer: {per_layer})"
+        )
+        val_dcp = [r for r in val if "sparsity" in r]
+        if val_dcp:
+            lines.append(
+                f"- DCP at inference (step mask, validation): {100 * val_dcp[-1]['sparsity']:.1f}% dropped "
+                f"at step {val_dcp[-1]['step']}"
+            )
+    if s.get("init_from"):
+        lines.append(f"- fine-tuned from `{s['init_from']}`")
     lines += [
         "",
         "![loss](loss.png)",

@@ -16,6 +16,10 @@ Ctrl-C (SIGINT) or SIGTERM stops the run after the current step with a checkpoin
 plot and the report; a second Ctrl-C stops at once, and the last complete checkpoint
 stays valid (see :mod:`.checkpoint`). A resume starts from the newest intact checkpoint:
 a damaged newer one is named, set aside (``checkpoint-<step>.damaged``) and skipped.
+
+Fine-tuning (``init_from``) starts a new run from another run's weights; a model with DCP
+attention adds the sparsity term to the loss and follows the alpha schedule
+(:mod:`.dcp`), and logs the share of context dropped beside the loss.
 """
 
 from __future__ import annotations
@@ -26,6 +30,7 @@ import os
 import signal
 import time
 import warnings
+from collections.abc import Callable
 from contextlib import ExitStack, contextmanager
 from dataclasses import asdict, dataclass, replace
 from datetime import datetime
@@ -43,16 +48,20 @@ from lapse.models.checkpoint import (
     CheckpointError,
     checkpoint_folders,
     corpus_config_from_json,
+    latest_checkpoint,
     latest_intact_checkpoint,
+    load_weights,
     model_config_from_json,
     read_run,
+    verify_checkpoint,
 )
 from lapse.models.mfu import peak_tflops
 from lapse.ops.forgetting import set_value_checks
 
 from .checkpoint import load_checkpoint, remove_stale_temporaries, save_checkpoint, set_aside
-from .config import RESUME_FIELDS, TrainConfig
+from .config import RESUME_FIELDS, DCPTrainConfig, TrainConfig
 from .data import prepare_data, with_run_tokenizer
+from .dcp import DCPTraining, dcp_layers
 from .distributed import (
     World,
     all_reduce_mean,
@@ -123,7 +132,44 @@ def config_from_json(obj: dict) -> TrainConfig:
     obj["corpus"] = corpus_config_from_json(obj["corpus"])
     obj["data_dir"] = Path(obj["data_dir"])
     obj["run_dir"] = None if obj["run_dir"] is None else Path(obj["run_dir"])
+    obj["dcp"] = DCPTrainConfig(**obj.get("dcp", {}))  # runs saved before DCP: the defaults
+    obj["init_from"] = None if obj.get("init_from") is None else Path(obj["init_from"])
     return TrainConfig(**obj)
+
+
+def init_source(path: Path) -> tuple[Path, Path | None]:
+    """The checkpoint folder ``init_from`` names (a run folder's newest, or the folder
+    itself), verified, and its run folder (``None`` for a checkpoint outside a run)."""
+    path = Path(path)
+    if (path / CONFIG_FILE).exists():
+        folder = latest_checkpoint(path)
+        if folder is None:
+            raise ValueError(f"init_from {path} holds no checkpoint to start from")
+        return folder, path
+    run = path.parent if (path.parent / CONFIG_FILE).exists() else None
+    return verify_checkpoint(path), run
+
+
+def with_init_model(cfg: TrainConfig) -> TrainConfig:
+    """``cfg`` with the model and tokenizer of the run ``init_from`` comes from: its
+    architecture, with DCP on its softmax attention when ``cfg.model.attention`` is
+    ``"dcp"`` (``dcp_r`` and ``dcp_beta_init`` from ``cfg.model``). Unchanged without
+    ``init_from`` or when the checkpoint is outside a run (then ``cfg.model`` must fit it)."""
+    if cfg.init_from is None:
+        return cfg
+    _, run = init_source(cfg.init_from)
+    if run is None:
+        return cfg
+    saved = read_run(run)
+    model = saved.model
+    if cfg.model.attention == "dcp" and model.attention != "dcp":
+        if model.attention != "softmax":
+            raise ValueError(
+                f"DCP is fine-tuned from softmax attention; {run} holds a {model.name} model"
+            )
+        model = replace(model, attention="dcp", dcp_r=cfg.model.dcp_r, dcp_beta_init=cfg.model.dcp_beta_init)
+    out = replace(cfg, model=model, tokenizer=saved.tokenizer)
+    return with_run_tokenizer(out, run / "tokenizer")
 
 
 def _autocast(device: torch.device, dtype: torch.dtype):
@@ -139,18 +185,21 @@ def train_step(
     device: torch.device,
     dtype: torch.dtype,
     grad_clip: float | None,
+    regularizer: Callable[[], torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """One optimizer step on this rank's rows ``x, y`` (``[rows, T]``), ``micro`` rows per
     forward, gradients averaged over the micro-batches (and synchronised across ranks on
-    the last one only). Returns the mean loss and the gradient norm before clipping, as
-    device tensors (reading them is the caller's sync)."""
+    the last one only). ``regularizer``: called after each forward, a term added to its
+    loss (DCP's sparsity penalty). Returns the mean LM loss (without the term) and the
+    gradient norm before clipping, as device tensors (reading them is the caller's sync)."""
     pieces = list(zip(x.split(micro), y.split(micro), strict=True))
     total = torch.zeros((), device=device)
     for i, (xm, ym) in enumerate(pieces):
         with gradient_sync(module, i == len(pieces) - 1):
             with _autocast(device, dtype):
                 _, loss = module(xm.to(device, non_blocking=True), ym.to(device, non_blocking=True))
-            (loss / len(pieces)).backward()
+                objective = loss if regularizer is None else loss + regularizer()
+            (objective / len(pieces)).backward()
         total += loss.detach().float() / len(pieces)
     grad_norm = torch.nn.utils.clip_grad_norm_(
         module.parameters(), grad_clip if grad_clip is not None else math.inf
@@ -248,6 +297,7 @@ class _Run:
     flops: float  # per token, for MFU
     peak: float | None  # TFLOP/s of one device; None: unknown, no MFU
     n_params: int
+    dcp: DCPTraining | None  # the model has DCP attention: penalty, alpha, dropped share
 
     @property
     def step(self) -> int:
@@ -323,6 +373,7 @@ def _setup(cfg: TrainConfig, world: World, resuming: bool) -> _Run:
                 f"{run_dir} already holds a run with a checkpoint; continue it with "
                 f"`lapse resume {run_dir}` or choose another run_dir"
             )
+        cfg = with_init_model(cfg)
         if world.main:
             write_json_atomic(run_dir / CONFIG_FILE, config_to_json(cfg))
     show = cfg.progress and world.main
@@ -330,7 +381,9 @@ def _setup(cfg: TrainConfig, world: World, resuming: bool) -> _Run:
     if world.main and not resuming:
         data.tokenizer.save(run_dir / "tokenizer")
     micro = _micro_batch_rows(cfg, world)
-    model, wrapped, optimizer = _model_and_optimizer(cfg, world)
+    model, wrapped, optimizer = _model_and_optimizer(cfg, world, init=not resuming)
+    layers = dcp_layers(model)
+    dcp = DCPTraining(layers, cfg.dcp, cfg.steps, world.device) if layers else None
 
     # Progress so far: a resumed run continues from its checkpoint's step.
     state = {"step": 0, "tokens": 0, "elapsed_s": 0.0}
@@ -375,6 +428,7 @@ def _setup(cfg: TrainConfig, world: World, resuming: bool) -> _Run:
         flops=flops_per_token(cfg.model, cfg.context),
         peak=peak_tflops(world.device, cfg.peak_tflops),
         n_params=param_count(model),
+        dcp=dcp,
     )
 
 
@@ -390,12 +444,25 @@ def _micro_batch_rows(cfg: TrainConfig, world: World) -> int:
 
 
 def _model_and_optimizer(
-    cfg: TrainConfig, world: World
+    cfg: TrainConfig, world: World, init: bool = True
 ) -> tuple[Decoder, torch.nn.Module, torch.optim.Optimizer]:
-    """The model (float32 parameters; autocast does the low precision), the module the loop
-    calls (sharded or wrapped across ranks), and AdamW over its parameter groups."""
+    """The model (float32 parameters; autocast does the low precision; the weights of
+    ``init_from`` when ``init``), the module the loop calls (sharded or wrapped across
+    ranks), and AdamW over its parameter groups (the DCP interaction parameters only, with
+    ``dcp.interaction_only``)."""
     torch.manual_seed(cfg.seed)
     model = Decoder(cfg.model).to(world.device)
+    layers = dcp_layers(model)
+    if (cfg.dcp.gamma > 0 or cfg.dcp.interaction_only) and not layers:
+        raise ValueError(
+            f"the dcp options need a model with DCP attention (--model.attention dcp); got {cfg.model.name}"
+        )
+    if init and cfg.init_from is not None:
+        load_weights(init_source(cfg.init_from)[0], model, init_dcp=True)
+    if cfg.dcp.interaction_only:
+        trained = {id(p) for layer in layers for p in layer.interaction_parameters()}
+        for p in model.parameters():
+            p.requires_grad_(id(p) in trained)
     if cfg.activation_checkpointing:
         from torch.distributed._composable import checkpoint
 
@@ -498,9 +565,11 @@ def _optimizer_step(run: _Run, collect_acp_stats: bool) -> None:
     for group in run.optimizer.param_groups:
         group["lr"] = lr
     run.model.set_collect_stats(collect_acp_stats)
+    if run.dcp is not None:
+        run.dcp.set_step(step)  # alpha: a function of the step, so a resume continues it
     x, y = run.sampler.batch(step, world.rank, world.size)  # [rows, T] each
     loss, grad_norm = train_step(
-        run.wrapped, run.optimizer, x, y, run.micro, world.device, run.dtype, cfg.grad_clip
+        run.wrapped, run.optimizer, x, y, run.micro, world.device, run.dtype, cfg.grad_clip, run.dcp
     )
     run.interval.add(loss, lr, grad_norm)
     run.state["step"], run.state["tokens"] = step + 1, run.state["tokens"] + run.tokens_per_step
@@ -521,6 +590,16 @@ def _log_train(run: _Run) -> None:
     run.state["elapsed_s"] += seconds
     tok_s = interval.steps * run.tokens_per_step / seconds
     mfu = tok_s * run.flops / (run.world.size * run.peak * 1e12) if run.peak else None
+    dcp = {}
+    if run.dcp is not None:
+        dropped, term = run.dcp.take()
+        dropped = all_reduce_mean(dropped, run.world).tolist()
+        dcp = {
+            "alpha": run.dcp.alpha,
+            "sparsity": sum(dropped) / len(dropped),
+            "sparsity_per_layer": dropped,
+            "sparsity_term": all_reduce_mean(term, run.world).item(),
+        }
     run.log.write(
         {
             "kind": "train",
@@ -533,6 +612,7 @@ def _log_train(run: _Run) -> None:
             "tokens_per_s": tok_s,
             "mfu": mfu,
             "elapsed_s": run.state["elapsed_s"],
+            **dcp,
         }
     )
     run.bar.set_postfix(
@@ -560,20 +640,30 @@ def _log_acp(run: _Run) -> None:
 
 @torch.no_grad()
 def _validate(run: _Run) -> None:
-    """A ``val`` record: the loss on the same ``val_batches`` batches every time."""
+    """A ``val`` record: the loss on the same ``val_batches`` batches every time (in eval
+    mode: a DCP model drops with the step mask of inference, and the record holds the
+    share of context it dropped per layer)."""
     cfg, world, micro = run.cfg, run.world, run.micro
     run.wrapped.eval()
     total = torch.zeros((), device=world.device)
+    dropped = torch.zeros(len(run.dcp.layers) if run.dcp else 0, device=world.device)  # [L]
     for i in range(cfg.val_batches):
         x, y = run.val_sampler.batch(i, world.rank, world.size)
         for xm, ym in zip(x.split(micro), y.split(micro), strict=True):
             with _autocast(world.device, run.dtype):
                 _, loss = run.wrapped(xm.to(world.device), ym.to(world.device))
             total += loss.float()
+            if run.dcp is not None:
+                dropped += run.dcp.observe()[1]
     run.wrapped.train()
     rows = cfg.batch_size // world.size
-    loss = all_reduce_mean(total / (cfg.val_batches * (rows // micro)), world).item()
-    run.log.write({"kind": "val", "step": run.step, "tokens": run.state["tokens"], "loss": loss})
+    forwards = cfg.val_batches * (rows // micro)
+    loss = all_reduce_mean(total / forwards, world).item()
+    record = {"kind": "val", "step": run.step, "tokens": run.state["tokens"], "loss": loss}
+    if run.dcp is not None:
+        per_layer = all_reduce_mean(dropped / forwards, world).tolist()
+        record.update(sparsity=sum(per_layer) / len(per_layer), sparsity_per_layer=per_layer)
+    run.log.write(record)
 
 
 def _checkpoint(run: _Run) -> None:
@@ -622,6 +712,15 @@ def _summary(run: _Run, status: str) -> dict:
         "elapsed_s": state["elapsed_s"],
         "tokens_per_s": state["tokens"] / state["elapsed_s"] if state["elapsed_s"] > 0 else 0.0,
         "run_dir": str(run.run_dir),
+        "init_from": None if cfg.init_from is None else str(cfg.init_from),
+        "dcp": None
+        if run.dcp is None
+        else {
+            "gamma": cfg.dcp.gamma,
+            "alpha": [cfg.dcp.alpha_start, cfg.dcp.alpha_end],
+            "interaction_only": cfg.dcp.interaction_only,
+            "r": cfg.model.dcp_r,
+        },
     }
     peak_flops = world.size * run.peak * 1e12 if run.peak else None
     summary["mfu"] = summary["tokens_per_s"] * run.flops / peak_flops if peak_flops else None
