@@ -1,0 +1,53 @@
+"""Where a compiled decode step spends its GPU time (issue 12): a random-init model of a
+preset's shapes, a prompt prefilled into a DenseStore, then steps of the step compiled
+without CUDA graphs (``mode=None``: the profiler sees every kernel) under the PyTorch
+profiler; prints the top kernels by device time and the device time per step.
+
+    python scripts/profile_decode.py --preset 125m --arch fox-pro --batch 8 --prompt 4096
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import torch
+
+from lapse.generation import compiled_decode_one_token, prefill
+from lapse.kv import DenseStore
+from lapse.models import Decoder, preset
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--preset", default="125m")
+    ap.add_argument("--arch", default="fox-pro")
+    ap.add_argument("--batch", type=int, default=8)
+    ap.add_argument("--prompt", type=int, default=4096)
+    ap.add_argument("--steps", type=int, default=8)
+    args = ap.parse_args()
+    torch.manual_seed(0)
+    cfg = preset(args.preset, args.arch, max_seq_len=args.prompt)
+    model = Decoder(cfg).cuda().to(torch.bfloat16).eval()
+    store = DenseStore(cfg.n_layers, capacity=args.prompt + 2 * args.steps + 8)
+    ids = torch.randint(0, cfg.vocab_size, (args.batch, args.prompt), device="cuda")
+    step = compiled_decode_one_token(mode=None)
+    with torch.no_grad():
+        tok = prefill(model, ids, store).argmax(-1, keepdim=True)
+        for _ in range(3):
+            tok = step(model, tok, store).argmax(-1, keepdim=True)
+        torch.cuda.synchronize()
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+            for _ in range(args.steps):
+                tok = step(model, tok, store).argmax(-1, keepdim=True)
+            torch.cuda.synchronize()
+    ka = prof.key_averages()
+    total = sum(e.self_device_time_total for e in ka) / args.steps / 1e3
+    print(
+        f"{args.arch} {args.batch}x{args.prompt}: device time {total:.3f} ms per step, "
+        f"{sum(e.count for e in ka) / args.steps:.0f} kernels per step"
+    )
+    print(ka.table(sort_by="self_device_time_total", row_limit=12, max_name_column_width=90))
+
+
+if __name__ == "__main__":
+    main()
