@@ -71,11 +71,11 @@ class InductionCopier(nn.Module):
     def forward(self, input_ids, labels=None, *, cache=None):
         return self.hidden_states(input_ids, cache=cache), None
 
-    def hidden_states(self, input_ids, *, cache=None):
+    def hidden_states(self, input_ids, *, cache=None, lengths=None):
         ids = input_ids
         if cache is not None:
             # the store only has to remember the tokens; begin/advance keep its length right
-            cache.begin(input_ids.shape[0], input_ids.shape[1], input_ids.device)
+            cache.begin(input_ids.shape[0], input_ids.shape[1], input_ids.device, lengths)
             ids = torch.cat([cache.tokens, input_ids], dim=1) if cache.length else input_ids
             cache.tokens = ids
             cache.advance()
