@@ -93,3 +93,14 @@ def test_ragged_errors_are_one_clear_line():
     generate(model, ids, 2, lengths=LENGTHS, cache=store)
     with pytest.raises(ValueError, match="taken by the first forward only"):
         model(ids[:, :2], cache=store, lengths=torch.tensor([1, 2, 1, 2]))
+
+
+def test_kinds_without_a_paged_store_generate_densely_and_refuse_eviction():
+    """DCP's per-slot aliveness changes after it is written: the dense policy runs over a
+    DenseStore; an eviction policy is one clear error naming the model."""
+    model = _model("transformer-llama", attention="dcp", acp=False)
+    ids, _ = _ragged(model.config.vocab_size)
+    out = generate(model, ids, 6, lengths=LENGTHS)
+    assert torch.equal(generate(model, ids, 6, lengths=LENGTHS, policy=Dense()), out)
+    with pytest.raises(ValueError, match="decodes over a DenseStore only"):
+        generate(model, ids, 6, lengths=LENGTHS, policy=SinkWindow(sinks=1, window=4))

@@ -14,10 +14,25 @@ from .generate import (
     paged_store_for,
     prefill,
     sample,
+    supports_paged,
 )
 from .policies import A2SF, H2O, POLICIES, ACPBoundary, Dense, Policy, SinkWindow
 
 __all__ = [
-    "A2SF", "H2O", "POLICIES", "ACPBoundary", "Dense", "Policy", "SinkWindow", "compiled_decode_one_token",
-    "decode_one_token", "evict", "generate", "logit_bounds", "paged_store_for", "prefill", "sample",
+    "A2SF",
+    "H2O",
+    "POLICIES",
+    "ACPBoundary",
+    "Dense",
+    "Policy",
+    "SinkWindow",
+    "compiled_decode_one_token",
+    "decode_one_token",
+    "evict",
+    "generate",
+    "logit_bounds",
+    "paged_store_for",
+    "prefill",
+    "sample",
+    "supports_paged",
 ]

@@ -23,10 +23,11 @@ from tqdm.auto import tqdm
 
 from lapse.data import load_tokenizer
 from lapse.files import write_text_atomic
+from lapse.kv import DenseStore, PagedStore
 from lapse.models import Decoder
 from lapse.models.checkpoint import CHECKPOINT_NAME, CONFIG_FILE, latest_checkpoint, load_weights, read_run
 
-from .generate import generate, paged_store_for
+from .generate import generate, paged_store_for, supports_paged
 from .policies import A2SF, H2O, ACPBoundary, Dense, Policy, SinkWindow
 
 
@@ -160,7 +161,10 @@ def run_generate(cfg: GenerateConfig) -> dict:
         ids = torch.full((len(batch), max(lengths)), tokenizer.eos_id, device=device)
         for b, row in enumerate(batch):
             ids[b, : len(row)] = torch.tensor(row, device=device)
-        store = paged_store_for(model, len(batch), max(lengths), cfg.max_new_tokens, policy)
+        if supports_paged(model) or not isinstance(policy, Dense):
+            store = paged_store_for(model, len(batch), max(lengths), cfg.max_new_tokens, policy)
+        else:  # a kind whose slots change after they are written: the dense store
+            store = DenseStore(model.config.n_layers, capacity=max(lengths) + cfg.max_new_tokens)
         stream = _Stream(tokenizer, tokenizer.eos_id, echo=cfg.prompt is not None)
         if cfg.prompt is not None:
             print(cfg.prompt, end="", flush=True)
@@ -175,7 +179,7 @@ def run_generate(cfg: GenerateConfig) -> dict:
             generator=generator,
             stop_tokens=(tokenizer.eos_id,),
             cache=store,
-            policy=policy,
+            policy=policy if isinstance(store, PagedStore) else None,
             compile=cfg.compile,
             on_token=stream,
             lengths=lengths if len(set(lengths)) > 1 else None,

@@ -22,7 +22,7 @@ from torch import Tensor
 from lapse.kv import DenseStore, KVCache, PagedStore, check_lengths
 from lapse.models import Decoder
 
-from .policies import Policy
+from .policies import Dense, Policy
 
 
 @torch.no_grad()
@@ -55,12 +55,22 @@ def compiled_decode_one_token(
     return torch.compile(decode_one_token, mode=mode, backend=backend, fullgraph=True)
 
 
+def supports_paged(model: Decoder) -> bool:
+    """Every attention layer of ``model`` decodes over a :class:`~lapse.kv.PagedStore`."""
+    return all(getattr(block.attn, "supports_paged", True) for block in model.blocks)
+
+
 def paged_store_for(
     model: Decoder, batch: int, prompt_len: int, max_new_tokens: int, policy: Policy, page_size: int = 16
 ) -> PagedStore:
     """A paged store for ``policy``: room for the prompt, and a pool and table no larger
     than the policy's bound (plus the steps between evictions) once the prompt is cut."""
     policy.check(model)
+    if not supports_paged(model):
+        raise ValueError(
+            f"a {model.config.name} model decodes over a DenseStore only (its per-slot state changes after "
+            f"it is written): eviction policies do not apply to it yet; use the dense policy"
+        )
     total = prompt_len + max_new_tokens
     policy.check_context(prompt_len, total)
     bound = policy.max_tokens(prompt_len)
@@ -212,6 +222,8 @@ def generate(
         raise ValueError(f"input_ids must be [batch, time] with at least one token, got {got}")
     if lengths is not None:
         lengths, _ = check_lengths(lengths, *input_ids.shape, input_ids.device)
+    if isinstance(policy, Dense) and not supports_paged(model):
+        policy = None  # keeping everything needs no paged store
     if cache is None and policy is not None:
         cache = paged_store_for(model, input_ids.shape[0], input_ids.shape[1], max_new_tokens, policy)
     elif cache is None:

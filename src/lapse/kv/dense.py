@@ -121,6 +121,16 @@ class DenseStore(StoreBase):
                 "architecture"
             )
 
+    def bytes_held(self) -> int:
+        """Bytes of the buffers (keys, values, per-slot extras), every slot of the capacity."""
+        buffers = [x for i in range(self.n_layers) for x in (self.k[i], self.v[i], *self.extras[i].values())]
+        return sum(x.numel() * x.element_size() for x in buffers if x is not None)
+
+    def bytes_if_dense(self) -> int:
+        """The same as :meth:`bytes_held`: this is the dense cache (the paged store's
+        comparison, for reports that show both)."""
+        return self.bytes_held()
+
     def __repr__(self) -> str:
         shape = None if self.k[0] is None else tuple(self.k[0].shape)
         return f"DenseStore(layers={self.n_layers}, length={self.length}, k_buffer={shape})"

@@ -43,6 +43,10 @@ class Attention(nn.Module):
     """The kind can prune with ACP (a forget gate to bound the dropped mass with)."""
     needs_even_head_dim = False
     """The kind rotates channel pairs (RoPE)."""
+    supports_paged = True
+    """The kind decodes over a :class:`~lapse.kv.PagedStore` (eviction policies); one whose
+    per-slot state changes after it is written (CASTLE's lookahead keys, DCP's
+    aliveness) decodes over a :class:`~lapse.kv.DenseStore` until it has its own."""
 
     def __init__(
         self,

@@ -80,6 +80,8 @@ class DCPAttention(SoftmaxAttention):
             graph, for the sparsity loss) until :meth:`take_log_mask` takes it.
     """
 
+    supports_paged = False
+
     def __init__(self, *args, r: int = 64, beta_init: float = 2.0, **kwargs):
         super().__init__(*args, **kwargs)
         if not isinstance(r, int) or isinstance(r, bool) or r < 1:
