@@ -12,7 +12,7 @@ from lapse.kv import GateState, KVCache, PagedView
 from lapse.ops.forgetting import cumulative_log_gates, forgetting_attention, forgetting_attention_cached
 
 from .attention import Attention
-from .norm import compute_dtype
+from .norm import gate_linear
 
 
 class ForgettingAttention(Attention):
@@ -45,7 +45,7 @@ class ForgettingAttention(Attention):
         self, q: Tensor, k: Tensor, v: Tensor, x: Tensor, positions: Tensor, cache: KVCache | None
     ) -> Tensor:
         # log gates in float32 (SPEC section 1), float64 when the model runs in float64
-        log_fgate = F.logsigmoid(self.fgate(x).to(compute_dtype(x)))  # [B, T, H]
+        log_fgate = F.logsigmoid(gate_linear(self.fgate, x))  # [B, T, H]
         if cache is None:
             return self._full(q, k, v, log_fgate)
         b, t, h, _ = q.shape

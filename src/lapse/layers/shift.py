@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
-from .norm import compute_dtype
+from .norm import gate_linear
 
 
 def kv_shift(x: Tensor, alpha: Tensor, prev: Tensor | None = None) -> Tensor:
@@ -35,5 +35,5 @@ class KVShift(nn.Linear):
 
     def shift(self, proj: Tensor, x: Tensor, prev: Tensor | None = None) -> Tensor:
         """proj ``[B, T, K, D]`` shifted with the gates of the block input x ``[B, T, C]``."""
-        alpha = torch.sigmoid(super().forward(x).to(compute_dtype(x)))  # [B, T, K]
+        alpha = torch.sigmoid(gate_linear(self, x))  # [B, T, K]
         return kv_shift(proj, alpha, prev)
