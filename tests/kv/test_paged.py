@@ -84,3 +84,32 @@ def test_store_errors():
         _fill(store, 1, 20, 0)
     with pytest.raises(ValueError, match="exceed the store's max_context"):
         _fill(PagedStore(1, max_context=8), 1, 9, 0)
+
+
+def test_whole_page_eviction_drops_leading_pages_without_moving_tokens():
+    """A suffix keep: each head loses the leading pages that keep nothing (the table shifts,
+    no token moves); the page that holds the boundary stays whole; the pages go back to
+    the pool and are reused."""
+    store = PagedStore(1, max_context=200, page_size=16)
+    _fill(store, 2, 70, 0)  # 5 pages per head, the last one partly filled
+    positions, valid = _held(store)
+    k_before = store.k[0].clone()
+    boundary = torch.tensor([[0, 20], [33, 69]])  # [B, H]: keep positions >= boundary
+    store.evict(0, valid & (positions >= boundary[..., None]), whole_pages=True)
+    lengths = store.lengths[0]
+    assert lengths.tolist() == [[70, 54], [38, 6]]  # 0, 1, 2 and 4 whole pages dropped
+    positions, valid = _held(store)
+    for b in range(2):
+        for h in range(2):
+            n = int(lengths[b, h])
+            first = int(boundary[b, h]) // 16 * 16
+            assert positions[b, h, :n].tolist() == list(range(first, 70))
+    assert torch.equal(store.k[0], k_before)  # nothing moved
+    store.settle()
+    assert len(store._free[0]) == 0 + 1 + 2 + 4 + (store.k[0].shape[0] - 1 - 4 * 5)
+    owned = [p for row in store._owned[0] for pages in row for p in pages]
+    assert len(owned) == len(set(owned)) == 5 + 4 + 3 + 1
+    for start in range(70, 90):  # later tokens land in reused pages after the kept ones
+        _fill(store, 2, 1, start)
+    positions, valid = _held(store)
+    assert positions[1, 1, : int(store.lengths[0][1, 1])].tolist() == list(range(64, 90))

@@ -112,7 +112,7 @@ def evict(
     if compile is None:
         compile = store.k[0] is not None and store.k[0].is_cuda
     for i in range(len(model.blocks)):
-        store.apply_policy(i, policy.keep, bounds[i], compile=compile)
+        store.apply_policy(i, policy.keep, bounds[i], compile=compile, whole_pages=policy.whole_pages)
     store.settle()
 
 

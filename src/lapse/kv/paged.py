@@ -147,7 +147,8 @@ class PagedStore(StoreBase):
         self.lengths: list[Tensor | None] = [None] * n_layers  # [B, H] int32
         self._free: list[list[int]] = [[] for _ in range(n_layers)]  # host free lists
         self._owned: list[list[list[list[int]]]] = [[] for _ in range(n_layers)]  # [B][H] page ids, in order
-        self._pending: set[int] = set()  # layers evicted since the host's lists were settled
+        self._pending: dict[int, Tensor] = {}  # layers evicted since the host's lists were settled:
+        # the pages each head dropped at its front [B, H]
 
     # -- the KVCache protocol (begin, state, advance, length: StoreBase) -------------------
 
@@ -240,15 +241,18 @@ class PagedStore(StoreBase):
         """What the layer holds, gathered into logical order per head (for a policy)."""
         return _snapshot(self._tensors(layer_idx), *self._meta(layer_idx))
 
-    def evict(self, layer_idx: int, keep: Tensor) -> None:
+    def evict(self, layer_idx: int, keep: Tensor, whole_pages: bool = False) -> None:
         """Keeps the slots where ``keep`` ``[B, H, W]`` (shaped as :meth:`snapshot`'s) is True
         and valid, packs them to the front of their head in order, and returns the pages no
-        longer needed to the pool. Device work only: the host's free list catches up at the
-        next :meth:`reserve`, :meth:`bytes_held` or :meth:`settle` (one read-back for all
-        the layers evicted meanwhile)."""
+        longer needed to the pool. ``whole_pages``: only drop each head's leading pages that
+        keep nothing, moving no token (for policies whose kept slots form a suffix). Device
+        work only: the host's free list catches up at the next :meth:`reserve`,
+        :meth:`bytes_held` or :meth:`settle` (one read-back for all the layers evicted
+        meanwhile)."""
         tensors = self._tensors(layer_idx)
-        _compact(tensors, _slots(tensors, *self._meta(layer_idx)[:2]), keep, self.page_size)
-        self._pending.add(layer_idx)
+        evict = _drop_leading_pages if whole_pages else _compact
+        front = evict(tensors, _slots(tensors, *self._meta(layer_idx)[:2]), keep, self.page_size)
+        self._pending[layer_idx] = front
 
     def apply_policy(
         self,
@@ -256,30 +260,38 @@ class PagedStore(StoreBase):
         keep_fn: Callable[[LayerSnapshot], Tensor],
         bound: Tensor | None = None,
         compile: bool | str = False,
+        whole_pages: bool = False,
     ) -> None:
         """:meth:`snapshot`, ``keep_fn`` (a policy's ``keep``) and :meth:`evict` as one pure
         function of the layer's tensors; with ``compile``, that function compiled by
         ``torch.compile`` (dynamic shapes: one compilation per policy, whatever the widths),
         which fuses the ~80 small kernels of a pass into a few (the pass is bound by their
         launches, ``scripts/profile_evict.py``); a string names the ``torch.compile`` backend
-        (``"aot_eager"``: the trace without code generation, for tests on CPU)."""
+        (``"aot_eager"``: the trace without code generation, for tests on CPU).
+        ``whole_pages`` as in :meth:`evict`."""
         fn = _compiled_pass("inductor" if compile is True else compile) if compile else _pass
-        fn(self._tensors(layer_idx), *self._meta(layer_idx), keep_fn, bound)
-        self._pending.add(layer_idx)
+        front = fn(self._tensors(layer_idx), *self._meta(layer_idx), keep_fn, bound, whole_pages)
+        self._pending[layer_idx] = front
 
     def settle(self) -> None:
         """Returns the pages the evictions since the last call freed to the host's free
-        lists: one read-back of every evicted layer's lengths."""
+        lists: one read-back of every evicted layer's lengths and dropped front pages."""
         if not self._pending:
             return
         layers = sorted(self._pending)
+        fronts = torch.stack([self._pending[i] for i in layers])  # [layers, B, H]
         self._pending.clear()
-        held = torch.stack([self.lengths[i] for i in layers]).tolist()  # [layers][B][H]
+        held = torch.stack([self.lengths[i].long() for i in layers])
+        both = torch.stack([fronts.long(), held]).tolist()  # [2][layers][B][H]
         s = self.page_size
-        for i, lengths in zip(layers, held, strict=True):
-            for b, row in enumerate(lengths):
-                for h, n in enumerate(row):
-                    mine, keep = self._owned[i][b][h], -(-n // s)
+        for i, fronts_i, lengths in zip(layers, both[0], both[1], strict=True):
+            for b, (row_f, row_n) in enumerate(zip(fronts_i, lengths, strict=True)):
+                for h, (front, n) in enumerate(zip(row_f, row_n, strict=True)):
+                    mine = self._owned[i][b][h]
+                    if front:  # dropped from the front: the table was shifted on the device
+                        self._free[i].extend(mine[:front])
+                        del mine[:front]
+                    keep = -(-n // s)
                     while len(mine) > keep:
                         self._free[i].append(mine.pop())  # the table entry is cleared on the device
 
@@ -458,9 +470,10 @@ def _snapshot(
     )
 
 
-def _compact(t: _LayerTensors, slots: tuple[Tensor, Tensor, Tensor], keep: Tensor, page_size: int) -> None:
+def _compact(t: _LayerTensors, slots: tuple[Tensor, Tensor, Tensor], keep: Tensor, page_size: int) -> Tensor:
     """Packs the kept valid slots of every head to its front, in order, sets the lengths
-    and clears the table entries past the kept pages (in place; no host sync)."""
+    and clears the table entries past the kept pages (in place; no host sync). Returns the
+    pages each head gave up at its front ``[B, H]``: none."""
     pages, offsets, valid = slots
     keep = keep & valid
     new_len = keep.sum(-1)  # [B, H]
@@ -476,6 +489,31 @@ def _compact(t: _LayerTensors, slots: tuple[Tensor, Tensor, Tensor], keep: Tenso
     kept_pages = (new_len + page_size - 1) // page_size  # [B, H]
     columns = torch.arange(t.table.shape[-1], device=t.table.device)
     t.table.masked_fill_(columns >= kept_pages[..., None], -1)
+    return torch.zeros_like(new_len)
+
+
+def _drop_leading_pages(
+    t: _LayerTensors, slots: tuple[Tensor, Tensor, Tensor], keep: Tensor, page_size: int
+) -> Tensor:
+    """Drops, per head, the leading pages holding no kept slot, by shifting the table: no
+    token moves. The slots of a page that keeps any slot all stay (a policy whose kept
+    slots form a suffix, such as ACP's, only keeps up to ``page_size - 1`` tokens more
+    than it asked for). Returns the pages dropped at each head's front ``[B, H]``; clears
+    the table entries past the held pages (in place; no host sync)."""
+    _, _, valid = slots
+    b, h, w = keep.shape
+    wanted = (keep & valid).view(b, h, w // page_size, page_size).any(-1)  # [B, H, W/S]
+    front = (wanted.long().cumsum(-1) == 0).sum(-1)  # [B, H] leading pages with nothing kept
+    held = t.lengths.long()
+    new_len = (held - front * page_size).clamp_min(0)  # the dropped pages were full (not the last)
+    front = torch.where(new_len > 0, front, (held + page_size - 1) // page_size)
+    columns = torch.arange(t.table.shape[-1], device=t.table.device)  # [W/S]
+    source = columns + front[..., None]  # [B, H, W/S]
+    kept_pages = (new_len + page_size - 1) // page_size
+    shifted = t.table.gather(-1, source.clamp_max(t.table.shape[-1] - 1))
+    t.table.copy_(torch.where(columns < kept_pages[..., None], shifted, -1))
+    t.lengths.copy_(new_len)
+    return front
 
 
 def _pass(
@@ -487,11 +525,13 @@ def _pass(
     max_context: int,
     keep_fn: Callable[[LayerSnapshot], Tensor],
     bound: Tensor | None,
-) -> None:
+    whole_pages: bool = False,
+) -> Tensor:
     slots = _slots(t, width, page_size)
     snap = _snapshot(t, width, page_size, layer_idx, prompt_len, max_context, slots)
     snap.bound = bound
-    _compact(t, slots, keep_fn(snap), page_size)
+    evict = _drop_leading_pages if whole_pages else _compact
+    return evict(t, slots, keep_fn(snap), page_size)
 
 
 @functools.cache

@@ -28,6 +28,8 @@ class ACPBoundary(Policy):
     max_context: int | None = None
     """``L``: the most keys a row attends to; ``None``: the store's ``max_context``."""
 
+    whole_pages = True  # a suffix; tokens kept past the boundary only lower the dropped mass
+
     every: int = 64
     """Evict every this many steps: a kept suffix or window only grows by ``every`` tokens
     meanwhile, and an eviction pass costs ~50 ms at 125M shapes (BENCHMARKS.md)."""

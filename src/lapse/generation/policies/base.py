@@ -23,6 +23,11 @@ class Policy:
     every: int = 16
     """Evict every this many decode steps (1: before every step)."""
 
+    whole_pages = False
+    """The kept slots of a head always form a suffix, and keeping a few more than asked
+    is harmless: the store drops whole leading pages without moving any token
+    (:meth:`lapse.kv.PagedStore.evict`)."""
+
     def __post_init__(self) -> None:
         if not isinstance(self.every, int) or self.every < 1:
             raise ValueError(f"every must be a positive integer, got {self.every!r}")
