@@ -68,6 +68,7 @@ class LapseConfig(PretrainedConfig):
     n_layers: int = _DEFAULT.n_layers
     n_heads: int = _DEFAULT.n_heads
     n_kv_heads: int | None = _DEFAULT.n_kv_heads
+    attn_head_dim: int | None = _DEFAULT.attn_head_dim
     mlp_ratio: float | None = _DEFAULT.mlp_ratio
     mlp_multiple_of: int = _DEFAULT.mlp_multiple_of
     rope_base: float = _DEFAULT.rope_base
@@ -78,6 +79,7 @@ class LapseConfig(PretrainedConfig):
     max_seq_len: int = _DEFAULT.max_seq_len
     dcp_r: int = _DEFAULT.dcp_r
     dcp_beta_init: float = _DEFAULT.dcp_beta_init
+    castle_window: int | None = _DEFAULT.castle_window
     init_std: float = _DEFAULT.init_std
     attn_backend: str = _DEFAULT.attn_backend
     use_cache: bool = True

@@ -3,7 +3,7 @@ the registry of kinds (SPEC section 2)."""
 
 from lapse.layers import Attention, RMSNorm, SwiGLU, kv_shift
 
-from .config import ARCH_ALIASES, ARCHS, PRESETS, ModelConfig, preset
+from .config import ARCH_ALIASES, ARCHS, CASTLE_ARCHS, PRESETS, ModelConfig, default_castle_window, preset
 from .decoder import Block, Decoder, flops_per_token, init_weights, optimizer_groups, param_count
 from .registry import ATTENTION_KINDS, BLOCK_KINDS, attention_class, build_attention
 
@@ -12,6 +12,7 @@ __all__ = [
     "ARCH_ALIASES",
     "ATTENTION_KINDS",
     "BLOCK_KINDS",
+    "CASTLE_ARCHS",
     "PRESETS",
     "Attention",
     "Block",
@@ -21,6 +22,7 @@ __all__ = [
     "SwiGLU",
     "attention_class",
     "build_attention",
+    "default_castle_window",
     "flops_per_token",
     "init_weights",
     "kv_shift",

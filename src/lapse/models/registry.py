@@ -1,6 +1,6 @@
 """The one place a kind name becomes a class: attention kinds and block kinds.
 
-A config names its attention kind (``softmax``, ``forgetting``, ``dcp``) and its block kind
+A config names its attention kind (``softmax``, ``forgetting``, ``dcp``, ``castle``) and its block kind
 (``llama``, ``pro``) as separate fields; :func:`build_attention` turns the two into a
 layer. A new method adds an entry here (and its layer in ``lapse.layers``); nothing else
 branches on its name.
@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
-from lapse.layers import Attention, DCPAttention, ForgettingAttention, SoftmaxAttention
+from lapse.layers import Attention, CastleAttention, DCPAttention, ForgettingAttention, SoftmaxAttention
 
 
 @dataclass(frozen=True)
@@ -43,10 +43,17 @@ def _dcp(config, **common) -> Attention:
     return DCPAttention(**common, rope_base=config.rope_base, r=config.dcp_r, beta_init=config.dcp_beta_init)
 
 
+def _castle(config, **common) -> Attention:
+    return CastleAttention(
+        **common, window=config.castle_window, rope_base=config.rope_base, backend=config.attn_backend
+    )
+
+
 ATTENTION_KINDS: dict[str, type[Attention]] = {
     "softmax": SoftmaxAttention, "forgetting": ForgettingAttention, "dcp": DCPAttention,
+    "castle": CastleAttention,
 }
-_BUILDERS = {"softmax": _softmax, "forgetting": _forgetting, "dcp": _dcp}
+_BUILDERS = {"softmax": _softmax, "forgetting": _forgetting, "dcp": _dcp, "castle": _castle}
 
 
 def attention_class(kind: str) -> type[Attention]:

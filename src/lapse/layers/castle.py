@@ -1,0 +1,146 @@
+"""CASTLE: causal attention with lookahead keys, and CASTLE-SWL (SPEC section 5).
+
+Per head, the base layer's projections give the causal ``Q^C, K^C, V^C`` and three more
+give the lookahead ``Q^U, K^U, V^U``; RoPE rotates ``Q^C, K^C`` and ``Q^U, K^U`` (the
+paper does not say which tensors get it; SPEC section 5 picks these four)::
+
+    u^t_s = sum_{s < j <= t (, j <= s + W)} sigmoid(q^U_s . k^U_j * scale) v^U_j
+    o_t   = softmax_s(q^C_t . k^C_s * scale - SiLU(q^C_t . u^t_s * scale)) V^C,   s <= t
+
+``window=None`` is CASTLE, an int ``W`` CASTLE-SWL. A full forward is
+:func:`lapse.ops.castle.castle_attention`. With grouped-query attention the lookahead keys
+and values have the layer's ``n_kv_heads`` heads like ``K^C, V^C`` (query head ``h``
+reads kv head ``h // (H / K)``); the lookahead vectors ``U`` are per query head.
+
+Decoding over a :class:`~lapse.kv.DenseStore` (the UQ-KV cache): beside each slot's
+``k^C, v^C`` the layer appends two per-slot extras, ``u`` ``[B, S, H, D]`` float32 (the
+slot's lookahead vector as of the sequence's latest token, a running sum, so kept in
+float32 whatever the model's dtype) and ``q_u`` ``[B, S, H, D]`` (its rotated lookahead
+query, in the model's dtype); ``k^U, v^U`` of a token are used once and not kept.
+
+- The prefill (``T > 1`` tokens into an empty cache) runs the full forward and stores
+  ``U`` at the prompt's end (:func:`~lapse.ops.castle.castle_lookahead_keys`); in a
+  ragged prefill each prompt's ``U`` is computed from its own tokens alone (the padding
+  after a prompt would otherwise add its lookahead contributions), one call per prompt.
+- One token per sequence (the decode step) appends ``u = 0`` and ``q^U``, adds the token's
+  lookahead contribution to every held ``u_s`` in place
+  (:func:`~lapse.ops.castle.castle_decode_update`, under SWL only the last ``W`` slots)
+  and attends over the held slots (:func:`~lapse.ops.castle.castle_attention_decode`).
+  Fixed shapes, no host reads: the step compiles.
+- A chunk of ``T > 1`` tokens after a prefix (a prompt continued, eager only) appends all
+  ``T`` slots at once and then runs the two decode ops once per token, in order: the
+  ``i``-th pass sees the first ``i + 1`` new slots as held, the later ones masked, so it
+  equals ``T`` single-token steps (their ``u`` start at 0 and only the slots before a
+  token change by it).
+
+A :class:`~lapse.kv.PagedStore` is refused (``supports_paged = False``): a slot's ``u``
+changes after it is written, which the paged decode op and the eviction policies do not
+model.
+
+Shapes: a trailing comment on each line that makes a new shape. Legend: B batch, T new
+tokens, C d_model, H query heads, K key/value heads, D head dim, S cache slots.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor, nn
+
+from lapse.kv import KVCache, PagedView
+from lapse.ops.castle import (
+    castle_attention,
+    castle_attention_decode,
+    castle_decode_update,
+    castle_lookahead_keys,
+)
+from lapse.ops.castle.common import check_window
+
+from .attention import Attention
+from .rotary import RotaryEmbedding
+
+
+class CastleAttention(Attention):
+    """CASTLE attention with RoPE (see the module doc).
+
+    Args: those of :class:`~lapse.layers.Attention` (its ``q_proj, k_proj, v_proj`` are
+        ``W^C_Q, W^C_K, W^C_V``), and
+        window: ``None`` (CASTLE) or the lookahead window ``W >= 1`` of CASTLE-SWL.
+        rope_base: RoPE theta of the causal and the lookahead queries and keys.
+        backend: of :func:`~lapse.ops.castle.castle_attention` in full forwards (``auto``:
+            Triton on CUDA, the blocked PyTorch path otherwise).
+    """
+
+    needs_even_head_dim = True
+    supports_paged = False
+    matrices_per_head = 7
+    """``d_model x D`` weight matrices per query head: ``W^U_Q, W^U_K, W^U_V, W^C_Q,
+    W^C_K, W^C_V`` and the head's rows of ``W_O`` (4 for softmax attention), so a
+    parameter-matched model has 4/7 as many heads (SPEC section 5)."""
+
+    def __init__(self, *args, window: int | None = None, rope_base: float = 500000.0,
+                 backend: str = "auto", **kwargs):
+        super().__init__(*args, **kwargs)
+        self.window = check_window(window)
+        self.backend = backend
+        c = self.q_proj.in_features
+        h, k, d = self.n_heads, self.n_kv_heads, self.head_dim
+        self.qu_proj = nn.Linear(c, h * d, bias=False)  # W^U_Q
+        self.ku_proj = nn.Linear(c, k * d, bias=False)  # W^U_K
+        self.vu_proj = nn.Linear(c, k * d, bias=False)  # W^U_V
+        self.rotary = RotaryEmbedding(d, rope_base)
+
+    def extra_repr(self) -> str:
+        return f"window={self.window}"
+
+    def attend(
+        self, q: Tensor, k: Tensor, v: Tensor, x: Tensor, positions: Tensor, cache: KVCache | None
+    ) -> Tensor:
+        b, t, _ = x.shape
+        h, kh, d = self.n_heads, self.n_kv_heads, self.head_dim
+        q_u = self.qu_proj(x).view(b, t, h, d)  # [B, T, H, D]
+        k_u = self.ku_proj(x).view(b, t, kh, d)  # [B, T, K, D]
+        v_u = self.vu_proj(x).view(b, t, kh, d)  # [B, T, K, D]
+        limit = t if cache is None else cache.capacity
+        q, k = self.rotary(q, positions, limit), self.rotary(k, positions, limit)
+        q_u, k_u = self.rotary(q_u, positions, limit), self.rotary(k_u, positions, limit)
+        if cache is None:
+            return self._full(q, k, v, q_u, k_u, v_u)
+        if isinstance(cache.view(self.layer_idx), PagedView):
+            raise ValueError(
+                "CASTLE attention decodes over a DenseStore only: the lookahead vectors U of held "
+                "slots change with every new token, which a paged store does not support"
+            )
+        if t > 1 and cache.length == 0:  # prefill (t == 1 goes the step's way: no host read)
+            cache.append(self.layer_idx, k, v, u=self._prompt_lookahead(q_u, k_u, v_u, cache), q_u=q_u)
+            return self._full(q, k, v, q_u, k_u, v_u)
+        acc = torch.float64 if q_u.dtype == torch.float64 else torch.float32
+        cache.append(self.layer_idx, k, v, u=q_u.new_zeros(q_u.shape, dtype=acc), q_u=q_u)
+        view = cache.view(self.layer_idx)
+        u_cache, qu_cache = view.extras["u"], view.extras["q_u"]  # [B, S, H, D] each
+        out = []
+        for i in range(t):  # one pass per new token; t == 1 in the decode step
+            seqlens = view.seqlens - (t - 1 - i)  # [B] int32: held slots up to token i
+            castle_decode_update(u_cache, qu_cache, k_u[:, i], v_u[:, i], seqlens,
+                                 scale=self.scale, window=self.window, check_values=False)
+            out.append(castle_attention_decode(q[:, i], view.k, view.v, u_cache, seqlens,
+                                               scale=self.scale, check_values=False))  # [B, H, D]
+        return torch.stack(out, dim=1)  # [B, T, H, D]
+
+    def _full(self, q: Tensor, k: Tensor, v: Tensor, q_u: Tensor, k_u: Tensor, v_u: Tensor) -> Tensor:
+        return castle_attention(q, k, v, q_u, k_u, v_u, scale=self.scale, window=self.window,
+                                backend=self.backend)
+
+    def _prompt_lookahead(self, q_u: Tensor, k_u: Tensor, v_u: Tensor, cache: KVCache) -> Tensor:
+        """``U`` at the end of each prompt ``[B, T, H, D]`` (float32, float64 for float64):
+        in a ragged prefill each from its own tokens, zero over the padding."""
+        def keys(q_u, k_u, v_u):
+            return castle_lookahead_keys(q_u.detach(), k_u.detach(), v_u.detach(),
+                                         scale=self.scale, window=self.window)
+
+        if cache.new_lengths is None:
+            return keys(q_u, k_u, v_u)
+        acc = torch.float64 if q_u.dtype == torch.float64 else torch.float32
+        u = q_u.new_zeros(q_u.shape, dtype=acc)  # [B, T, H, D]
+        for b, n in enumerate(cache.new_lengths):
+            u[b, :n] = keys(q_u[b : b + 1, :n], k_u[b : b + 1, :n], v_u[b : b + 1, :n])[0]
+        return u
