@@ -14,6 +14,26 @@ Providers (``--providers``):
 - ``fla``: flash-linear-attention's ``parallel_forgetting_attn`` (``fla.ops.forgetting_attn``),
   when importable.
 
+CASTLE providers (SPEC section 5; not in the default list, name them with ``--providers``):
+the workload's ``q, k, v`` are CASTLE's causal ``Q^C, K^C, V^C``, and lookahead ``Q^U,
+K^U, V^U`` are drawn like them (``q, k`` RMS-normalised, ``v ~ N(0, 1)``, seed + 2):
+
+- ``castle-triton``, ``castle-torch``, ``castle-naive``:
+  ``lapse.ops.castle_attention(..., backend=...)``; ``naive`` materialises Theorem 1
+  (O(T^3) time, several ``T x T`` buffers per head), so it is skipped (reported n/a)
+  above ``--castle-naive-max-t`` (2048).
+- ``castle-swl-triton``: CASTLE-SWL with ``--castle-window`` (512).
+- ``lookahead-keys-attention``: the public package of that name (0.1.2, import name
+  ``lookahead_keys_attention``; its Triton ``castle_attention_triton(q, k, v, qu, ku, vu,
+  scale, return_U_for_cache)`` in ``[B, H, T, D]``, computing in float16, O(T^3) per the
+  issue), when importable; it needs ``einops`` and ``rotary-embedding-torch``; no
+  grouped-query attention, no varlen. Not a dependency of lapse: carry its wheel.
+
+They are checked against ``castle_attention(..., backend="torch")`` (float32 arithmetic,
+the same window), not against Flex. Their TFLOP/s use the same formula as the others
+(causal softmax attention's FLOPs): CASTLE does about 3.5x those forward and 3.9x forward
+and backward (``ops/castle/README.md``), so read them as "softmax-equivalent".
+
 Method. Each workload (one per ``--seq-lens`` value, or one varlen workload) is drawn by
 :mod:`lapse.bench.workloads` on the GPU. First a correctness check: the output (and, when
 ``fwd+bwd`` is timed, the gradients of q, k, v and the log gates under a fixed random
@@ -22,7 +42,10 @@ backend if Flex fails); a provider that fails the check is not timed. Then each 
 is timed with ``triton.testing.do_bench(..., return_mode="median")``: ``fwd`` under
 ``torch.no_grad()``; ``fwd+bwd`` as the forward followed by ``torch.autograd.grad`` of
 every differentiable input (the gates included) under ``dO``. FLOPs are those of dense
-causal attention (:func:`lapse.bench.workloads.dense_causal_flops`), pruned or not.
+causal attention (:func:`lapse.bench.workloads.dense_causal_flops`), pruned or not. Peak
+memory (on CUDA): ``torch.cuda.max_memory_allocated`` during one more call of each mode,
+less what was allocated before it (the call's outputs, gradients and work buffers; an
+``L x L`` buffer at T = 16k shows as gigabytes).
 Failures are caught and reported as ``n/a: reason``; nothing is skipped silently.
 """
 
@@ -48,9 +71,16 @@ from torch import Tensor
 
 from .workloads import Workload, WorkloadSpec, dense_causal_flops, make_workload
 
-Provider = Literal["lapse", "lapse-acp", "sdpa", "flex", "fla"]
+Provider = Literal[
+    "lapse", "lapse-acp", "sdpa", "flex", "fla",
+    "castle-triton", "castle-torch", "castle-naive", "castle-swl-triton", "lookahead-keys-attention",
+]
 Mode = Literal["fwd", "fwd+bwd"]
 PROVIDERS: tuple[Provider, ...] = ("lapse", "lapse-acp", "sdpa", "flex", "fla")
+"""The default providers (forgetting attention and its peers)."""
+CASTLE_PROVIDERS: tuple[Provider, ...] = (
+    "castle-triton", "castle-torch", "castle-naive", "castle-swl-triton", "lookahead-keys-attention",
+)
 GATED: tuple[Provider, ...] = ("lapse", "lapse-acp", "flex", "fla")
 BWD_FLOP_FACTOR = 2.5
 FLOP_FORMULA = (
@@ -86,6 +116,10 @@ class AttentionBenchConfig:
     passed as a float)."""
     acp_eps: float = math.exp(-10)
     """ACP's bound on the pruned attention mass per row."""
+    castle_window: int = 512
+    """CASTLE-SWL's lookahead window W (``castle-swl-triton``)."""
+    castle_naive_max_t: int = 2048
+    """``castle-naive`` (O(T^3), T x T buffers) runs only up to this sequence length."""
     warmup_ms: int = 25
     """do_bench warmup, in ms."""
     rep_ms: int = 100
@@ -110,6 +144,8 @@ class AttentionBenchConfig:
             raise ValueError("modes must name at least one of 'fwd', 'fwd+bwd'")
         if not 0 < self.acp_eps < 1:
             raise ValueError(f"acp_eps must be in (0, 1), got {self.acp_eps}")
+        if self.castle_window < 1:
+            raise ValueError(f"castle_window must be >= 1, got {self.castle_window}")
         for spec in self.specs():  # validates the shapes early
             del spec
 
@@ -137,6 +173,10 @@ class AttentionBenchConfig:
         parts.append(f"--acp-bound {self.acp_bound}")
         if self.acp_eps != math.exp(-10):
             parts.append(f"--acp-eps {self.acp_eps!r}")
+        if self.castle_window != 512:
+            parts.append(f"--castle-window {self.castle_window}")
+        if self.castle_naive_max_t != 2048:
+            parts.append(f"--castle-naive-max-t {self.castle_naive_max_t}")
         if (self.warmup_ms, self.rep_ms) != (25, 100):
             parts.append(f"--warmup-ms {self.warmup_ms} --rep-ms {self.rep_ms}")
         if self.seed:
@@ -319,6 +359,97 @@ def _fla_runner(wl: Workload) -> Runner:
     return Runner(forward, [q, k, v, g], notes=[f"fla {fla.__version__}"])
 
 
+def castle_lookahead(wl: Workload, seed: int) -> tuple[Tensor, Tensor, Tensor]:
+    """CASTLE's lookahead ``Q^U [B, T, HQ, D]``, ``K^U, V^U [B, T, H, D]`` for workload
+    ``wl`` (whose ``q, k, v`` are the causal ones), drawn like them from ``seed + 2``."""
+    from .workloads import rms_normalise
+
+    b, t, hq, d = wl.q.shape
+    h = wl.k.shape[2]
+    gen = torch.Generator(device=wl.q.device)
+    gen.manual_seed(seed + 2)
+
+    def normal(*shape: int) -> Tensor:
+        return torch.randn(*shape, generator=gen, device=wl.q.device, dtype=torch.float32)
+
+    q_u = rms_normalise(normal(b, t, hq, d)).to(wl.q.dtype)
+    k_u = rms_normalise(normal(b, t, h, d)).to(wl.q.dtype)
+    return q_u, k_u, normal(b, t, h, d).to(wl.q.dtype)
+
+
+def castle_window_of(name: str, cfg: AttentionBenchConfig) -> int | None:
+    """The lookahead window a CASTLE provider computes with (``None``: CASTLE)."""
+    return cfg.castle_window if name == "castle-swl-triton" else None
+
+
+def _castle_runner(wl: Workload, backend: str, window: int | None, cfg: AttentionBenchConfig) -> Runner:
+    from lapse.ops.castle import castle_attention
+
+    longest = max(wl.spec.seqlens)
+    if backend == "naive" and longest > cfg.castle_naive_max_t:
+        raise NotAvailable(
+            f"castle-naive is O(T^3) with T x T buffers: skipped at T = {longest} > "
+            f"--castle-naive-max-t {cfg.castle_naive_max_t}"
+        )
+    six = [_leaf(x) for x in (wl.q, wl.k, wl.v, *castle_lookahead(wl, cfg.seed))]
+
+    def forward() -> Tensor:
+        return castle_attention(*six, scale=wl.spec.scale, window=window, cu_seqlens=wl.cu_seqlens,
+                                backend=backend)
+
+    notes = [f"CASTLE{'' if window is None else f'-SWL, window {window}'}, backend {backend}"]
+    if wl.cu_seqlens is not None:
+        notes.append("varlen: one call per sequence (castle_attention reads cu_seqlens on the host)")
+    return Runner(forward, six, notes=notes)
+
+
+def _lookahead_keys_attention_runner(wl: Workload, cfg: AttentionBenchConfig) -> Runner:
+    """The public ``lookahead-keys-attention`` 0.1.2 (Triton), in its ``[B, H, T, D]`` layout."""
+    try:
+        from importlib.metadata import version
+
+        from lookahead_keys_attention.lookahead_keys_attention_triton import castle_attention_triton
+    except Exception as e:  # not installed, or its dependencies (einops, rotary-embedding-torch) missing
+        raise NotAvailable(f"lookahead_keys_attention not importable ({type(e).__name__}: {e})") from e
+    spec = wl.spec
+    if spec.varlen:
+        raise NotAvailable("lookahead-keys-attention takes no packed sequences (cu_seqlens)")
+    if spec.heads != spec.num_kv_heads:
+        raise NotAvailable("lookahead-keys-attention takes no grouped-query attention (HQ must equal H)")
+    six = [_leaf(x.transpose(1, 2).contiguous()) for x in (wl.q, wl.k, wl.v, *castle_lookahead(wl, cfg.seed))]
+
+    def forward() -> Tensor:
+        return castle_attention_triton(*six, spec.scale, False)
+
+    return Runner(
+        forward,
+        six,
+        to_bthd=lambda o: o.transpose(1, 2),
+        from_bthd=lambda o: o.transpose(1, 2),
+        grad_to_bthd=lambda gs: [g.transpose(1, 2) for g in gs],
+        notes=[f"lookahead-keys-attention {version('lookahead-keys-attention')} (float16 inside)"],
+    )
+
+
+def _castle_reference(wl: Workload, window: int | None, d_out: Tensor, want_grads: bool,
+                      cfg: AttentionBenchConfig) -> dict:
+    """CASTLE's output (and six gradients) from ``castle_attention(backend="torch")``."""
+    ref: dict = {"out": None, "grads": None, "out_from": None, "grads_from": None, "notes": []}
+    try:
+        r = _castle_runner(wl, "torch", window, cfg)
+        if want_grads:
+            o = r.forward()
+            ref["grads"] = [g.detach() for g in torch.autograd.grad(o, r.grad_inputs, d_out)]
+            ref["grads_from"] = "castle-torch"
+        else:
+            with torch.no_grad():
+                o = r.forward()
+        ref["out"], ref["out_from"] = o.detach(), "castle-torch"
+    except Exception as e:
+        ref["notes"].append(f"castle torch backend failed: {_short(e)}")
+    return ref
+
+
 def _acp_argument(cfg: AttentionBenchConfig, spec: WorkloadSpec):
     return "auto" if cfg.acp_bound == "auto" else spec.qk_norm_bound
 
@@ -334,6 +465,11 @@ def build_runner(name: Provider, wl: Workload, cfg: AttentionBenchConfig) -> Run
         return _flex_runner(wl)
     if name == "fla":
         return _fla_runner(wl)
+    if name in ("castle-triton", "castle-torch", "castle-naive", "castle-swl-triton"):
+        backend = name.removeprefix("castle-").removeprefix("swl-")
+        return _castle_runner(wl, backend, castle_window_of(name, cfg), cfg)
+    if name == "lookahead-keys-attention":
+        return _lookahead_keys_attention_runner(wl, cfg)
     raise ValueError(f"unknown provider {name!r}")
 
 
@@ -402,7 +538,8 @@ def _check(r: Runner, ref: dict, d_out: Tensor, want_grads: bool, cfg) -> dict:
             except Exception as e:  # the fwd+bwd timing reports it too
                 out["grad_error"] = _short(e)
             else:
-                names = ["dq", "dk", "dv", "dlog_fgate"][: len(grads)]
+                names = (["dq", "dk", "dv", "dlog_fgate"] if len(grads) <= 4
+                         else ["dq_c", "dk_c", "dv_c", "dq_u", "dk_u", "dv_u"])[: len(grads)]
                 out["grad_rel_err"] = {
                     n: _rel_err(a, b) for n, a, b in zip(names, grads, ref["grads"], strict=True)
                 }
@@ -476,6 +613,20 @@ def _free() -> None:
     torch.cuda.empty_cache()
 
 
+def _peak_mib(fn: Callable[[], object]) -> float | None:
+    """Peak CUDA memory of one call of ``fn`` above what was allocated before it, in MiB
+    (``None`` without CUDA)."""
+    if not torch.cuda.is_available():
+        return None
+    _free()
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    fn()
+    torch.cuda.synchronize()
+    return (torch.cuda.max_memory_allocated() - before) / 2**20
+
+
 def _bench_provider(
     name: Provider, wl: Workload, cfg: AttentionBenchConfig, ref, d_out: Tensor, result: dict
 ) -> dict:
@@ -490,11 +641,11 @@ def _bench_provider(
             row["traceback"] = traceback.format_exc()
         return row
 
-    if name not in GATED:
+    if name not in GATED and name not in CASTLE_PROVIDERS:
         row["check"] = {"status": "not comparable", "reason": "computes attention without gate"}
     elif not cfg.check:
         row["check"] = {"status": "unchecked", "reason": "--no-check"}
-    elif name == "flex" and ref["out_from"] == "flex":
+    elif (name == "flex" and ref["out_from"] == "flex") or name == "castle-torch":
         row["check"] = {"status": "reference"}
     else:
         try:
@@ -513,10 +664,16 @@ def _bench_provider(
                 if mode == "fwd":
                     with torch.no_grad():
                         ms = _time(r.forward, cfg)
+                        peak = _peak_mib(r.forward)
                 else:
                     d = r.from_bthd(d_out).contiguous()
-                    ms = _time(lambda d=d: torch.autograd.grad(r.forward(), r.grad_inputs, d), cfg)
-            row[mode] = {"ms": ms, "tflops": result_flops(result, mode) / ms / 1e9}
+
+                    def call(d=d):
+                        return torch.autograd.grad(r.forward(), r.grad_inputs, d)
+
+                    ms = _time(call, cfg)
+                    peak = _peak_mib(call)
+            row[mode] = {"ms": ms, "tflops": result_flops(result, mode) / ms / 1e9, "peak_mib": peak}
         except Exception as e:
             row[mode] = {"error": _short(e)}
             row.setdefault("traceback", traceback.format_exc())
@@ -570,10 +727,21 @@ def bench_workload(
         ref = _reference(wl, d_out, want_grads)
         result["reference"] = {k: ref[k] for k in ("out_from", "grads_from", "notes")}
         _free()
+    refs: dict = {"gated": ref}  # and one CASTLE reference per window its providers use
+    checked = [p for p in cfg.providers if p in CASTLE_PROVIDERS and p != "castle-torch"]
+    if cfg.check and checked:
+        for window in dict.fromkeys(castle_window_of(p, cfg) for p in checked):
+            progress.set_postfix_str(f"{spec.label} CASTLE reference (window {window})")
+            refs[("castle", window)] = castle_ref = _castle_reference(wl, window, d_out, want_grads, cfg)
+            result[f"castle_reference_window_{window}"] = {
+                k: castle_ref[k] for k in ("out_from", "grads_from", "notes")
+            }
+            _free()
 
     for name in cfg.providers:
         progress.set_postfix_str(f"{spec.label} {name}")
-        result["providers"][name] = _bench_provider(name, wl, cfg, ref, d_out, result)
+        key = ("castle", castle_window_of(name, cfg)) if name in CASTLE_PROVIDERS else "gated"
+        result["providers"][name] = _bench_provider(name, wl, cfg, refs.get(key), d_out, result)
         _free()
         progress.update(1)
 
@@ -642,7 +810,7 @@ def _check_cell(row: dict) -> str:
 def markdown_table(result: dict, modes: tuple[str, ...]) -> str:
     head = ["provider"]
     for mode in modes:
-        head += [f"{mode} ms", f"{mode} TFLOP/s", f"{mode} / SDPA"]
+        head += [f"{mode} ms", f"{mode} TFLOP/s", f"{mode} / SDPA", f"{mode} peak MiB"]
     head += ["pruned", "efficiency"]
     head += ["check"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
@@ -659,6 +827,7 @@ def markdown_table(result: dict, modes: tuple[str, ...]) -> str:
                 _cell(row, mode, "ms", ".3f"),
                 _cell(row, mode, "tflops", ".1f"),
                 _cell(row, mode, "vs_sdpa", ".2f"),
+                _cell(row, mode, "peak_mib", ".0f"),
             ]
             if "error" in row.get(mode, {}):
                 notes.append(f"{name} {mode}: n/a: {row[mode]['error']}")
@@ -714,6 +883,12 @@ def environment() -> dict:
         env["fla"] = fla.__version__
     except Exception as e:
         env["fla"] = f"n/a ({type(e).__name__})"
+    try:
+        from importlib.metadata import version
+
+        env["lookahead_keys_attention"] = version("lookahead-keys-attention")
+    except Exception as e:
+        env["lookahead_keys_attention"] = f"n/a ({type(e).__name__})"
     import lapse
 
     env["lapse"] = lapse.__version__
