@@ -4,7 +4,7 @@ lapse train PRESET [--field value ...]   train a model (presets: lapse.train.TRA
 lapse resume RUN_DIR [--steps N]         continue a run from its last checkpoint
 lapse export RUN_DIR OUT_DIR             a trained model as a Hugging Face folder
 lapse generate RUN --prompt TEXT         text under an eviction policy (--policy dense|window|acp|h2o|a2sf)
-lapse eval per-token-loss|ppl|niah|acp|lm-eval   evaluations (JSON, PNG, Markdown)
+lapse eval per-token-loss|ppl|niah|acp|dcp|lm-eval   evaluations (JSON, PNG, Markdown)
 lapse report RUN [RUN ...]               one Markdown page: runs and their evaluations
 lapse bench attention                    time forgetting attention against its peers (CUDA)
 lapse bench decode                       ms per decode step against HF compiled Llama (CUDA)
@@ -30,6 +30,7 @@ from lapse.bench.decode import DecodeBenchConfig
 from lapse.bench.training import TrainBenchConfig
 from lapse.eval.acp import AcpEvalConfig
 from lapse.eval.common import ExportConfig, output_folder
+from lapse.eval.dcp import DcpStudyConfig
 from lapse.eval.lm_eval_config import LmEvalConfig
 from lapse.eval.loss import PerTokenLossConfig, PplConfig
 from lapse.eval.niah import NiahConfig
@@ -122,6 +123,14 @@ def _app() -> SubcommandApp:
         from lapse.eval.acp import run_acp
 
         _wrote(run_acp(cfg), cfg, "acp")
+
+    @evals.command(name="dcp")
+    def eval_dcp(cfg: Annotated[DcpStudyConfig, tyro.conf.arg(name="")]) -> None:
+        """A gamma sweep of DCP fine-tunes: perplexity against the share of context dropped
+        (step mask), per layer, and which tokens are dropped in a few validation snippets."""
+        from lapse.eval.dcp import run_dcp_study
+
+        _wrote(run_dcp_study(cfg), cfg, "dcp")
 
     @evals.command(name="lm-eval")
     def eval_lm_eval(cfg: Annotated[LmEvalConfig, tyro.conf.arg(name="")]) -> None:
