@@ -126,6 +126,9 @@ class CastleAttention(Attention):
                                                scale=self.scale, check_values=False))  # [B, H, D]
         return torch.stack(out, dim=1)  # [B, T, H, D]
 
+    # torch.compile leaves the op eager, as forgetting attention's: its Triton path is a
+    # Python loop of launches (the wavefront) that Inductor should not trace.
+    @torch.compiler.disable
     def _full(self, q: Tensor, k: Tensor, v: Tensor, q_u: Tensor, k_u: Tensor, v_u: Tensor) -> Tensor:
         return castle_attention(q, k, v, q_u, k_u, v_u, scale=self.scale, window=self.window,
                                 backend=self.backend)
