@@ -72,14 +72,27 @@ from torch import Tensor
 from .workloads import Workload, WorkloadSpec, dense_causal_flops, make_workload
 
 Provider = Literal[
-    "lapse", "lapse-acp", "sdpa", "flex", "fla",
-    "castle-triton", "castle-torch", "castle-naive", "castle-swl-triton", "lookahead-keys-attention",
+    "lapse",
+    "lapse-acp",
+    "sdpa",
+    "sdpa-default",
+    "flex",
+    "fla",
+    "castle-triton",
+    "castle-torch",
+    "castle-naive",
+    "castle-swl-triton",
+    "lookahead-keys-attention",
 ]
 Mode = Literal["fwd", "fwd+bwd"]
 PROVIDERS: tuple[Provider, ...] = ("lapse", "lapse-acp", "sdpa", "flex", "fla")
 """The default providers (forgetting attention and its peers)."""
 CASTLE_PROVIDERS: tuple[Provider, ...] = (
-    "castle-triton", "castle-torch", "castle-naive", "castle-swl-triton", "lookahead-keys-attention",
+    "castle-triton",
+    "castle-torch",
+    "castle-naive",
+    "castle-swl-triton",
+    "lookahead-keys-attention",
 )
 GATED: tuple[Provider, ...] = ("lapse", "lapse-acp", "flex", "fla")
 BWD_FLOP_FACTOR = 2.5
@@ -150,9 +163,7 @@ class AttentionBenchConfig:
             del spec
 
     def specs(self) -> list[WorkloadSpec]:
-        common = dict(
-            tokens=self.tokens, heads=self.heads, kv_heads=self.kv_heads, head_dim=self.head_dim
-        )
+        common = dict(tokens=self.tokens, heads=self.heads, kv_heads=self.kv_heads, head_dim=self.head_dim)
         if self.varlen:
             return [WorkloadSpec(varlen=True, **common)]
         return [WorkloadSpec(seq_len=t, **common) for t in self.seq_lens]
@@ -225,7 +236,27 @@ def _lapse_runner(wl: Workload, acp, acp_eps: float) -> Runner:
     return Runner(forward, [q, k, v, g])
 
 
-def _sdpa_runner(wl: Workload) -> Runner:
+def _ran_kernels(fn: Callable[[], Tensor]) -> str:
+    """Which SDPA backend a call ran, read from its kernel names under the profiler."""
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof, torch.no_grad():
+        fn()
+        torch.cuda.synchronize()
+    names = " ".join(e.key.lower() for e in prof.key_averages())
+    for key, label in (
+        ("cudnn", "cuDNN"),
+        ("flash", "FlashAttention-2"),
+        ("fmha", "memory-efficient"),
+        ("efficient", "memory-efficient"),
+    ):
+        if key in names:
+            return label
+    return "math (no fused kernel seen)"
+
+
+def _sdpa_runner(wl: Workload, default_backend: bool = False) -> Runner:
+    """SDPA forced to FlashAttention-2 (``sdpa``), or with PyTorch's own choice of backend
+    (``sdpa-default``: what a user gets; on an H100 with torch 2.11, cuDNN), named in the
+    notes from the kernels it ran."""
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     spec = wl.spec
@@ -280,6 +311,16 @@ def _sdpa_runner(wl: Workload) -> Runner:
     def forward() -> Tensor:
         return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
 
+    if default_backend:
+        if q.is_cuda:
+            notes.append(f"SDPA's default backend choice: {_ran_kernels(forward)} ran")
+        return Runner(
+            forward,
+            [q, k, v],
+            to_bthd=lambda o: o.transpose(1, 2),
+            from_bthd=lambda o: o.transpose(1, 2),
+            notes=notes,
+        )
     return Runner(
         forward,
         [q, k, v],
@@ -394,8 +435,9 @@ def _castle_runner(wl: Workload, backend: str, window: int | None, cfg: Attentio
     six = [_leaf(x) for x in (wl.q, wl.k, wl.v, *castle_lookahead(wl, cfg.seed))]
 
     def forward() -> Tensor:
-        return castle_attention(*six, scale=wl.spec.scale, window=window, cu_seqlens=wl.cu_seqlens,
-                                backend=backend)
+        return castle_attention(
+            *six, scale=wl.spec.scale, window=window, cu_seqlens=wl.cu_seqlens, backend=backend
+        )
 
     notes = [f"CASTLE{'' if window is None else f'-SWL, window {window}'}, backend {backend}"]
     if wl.cu_seqlens is not None:
@@ -431,8 +473,9 @@ def _lookahead_keys_attention_runner(wl: Workload, cfg: AttentionBenchConfig) ->
     )
 
 
-def _castle_reference(wl: Workload, window: int | None, d_out: Tensor, want_grads: bool,
-                      cfg: AttentionBenchConfig) -> dict:
+def _castle_reference(
+    wl: Workload, window: int | None, d_out: Tensor, want_grads: bool, cfg: AttentionBenchConfig
+) -> dict:
     """CASTLE's output (and six gradients) from ``castle_attention(backend="torch")``."""
     ref: dict = {"out": None, "grads": None, "out_from": None, "grads_from": None, "notes": []}
     try:
@@ -459,8 +502,8 @@ def build_runner(name: Provider, wl: Workload, cfg: AttentionBenchConfig) -> Run
         return _lapse_runner(wl, None, cfg.acp_eps)
     if name == "lapse-acp":
         return _lapse_runner(wl, _acp_argument(cfg, wl.spec), cfg.acp_eps)
-    if name == "sdpa":
-        return _sdpa_runner(wl)
+    if name in ("sdpa", "sdpa-default"):
+        return _sdpa_runner(wl, default_backend=name == "sdpa-default")
     if name == "flex":
         return _flex_runner(wl)
     if name == "fla":
@@ -538,8 +581,11 @@ def _check(r: Runner, ref: dict, d_out: Tensor, want_grads: bool, cfg) -> dict:
             except Exception as e:  # the fwd+bwd timing reports it too
                 out["grad_error"] = _short(e)
             else:
-                names = (["dq", "dk", "dv", "dlog_fgate"] if len(grads) <= 4
-                         else ["dq_c", "dk_c", "dv_c", "dq_u", "dk_u", "dv_u"])[: len(grads)]
+                names = (
+                    ["dq", "dk", "dv", "dlog_fgate"]
+                    if len(grads) <= 4
+                    else ["dq_c", "dk_c", "dv_c", "dq_u", "dk_u", "dv_u"]
+                )[: len(grads)]
                 out["grad_rel_err"] = {
                     n: _rel_err(a, b) for n, a, b in zip(names, grads, ref["grads"], strict=True)
                 }
@@ -693,9 +739,7 @@ def _bench_provider(
     return row
 
 
-def bench_workload(
-    spec: WorkloadSpec, cfg: AttentionBenchConfig, progress, device: str = "cuda"
-) -> dict:
+def bench_workload(spec: WorkloadSpec, cfg: AttentionBenchConfig, progress, device: str = "cuda") -> dict:
     """All providers on one workload; returns the JSON-ready result."""
     wl = make_workload(spec, device=device, seed=cfg.seed)
     gen = torch.Generator(device=device)
@@ -832,11 +876,7 @@ def markdown_table(result: dict, modes: tuple[str, ...]) -> str:
             if "error" in row.get(mode, {}):
                 notes.append(f"{name} {mode}: n/a: {row[mode]['error']}")
         cells.append(_fmt(row.get("pruned"), ".3f") if name == "lapse-acp" else "-")
-        eff = [
-            f"{mode} {row[mode]['efficiency']:.2f}"
-            for mode in modes
-            if "efficiency" in row.get(mode, {})
-        ]
+        eff = [f"{mode} {row[mode]['efficiency']:.2f}" for mode in modes if "efficiency" in row.get(mode, {})]
         cells.append(", ".join(eff) if eff else "-")
         cells.append(_check_cell(row))
         lines.append("| " + " | ".join(cells) + " |")
