@@ -12,7 +12,8 @@
 #              paper's setting), alpha a cosine 1 -> 8 over FT_STEPS steps of FT_BATCH x SEQ,
 #              lr FT_LR, gamma in GAMMAS, FT_MINUTES at most each (the four share the GPU).
 #
-# Usage, from the repo root on the lent GPU (one call, about 8 minutes):
+# Usage, from the repo root on the lent GPU (one call; a guess of 7-7.5 minutes: data ~30 s, base
+# <= 2.5 min of training + ~20 s start, fine-tunes <= 3 min + ~25 s start, report ~30 s):
 #   bash scripts/gpu.sh bash scripts/study_dcp.sh
 # It leaves in $OUT: study.tar.gz (the run folders without checkpoints and the report),
 # the report itself (summary.md, results.json, ppl_vs_dropped.png, dropped_per_layer.png,
@@ -20,7 +21,7 @@
 # A CPU dry run of the whole pipeline in under a minute (2 cores):
 #   PRESET=cpu-tiny SEQ=128 PRE_STEPS=30 PRE_BATCH=8 FT_STEPS=6 FT_BATCH=4 BYTES=400000 \
 #   PRE_MINUTES=1 FT_MINUTES=1 NSEQ=4 SNIPPET=200 PRE_EXTRA="--device cpu --no-compile" \
-#   FT_EXTRA="--device cpu --no-compile --model.dcp-r 16 --model.dcp-beta-init -0.3" EVAL_EXTRA="--device cpu" \
+#   FT_EXTRA="--device cpu --no-compile --model.dcp-r 16 --model.dcp-beta-init 0.02" EVAL_EXTRA="--device cpu" \
 #   OUT=/tmp/dcp-study-out bash scripts/study_dcp.sh
 set -euo pipefail
 export PYTHONUNBUFFERED=1
