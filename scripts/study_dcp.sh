@@ -76,7 +76,7 @@ $L train "$PRESET" --run-dir "$RUNS/base" --model.arch transformer-llama --model
     --model.max-seq-len "$SEQ" $data --batch-size "$PRE_BATCH" --steps "$PRE_STEPS" \
     --warmup-steps $((PRE_STEPS / 10)) --lr "$PRE_LR" --log-every 25 --val-every $((PRE_STEPS / 5)) \
     --val-batches 4 --acp-stats-every 0 --checkpoint-every 0 --time-limit-minutes "$PRE_MINUTES" \
-    $PRE_EXTRA > "$OUT/train-base.log" 2>&1 || { echo "pretraining failed"; tail -30 "$OUT/train-base.log"; exit 1; }
+    $PRE_EXTRA > "$OUT/train-base.log" 2>&1 || { echo "pretraining failed"; tail -n 30 "$OUT/train-base.log"; exit 1; }
 tail -n 3 "$OUT/train-base.log"
 
 phase "fine-tuning into DCP, gamma in {$GAMMAS}, concurrently"
@@ -91,7 +91,7 @@ for g in $GAMMAS; do
         $FT_EXTRA > "$OUT/train-$name.log" 2>&1 &
     pids+=($!) names+=("$RUNS/$name")
 done
-for pid in "${pids[@]}"; do wait "$pid" || { echo "a fine-tuning run failed"; tail -20 "$OUT"/train-dcp-*.log; exit 1; }; done
+for pid in "${pids[@]}"; do wait "$pid" || { echo "a fine-tuning run failed"; tail -n 20 "$OUT"/train-dcp-*.log; exit 1; }; done
 tail -n 3 "$OUT"/train-dcp-*.log
 pack  # the training logs come back even if the report is cut
 

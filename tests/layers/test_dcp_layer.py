@@ -231,3 +231,17 @@ def test_bad_input():
     x = torch.randn(1, 3, C, dtype=torch.float64)
     with pytest.raises(ValueError, match="DCP attention decodes over a DenseStore"):
         layer(x, store.begin(1, 3, x.device), store)
+
+
+def test_training_forward_under_bfloat16_autocast():
+    """The GPU trainer runs under bf16 autocast: the interaction logits stay float32 (the
+    mask's log space), and the loss reaches beta (regression: the study's first run)."""
+    from lapse.models import Decoder, preset
+
+    torch.manual_seed(0)
+    model = Decoder(preset("tiny", "transformer-llama", attention="dcp", acp=False)).train()
+    ids = torch.randint(0, model.config.vocab_size, (2, 24))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        _, loss = model(ids, ids)
+    loss.backward()
+    assert torch.isfinite(loss) and model.blocks[0].attn.beta.grad is not None

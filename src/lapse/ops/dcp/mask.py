@@ -72,7 +72,8 @@ def check_interaction(q_int: Tensor, k_int: Tensor, beta: float | Tensor, same_t
 def _logits(q_int: Tensor, k_int: Tensor, beta: float | Tensor) -> Tensor:
     acc = torch.float64 if q_int.dtype == torch.float64 else torch.float32
     r = q_int.shape[-1]
-    z = torch.einsum("bqr,bkr->bqk", q_int.to(acc), k_int.to(acc)) / math.sqrt(r)  # [B, Tq, Tk]
+    with torch.autocast(q_int.device.type, enabled=False):  # float32 under bf16 autocast too
+        z = torch.einsum("bqr,bkr->bqk", q_int.to(acc), k_int.to(acc)) / math.sqrt(r)  # [B, Tq, Tk]
     if isinstance(beta, Tensor):
         beta = beta.to(acc).reshape(())
     return z + beta
