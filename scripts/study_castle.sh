@@ -20,6 +20,7 @@ export PYTHONUNBUFFERED=1
 PRESET="${PRESET:-gpu-20m}"
 SEQ="${SEQ:-2048}"
 STEPS="${STEPS:-400}"
+LR="${LR:-2e-3}"
 BATCH="${BATCH:-16}"
 MICRO="${MICRO:-16}"
 BYTES="${BYTES:-60000000}"
@@ -56,7 +57,7 @@ PY
 
 echo "== training $(echo $ARCHS | wc -w) architectures x seeds {$SEEDS} concurrently"
 common="--data-dir $DATA --seq-len $SEQ --batch-size $BATCH --micro-batch-size $MICRO --steps $STEPS
-        --warmup-steps $((STEPS / 10)) --lr 2e-3 --log-every 10 --val-every $((STEPS / 4)) --val-batches 4
+        --warmup-steps $((STEPS / 10)) --lr $LR --log-every 10 --val-every $((STEPS / 4)) --val-batches 4
         --checkpoint-every 0 --time-limit-minutes $MINUTES --tokenizer byte --corpus.max-bytes $BYTES
         --no-progress --model.no-acp $MODEL $EXTRA"
 pids=()
