@@ -4,11 +4,30 @@
 ``transformers`` causal LM (``save_pretrained``, ``from_pretrained``, the Auto classes,
 ``generate``); :class:`LapseCache` is its ``past_key_values``. Importing this package
 registers model type ``"lapse"`` with the Auto classes.
+
+:class:`EvictingCache` is a ``transformers`` cache backed by a lapse paged store under an
+eviction policy, for LLaMA-family Hugging Face models (through the ``"lapse_paged"``
+attention function it registers) and the lapse adapter alike; :func:`load_pretrained`
+loads a Hugging Face folder or a GGUF file (the optional ``lapse[hf]`` extra).
 """
 
 from .cache import LapseCache
+from .evicting import ATTENTION, EvictingCache, register_attention, use_lapse_attention
+from .loading import load_pretrained, resolve_model_path
 from .model import LapseConfig, LapseForCausalLM, register
 
 register()
+register_attention()
 
-__all__ = ["LapseCache", "LapseConfig", "LapseForCausalLM", "register"]
+__all__ = [
+    "ATTENTION",
+    "EvictingCache",
+    "LapseCache",
+    "LapseConfig",
+    "LapseForCausalLM",
+    "load_pretrained",
+    "register",
+    "register_attention",
+    "resolve_model_path",
+    "use_lapse_attention",
+]

@@ -41,6 +41,8 @@ from transformers.modeling_outputs import CausalLMOutputWithPast
 from lapse.models import Decoder, ModelConfig, RMSNorm
 
 from .cache import LapseCache
+from .evicting import EvictingCache
+from .padding import padding_runs, roll_rows
 
 _DEFAULT = ModelConfig()
 
@@ -162,7 +164,7 @@ class LapseForCausalLM(PreTrainedModel, GenerationMixin):
         self,
         input_ids: Tensor | None = None,
         attention_mask: Tensor | None = None,
-        past_key_values: LapseCache | None = None,
+        past_key_values: LapseCache | EvictingCache | None = None,
         labels: Tensor | None = None,
         use_cache: bool | None = None,
         return_dict: bool | None = None,
@@ -175,7 +177,9 @@ class LapseForCausalLM(PreTrainedModel, GenerationMixin):
             attention_mask: optional ``[B, past + T]``; zeros mark padding (left or right,
                 see the module doc).
             past_key_values: a :class:`~lapse.hf.LapseCache` from an earlier call,
-                which this call appends to; ``None`` starts a new one when ``use_cache``.
+                which this call appends to; ``None`` starts a new one when ``use_cache``;
+                or an :class:`~lapse.hf.EvictingCache` (a paged store under an eviction
+                policy).
             labels: ``[B, T]`` unshifted targets (``labels[:, t + 1]`` is the target of
                 position ``t``), ``-100`` left out: the mean cross-entropy is ``loss``.
             use_cache: return the cache as ``past_key_values`` (``config.use_cache`` by
@@ -190,21 +194,27 @@ class LapseForCausalLM(PreTrainedModel, GenerationMixin):
         use_cache = self.config.use_cache if use_cache is None else use_cache
         if past_key_values is None and use_cache:
             past_key_values = LapseCache(self.config.n_layers)
-        fresh = past_key_values is None or past_key_values.length == 0
-        start, lengths = _padding(attention_mask, input_ids.shape[1], fresh)
+        evicting = isinstance(past_key_values, EvictingCache)
+        fresh = past_key_values is None or past_key_values.get_seq_length() == 0
+        start, lengths = padding_runs(attention_mask, input_ids.shape[1], fresh)
         shifted = None
         if labels is not None:
             shifted = F.pad(labels[:, 1:], (0, 1), value=-100)  # [B, T]: the target of every position
         if start is not None:  # padded rows, their tokens first (a ragged batch)
-            input_ids = _roll(input_ids, start)
-            shifted = None if shifted is None else _roll(shifted, start)
+            input_ids = roll_rows(input_ids, start)
+            shifted = None if shifted is None else roll_rows(shifted, start)
             if shifted is not None:  # the targets of padding positions are left out
                 shifted = shifted.masked_fill(
                     torch.arange(shifted.shape[1], device=shifted.device) >= lengths[:, None], -100
                 )
-        logits, loss = self.model(input_ids, shifted, cache=past_key_values, lengths=lengths)  # [B, T, V]
+        cache = past_key_values
+        if evicting:  # its paged store, evicted on the policy's schedule before this forward
+            cache = past_key_values.lapse_store(self, *input_ids.shape)
+        logits, loss = self.model(input_ids, shifted, cache=cache, lengths=lengths)  # [B, T, V]
+        if evicting:
+            past_key_values.end_forward(input_ids.shape[1])
         if start is not None:
-            logits = _roll(logits, -start)  # back where the tokens were
+            logits = roll_rows(logits, -start)  # back where the tokens were
         out = CausalLMOutputWithPast(
             loss=loss, logits=logits, past_key_values=past_key_values if use_cache else None
         )
@@ -213,44 +223,12 @@ class LapseForCausalLM(PreTrainedModel, GenerationMixin):
     def prepare_inputs_for_generation(self, input_ids: Tensor, past_key_values=None, **kwargs) -> dict:
         """``transformers``' own preparation (it slices ``input_ids`` to the new tokens when
         a cache is passed), after checking that a given cache is a lapse one."""
-        if past_key_values is not None and not isinstance(past_key_values, LapseCache):
+        if past_key_values is not None and not isinstance(past_key_values, (LapseCache, EvictingCache)):
             raise TypeError(
-                f"past_key_values must be a lapse.hf.LapseCache, got {type(past_key_values).__name__}"
+                "past_key_values must be a lapse.hf.LapseCache or EvictingCache, got "
+                f"{type(past_key_values).__name__}"
             )
         return super().prepare_inputs_for_generation(input_ids, past_key_values=past_key_values, **kwargs)
-
-
-def _padding(mask: Tensor | None, t: int, fresh: bool) -> tuple[Tensor | None, Tensor | None]:
-    """Where each row's tokens start ``[B]`` and how many there are ``[B]``, for an
-    ``attention_mask`` with zeros; ``(None, None)`` without padding. One line of error
-    for a mask that is not one contiguous run of ones per row."""
-    if mask is None or bool((mask == 1).all()):
-        return None, None
-    if not fresh:
-        if bool((mask[:, -t:] != 1).any()):
-            raise ValueError(
-                "attention_mask marks new tokens as padding after a prefix: lapse pads only the first "
-                "call (the prompt); later calls bring one real token per sequence"
-            )
-        return None, None  # the cache holds no padding; the earlier zeros were the prompt's
-    mask = mask[:, -t:].long()  # [B, T]
-    lengths = mask.sum(1)  # [B]
-    start = mask.argmax(1)  # [B] the first 1
-    pos = torch.arange(t, device=mask.device)
-    run = (pos >= start[:, None]) & (pos < (start + lengths)[:, None])  # [B, T]
-    if bool((lengths == 0).any()) or not torch.equal(run, mask.bool()):
-        raise ValueError(
-            "attention_mask must mark one contiguous run of tokens per row (left or right padding), "
-            "with at least one token"
-        )
-    return start, lengths
-
-
-def _roll(x: Tensor, shift: Tensor) -> Tensor:
-    """Row ``b`` of ``x`` ``[B, T, ...]`` moved ``shift[b]`` places to the left, cyclically."""
-    t = x.shape[1]
-    index = (torch.arange(t, device=x.device) + shift[:, None].to(x.device)) % t  # [B, T]
-    return x.gather(1, index.view(*index.shape, *(1,) * (x.dim() - 2)).expand_as(x))
 
 
 def register() -> None:

