@@ -96,9 +96,9 @@ def test_ragged_errors_are_one_clear_line():
 
 
 def test_kinds_without_a_paged_store_generate_densely_and_refuse_eviction():
-    """DCP's per-slot aliveness changes after it is written: the dense policy runs over a
+    """CASTLE's lookahead keys change after they are written: the dense policy runs over a
     DenseStore; an eviction policy is one clear error naming the model."""
-    model = _model("transformer-llama", attention="dcp", acp=False)
+    model = _model("castle", acp=False)
     ids, _ = _ragged(model.config.vocab_size)
     out = generate(model, ids, 6, lengths=LENGTHS)
     assert torch.equal(generate(model, ids, 6, lengths=LENGTHS, policy=Dense()), out)

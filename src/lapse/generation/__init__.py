@@ -16,13 +16,14 @@ from .generate import (
     sample,
     supports_paged,
 )
-from .policies import A2SF, H2O, POLICIES, ACPBoundary, Dense, Policy, SinkWindow
+from .policies import A2SF, H2O, POLICIES, ACPBoundary, DCPDrop, Dense, Policy, SinkWindow
 
 __all__ = [
     "A2SF",
     "H2O",
     "POLICIES",
     "ACPBoundary",
+    "DCPDrop",
     "Dense",
     "Policy",
     "SinkWindow",

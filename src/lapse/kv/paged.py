@@ -79,6 +79,8 @@ class LayerSnapshot:
             (the generation loop fills it in from the layer).
         prompt_lens: ``[B]`` int64 each sequence's prompt length (they differ in a ragged
             batch); ``None``: all ``prompt_len``.
+        extras: the other per-slot values a method appended, by name, ``[B, H, W, ...]``
+            (e.g. DCP's ``drop`` flags).
     """
 
     layer_idx: int
@@ -92,6 +94,7 @@ class LayerSnapshot:
     max_context: int
     bound: Tensor | None = None
     prompt_lens: Tensor | None = None
+    extras: dict[str, Tensor] | None = None
 
 
 class PagedStore(StoreBase):
@@ -456,6 +459,7 @@ def _snapshot(
     )
     c = pools["c"][pages, offsets] if "c" in pools else None  # [B, H, W, G]
     c_now = None if t.c_now is None else t.c_now.view(*valid.shape[:2], -1)  # [B, H, G]
+    others = {name: pool[pages, offsets] for name, pool in pools.items() if name not in _SNAPSHOT_POOLS}
     return LayerSnapshot(
         layer_idx,
         valid,
@@ -467,7 +471,11 @@ def _snapshot(
         prompt_len,
         max_context,
         prompt_lens=t.prompt_lens,
+        extras=others,
     )
+
+
+_SNAPSHOT_POOLS = ("pos", "score", "c")  # gathered into their own snapshot fields
 
 
 def _compact(t: _LayerTensors, slots: tuple[Tensor, Tensor, Tensor], keep: Tensor, page_size: int) -> Tensor:

@@ -47,6 +47,9 @@ class Attention(nn.Module):
     """The kind decodes over a :class:`~lapse.kv.PagedStore` (eviction policies); one whose
     per-slot state changes after it is written (CASTLE's lookahead keys, DCP's
     aliveness) decodes over a :class:`~lapse.kv.DenseStore` until it has its own."""
+    needs_uniform_heads = False
+    """Over a paged store, every kv head of a layer must hold the same slots (the kind
+    splits layer-wide per-slot state across the heads' pages)."""
 
     def __init__(
         self,

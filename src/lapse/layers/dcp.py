@@ -34,6 +34,7 @@ import math
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor, nn
 
 from lapse.kv import KVCache, PagedView
@@ -47,6 +48,7 @@ from lapse.ops.dcp import (
     log_alpha_sigmoid,
 )
 from lapse.ops.dcp.alpha_sigmoid import check_alpha
+from lapse.ops.forgetting import forgetting_attention_paged_decode
 
 from .softmax import SoftmaxAttention
 
@@ -80,7 +82,9 @@ class DCPAttention(SoftmaxAttention):
             graph, for the sparsity loss) until :meth:`take_log_mask` takes it.
     """
 
-    supports_paged = False
+    supports_paged = True
+    needs_uniform_heads = True  # kint is split across the kv heads' pages (see _attend_paged)
+    marks_dropped_slots = True  # each slot's drop flag, read by lapse.generation.DCPDrop
 
     def __init__(self, *args, r: int = 64, beta_init: float = 2.0, **kwargs):
         super().__init__(*args, **kwargs)
@@ -131,9 +135,7 @@ class DCPAttention(SoftmaxAttention):
         if cache is None:
             return dcp_attention(q, k, v, self._log_mask(q_int, k_int), scale=self.scale)
         if isinstance(cache.view(self.layer_idx), PagedView):
-            raise ValueError(
-                "DCP attention decodes over a DenseStore; a paged store needs the DCP eviction policy"
-            )
+            return self._attend_paged(q, k, v, q_int, k_int, positions, cache)
         if t > 1 and cache.length == 0:  # prefill: log I over the prompt
             log_i = self._log_mask(q_int, k_int)  # [B, T, T]
             log_keep = cache.last(log_i).clamp_min(LOG_FLOOR)  # [B, T]: as of each prompt's last token
@@ -159,6 +161,55 @@ class DCPAttention(SoftmaxAttention):
             n = cache.length + t
             keys, values, bias = keys[:, :n], values[:, :n], bias[..., :n]
         return self._sdpa(q, keys, values, bias[:, None])
+
+    def _attend_paged(
+        self, q: Tensor, k: Tensor, v: Tensor, q_int: Tensor, k_int: Tensor, positions: Tensor, cache: KVCache
+    ) -> Tensor:
+        """Decoding over a :class:`~lapse.kv.PagedStore`, with the step mask only.
+
+        Each slot carries a ``drop`` flag (0 kept, ``-LOG_FLOOR`` dropped: the paged op's
+        FoX-style bias ``c_query - c_j`` with ``c_query = 0`` is then ``LOG_FLOOR``, an
+        exact 0 after ``exp``) and its share of ``kint``: the interaction key is padded to
+        a multiple of the kv heads and each head's pages hold one slice (``r / K`` values
+        per slot instead of ``r`` in every head), which works because every head of a
+        layer holds the same slots (``needs_uniform_heads``). A new token reads the
+        slices back, drops the slots its ``z <= 0`` says, and attends; the
+        :class:`~lapse.generation.DCPDrop` policy frees what is flagged.
+        """
+        if not self.uses_step_mask:
+            raise ValueError("DCP over a paged store decodes with the inference step mask: call model.eval()")
+        b, t, _ = q_int.shape
+        kh, hq = self.n_kv_heads, self.n_heads
+        r = q_int.shape[-1]
+        part = -(-r // kh)  # kint values per head and slot
+        kint = F.pad(k_int, (0, part * kh - r)).to(torch.float32)  # [B, T, K * part]
+        if t > 1:  # prefill: log I over the prompt, each token's flag as of its prompt's last token
+            log_i = self._log_mask(q_int, k_int)  # [B, T, T]
+            dropped = cache.last(log_i) <= LOG_FLOOR  # [B, T]
+            drop = torch.where(dropped, -LOG_FLOOR, 0.0)[..., None].expand(b, t, hq).float()
+            cache.append(self.layer_idx, k, v, kint=kint, drop=drop.contiguous())
+            return dcp_attention(q, k, v, log_i, scale=self.scale)
+        cache.append(self.layer_idx, k, v, kint=kint, drop=q.new_zeros(b, 1, hq, dtype=torch.float32))
+        view = cache.view(self.layer_idx)
+        width = view.page_table.shape[-1] * view.k.shape[1]
+        slots = torch.arange(width, device=q.device)  # [W]
+        table = view.page_table.long()
+        table = torch.where(table < 0, view.k.shape[0] - 1, table)  # unowned -> the scratch page
+        pages = table[:, :, slots // view.k.shape[1]]  # [B, K, W]
+        offsets = (slots % view.k.shape[1]).expand_as(pages)
+        held_k = view.extras["kint"][pages, offsets]  # [B, K, W, part]
+        held_k = held_k.permute(0, 2, 1, 3).reshape(b, width, kh * part)[..., :r]  # [B, W, r]
+        z = interaction_logits(q_int, held_k.to(q_int.dtype), self.beta)[:, 0]  # [B, W]
+        earlier = slots[None, :] < (view.lengths[:, :1].long() - 1)  # [B, W]: not the new token
+        newly = (earlier & (z <= 0))[:, None, :, None]  # [B, 1, W, 1]
+        flags = view.extras["drop"]
+        flags[pages, offsets] = torch.where(newly, -LOG_FLOOR, flags[pages, offsets])
+        o = forgetting_attention_paged_decode(
+            q[:, 0], view.k, view.v, view.page_table, view.lengths,
+            c_pages=flags, c_query=q.new_zeros(b, hq, dtype=torch.float32), scale=self.scale,
+            check_values=False,
+        )
+        return o[:, None]  # [B, 1, H, D]
 
     # Eager under torch.compile: the trainer changes alpha every step, and a compiled graph
     # would specialise on the float (a recompilation per step); the rest of the block compiles.

@@ -7,6 +7,7 @@ pages. :data:`POLICIES` maps the command line's names to the classes.
 from .a2sf import A2SF
 from .acp import ACPBoundary
 from .base import Policy
+from .dcp import DCPDrop
 from .dense import Dense
 from .h2o import H2O
 from .window import SinkWindow
@@ -17,6 +18,7 @@ POLICIES: dict[str, type[Policy]] = {
     "acp": ACPBoundary,
     "h2o": H2O,
     "a2sf": A2SF,
+    "dcp": DCPDrop,
 }
 
-__all__ = ["A2SF", "ACPBoundary", "H2O", "POLICIES", "Dense", "Policy", "SinkWindow"]
+__all__ = ["A2SF", "ACPBoundary", "DCPDrop", "H2O", "POLICIES", "Dense", "Policy", "SinkWindow"]

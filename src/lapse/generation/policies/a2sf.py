@@ -60,6 +60,10 @@ class A2SF(Policy):
     def score_decay(self) -> float:
         return self.alpha
 
+    @property
+    def uniform_heads(self) -> bool:
+        return self.per == "layer"
+
     def tokens(self, prompt_len: int) -> int:
         """The budget in tokens for a prompt of ``prompt_len``: at least ``recent + sinks``,
         which are always kept."""

@@ -41,6 +41,10 @@ class ACPBoundary(Policy):
         if self.max_context is not None and (not isinstance(self.max_context, int) or self.max_context < 1):
             raise ValueError(f"max_context must be a positive integer or None, got {self.max_context!r}")
 
+    @property
+    def uniform_heads(self) -> bool:
+        return False  # each head its own boundary
+
     def check(self, model: nn.Module) -> None:
         for i, block in enumerate(model.blocks):
             attn = block.attn

@@ -37,6 +37,12 @@ class Policy:
         """The decay of the accumulated attention scores the store must track (``None``: none)."""
         return None
 
+    @property
+    def uniform_heads(self) -> bool:
+        """Every kv head of a layer keeps the same slots (a layer-wide decision), which
+        kinds that share per-slot state across heads need (DCP)."""
+        return True
+
     def check(self, model: nn.Module) -> None:
         """Raises ``ValueError`` when the policy does not fit the model."""
 
