@@ -71,6 +71,9 @@ class GenerateConfig:
     """h2o / a2sf: recent positions always kept."""
     alpha: float = 0.9
     """a2sf: forgetting factor of the accumulated scores."""
+    per: Literal["head", "layer"] = "head"
+    """h2o / a2sf: rank tokens per kv head, or once per layer (every head the same tokens:
+    what DCP models need)."""
     sinks: int = 4
     """window / h2o / a2sf: first positions always kept (attention sinks)."""
     window: int = 1024
@@ -112,9 +115,9 @@ class GenerateConfig:
             "dense": lambda: Dense(),
             "window": lambda: SinkWindow(sinks=self.sinks, window=self.window, **every),
             "acp": lambda: ACPBoundary(eps=self.eps, **every),
-            "h2o": lambda: H2O(budget=budget, recent=self.recent, sinks=self.sinks, **every),
+            "h2o": lambda: H2O(budget=budget, recent=self.recent, sinks=self.sinks, per=self.per, **every),
             "a2sf": lambda: A2SF(
-                budget=budget, recent=self.recent, alpha=self.alpha, sinks=self.sinks, **every
+                budget=budget, recent=self.recent, alpha=self.alpha, sinks=self.sinks, per=self.per, **every
             ),
             "dcp": lambda: DCPDrop(**every),
         }[self.policy]()

@@ -74,7 +74,8 @@ def paged_store_for(
     if not policy.uniform_heads and any(getattr(b.attn, "needs_uniform_heads", False) for b in model.blocks):
         raise ValueError(
             f"a {model.config.name} model shares per-slot state across the heads of a layer, so every head "
-            f"must keep the same tokens; {type(policy).__name__} decides per head (A2SF/H2O: per='layer')"
+            f"must keep the same tokens; {type(policy).__name__} decides per head (A2SF/H2O: per='layer', "
+            "--per layer)"
         )
     total = prompt_len + max_new_tokens
     policy.check_context(prompt_len, total)
