@@ -8,11 +8,17 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import torch
 from torch import Tensor
 
 from ..backend import check_backend
-from ..forgetting.common import _shape, check_devices, check_float_dtype, check_tensors, resolve_scale
+from ..forgetting.common import (
+    _shape,
+    check_cu_seqlens,
+    check_devices,
+    check_float_dtype,
+    check_tensors,
+    resolve_scale,
+)
 
 MAX_HEAD_DIM = 256
 
@@ -101,23 +107,5 @@ def validate(
     scale = resolve_scale(scale, d)
     seqlens = None
     if cu_seqlens is not None:
-        if not isinstance(cu_seqlens, Tensor):
-            raise TypeError(f"cu_seqlens must be a torch.Tensor, got {type(cu_seqlens).__name__}")
-        if cu_seqlens.dtype != torch.int32 or cu_seqlens.dim() != 1 or cu_seqlens.numel() < 2:
-            raise ValueError(
-                f"cu_seqlens must be a 1-D int32 tensor [num_seqs + 1], got {_shape(cu_seqlens)}"
-            )
-        if cu_seqlens.device != q_c.device:
-            raise ValueError(f"cu_seqlens is on {cu_seqlens.device} but q_c is on {q_c.device}")
-        if b != 1:
-            raise ValueError(
-                f"with cu_seqlens, q_c must be packed as [1, total, H, D], got {_shape(q_c)}"
-            )
-        host = cu_seqlens.tolist()
-        if host[0] != 0 or host[-1] != t or any(e < s for s, e in zip(host, host[1:], strict=False)):
-            raise ValueError(
-                "cu_seqlens must start at 0, be non-decreasing and end at the packed length "
-                f"{t}, got {host if len(host) <= 12 else host[:6] + ['...'] + host[-3:]}"
-            )
-        seqlens = [e - s for s, e in zip(host, host[1:], strict=False)]
+        seqlens = check_cu_seqlens(cu_seqlens, q_c, "q_c", b, t)
     return Problem(b, t, h, k_c.shape[2], k_u.shape[2], d, scale, window, seqlens)

@@ -191,28 +191,33 @@ def validate(
         _check_gate_values(log_fgate)
     seqlens = None
     if cu_seqlens is not None:
-        if not isinstance(cu_seqlens, Tensor):
-            raise TypeError(f"cu_seqlens must be a torch.Tensor, got {type(cu_seqlens).__name__}")
-        if cu_seqlens.dtype != torch.int32 or cu_seqlens.dim() != 1 or cu_seqlens.numel() < 2:
-            raise ValueError(
-                f"cu_seqlens must be a 1-D int32 tensor [num_seqs + 1], got {_shape(cu_seqlens)}"
-            )
-        if cu_seqlens.device != q.device:
-            raise ValueError(f"cu_seqlens is on {cu_seqlens.device} but q is on {q.device}")
-        if b != 1:
-            raise ValueError(f"with cu_seqlens, q must be packed as [1, total, H, D], got {_shape(q)}")
         if tq != tk:
             raise ValueError("with cu_seqlens, q and k must have the same (packed) length")
-        host = cu_seqlens.tolist()
-        if host[0] != 0 or host[-1] != tk or any(e < s for s, e in zip(host, host[1:], strict=False)):
-            raise ValueError(
-                "cu_seqlens must start at 0, be non-decreasing and end at the packed length "
-                f"{tk}, got {host if len(host) <= 12 else host[:6] + ['...'] + host[-3:]}"
-            )
-        seqlens = [e - s for s, e in zip(host, host[1:], strict=False)]
+        seqlens = check_cu_seqlens(cu_seqlens, q, "q", b, tk)
         b = len(seqlens)
         tq = tk = max(seqlens)
     return Problem(b, tq, tk, hq, h, d, scale, cu_seqlens, seqlens)
+
+
+def check_cu_seqlens(cu_seqlens, q: Tensor, name: str, batch: int, t: int) -> list[int]:
+    """The packed sequences' lengths from ``cu_seqlens`` (read on the host), after the
+    checks every varlen op makes: a 1-D int32 tensor on ``q``'s device, ``q`` (called
+    ``name``) packed as ``[1, t, H, D]``, offsets from 0 to ``t`` that never decrease."""
+    if not isinstance(cu_seqlens, Tensor):
+        raise TypeError(f"cu_seqlens must be a torch.Tensor, got {type(cu_seqlens).__name__}")
+    if cu_seqlens.dtype != torch.int32 or cu_seqlens.dim() != 1 or cu_seqlens.numel() < 2:
+        raise ValueError(f"cu_seqlens must be a 1-D int32 tensor [num_seqs + 1], got {_shape(cu_seqlens)}")
+    if cu_seqlens.device != q.device:
+        raise ValueError(f"cu_seqlens is on {cu_seqlens.device} but {name} is on {q.device}")
+    if batch != 1:
+        raise ValueError(f"with cu_seqlens, {name} must be packed as [1, total, H, D], got {_shape(q)}")
+    host = cu_seqlens.tolist()
+    if host[0] != 0 or host[-1] != t or any(e < s for s, e in zip(host, host[1:], strict=False)):
+        raise ValueError(
+            "cu_seqlens must start at 0, be non-decreasing and end at the packed length "
+            f"{t}, got {host if len(host) <= 12 else host[:6] + ['...'] + host[-3:]}"
+        )
+    return [e - s for s, e in zip(host, host[1:], strict=False)]
 
 
 def _sequence_ids(cu_seqlens: Tensor, t: int) -> Tensor:
