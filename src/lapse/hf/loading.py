@@ -86,6 +86,7 @@ def load_pretrained(
     extra = {} if gguf is None else {"gguf_file": gguf}
     model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype, attn_implementation=ATTENTION, **extra)
     tokenizer = AutoTokenizer.from_pretrained(folder, **extra)
+    tokenizer.padding_side = "left"  # a decoder-only model continues each row from its end
     return model.to(device).eval(), tokenizer
 
 
