@@ -5,7 +5,7 @@ lapse resume RUN_DIR [--steps N]         continue a run from its last checkpoint
 lapse export RUN_DIR OUT_DIR             a trained model as a Hugging Face folder
 lapse generate RUN --prompt TEXT         text under an eviction policy (--policy dense|window|acp|h2o|a2sf)
 lapse generate --hf PATH --prompt TEXT   the same from a Hugging Face folder or GGUF (--gguf-file NAME)
-lapse eval per-token-loss|ppl|niah|acp|dcp|lm-eval   evaluations (JSON, PNG, Markdown)
+lapse eval per-token-loss|ppl|policy-loss|niah|acp|dcp|lm-eval   evaluations (JSON, PNG, Markdown)
 lapse report RUN [RUN ...]               one Markdown page: runs and their evaluations
 lapse bench attention                    time forgetting attention against its peers (CUDA)
 lapse bench decode                       ms per decode step against HF compiled Llama (CUDA)
@@ -35,6 +35,7 @@ from lapse.eval.dcp import DcpStudyConfig
 from lapse.eval.lm_eval_config import LmEvalConfig
 from lapse.eval.loss import PerTokenLossConfig, PplConfig
 from lapse.eval.niah import NiahConfig
+from lapse.eval.policy import PolicyLossConfig
 from lapse.eval.report import ReportConfig
 from lapse.generation.command import GenerateConfig
 from lapse.train.config import TRAIN_PRESETS, ResumeConfig, TrainConfig
@@ -109,6 +110,14 @@ def _app() -> SubcommandApp:
         from lapse.eval.loss import run_ppl
 
         _wrote(run_ppl(cfg), cfg, "ppl")
+
+    @evals.command(name="policy-loss")
+    def eval_policy_loss(cfg: Annotated[PolicyLossConfig, tyro.conf.arg(name="")]) -> None:
+        """Loss streamed token by token under an eviction policy beside the dense model's, the
+        KL divergence from the dense model and the attention-mass recall of the kept tokens."""
+        from lapse.eval.policy import run_policy_loss
+
+        _wrote(run_policy_loss(cfg), cfg, "policy-loss")
 
     @evals.command(name="niah")
     def eval_niah(cfg: Annotated[NiahConfig, tyro.conf.arg(name="")]) -> None:

@@ -1,0 +1,434 @@
+"""Loss under an eviction policy, streamed token by token, and two label-free measures
+(issue 15, item 3; lapse models).
+
+:func:`streamed_loss` feeds each window the way :func:`lapse.generation.generate` decodes:
+the first ``prefix`` tokens are prefilled into a paged store made by
+:func:`~lapse.generation.paged_store_for`, the policy cuts it (:func:`~lapse.generation.evict`),
+then the remaining tokens go in one at a time (chunk size 1, exact: the paged store takes
+one token per step), with an eviction pass before every ``policy.every``-th step. Each
+step's logits score the next token of the window (teacher forcing). The same tokens run
+in lockstep through a store that keeps everything (the dense model), which gives
+
+- the **KL divergence** ``KL(p_dense || p_policy)`` of the next-token distributions, per
+  position;
+- the **attention-mass recall**: at each step and layer, the share of the dense model's
+  attention (of that step's query, over every key up to its position) that falls on the
+  positions the policy's store holds at that step (its snapshot after the step's token is
+  appended, :meth:`lapse.kv.PagedStore.snapshot`), averaged over heads. Dense gives 1.
+
+Positions scored: a window of ``L`` tokens predicts at positions ``prefix .. L - 2`` (the
+tokens fed one by one; the prefill's own last prediction comes before any eviction, so it
+is the dense one and is left out). ``lapse eval policy-loss`` (:class:`PolicyLossConfig`,
+:func:`run_policy_loss`) runs it on a model's validation windows (picked as ``lapse eval
+ppl`` picks them) and writes ``results.json``, ``summary.md`` and ``policy_loss.png``.
+
+Cost: two decodes per token (policy and dense), each ``O(position)`` attention, so
+``O(L^2)`` per window and layer (no faster than a full forward, and one step per token:
+a tool for studies on small models or short windows, not for long-document throughput);
+the recall costs one snapshot of the policy's store per layer and step (a gather of what
+it holds) and reads the dense run's attention probabilities, which its decode step
+returns anyway (``return_key_probs``, the same per-slot probabilities H2O accumulates),
+so no extra attention pass is made.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Literal
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+import tyro
+from torch import Tensor
+from tqdm.auto import tqdm
+
+from lapse.data import CorpusConfig
+from lapse.eval.common import eval_windows, load_model
+from lapse.files import save_figure, write_text_atomic
+from lapse.generation import (
+    A2SF,
+    H2O,
+    ACPBoundary,
+    DCPDrop,
+    Dense,
+    Policy,
+    SinkWindow,
+    decode_one_token,
+    evict,
+    logit_bounds,
+    paged_store_for,
+    prefill,
+)
+from lapse.kv import LayerSnapshot, PagedStore
+from lapse.models import Decoder
+
+
+class _AttentionRecorder(PagedStore):
+    """A paged store that keeps every token and remembers, per layer, the attention
+    probabilities of the last decode step ``[B, K, W]`` (per logical slot, summed over the
+    query heads of each kv head). It never evicts, so logical slot ``j`` is position ``j``.
+
+    It asks for scores (``score_decay`` set) only so that the attention layers hand it
+    their probabilities through :meth:`record_scores`; it accumulates nothing."""
+
+    def __init__(self, n_layers: int, *, max_context: int):
+        super().__init__(n_layers, max_context=max_context, score_decay=0.0)
+        self.probs: list[Tensor | None] = [None] * n_layers
+
+    def record_scores(self, layer_idx: int, probs: Tensor) -> None:
+        self.probs[layer_idx] = probs.float()  # [B, K, W]
+
+
+@dataclass
+class StreamedLoss:
+    """What :func:`streamed_loss` measured. ``S = L - 1 - prefix`` scored positions."""
+
+    positions: Tensor
+    """``[S]`` int64: the position of each prediction (``prefix .. L - 2``)."""
+    loss: Tensor
+    """``[N, S]`` float32: cross-entropy of the next token under the policy."""
+    dense_loss: Tensor
+    """``[N, S]`` float32: the same with every token kept."""
+    kl: Tensor
+    """``[N, S]`` float32: ``KL(p_dense || p_policy)`` of the next-token distributions (nats)."""
+    recall: Tensor
+    """``[N, n_layers, S]`` float32: share of the dense attention on the kept positions,
+    averaged over heads."""
+    kv_share: Tensor
+    """``[N]`` float64: ``bytes_held / bytes_if_dense`` of the policy's store, averaged over
+    the steps (after each step; whole pages, the pages reserved for the next steps
+    included, as ``lapse generate`` reports)."""
+    kv_bytes: Tensor
+    """``[N]`` float64: ``bytes_held`` averaged over the steps."""
+    token_share: Tensor
+    """``[N]`` float64: tokens held after each step (over layers and kv heads) against the
+    positions so far, averaged over the steps: the share without page rounding."""
+
+
+def streamed_loss(
+    model: Decoder,
+    windows: Tensor,
+    policy: Policy,
+    *,
+    prefix: int,
+    device: str | torch.device | None = None,
+    batch_size: int | None = None,
+    progress: bool = False,
+) -> StreamedLoss:
+    """Per-position loss of ``model`` on ``windows`` under ``policy``, beside the dense
+    model's, with the KL divergence and the attention-mass recall (module doc).
+
+    Args:
+        model: a :class:`~lapse.models.Decoder` in ``eval()`` mode that decodes over a
+            paged store (``lapse.generation.supports_paged``).
+        windows: int64 ``[N, L]`` token ids; position ``i`` predicts ``windows[:, i + 1]``.
+        policy: an eviction policy; ``Dense()`` gives loss = dense loss, KL 0, recall 1.
+        prefix: tokens prefilled before the first eviction, ``1 <= prefix <= L - 2``.
+        device: where to run; default the model's.
+        batch_size: windows decoded together (each keeps its own tokens); default all.
+        progress: a tqdm bar over the steps.
+
+    Returns:
+        a :class:`StreamedLoss`. Raises ``ValueError`` for windows that are not
+        ``[N, L]`` token ids of the model's vocabulary, a prefix out of range, a policy
+        that does not fit the model, or a model that does not decode over a paged store.
+    """
+    if not isinstance(windows, Tensor) or windows.dim() != 2 or windows.is_floating_point():
+        raise ValueError(f"windows must be an integer tensor [num, length], got {windows!r:.80}")
+    n, length = windows.shape
+    if isinstance(prefix, bool) or not isinstance(prefix, int) or not 1 <= prefix <= length - 2:
+        raise ValueError(
+            f"prefix must be an integer in [1, {length - 2}] (a window of {length} tokens predicts at "
+            f"positions prefix .. {length - 2}), got {prefix!r}"
+        )
+    vocab = model.config.vocab_size
+    if n == 0 or int(windows.max()) >= vocab or int(windows.min()) < 0:
+        raise ValueError(
+            f"windows must hold at least one row of token ids in [0, {vocab}), got {tuple(windows.shape)}"
+        )
+    device = next(model.parameters()).device if device is None else torch.device(device)
+    batch_size = n if batch_size is None else batch_size
+    if not isinstance(batch_size, int) or batch_size < 1:
+        raise ValueError(f"batch_size must be a positive integer, got {batch_size!r}")
+    steps = length - 1 - prefix
+    check_fits(model, policy, prefix, steps)
+    bounds = logit_bounds(model)
+    parts = []
+    bar = tqdm(total=n * steps, desc=f"{type(policy).__name__} streamed", unit="tok", disable=not progress)
+    try:
+        for b0 in range(0, n, batch_size):
+            ids = windows[b0 : b0 + batch_size].to(device)  # [B, L]
+            parts.append(_stream(model, ids, policy, prefix, bounds, bar))
+    finally:
+        bar.close()
+    return StreamedLoss(
+        positions=torch.arange(prefix, length - 1),
+        **{name: torch.cat([p[name] for p in parts]) for name in parts[0]},
+    )
+
+
+def check_fits(model: Decoder, policy: Policy, prefix: int, steps: int) -> None:
+    """Raises ``ValueError`` when ``policy`` does not fit ``model`` (a policy for another
+    family, a model that does not decode over a paged store) or a ``prefix + steps``
+    context: the checks of :func:`~lapse.generation.paged_store_for`, on a throwaway store."""
+    paged_store_for(model, 1, prefix, steps, policy)
+
+
+@torch.no_grad()
+def _stream(
+    model: Decoder, ids: Tensor, policy: Policy, prefix: int, bounds: list[Tensor | None], bar: tqdm
+) -> dict[str, Tensor]:
+    """One batch of windows ``[B, L]`` through the policy's store and the dense recorder."""
+    b, length = ids.shape
+    steps = length - 1 - prefix
+    store = paged_store_for(model, b, prefix, steps, policy)
+    dense = _AttentionRecorder(model.config.n_layers, max_context=length - 1)
+    prefill(model, ids[:, :prefix], store)
+    prefill(model, ids[:, :prefix], dense)
+    dense.reserve(steps)
+    n_layers = model.config.n_layers
+    loss = torch.empty(b, steps)
+    dense_loss, kl = torch.empty(b, steps), torch.empty(b, steps)
+    recall = torch.empty(b, n_layers, steps)
+    share, held, tokens = (torch.zeros(b, dtype=torch.float64) for _ in range(3))
+    for i in range(steps):
+        if i % policy.every == 0:  # as generate does: the prompt's cut first, then every `every`
+            evict(model, store, policy, bounds)
+            store.reserve(min(policy.every, steps - i))
+        token = ids[:, prefix + i : prefix + i + 1]  # [B, 1] position prefix + i
+        target = ids[:, prefix + i + 1]  # [B]
+        logp = F.log_softmax(decode_one_token(model, token, store).float(), dim=-1)  # [B, V]
+        logq = F.log_softmax(decode_one_token(model, token, dense).float(), dim=-1)  # [B, V] dense
+        loss[:, i] = -logp.gather(1, target[:, None])[:, 0].cpu()
+        dense_loss[:, i] = -logq.gather(1, target[:, None])[:, 0].cpu()
+        kl[:, i] = (logq.exp() * (logq - logp)).sum(-1).clamp_min(0).cpu()
+        for layer in range(n_layers):
+            snap = store.snapshot(layer)
+            recall[:, layer, i] = kept_mass(dense.probs[layer], snap).cpu()
+            held_now = snap.valid.sum((1, 2)) / (snap.valid.shape[1] * snap.seqlens)  # [B]
+            tokens += held_now.double().cpu() / n_layers
+        now = store.bytes_held()  # the whole batch's: each window is given its share
+        held += now / b
+        share += now / store.bytes_if_dense()
+        bar.update(b)
+    return {"loss": loss, "dense_loss": dense_loss, "kl": kl, "recall": recall,
+            "kv_share": share / steps, "kv_bytes": held / steps, "token_share": tokens / steps}
+
+
+def kept_mass(probs: Tensor, snap: LayerSnapshot) -> Tensor:
+    """The share of attention ``probs`` ``[B, K, W]`` (slot ``j`` = position ``j``, summed
+    over each kv head's query heads) that falls on the positions ``snap`` holds, per
+    sequence, averaged over the kv heads: ``[B]``. Each query head's row sums to 1, so
+    this is the average over query heads of each one's kept mass."""
+    w = probs.shape[-1]
+    held = snap.valid & (snap.positions < w)  # [B, K, Ws]
+    index = torch.where(held, snap.positions, w)  # [B, K, Ws]: not held -> a spare column
+    kept = torch.zeros(*probs.shape[:2], w + 1, dtype=torch.bool, device=probs.device)
+    kept.scatter_(2, index, True)
+    mass = (probs * kept[..., :w]).sum(-1) / probs.sum(-1)  # [B, K]
+    return mass.mean(-1)
+
+
+# -- lapse eval policy-loss ---------------------------------------------------------------
+
+
+@dataclass(kw_only=True)
+class PolicyLossConfig:
+    """``lapse eval policy-loss``: loss streamed under an eviction policy beside the dense
+    model's, KL divergence and attention-mass recall (lapse models)."""
+
+    model: tyro.conf.Positional[Path]
+    """A run folder, one of its checkpoint folders, or a Hugging Face folder of a lapse model."""
+    policy: Literal["dense", "window", "acp", "h2o", "a2sf", "dcp"] = "window"
+    """The eviction policy, as in ``lapse generate``."""
+    budget: float = 0.2
+    """h2o / a2sf: tokens kept per head, a share of the prefix if <= 1, else a count."""
+    recent: int = 32
+    """h2o / a2sf: recent positions always kept."""
+    alpha: float = 0.9
+    """a2sf: forgetting factor of the accumulated scores."""
+    per: Literal["head", "layer"] = "head"
+    """h2o / a2sf: rank tokens per kv head, or once per layer."""
+    sinks: int = 4
+    """window / h2o / a2sf: first positions always kept."""
+    window: int = 1024
+    """window: recent positions kept."""
+    eps: float = math.exp(-10)
+    """acp: attention mass a row may lose to eviction."""
+    every: int | None = None
+    """Evict every this many steps; default: the policy's own."""
+    seq_len: int | None = None
+    """Window length ``T`` (predictions at positions ``prefix .. T - 1``); default: the
+    model's training context."""
+    prefix: int | None = None
+    """Tokens prefilled before the first eviction; default ``T // 2``."""
+    num_sequences: int = 8
+    """Validation windows averaged over."""
+    batch_size: int = 8
+    """Windows decoded together."""
+    seed: int = 0
+    """Picks the windows (the same as ``lapse eval ppl`` with this seed and length)."""
+    corpus: CorpusConfig | None = None
+    """Where the windows come from; ``None``: the model's own corpus (validation split)."""
+    data_dir: Path | None = None
+    """Token-shard cache folder; ``None``: the run's data folder."""
+    out_dir: Path | None = None
+    """Output folder; ``None``: ``<model>/eval/policy-loss/``."""
+    device: str = "auto"
+    """Torch device; ``"auto"``: CUDA when available, else CPU. Always float32."""
+    progress: bool = True
+    """Show a tqdm bar over the tokens."""
+
+    def __post_init__(self) -> None:
+        if not self.budget > 0:
+            raise ValueError(
+                f"--budget must be positive (a share of the prefix or a count), got {self.budget}"
+            )
+        for name in ("num_sequences", "batch_size"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"--{name.replace('_', '-')} must be at least 1, got {getattr(self, name)}")
+        if self.seq_len is not None and self.seq_len < 2:
+            raise ValueError(f"--seq-len must be at least 2, got {self.seq_len}")
+        if self.prefix is not None and self.prefix < 1:
+            raise ValueError(f"--prefix must be at least 1, got {self.prefix}")
+        if self.seq_len is not None and self.prefix is not None and self.prefix >= self.seq_len:
+            raise ValueError(
+                f"--prefix ({self.prefix}) must be below --seq-len ({self.seq_len}): the positions after the "
+                "prefix are the ones scored"
+            )
+        self.make_policy()  # bad policy fields fail here, before the model loads
+
+    def make_policy(self) -> Policy:
+        budget = int(self.budget) if self.budget > 1 else float(self.budget)
+        every = {} if self.every is None else {"every": self.every}
+        match self.policy:
+            case "dense":
+                return Dense()
+            case "window":
+                return SinkWindow(sinks=self.sinks, window=self.window, **every)
+            case "acp":
+                return ACPBoundary(eps=self.eps, **every)
+            case "h2o":
+                return H2O(budget=budget, recent=self.recent, sinks=self.sinks, per=self.per, **every)
+            case "a2sf":
+                return A2SF(budget=budget, recent=self.recent, alpha=self.alpha, sinks=self.sinks,
+                            per=self.per, **every)
+            case "dcp":
+                return DCPDrop(**every)
+        raise ValueError(f"unknown policy {self.policy!r}")
+
+
+def run_policy_loss(cfg: PolicyLossConfig) -> dict:
+    """Loads the model, picks the windows, runs :func:`streamed_loss`, writes
+    ``results.json`` (this return value), ``summary.md`` and ``policy_loss.png`` into
+    ``cfg.out_dir`` (default ``<model>/eval/policy-loss/``)."""
+    if not Path(cfg.model).exists():
+        raise ValueError(f"model path does not exist: {cfg.model}")
+    loaded = load_model(cfg.model, device=cfg.device)
+    seq_len = cfg.seq_len if cfg.seq_len is not None else loaded.context
+    prefix = cfg.prefix if cfg.prefix is not None else seq_len // 2
+    if not 1 <= prefix < seq_len:
+        raise ValueError(f"--prefix ({prefix}) must be in [1, --seq-len = {seq_len})")
+    policy = cfg.make_policy()
+    check_fits(loaded.model, policy, prefix, seq_len - prefix)  # before the data is read
+    windows = eval_windows(loaded, seq_len, cfg.num_sequences, seed=cfg.seed, corpus=cfg.corpus,
+                           data_dir=cfg.data_dir)  # [N, T + 1]
+    r = streamed_loss(loaded.model, windows, policy, prefix=prefix, batch_size=cfg.batch_size,
+                      progress=cfg.progress)
+    loss, dense = r.loss.double().mean(0), r.dense_loss.double().mean(0)  # [S]
+    results = {
+        "evaluation": "policy-loss",
+        "config": _jsonable(asdict(cfg)),
+        "model": loaded.name,
+        "path": str(loaded.path),
+        "arch": loaded.config.name,
+        "policy": cfg.policy,
+        "policy_repr": repr(policy),
+        "seq_len": seq_len,
+        "prefix": prefix,
+        "num_sequences": windows.shape[0],
+        "mean_loss": float(loss.mean()),
+        "dense_mean_loss": float(dense.mean()),
+        "delta": float((loss - dense).mean()),
+        "mean_kl": float(r.kl.double().mean()),
+        "recall": float(r.recall.double().mean()),
+        "recall_per_layer": r.recall.double().mean((0, 2)).tolist(),
+        "kv_share": float(r.kv_share.mean()),
+        "kv_bytes": float(r.kv_bytes.mean()),
+        "token_share": float(r.token_share.mean()),
+        "positions": r.positions.tolist(),
+        "loss": loss.tolist(),
+        "dense_loss": dense.tolist(),
+        "kl": r.kl.double().mean(0).tolist(),
+        "recall_per_position": r.recall.double().mean((0, 1)).tolist(),
+        "sequence_losses": r.loss.double().mean(1).tolist(),
+        "sequence_dense_losses": r.dense_loss.double().mean(1).tolist(),
+    }
+    out_dir = cfg.out_dir if cfg.out_dir is not None else Path(cfg.model) / "eval" / "policy-loss"
+    out_dir.mkdir(parents=True, exist_ok=True)
+    _plot(results, out_dir / "policy_loss.png")
+    write_text_atomic(out_dir / "summary.md", _summary(results))
+    write_text_atomic(out_dir / "results.json", json.dumps(results, indent=1))
+    return {**results, "out_dir": str(out_dir)}
+
+
+def _jsonable(obj):
+    if isinstance(obj, dict):
+        return {k: _jsonable(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [_jsonable(v) for v in obj]
+    return str(obj) if isinstance(obj, Path) else obj
+
+
+def _plot(r: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7.5, 4.5))
+    x = np.asarray(r["positions"])
+    ax.plot(x, r["dense_loss"], lw=1.2, color="0.3", label="dense")
+    ax.plot(x, r["loss"], lw=1.2, label=r["policy_repr"][:60])
+    ax.set_xlabel("position i (predicting token i + 1)")
+    ax.set_ylabel("loss (nats), mean over windows")
+    ax.set_title(f"{r['model']}: streamed loss after a {r['prefix']}-token prefix, "
+                 f"{r['num_sequences']} windows", fontsize=10)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    save_figure(fig, path, dpi=120)
+
+
+def _summary(r: dict) -> str:
+    per_layer = ", ".join(f"{x:.4f}" for x in r["recall_per_layer"])
+    return "\n".join([
+        "# Loss under an eviction policy",
+        "",
+        f"{r['model']} ({r['arch']}), {r['num_sequences']} validation windows of {r['seq_len']} tokens, "
+        f"seed {r['config']['seed']}: the first {r['prefix']} tokens prefilled, the policy applied, then "
+        f"one token per step (evicting as `lapse generate` does); loss over positions {r['prefix']} .. "
+        f"{r['seq_len'] - 1}. Policy: `{r['policy_repr']}`.",
+        "",
+        "| policy | loss | dense loss | delta | mean KL | attention-mass recall | KV share | tokens held |",
+        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+        f"| {r['policy']} | {r['mean_loss']:.4f} | {r['dense_mean_loss']:.4f} | {r['delta']:+.4f} "
+        f"| {r['mean_kl']:.4g} | {r['recall']:.4f} | {100 * r['kv_share']:.1f}% "
+        f"| {100 * r['token_share']:.1f}% |",
+        "",
+        "Mean KL: `KL(p_dense || p_policy)` of the next-token distributions (nats), averaged over "
+        "positions. Recall: the share of the dense model's attention (each step's query over all keys up "
+        "to its position) on the positions the policy's store holds at that step, averaged over heads, "
+        f"positions and layers (per layer: {per_layer}). KV share: bytes the policy's paged store holds "
+        "against a dense cache's, averaged over the steps (whole pages, the next steps' included, so above "
+        "100% for short windows); tokens held: the same without page rounding (tokens held over layers and "
+        "heads against the positions so far).",
+        "",
+        "![loss per position](policy_loss.png)",
+        "",
+        "Files: `results.json` (per-position loss, dense loss, KL and recall; each window's mean loss).",
+    ])
