@@ -392,8 +392,8 @@ def _plot(r: dict, path: Path) -> None:
 
     fig, ax = plt.subplots(figsize=(7.5, 4.5))
     x = np.asarray(r["positions"])
-    ax.plot(x, r["dense_loss"], lw=1.2, color="0.3", label="dense")
-    ax.plot(x, r["loss"], lw=1.2, label=r["policy_repr"][:60])
+    ax.plot(x, r["loss"], lw=1.4, label=r["policy_repr"][:60])
+    ax.plot(x, r["dense_loss"], lw=1.0, ls="--", color="0.2", label="dense")  # on top: visible where equal
     ax.set_xlabel("position i (predicting token i + 1)")
     ax.set_ylabel("loss (nats), mean over windows")
     ax.set_title(f"{r['model']}: streamed loss after a {r['prefix']}-token prefix, "
