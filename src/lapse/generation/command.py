@@ -109,6 +109,12 @@ class GenerateConfig:
         if self.batch_size < 1:
             raise ValueError(f"--batch-size must be at least 1, got {self.batch_size}")
 
+    def torch_device(self) -> torch.device:
+        """``--device``, with ``auto`` resolved (CUDA when available)."""
+        if self.device == "auto":
+            return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        return torch.device(self.device)
+
     def make_policy(self) -> Policy:
         budget = int(self.budget) if self.budget > 1 else float(self.budget)
         every = {} if self.every is None else {"every": self.every}
@@ -142,13 +148,7 @@ def load_run_model(path: Path, device: torch.device) -> tuple[Decoder, object]:
 def run_generate(cfg: GenerateConfig) -> dict:
     """Generates for every prompt, prints (or writes) the text, then the summary line;
     returns the summary."""
-    device = torch.device(
-        "cuda"
-        if cfg.device == "auto" and torch.cuda.is_available()
-        else "cpu"
-        if cfg.device == "auto"
-        else cfg.device
-    )
+    device = cfg.torch_device()
     model, tokenizer = load_run_model(cfg.model, device)
     policy = cfg.make_policy()
     policy.check(model)

@@ -25,13 +25,7 @@ from .loading import load_pretrained
 def run_generate_hf(cfg: GenerateConfig) -> dict:
     """Generates for every prompt of ``cfg`` with the model of ``cfg.hf``, prints (or
     writes) the text, then the summary line; returns the summary."""
-    device = torch.device(
-        "cuda"
-        if cfg.device == "auto" and torch.cuda.is_available()
-        else "cpu"
-        if cfg.device == "auto"
-        else cfg.device
-    )
+    device = cfg.torch_device()
     model, tokenizer = load_pretrained(cfg.hf, cfg.gguf_file, device=device)
     policy = cfg.make_policy()
     EvictingCache(policy, model=model)  # checks the policy against the model before any work
