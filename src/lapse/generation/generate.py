@@ -26,10 +26,12 @@ from .policies import Dense, Policy
 
 
 @torch.no_grad()
-def prefill(model: Decoder, input_ids: Tensor, cache: KVCache, lengths: Tensor | None = None) -> Tensor:
+def prefill(
+    model: Decoder, input_ids: Tensor, cache: KVCache, lengths: Tensor | Sequence[int] | None = None
+) -> Tensor:
     """Runs the prompt ``[B, T]`` into ``cache``; returns the last position's logits ``[B, V]``
-    (only that position is projected to the vocabulary). ``lengths`` ``[B]``: prompts of
-    different lengths, right-padded (each one's last position)."""
+    (only that position is projected to the vocabulary). ``lengths`` ``[B]`` (a tensor or
+    a list): prompts of different lengths, right-padded (each one's last position)."""
     hidden = model.hidden_states(input_ids, cache=cache, lengths=lengths)  # [B, T, C]
     return model.lm_head(cache.last(hidden))  # [B, V]
 
@@ -227,7 +229,7 @@ def generate(
         got = tuple(input_ids.shape) if isinstance(input_ids, Tensor) else type(input_ids).__name__
         raise ValueError(f"input_ids must be [batch, time] with at least one token, got {got}")
     if lengths is not None:
-        lengths, _ = check_lengths(lengths, *input_ids.shape, input_ids.device)
+        lengths, host_lengths = check_lengths(lengths, *input_ids.shape, input_ids.device)
     if isinstance(policy, Dense) and not supports_paged(model):
         policy = None  # keeping everything needs no paged store
     if cache is None and policy is not None:
@@ -245,7 +247,8 @@ def generate(
             )
         policy.check(model)
     step = compiled_decode_one_token() if compile else decode_one_token
-    logits = prefill(model, input_ids, cache, lengths)  # [B, V]
+    # the store takes the host list: checked once, no second read-back of the device tensor
+    logits = prefill(model, input_ids, cache, None if lengths is None else host_lengths)  # [B, V]
     if compile and cache.capacity < cache.length + max_new_tokens - 1:
         raise ValueError(
             f"a compiled decode step needs the room in advance: the cache has capacity {cache.capacity} "

@@ -59,6 +59,13 @@ class PagedView:
     seqlens: Tensor
     tracks_scores: bool
 
+    def slots(self) -> tuple[Tensor, Tensor, Tensor]:
+        """Page, offset and validity of every logical slot of the table ``[B, H, W]`` (a
+        fixed width: usable inside a compiled step), to read or update a per-slot pool."""
+        page_size = self.k.shape[1]
+        width = self.page_table.shape[-1] * page_size
+        return slot_index(self.page_table, self.lengths, self.k.shape[0], width, page_size)
+
 
 @dataclass(eq=False)
 class LayerSnapshot:
@@ -430,16 +437,22 @@ class _LayerTensors:
     prompt_lens: Tensor | None
 
 
-def _slots(t: _LayerTensors, width: int, page_size: int) -> tuple[Tensor, Tensor, Tensor]:
+def slot_index(
+    table: Tensor, lengths: Tensor, n_pages: int, width: int, page_size: int
+) -> tuple[Tensor, Tensor, Tensor]:
     """Page and offset of the first ``width`` logical slots of every head ``[B, H, W]`` (the
-    scratch page, the pool's last, where the head owns none: writes through it hit no other
-    head's slot), and whether each is below the head's length."""
-    slots = torch.arange(width, device=t.lengths.device)  # [W]
-    table = t.table.long()
-    table = torch.where(table < 0, t.k.shape[0] - 1, table)  # [B, H, W/S]: unowned -> scratch
+    scratch page, the pool's last of ``n_pages``, where the head owns none: writes through
+    it hit no other head's slot), and whether each is below the head's length."""
+    slots = torch.arange(width, device=lengths.device)  # [W]
+    table = table.long()
+    table = torch.where(table < 0, n_pages - 1, table)  # [B, H, W/S]: unowned -> scratch
     pages = table[:, :, slots // page_size]  # [B, H, W]
-    valid = slots < t.lengths[..., None].long()
+    valid = slots < lengths[..., None].long()
     return pages, (slots % page_size).expand_as(pages), valid
+
+
+def _slots(t: _LayerTensors, width: int, page_size: int) -> tuple[Tensor, Tensor, Tensor]:
+    return slot_index(t.table, t.lengths, t.k.shape[0], width, page_size)
 
 
 def _snapshot(

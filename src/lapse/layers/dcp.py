@@ -191,12 +191,9 @@ class DCPAttention(SoftmaxAttention):
             return dcp_attention(q, k, v, log_i, scale=self.scale)
         cache.append(self.layer_idx, k, v, kint=kint, drop=q.new_zeros(b, 1, hq, dtype=torch.float32))
         view = cache.view(self.layer_idx)
-        width = view.page_table.shape[-1] * view.k.shape[1]
+        pages, offsets, _ = view.slots()  # [B, K, W]
+        width = pages.shape[-1]
         slots = torch.arange(width, device=q.device)  # [W]
-        table = view.page_table.long()
-        table = torch.where(table < 0, view.k.shape[0] - 1, table)  # unowned -> the scratch page
-        pages = table[:, :, slots // view.k.shape[1]]  # [B, K, W]
-        offsets = (slots % view.k.shape[1]).expand_as(pages)
         held_k = view.extras["kint"][pages, offsets]  # [B, K, W, part]
         held_k = held_k.permute(0, 2, 1, 3).reshape(b, width, kh * part)[..., :r]  # [B, W, r]
         z = interaction_logits(q_int, held_k.to(q_int.dtype), self.beta)[:, 0]  # [B, W]
