@@ -35,25 +35,13 @@ OUT="${OUT:-runs/castle-study-out}"
 RUNS="${RUNS:-/tmp/castle-study/runs}"
 DATA="${DATA:-/tmp/castle-study/data}"
 BUDGET="${BUDGET:-560}"  # seconds for the whole script: evaluations that would run past it are cut
-L="python3 -m lapse.cli"
-T0=$(date +%s)
-left() { echo $(( BUDGET - ($(date +%s) - T0) > 5 ? BUDGET - ($(date +%s) - T0) : 5 )); }
-pack() { (cd "$RUNS/.." && tar --exclude='checkpoint-*' --exclude='trainer_state.pt' -czf - runs) > "$OUT/study.tar.gz"; }
+source "$(dirname "${BASH_SOURCE[0]}")/study_lib.sh"
 mkdir -p "$OUT" "$RUNS"
 rm -rf "${RUNS:?}"/*
 date -u +"start %FT%TZ"
 
 echo "== data (built once, before the runs read it)"
-python3 - "$PRESET" "$DATA" "$BYTES" <<'PY'
-import sys
-from pathlib import Path
-from lapse.data import CorpusConfig
-from lapse.train import prepare_data, train_preset
-preset, data, max_bytes = sys.argv[1], Path(sys.argv[2]), int(sys.argv[3])
-cfg = train_preset(preset, tokenizer="byte", data_dir=data, corpus=CorpusConfig(max_bytes=max_bytes))
-d = prepare_data(cfg, progress=False)
-print(d.train, d.validation)
-PY
+build_data "$PRESET" "$DATA" "$BYTES"
 
 echo "== training $(echo $ARCHS | wc -w) architectures x seeds {$SEEDS} concurrently"
 common="--data-dir $DATA --seq-len $SEQ --batch-size $BATCH --micro-batch-size $MICRO --steps $STEPS
@@ -79,7 +67,6 @@ pack
 M=()
 for name in "${names[@]}"; do M+=("$RUNS/$name"); done
 echo "== evaluations (each cut at the time left of BUDGET)"
-run() { timeout "$(left)" "$@" || echo "cut or failed (rc=$?): $*"; }
 run $L eval per-token-loss --models "${M[@]}" --names "${names[@]}" --seq-len "$SEQ" --num-sequences "$NSEQ" \
     --out-dir "$RUNS/eval-per-token" --no-progress $EVAL_EXTRA
 $L report "${M[@]}" --out "$RUNS/report.md" --title "CASTLE study: matched parameters, context $SEQ, same data and steps"

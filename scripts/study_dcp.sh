@@ -47,28 +47,15 @@ OUT="${OUT:-runs/dcp-study-out}"
 RUNS="${RUNS:-/tmp/dcp-study/runs}"
 DATA="${DATA:-/tmp/dcp-study/data}"
 BUDGET="${BUDGET:-530}"  # seconds for the whole script: the report is cut at what is left of it
-L="python3 -m lapse.cli"
-T0=$(date +%s)
+source "$(dirname "${BASH_SOURCE[0]}")/study_lib.sh"
 COMMIT="${COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}"
-left() { echo $(( BUDGET - ($(date +%s) - T0) > 5 ? BUDGET - ($(date +%s) - T0) : 5 )); }
-run() { timeout "$(left)" "$@" || echo "cut or failed (rc=$?): $*"; }
 phase() { echo "== $1 (t = $(( $(date +%s) - T0 )) s)"; }
-pack() { (cd "$RUNS/.." && tar --exclude='checkpoint-*' --exclude='trainer_state.pt' -czf - runs) > "$OUT/study.tar.gz"; }
 mkdir -p "$OUT" "$RUNS"
 rm -rf "${RUNS:?}"/*
 date -u +"start %FT%TZ, commit $COMMIT"
 
 phase "data (built once, before the runs read it)"
-python3 - "$PRESET" "$DATA" "$BYTES" <<'PY'
-import sys
-from pathlib import Path
-from lapse.data import CorpusConfig
-from lapse.train import prepare_data, train_preset
-preset, data, max_bytes = sys.argv[1], Path(sys.argv[2]), int(sys.argv[3])
-cfg = train_preset(preset, tokenizer="byte", data_dir=data, corpus=CorpusConfig(max_bytes=max_bytes))
-d = prepare_data(cfg, progress=False)
-print(d.train, d.validation)
-PY
+build_data "$PRESET" "$DATA" "$BYTES"
 
 data="--data-dir $DATA --tokenizer byte --corpus.max-bytes $BYTES --seq-len $SEQ --no-progress"
 phase "pretraining the dense base (transformer-llama)"

@@ -30,25 +30,13 @@ OUT="${OUT:-runs/study-out}"
 RUNS="${RUNS:-/tmp/study/runs}"
 DATA="${DATA:-/tmp/study/data}"
 BUDGET="${BUDGET:-560}"  # seconds for the whole script: evaluations that would run past it are cut
-L="python3 -m lapse.cli"
-T0=$(date +%s)
-left() { echo $(( BUDGET - ($(date +%s) - T0) > 5 ? BUDGET - ($(date +%s) - T0) : 5 )); }
-pack() { (cd "$RUNS/.." && tar --exclude='checkpoint-*' --exclude='trainer_state.pt' -czf - runs) > "$OUT/study.tar.gz"; }
+source "$(dirname "${BASH_SOURCE[0]}")/study_lib.sh"
 mkdir -p "$OUT" "$RUNS"
 rm -rf "${RUNS:?}"/*
 date -u +"start %FT%TZ"
 
 echo "== data (built once, before the four runs read it)"
-python3 - "$PRESET" "$DATA" "$BYTES" <<'PY'
-import sys
-from pathlib import Path
-from lapse.data import CorpusConfig
-from lapse.train import prepare_data, train_preset
-preset, data, max_bytes = sys.argv[1], Path(sys.argv[2]), int(sys.argv[3])
-cfg = train_preset(preset, tokenizer="byte", data_dir=data, corpus=CorpusConfig(max_bytes=max_bytes))
-d = prepare_data(cfg, progress=False)
-print(d.train, d.validation)
-PY
+build_data "$PRESET" "$DATA" "$BYTES"
 
 echo "== training the four models concurrently"
 common="--data-dir $DATA --seq-len $SEQ --batch-size $BATCH --micro-batch-size $MICRO --steps $STEPS
@@ -70,7 +58,6 @@ pack  # the training logs come back even if an evaluation is cut
 M=("$RUNS/fox-pro" "$RUNS/fox-pro-acp" "$RUNS/transformer-pro" "$RUNS/transformer-llama")
 names=(fox-pro fox-pro-acp transformer-pro transformer-llama)
 echo "== evaluations (each cut at the time left of BUDGET)"
-run() { timeout "$(left)" "$@" || echo "cut or failed (rc=$?): $*"; }
 run $L eval per-token-loss --models "${M[@]}" --names "${names[@]}" --seq-len "$SEQ" --num-sequences "$NSEQ" \
     --no-progress
 run $L eval ppl --models "${M[@]}" --names "${names[@]}" --num-sequences $((NSEQ / 2 > 0 ? NSEQ / 2 : 1)) \
