@@ -73,8 +73,9 @@ def _app() -> SubcommandApp:
 
     @bench.command(name="attention")
     def bench_attention(cfg: Annotated[AttentionBenchConfig, tyro.conf.arg(name="")]) -> None:
-        """Time forgetting attention (lapse, with and without ACP) against SDPA flash,
-        FlexAttention and flash-linear-attention on one GPU; Markdown + JSON results."""
+        """Time forgetting attention (lapse, with and without ACP) against SDPA (its default
+        backend and each backend forced), FlexAttention and flash-linear-attention on one
+        GPU; ratios to the fastest softmax baseline; Markdown + JSON results."""
         from lapse.bench.attention import run
 
         run(cfg)

@@ -5,9 +5,14 @@ Providers (``--providers``):
 - ``lapse``: ``forgetting_attention(..., backend="triton")``, dense.
 - ``lapse-acp``: the same with ACP (``acp="auto"``, i.e. ``U`` from the largest query and
   key norms, or ``--acp-bound qk-norm``: ``U = D * scale`` known from QK-norm), eps e^-10.
-- ``sdpa``: PyTorch SDPA with the flash backend, causal, *no gate* (the speed to match).
-  Inputs are transposed to ``[B, H, T, D]`` outside the timed region; varlen uses
-  ``torch.nn.attention.varlen.varlen_attn``.
+- ``sdpa-default``, ``sdpa-flash``, ``sdpa-efficient``, ``sdpa-cudnn``: PyTorch SDPA,
+  causal, *no gate*, with PyTorch's own backend choice (what a Transformer user gets; the
+  notes name the kernel that ran, cuDNN on an H100 with torch 2.11) or forced to one
+  backend (FlashAttention-2, memory-efficient, cuDNN). A backend that refuses the shapes or
+  the device is reported n/a with SDPA's reason. Inputs are transposed to ``[B, H, T, D]``
+  outside the timed region; varlen uses ``torch.nn.attention.varlen.varlen_attn``, which
+  has no backend choice, so only ``sdpa-default`` and ``sdpa-flash`` run there. ``sdpa``
+  is an alias of ``sdpa-flash`` (the name before issue 16).
 - ``flex``: FlexAttention (compiled) with the decay ``score_mod``
   ``score + c[b, h, q] - c[b, h, kv]``, ``c`` the float32 cumulative sum of the log gates
   (computed inside the timed region), causal (and per-document) block mask.
@@ -33,6 +38,11 @@ They are checked against ``castle_attention(..., backend="torch")`` (float32 ari
 the same window), not against Flex. Their TFLOP/s use the same formula as the others
 (causal softmax attention's FLOPs): CASTLE does about 3.5x those forward and 3.9x forward
 and backward (``ops/castle/README.md``), so read them as "softmax-equivalent".
+
+Ratios. The softmax baselines (``SOFTMAX_BASELINES``) compute no gate: they are the speed
+to match. Every provider's time is divided by the fastest of them that ran in the same
+workload, per mode (the forward and the forward+backward may pick different ones), and the
+table header names it. With ACP, ``efficiency = t_dense * (1 - pruned) / t_acp``.
 
 Method. Each workload (one per ``--seq-lens`` value, or one varlen workload) is drawn by
 :mod:`lapse.bench.workloads` on the GPU. First a correctness check: the output (and, when
@@ -61,6 +71,7 @@ import math
 import platform
 import subprocess
 import traceback
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -74,8 +85,10 @@ from .workloads import Workload, WorkloadSpec, dense_causal_flops, make_workload
 Provider = Literal[
     "lapse",
     "lapse-acp",
-    "sdpa",
     "sdpa-default",
+    "sdpa-flash",
+    "sdpa-efficient",
+    "sdpa-cudnn",
     "flex",
     "fla",
     "castle-triton",
@@ -85,8 +98,21 @@ Provider = Literal[
     "lookahead-keys-attention",
 ]
 Mode = Literal["fwd", "fwd+bwd"]
-PROVIDERS: tuple[Provider, ...] = ("lapse", "lapse-acp", "sdpa", "flex", "fla")
+PROVIDERS: tuple[Provider, ...] = (
+    "lapse",
+    "lapse-acp",
+    "sdpa-default",
+    "sdpa-flash",
+    "sdpa-efficient",
+    "sdpa-cudnn",
+    "flex",
+    "fla",
+)
 """The default providers (forgetting attention and its peers)."""
+SOFTMAX_BASELINES: tuple[Provider, ...] = ("sdpa-default", "sdpa-flash", "sdpa-efficient", "sdpa-cudnn")
+"""Causal softmax attention without a gate: the ratios are taken against the fastest."""
+PROVIDER_ALIASES: dict[str, Provider] = {"sdpa": "sdpa-flash"}
+"""Older names still accepted by --providers."""
 CASTLE_PROVIDERS: tuple[Provider, ...] = (
     "castle-triton",
     "castle-torch",
@@ -119,8 +145,9 @@ class AttentionBenchConfig:
     """Head dim D."""
     varlen: bool = False
     """One packed workload of 8 sequences of mixed lengths summing to --tokens."""
-    providers: tuple[Provider, ...] = PROVIDERS
-    """Providers to time (fla is reported n/a when not importable)."""
+    providers: tuple[Provider | Literal["sdpa"], ...] = PROVIDERS
+    """Providers to time (fla is reported n/a when not importable); 'sdpa' means
+    'sdpa-flash'."""
     modes: tuple[Mode, ...] = ("fwd", "fwd+bwd")
     """What to time: the forward alone, and/or the forward followed by the backward."""
     acp_bound: Literal["auto", "qk-norm"] = "auto"
@@ -153,6 +180,7 @@ class AttentionBenchConfig:
     def __post_init__(self) -> None:
         if not self.providers:
             raise ValueError("providers must name at least one provider")
+        self.providers = tuple(dict.fromkeys(PROVIDER_ALIASES.get(p, p) for p in self.providers))
         if not self.modes:
             raise ValueError("modes must name at least one of 'fwd', 'fwd+bwd'")
         if not 0 < self.acp_eps < 1:
@@ -253,16 +281,28 @@ def _ran_kernels(fn: Callable[[], Tensor]) -> str:
     return "math (no fused kernel seen)"
 
 
-def _sdpa_runner(wl: Workload, default_backend: bool = False) -> Runner:
-    """SDPA forced to FlashAttention-2 (``sdpa``), or with PyTorch's own choice of backend
-    (``sdpa-default``: what a user gets; on an H100 with torch 2.11, cuDNN), named in the
-    notes from the kernels it ran."""
+def _sdpa_runner(wl: Workload, name: Provider) -> Runner:
+    """SDPA with PyTorch's own choice of backend (``sdpa-default``: what a user gets; on an
+    H100 with torch 2.11, cuDNN), named in the notes from the kernels it ran, or forced to
+    one backend. A forced backend that cannot take these shapes on this device is
+    :class:`NotAvailable`, with the reasons SDPA gave."""
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
+    backend = {
+        "sdpa-default": None,
+        "sdpa-flash": SDPBackend.FLASH_ATTENTION,
+        "sdpa-efficient": SDPBackend.EFFICIENT_ATTENTION,
+        "sdpa-cudnn": SDPBackend.CUDNN_ATTENTION,
+    }[name]
+    context = contextlib.nullcontext if backend is None else lambda: sdpa_kernel(backend)
     spec = wl.spec
     gqa = spec.heads != spec.num_kv_heads
     notes: list[str] = ["no forget gate: causal softmax attention only"]
     if spec.varlen:
+        if backend not in (None, SDPBackend.FLASH_ATTENTION):
+            raise NotAvailable(
+                f"varlen_attn has no backend choice (it runs FlashAttention): no {name} for packed sequences"
+            )
         try:
             from torch.nn.attention.varlen import varlen_attn
         except ImportError as e:
@@ -288,47 +328,43 @@ def _sdpa_runner(wl: Workload, default_backend: bool = False) -> Runner:
         def forward() -> Tensor:
             return varlen_attn(q, k, v, cu, cu, longest, longest, **kw)
 
-        return Runner(
-            forward,
-            [q, k, v],
-            to_bthd=lambda o: o[None],
-            from_bthd=lambda o: o[0],
-            notes=notes + ["varlen via torch.nn.attention.varlen.varlen_attn"],
-        )
+        notes.append("varlen via torch.nn.attention.varlen.varlen_attn")
+        runner = Runner(forward, [q, k, v], to_bthd=lambda o: o[None], from_bthd=lambda o: o[0], notes=notes)
+    else:
+        q, k, v = (_leaf(t.transpose(1, 2).contiguous()) for t in (wl.q, wl.k, wl.v))
+        F = torch.nn.functional
+        if gqa:
+            try:  # recent torch takes grouped K/V natively on some backends; probe once
+                with context(), torch.no_grad(), warnings.catch_warnings():
+                    warnings.simplefilter("ignore")
+                    F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+            except RuntimeError as e:
+                group = spec.heads // spec.num_kv_heads
+                k, v = (_leaf(x.detach().repeat_interleave(group, dim=1)) for x in (k, v))
+                gqa = False
+                notes.append(f"K/V expanded to the query heads outside the timed region ({_short(e)})")
 
-    q, k, v = (_leaf(t.transpose(1, 2).contiguous()) for t in (wl.q, wl.k, wl.v))
-    F = torch.nn.functional
-    if gqa:
-        try:  # flash SDPA takes grouped K/V natively in recent torch; probe once
-            with sdpa_kernel(SDPBackend.FLASH_ATTENTION), torch.no_grad():
-                F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
-        except RuntimeError as e:
-            group = spec.heads // spec.num_kv_heads
-            k, v = (_leaf(x.detach().repeat_interleave(group, dim=1)) for x in (k, v))
-            gqa = False
-            notes.append(f"K/V expanded to the query heads outside the timed region ({_short(e)})")
+        def forward() -> Tensor:
+            return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
 
-    def forward() -> Tensor:
-        return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
-
-    if default_backend:
-        if q.is_cuda:
-            notes.append(f"SDPA's default backend choice: {_ran_kernels(forward)} ran")
-        return Runner(
+        runner = Runner(
             forward,
             [q, k, v],
             to_bthd=lambda o: o.transpose(1, 2),
             from_bthd=lambda o: o.transpose(1, 2),
+            context=context,
             notes=notes,
         )
-    return Runner(
-        forward,
-        [q, k, v],
-        to_bthd=lambda o: o.transpose(1, 2),
-        from_bthd=lambda o: o.transpose(1, 2),
-        context=lambda: sdpa_kernel(SDPBackend.FLASH_ATTENTION),
-        notes=notes,
-    )
+    try:  # a forced backend raises here, and warns why, when it cannot take these inputs
+        with runner.context(), torch.no_grad(), warnings.catch_warnings(record=True) as warned:
+            warnings.simplefilter("always")
+            runner.forward()
+    except RuntimeError as e:
+        why = "; ".join(dict.fromkeys(str(w.message).strip().splitlines()[0] for w in warned))
+        raise NotAvailable(f"{name}: SDPA refused ({_short(e)}){f': {why}' if why else ''}"[:500]) from e
+    if backend is None and q.is_cuda:
+        notes.append(f"SDPA's default backend choice: {_ran_kernels(forward)} ran")
+    return runner
 
 
 def _flex_fox(q, k, v, log_fgate, block_mask, enable_gqa):
@@ -502,8 +538,8 @@ def build_runner(name: Provider, wl: Workload, cfg: AttentionBenchConfig) -> Run
         return _lapse_runner(wl, None, cfg.acp_eps)
     if name == "lapse-acp":
         return _lapse_runner(wl, _acp_argument(cfg, wl.spec), cfg.acp_eps)
-    if name in ("sdpa", "sdpa-default"):
-        return _sdpa_runner(wl, default_backend=name == "sdpa-default")
+    if name in SOFTMAX_BASELINES:
+        return _sdpa_runner(wl, name)
     if name == "flex":
         return _flex_runner(wl)
     if name == "fla":
@@ -798,17 +834,28 @@ def result_flops(result: dict, mode: str) -> float:
 
 
 def _derive(result: dict) -> None:
-    """Ratios to SDPA, ACP efficiency and boundary-search share, from the timings."""
+    """From the timings: the fastest softmax baseline of each mode
+    (``result["fastest_softmax"][mode] = {"provider", "ms"}``), every provider's ratio to it
+    (``vs_fastest``) and to SDPA FlashAttention-2 (``vs_sdpa_flash``, comparable with the
+    tables recorded before issue 16), ACP efficiency and the boundary-search share."""
     rows = result["providers"]
 
     def ms(name: str, mode: str) -> float | None:
         return rows.get(name, {}).get(mode, {}).get("ms")
 
-    for name, row in rows.items():
-        for mode in ("fwd", "fwd+bwd"):
-            t, t_sdpa = ms(name, mode), ms("sdpa", mode)
-            if t is not None and t_sdpa is not None:
-                row[mode]["vs_sdpa"] = t / t_sdpa
+    result["fastest_softmax"] = {}
+    for mode in ("fwd", "fwd+bwd"):
+        ran = [(ms(name, mode), name) for name in SOFTMAX_BASELINES if ms(name, mode) is not None]
+        if ran:
+            t_fast, fastest = min(ran)
+            result["fastest_softmax"][mode] = {"provider": fastest, "ms": t_fast}
+        t_flash = ms("sdpa-flash", mode)
+        for row in rows.values():
+            t = row.get(mode, {}).get("ms")
+            if t is not None and ran:
+                row[mode]["vs_fastest"] = t / t_fast
+            if t is not None and t_flash is not None:
+                row[mode]["vs_sdpa_flash"] = t / t_flash
     acp = rows.get("lapse-acp")
     if acp is None:
         return
@@ -851,10 +898,16 @@ def _check_cell(row: dict) -> str:
     return status
 
 
+def fastest_header(result: dict, mode: str) -> str:
+    """The ratio column's header, naming the baseline: ``fwd x fastest softmax (sdpa-cudnn)``."""
+    fastest = result.get("fastest_softmax", {}).get(mode)
+    return f"{mode} x fastest softmax ({fastest['provider'] if fastest else 'none ran'})"
+
+
 def markdown_table(result: dict, modes: tuple[str, ...]) -> str:
     head = ["provider"]
     for mode in modes:
-        head += [f"{mode} ms", f"{mode} TFLOP/s", f"{mode} / SDPA", f"{mode} peak MiB"]
+        head += [f"{mode} ms", f"{mode} TFLOP/s", fastest_header(result, mode), f"{mode} peak MiB"]
     head += ["pruned", "efficiency"]
     head += ["check"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
@@ -870,7 +923,7 @@ def markdown_table(result: dict, modes: tuple[str, ...]) -> str:
             cells += [
                 _cell(row, mode, "ms", ".3f"),
                 _cell(row, mode, "tflops", ".1f"),
-                _cell(row, mode, "vs_sdpa", ".2f"),
+                _cell(row, mode, "vs_fastest", ".2f"),
                 _cell(row, mode, "peak_mib", ".0f"),
             ]
             if "error" in row.get(mode, {}):
@@ -881,7 +934,7 @@ def markdown_table(result: dict, modes: tuple[str, ...]) -> str:
         cells.append(_check_cell(row))
         lines.append("| " + " | ".join(cells) + " |")
         for n in row.get("notes", []):
-            if n.startswith("pruned fraction n/a"):
+            if n.startswith(("pruned fraction n/a", "SDPA's default backend choice")):
                 notes.append(f"{name}: {n}")
         search = row.get("boundary_search")
         if search is not None:
@@ -1017,8 +1070,10 @@ def run(cfg: AttentionBenchConfig) -> dict:
         "",
         f"`{cfg.command()}`",
         "",
-        f"TFLOP/s: {FLOP_FORMULA}. Times: median ms of do_bench. x / SDPA: time ratio to "
-        "SDPA flash (no gate). efficiency = t_dense * (1 - pruned) / t_acp.",
+        f"TFLOP/s: {FLOP_FORMULA}. Times: median ms of do_bench. x fastest softmax (NAME): "
+        "time ratio to the fastest softmax baseline (SDPA's backends, no gate) that ran in "
+        "that workload and mode, named in the header. "
+        "efficiency = t_dense * (1 - pruned) / t_acp.",
     ]
     with tqdm(total=len(specs) * len(cfg.providers), desc="bench attention") as progress:
         for spec in specs:

@@ -1,0 +1,119 @@
+"""``lapse bench attention``'s softmax baselines and ratios (issue 16, "honest baselines"):
+the ratios are taken against the fastest softmax baseline that ran, per mode, and the
+header names it; the SDPA providers run on CPU where SDPA has a CPU kernel (default,
+flash) and are reported n/a with SDPA's reason where it has none (efficient, cuDNN)."""
+
+from __future__ import annotations
+
+import shlex
+import types
+
+import pytest
+import torch
+import tyro
+
+from lapse.bench import attention as bench
+from lapse.bench.attention import SOFTMAX_BASELINES, AttentionBenchConfig
+from lapse.bench.workloads import WorkloadSpec, make_workload
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+def _timed(fwd: float | None, fwd_bwd: float | None) -> dict:
+    row: dict = {"notes": []}
+    for mode, ms in (("fwd", fwd), ("fwd+bwd", fwd_bwd)):
+        row[mode] = {"error": "RuntimeError: no kernel"} if ms is None else {"ms": ms}
+    return row
+
+
+def _result(**rows: dict) -> dict:
+    return {"providers": {name.replace("_", "-"): row for name, row in rows.items()}}
+
+
+def test_ratios_use_the_fastest_baseline_of_each_mode():
+    result = _result(
+        lapse=_timed(3.0, 12.0),
+        lapse_acp={**_timed(1.5, 5.0), "pruned": 0.6},
+        sdpa_default=_timed(2.0, 7.0),
+        sdpa_flash=_timed(2.5, 10.0),
+        sdpa_efficient={"notes": [], "error": "NotAvailable: sdpa-efficient: SDPA refused"},
+        sdpa_cudnn=_timed(1.9, None),  # fastest forward, its backward failed
+    )
+    bench._derive(result)
+    assert result["fastest_softmax"] == {
+        "fwd": {"provider": "sdpa-cudnn", "ms": 1.9},
+        "fwd+bwd": {"provider": "sdpa-default", "ms": 7.0},
+    }
+    rows = result["providers"]
+    assert rows["lapse"]["fwd"]["vs_fastest"] == pytest.approx(3.0 / 1.9)
+    assert rows["lapse"]["fwd+bwd"]["vs_fastest"] == pytest.approx(12.0 / 7.0)
+    assert rows["sdpa-default"]["fwd+bwd"]["vs_fastest"] == 1.0
+    assert rows["lapse"]["fwd+bwd"]["vs_sdpa_flash"] == pytest.approx(12.0 / 10.0)
+    assert "vs_fastest" not in rows["sdpa-cudnn"]["fwd+bwd"]
+    assert rows["lapse-acp"]["fwd+bwd"]["efficiency"] == pytest.approx(12.0 * 0.4 / 5.0)
+
+    table = bench.markdown_table(result, ("fwd", "fwd+bwd"))
+    header = table.splitlines()[0]
+    assert "fwd x fastest softmax (sdpa-cudnn)" in header
+    assert "fwd+bwd x fastest softmax (sdpa-default)" in header
+    lapse_cells = next(line for line in table.splitlines() if line.startswith("| lapse |")).split(" | ")
+    assert lapse_cells[3] == f"{3.0 / 1.9:.2f}" and lapse_cells[7] == f"{12.0 / 7.0:.2f}"
+    assert "sdpa-efficient: n/a: NotAvailable" in table
+
+
+def test_no_baseline_ran():
+    result = _result(lapse=_timed(3.0, 12.0), sdpa_flash=_timed(None, None))
+    bench._derive(result)
+    assert result["fastest_softmax"] == {}
+    assert "vs_fastest" not in result["providers"]["lapse"]["fwd"]
+    table = bench.markdown_table(result, ("fwd",))
+    assert "fwd x fastest softmax (none ran)" in table.splitlines()[0]
+    assert table.splitlines()[2].split(" | ")[3] == "n/a"
+
+
+def test_sdpa_alias_and_default_providers():
+    assert set(SOFTMAX_BASELINES) <= set(AttentionBenchConfig().providers)
+    cfg = AttentionBenchConfig(providers=("lapse", "sdpa", "sdpa-flash", "sdpa-cudnn"))
+    assert cfg.providers == ("lapse", "sdpa-flash", "sdpa-cudnn")
+    assert "--providers lapse sdpa-flash sdpa-cudnn" in cfg.command()
+    assert tyro.cli(AttentionBenchConfig, args=shlex.split(cfg.command())[3:]) == cfg
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="on CUDA every backend may run: the GPU run shows it")
+@pytest.mark.parametrize("kv_heads", [None, 2], ids=["MHA", "GQA"])
+def test_sdpa_providers_on_cpu(monkeypatch, kv_heads):
+    """Default and flash run (SDPA has CPU kernels) and compute causal softmax attention,
+    i.e. forgetting attention with every log gate 0; efficient and cuDNN say why not."""
+    from lapse.ops.forgetting import forgetting_attention
+
+    monkeypatch.setattr(bench, "_time", lambda fn, cfg: (fn(), 1.0)[1])
+    spec = WorkloadSpec(seq_len=24, tokens=48, heads=4, kv_heads=kv_heads, head_dim=16, dtype=torch.float32)
+    cfg = AttentionBenchConfig(
+        seq_lens=(24,), tokens=48, heads=4, kv_heads=kv_heads, head_dim=16, providers=SOFTMAX_BASELINES
+    )
+    progress = types.SimpleNamespace(set_postfix_str=lambda s: None, update=lambda n: None)
+    result = bench.bench_workload(spec, cfg, progress, device="cpu")
+    rows = result["providers"]
+    for name in ("sdpa-default", "sdpa-flash"):
+        assert rows[name]["fwd"]["ms"] == rows[name]["fwd+bwd"]["ms"] == 1.0, rows[name]
+        assert rows[name]["check"]["status"] == "not comparable"
+    for name in ("sdpa-efficient", "sdpa-cudnn"):
+        assert rows[name]["error"].startswith(f"NotAvailable: {name}: SDPA refused"), rows[name]
+        assert "fwd" not in rows[name]
+    assert result["fastest_softmax"]["fwd"]["provider"] in ("sdpa-default", "sdpa-flash")
+
+    wl = make_workload(spec, device="cpu")
+    want = forgetting_attention(wl.q, wl.k, wl.v, torch.zeros_like(wl.log_fgate), backend="torch")
+    for name in ("sdpa-default", "sdpa-flash"):
+        r = bench.build_runner(name, wl, cfg)
+        with r.context(), torch.no_grad():
+            torch.testing.assert_close(r.to_bthd(r.forward()), want, atol=1e-5, rtol=1e-5)
+
+
+def test_varlen_has_no_backend_choice():
+    spec = WorkloadSpec(varlen=True, tokens=80, heads=4, head_dim=16, dtype=torch.float32)
+    wl = make_workload(spec, device="cpu")
+    cfg = AttentionBenchConfig(varlen=True, tokens=80, heads=4, head_dim=16)
+    for name in ("sdpa-efficient", "sdpa-cudnn"):
+        with pytest.raises(bench.NotAvailable, match="varlen_attn has no backend choice"):
+            bench.build_runner(name, wl, cfg)
