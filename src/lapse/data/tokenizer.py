@@ -132,11 +132,21 @@ class TransformersTokenizer:
             from transformers import AutoTokenizer
         except ImportError as e:
             raise ValueError(f"loading the tokenizer folder {directory} needs `transformers`") from e
-        self.tokenizer = AutoTokenizer.from_pretrained(str(directory), local_files_only=True)
-        if self.tokenizer.eos_token_id is None:
-            raise ValueError(f"tokenizer in {directory} defines no eos token")
-        self.eos_id = int(self.tokenizer.eos_token_id)
-        self.vocab_size = len(self.tokenizer)
+        self._take(AutoTokenizer.from_pretrained(str(directory), local_files_only=True), str(directory))
+
+    @classmethod
+    def wrap(cls, tokenizer, source: str = "the model") -> TransformersTokenizer:
+        """One around a ``transformers`` tokenizer already loaded (a GGUF file's, say)."""
+        self = cls.__new__(cls)
+        self._take(tokenizer, source)
+        return self
+
+    def _take(self, tokenizer, source: str) -> None:
+        if tokenizer.eos_token_id is None:
+            raise ValueError(f"tokenizer of {source} defines no eos token")
+        self.tokenizer = tokenizer
+        self.eos_id = int(tokenizer.eos_token_id)
+        self.vocab_size = len(tokenizer)
 
     def encode(self, text: str) -> list[int]:
         return self.tokenizer.encode(text, add_special_tokens=False)

@@ -41,7 +41,10 @@ from tqdm.auto import tqdm
 from lapse.data import CorpusConfig
 from lapse.data.tokenizer import tokenizer_info
 from lapse.eval.common import LoadedModel, eval_windows, load_model
+from lapse.eval.lm import as_causal_lm
+from lapse.eval.policy import streamed_loss
 from lapse.files import save_figure, write_text_atomic
+from lapse.generation import PolicyOptions
 from lapse.models import Decoder
 
 SMOOTHING_RULE = (
@@ -52,8 +55,10 @@ SMOOTHING_RULE = (
 
 
 @dataclass(kw_only=True)
-class LossEvalConfig:
-    """What both loss evaluations share: the models, the data, the device, the limits."""
+class LossEvalConfig(PolicyOptions):
+    """What both loss evaluations share: the models, the data, the device, the limits, and
+    an optional eviction policy (``--policy``: loss streamed through the cache as the
+    policy leaves it, :func:`lapse.eval.policy.streamed_loss`)."""
 
     models: tuple[str, ...]
     """Model paths: run folders, checkpoint folders or Hugging Face folders (see
@@ -105,7 +110,18 @@ class LossEvalConfig:
     progress: bool = True
     """Show a tqdm bar over the windows."""
 
+    prefix: int | None = None
+    """With ``--policy``: tokens of each window prefilled before the first eviction (their
+    predictions are the dense model's); the rest are streamed. Default: a quarter of the
+    shortest length evaluated."""
+
+    chunk: int = 1
+    """With ``--policy``: tokens after the prefix fed per forward, the policy's pass before
+    every ``every``-th forward (a chunked prefill with eviction between chunks; 1: token
+    by token, as ``lapse generate`` decodes)."""
+
     def __post_init__(self) -> None:
+        super().__post_init__()
         if isinstance(self.models, (str, Path)) or not self.models:
             raise ValueError(f"models must be a non-empty tuple of paths, got {self.models!r}")
         self.models = tuple(str(m) for m in self.models)
@@ -116,12 +132,14 @@ class LossEvalConfig:
             raise ValueError(f"names has {len(self.names)} entries for {len(self.models)} models")
         if len(set(self.names)) != len(self.names):
             raise ValueError(f"names must be unique, got {self.names}")
-        for name in ("num_sequences", "batch_size", "logits_chunk", "smooth_window"):
+        for name in ("num_sequences", "batch_size", "logits_chunk", "smooth_window", "chunk"):
             _check_positive_int(name, getattr(self, name))
         if self.smooth_window % 2 == 0:
             raise ValueError(f"smooth_window must be odd (a centred window), got {self.smooth_window}")
         if self.max_tokens is not None:
             _check_positive_int("max_tokens", self.max_tokens)
+        if self.prefix is not None:
+            _check_positive_int("prefix", self.prefix)
         if self.max_seconds is not None and not self.max_seconds > 0:
             raise ValueError(f"max_seconds must be positive or None, got {self.max_seconds}")
         if self.dtype not in ("auto", "float32", "bfloat16"):
@@ -277,6 +295,11 @@ def _evaluate(
     (default: the whole window)."""
     device = next(models[0].model.parameters()).device
     n, t = windows.shape[0], windows.shape[1] - 1
+    policy = cfg.make_policy()
+    prefix = cfg.prefix if cfg.prefix is not None else max(1, min(prefixes or (t,)) // 4)
+    if policy is not None and not prefix <= t - 1:
+        raise ValueError(f"--prefix ({prefix}) must leave positions to stream in windows of {t} tokens")
+    lms = [None if policy is None else as_causal_lm(m.model) for m in models]
     ends = torch.tensor(prefixes or (t,))  # [P]
     sums = [torch.zeros(t, dtype=torch.float64) for _ in models]
     per_seq: list[list[Tensor]] = [[] for _ in models]
@@ -287,7 +310,13 @@ def _evaluate(
         for b0 in range(0, n, cfg.batch_size):
             batch = windows[b0 : b0 + cfg.batch_size].to(device)  # [b, T + 1]
             for m, loaded in enumerate(models):
-                loss = per_position_loss(loaded.model, batch, logits_chunk=cfg.logits_chunk).cpu()  # [b, T]
+                if policy is None:
+                    loss = per_position_loss(loaded.model, batch, logits_chunk=cfg.logits_chunk)  # [b, T]
+                else:
+                    head = per_position_loss(loaded.model, batch[:, : prefix + 1]).cpu()  # [b, prefix]: dense
+                    tail = streamed_loss(lms[m], batch, policy, prefix=prefix, chunk=cfg.chunk, compare=False)
+                    loss = torch.cat([head, tail.loss], dim=1)  # [b, T]
+                loss = loss.cpu()
                 sums[m] += loss.double().sum(0)
                 per_seq[m].append(loss.double().cumsum(1)[:, ends - 1] / ends)  # [b, P]
             done += batch.shape[0]
@@ -448,6 +477,7 @@ def _results(cfg: LossEvalConfig, name: str, models: list[LoadedModel], curves, 
         "num_sequences": curves.num_sequences,
         "num_sequences_requested": windows.shape[0],
         "stopped_early": curves.stopped_early,
+        "policy": None if cfg.policy is None else repr(cfg.make_policy()),
         "data": _data_description(cfg, models[0]),
         "smooth_window": cfg.smooth_window,
         "smoothing": SMOOTHING_RULE,
@@ -610,6 +640,18 @@ def _fmt(x: float | None, spec: str = ".4f") -> str:
     return "-" if x is None else format(x, spec)
 
 
+def _policy_note(r: dict) -> list[str]:
+    if r["policy"] is None:
+        return []
+    c = r["config"]
+    prefix = c["prefix"] or "T / 4 (T the shortest length)"
+    return [
+        f"Under the eviction policy `{r['policy']}`: each window's first {prefix} tokens "
+        f"prefilled (their predictions are the dense model's), the rest streamed {c['chunk']} per forward "
+        "through the cache as the policy leaves it (`lapse.eval.policy.streamed_loss`).",
+    ]
+
+
 def _per_token_summary(r: dict) -> str:
     lines = [
         "# Per-token loss",
@@ -617,6 +659,7 @@ def _per_token_summary(r: dict) -> str:
         f"{r['num_sequences']} windows of {r['seq_len']} tokens ({r['data']}), seed {r['config']['seed']}; "
         f"`L(i)` is the mean cross-entropy (nats) of the prediction at position `i`.",
     ]
+    lines += _policy_note(r)
     if r["stopped_early"]:
         lines.append(f"Stopped early: {r['stopped_early']}.")
     lines += [
@@ -658,6 +701,7 @@ def _ppl_summary(r: dict) -> str:
         "far more certain than that); last 10%: positions `0.9 T <= i < T`; *extrapolation*: `T` "
         "exceeds the model's training context.",
     ]
+    lines += _policy_note(r)
     if r["stopped_early"]:
         lines.append(f"Stopped early: {r['stopped_early']}.")
     lines += [

@@ -1,13 +1,17 @@
-"""Loss under an eviction policy, streamed token by token, and two label-free measures
-(issue 15, item 3; lapse models).
+"""Loss under an eviction policy, streamed through the cache as the policy leaves it, and
+two label-free measures (issue 15, item 3), for lapse and Hugging Face models alike.
 
-:func:`streamed_loss` feeds each window the way :func:`lapse.generation.generate` decodes:
-the first ``prefix`` tokens are prefilled into a paged store made by
-:func:`~lapse.generation.paged_store_for`, the policy cuts it (:func:`~lapse.generation.evict`),
-then the remaining tokens go in one at a time (chunk size 1, exact: the paged store takes
-one token per step), with an eviction pass before every ``policy.every``-th step. Each
-step's logits score the next token of the window (teacher forcing). The same tokens run
-in lockstep through a store that keeps everything (the dense model), which gives
+:func:`streamed_loss` feeds each window the way :func:`lapse.generation.generate` decodes,
+through an :class:`~lapse.hf.EvictingCache` (a lapse model in its Hugging Face adapter, or
+a LLaMA-family model: one code path): the first ``prefix`` tokens are prefilled into its
+paged store, the policy cuts it, then the remaining tokens go in one at a time, with an
+eviction pass before every ``policy.every``-th step. ``chunk`` c > 1 is a chunked prefill
+with eviction between chunks: a pass before every ``policy.every``-th chunk of c tokens,
+none inside one; the tokens still go one per forward (the paged store takes a prefill,
+then one token per step), which gives the same logits as a c-token forward over the kept
+tokens, at the cost of c forwards. Each step's logits score the next token of the window
+(teacher forcing). The same tokens run in lockstep through a store that keeps everything
+(the dense model), which gives
 
 - the **KL divergence** ``KL(p_dense || p_policy)`` of the next-token distributions, per
   position;
@@ -34,68 +38,50 @@ so no extra attention pass is made.
 from __future__ import annotations
 
 import json
-import math
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
-from typing import Literal
 
 import numpy as np
 import torch
 import torch.nn.functional as F
 import tyro
-from torch import Tensor
+from torch import Tensor, nn
 from tqdm.auto import tqdm
 
 from lapse.data import CorpusConfig
-from lapse.eval.common import eval_windows, load_model
+from lapse.eval.common import eval_windows
+from lapse.eval.lm import EvalLM, HfOptions, as_causal_lm, load_lm, text_windows
 from lapse.files import save_figure, write_text_atomic
-from lapse.generation import (
-    A2SF,
-    H2O,
-    ACPBoundary,
-    DCPDrop,
-    Dense,
-    Policy,
-    SinkWindow,
-    decode_one_token,
-    evict,
-    logit_bounds,
-    paged_store_for,
-    prefill,
-)
-from lapse.kv import LayerSnapshot, PagedStore
-from lapse.models import Decoder
+from lapse.generation import Dense, Policy, PolicyName, PolicyOptions
+from lapse.hf import EvictingCache
+from lapse.kv import LayerSnapshot
 
 
-class _AttentionRecorder(PagedStore):
-    """A paged store that keeps every token and remembers, per layer, the attention
-    probabilities of the last decode step ``[B, K, W]`` (per logical slot, summed over the
-    query heads of each kv head). It never evicts, so logical slot ``j`` is position ``j``.
+@dataclass(frozen=True, kw_only=True)
+class _LastStepProbs(Dense):
+    """Keeps everything, and has the store track scores with decay 0, so that each slot's
+    score is the last step's attention on it (per logical slot, summed over each kv head's
+    query heads): the dense model's attention, read for the recall."""
 
-    It asks for scores (``score_decay`` set) only so that the attention layers hand it
-    their probabilities through :meth:`record_scores`; it accumulates nothing."""
-
-    def __init__(self, n_layers: int, *, max_context: int):
-        super().__init__(n_layers, max_context=max_context, score_decay=0.0)
-        self.probs: list[Tensor | None] = [None] * n_layers
-
-    def record_scores(self, layer_idx: int, probs: Tensor) -> None:
-        self.probs[layer_idx] = probs.float()  # [B, K, W]
+    @property
+    def score_decay(self) -> float:
+        return 0.0
 
 
 @dataclass
 class StreamedLoss:
-    """What :func:`streamed_loss` measured. ``S = L - 1 - prefix`` scored positions."""
+    """What :func:`streamed_loss` measured. ``S = L - 1 - prefix`` scored positions; the
+    dense run's measures are ``None`` with ``compare=False``."""
 
     positions: Tensor
     """``[S]`` int64: the position of each prediction (``prefix .. L - 2``)."""
     loss: Tensor
     """``[N, S]`` float32: cross-entropy of the next token under the policy."""
-    dense_loss: Tensor
+    dense_loss: Tensor | None
     """``[N, S]`` float32: the same with every token kept."""
-    kl: Tensor
+    kl: Tensor | None
     """``[N, S]`` float32: ``KL(p_dense || p_policy)`` of the next-token distributions (nats)."""
-    recall: Tensor
+    recall: Tensor | None
     """``[N, n_layers, S]`` float32: share of the dense attention on the kept positions,
     averaged over heads."""
     kv_share: Tensor
@@ -107,14 +93,18 @@ class StreamedLoss:
     token_share: Tensor
     """``[N]`` float64: tokens held after each step (over layers and kv heads) against the
     positions so far, averaged over the steps: the share without page rounding."""
+    greedy: Tensor
+    """``[N, S]`` bool: the policy's most likely next token is the window's."""
 
 
 def streamed_loss(
-    model: Decoder,
+    model: nn.Module,
     windows: Tensor,
     policy: Policy,
     *,
     prefix: int,
+    chunk: int = 1,
+    compare: bool = True,
     device: str | torch.device | None = None,
     batch_size: int | None = None,
     progress: bool = False,
@@ -123,20 +113,26 @@ def streamed_loss(
     model's, with the KL divergence and the attention-mass recall (module doc).
 
     Args:
-        model: a :class:`~lapse.models.Decoder` in ``eval()`` mode that decodes over a
-            paged store (``lapse.generation.supports_paged``).
+        model: a lapse :class:`~lapse.models.Decoder` that decodes over a paged store
+            (``lapse.generation.supports_paged``), the lapse adapter, or a LLaMA-family
+            Hugging Face causal LM; in ``eval()`` mode.
         windows: int64 ``[N, L]`` token ids; position ``i`` predicts ``windows[:, i + 1]``.
         policy: an eviction policy; ``Dense()`` gives loss = dense loss, KL 0, recall 1.
         prefix: tokens prefilled before the first eviction, ``1 <= prefix <= L - 2``.
+        chunk: tokens after the prefix fed per forward (the policy's pass runs before every
+            ``policy.every``-th forward); 1 is ``lapse generate``'s schedule (module doc).
+        compare: run the dense model beside it (loss, KL, recall); ``False``: the policy only.
         device: where to run; default the model's.
         batch_size: windows decoded together (each keeps its own tokens); default all.
         progress: a tqdm bar over the steps.
 
     Returns:
         a :class:`StreamedLoss`. Raises ``ValueError`` for windows that are not
-        ``[N, L]`` token ids of the model's vocabulary, a prefix out of range, a policy
-        that does not fit the model, or a model that does not decode over a paged store.
+        ``[N, L]`` token ids of the model's vocabulary, a prefix or chunk out of range, a
+        policy that does not fit the model (naming its family), or a window longer than
+        the model's context.
     """
+    lm = as_causal_lm(model)
     if not isinstance(windows, Tensor) or windows.dim() != 2 or windows.is_floating_point():
         raise ValueError(f"windows must be an integer tensor [num, length], got {windows!r:.80}")
     n, length = windows.shape
@@ -145,78 +141,104 @@ def streamed_loss(
             f"prefix must be an integer in [1, {length - 2}] (a window of {length} tokens predicts at "
             f"positions prefix .. {length - 2}), got {prefix!r}"
         )
-    vocab = model.config.vocab_size
+    if isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 1:
+        raise ValueError(f"chunk must be a positive integer, got {chunk!r}")
+    vocab = lm.config.vocab_size
     if n == 0 or int(windows.max()) >= vocab or int(windows.min()) < 0:
         raise ValueError(
             f"windows must hold at least one row of token ids in [0, {vocab}), got {tuple(windows.shape)}"
         )
-    device = next(model.parameters()).device if device is None else torch.device(device)
+    device = next(lm.parameters()).device if device is None else torch.device(device)
     batch_size = n if batch_size is None else batch_size
     if not isinstance(batch_size, int) or batch_size < 1:
         raise ValueError(f"batch_size must be a positive integer, got {batch_size!r}")
     steps = length - 1 - prefix
-    check_fits(model, policy, prefix, steps)
-    bounds = logit_bounds(model)
+    check_fits(lm, policy, prefix, length - 1)
     parts = []
     bar = tqdm(total=n * steps, desc=f"{type(policy).__name__} streamed", unit="tok", disable=not progress)
     try:
         for b0 in range(0, n, batch_size):
             ids = windows[b0 : b0 + batch_size].to(device)  # [B, L]
-            parts.append(_stream(model, ids, policy, prefix, bounds, bar))
+            parts.append(_stream(lm, ids, policy, prefix, chunk, compare, bar))
     finally:
         bar.close()
     return StreamedLoss(
         positions=torch.arange(prefix, length - 1),
-        **{name: torch.cat([p[name] for p in parts]) for name in parts[0]},
+        **{k: None if parts[0][k] is None else torch.cat([p[k] for p in parts]) for k in parts[0]},
     )
 
 
-def check_fits(model: Decoder, policy: Policy, prefix: int, steps: int) -> None:
+def check_fits(model: nn.Module, policy: Policy, prompt_len: int, total: int) -> None:
     """Raises ``ValueError`` when ``policy`` does not fit ``model`` (a policy for another
-    family, a model that does not decode over a paged store) or a ``prefix + steps``
-    context: the checks of :func:`~lapse.generation.paged_store_for`, on a throwaway store."""
-    paged_store_for(model, 1, prefix, steps, policy)
+    family, naming it; a lapse kind that does not decode over a paged store), or when
+    ``total`` positions (prompt + what is scored after it) exceed the model's context."""
+    lm = as_causal_lm(model)
+    EvictingCache(policy, model=lm)  # checks the policy against the model (and switches HF attention)
+    limit = lm.config.max_position_embeddings
+    if total > limit:
+        raise ValueError(
+            f"{total} positions (the prompt of {prompt_len} and what follows it) exceed the model's context "
+            f"of {limit} (max_position_embeddings): shorten the prompt or the windows"
+        )
+    policy.check_context(prompt_len, total)
+
+
+def policy_cache(lm: nn.Module, policy: Policy, total: int, chunk: int = 1) -> EvictingCache:
+    """An :class:`~lapse.hf.EvictingCache` for ``total`` positions whose passes run every
+    ``policy.every`` forwards of ``chunk`` tokens, the tokens being fed one at a time (the
+    paged store takes a prefill, then one token per step): no eviction inside a chunk, so
+    every logit equals that of a chunked prefill with eviction between chunks."""
+    return EvictingCache(replace(policy, every=policy.every * chunk), model=lm, max_context=total)
+
+
+@torch.no_grad()
+def next_logits(lm: nn.Module, ids: Tensor, cache: EvictingCache) -> Tensor:
+    """One forward of ``ids`` ``[B, T]`` through ``cache``; the last position's logits
+    ``[B, V]`` in float32."""
+    return lm(input_ids=ids, past_key_values=cache, use_cache=True, logits_to_keep=1).logits[:, -1].float()
 
 
 @torch.no_grad()
 def _stream(
-    model: Decoder, ids: Tensor, policy: Policy, prefix: int, bounds: list[Tensor | None], bar: tqdm
-) -> dict[str, Tensor]:
-    """One batch of windows ``[B, L]`` through the policy's store and the dense recorder."""
+    lm: nn.Module, ids: Tensor, policy: Policy, prefix: int, chunk: int, compare: bool, bar: tqdm
+) -> dict[str, Tensor | None]:
+    """One batch of windows ``[B, L]`` through the policy's cache and the dense one."""
     b, length = ids.shape
     steps = length - 1 - prefix
-    store = paged_store_for(model, b, prefix, steps, policy)
-    dense = _AttentionRecorder(model.config.n_layers, max_context=length - 1)
-    prefill(model, ids[:, :prefix], store)
-    prefill(model, ids[:, :prefix], dense)
-    dense.reserve(steps)
-    n_layers = model.config.n_layers
-    loss = torch.empty(b, steps)
+    n_layers = lm.config.num_hidden_layers
+    cache = policy_cache(lm, policy, length - 1, chunk)
+    dense = EvictingCache(_LastStepProbs(), model=lm, max_context=length - 1) if compare else None
+    for c in (cache, dense) if compare else (cache,):
+        next_logits(lm, ids[:, :prefix], c)
+    loss, greedy = torch.empty(b, steps), torch.empty(b, steps, dtype=torch.bool)
     dense_loss, kl = torch.empty(b, steps), torch.empty(b, steps)
     recall = torch.empty(b, n_layers, steps)
     share, held, tokens = (torch.zeros(b, dtype=torch.float64) for _ in range(3))
     for i in range(steps):
-        if i % policy.every == 0:  # as generate does: the prompt's cut first, then every `every`
-            evict(model, store, policy, bounds)
-            store.reserve(min(policy.every, steps - i))
         token = ids[:, prefix + i : prefix + i + 1]  # [B, 1] position prefix + i
         target = ids[:, prefix + i + 1]  # [B]
-        logp = F.log_softmax(decode_one_token(model, token, store).float(), dim=-1)  # [B, V]
-        logq = F.log_softmax(decode_one_token(model, token, dense).float(), dim=-1)  # [B, V] dense
+        logp = F.log_softmax(next_logits(lm, token, cache), dim=-1)  # [B, V]
         loss[:, i] = -logp.gather(1, target[:, None])[:, 0].cpu()
-        dense_loss[:, i] = -logq.gather(1, target[:, None])[:, 0].cpu()
-        kl[:, i] = (logq.exp() * (logq - logp)).sum(-1).clamp_min(0).cpu()
+        greedy[:, i] = (logp.argmax(-1) == target).cpu()
+        store = cache.store
+        if compare:
+            logq = F.log_softmax(next_logits(lm, token, dense), dim=-1)  # [B, V] dense
+            dense_loss[:, i] = -logq.gather(1, target[:, None])[:, 0].cpu()
+            kl[:, i] = (logq.exp() * (logq - logp)).sum(-1).clamp_min(0).cpu()
         for layer in range(n_layers):
             snap = store.snapshot(layer)
-            recall[:, layer, i] = kept_mass(dense.probs[layer], snap).cpu()
+            if compare:
+                seen = dense.store.snapshot(layer)  # slot j holds position j: it never evicts
+                recall[:, layer, i] = kept_mass(seen.scores * seen.valid, snap).cpu()
             held_now = snap.valid.sum((1, 2)) / (snap.valid.shape[1] * snap.seqlens)  # [B]
             tokens += held_now.double().cpu() / n_layers
         now = store.bytes_held()  # the whole batch's: each window is given its share
         held += now / b
         share += now / store.bytes_if_dense()
         bar.update(b)
-    return {"loss": loss, "dense_loss": dense_loss, "kl": kl, "recall": recall,
-            "kv_share": share / steps, "kv_bytes": held / steps, "token_share": tokens / steps}
+    return {"loss": loss, "dense_loss": dense_loss if compare else None, "kl": kl if compare else None,
+            "recall": recall if compare else None, "kv_share": share / steps, "kv_bytes": held / steps,
+            "token_share": tokens / steps, "greedy": greedy}
 
 
 def kept_mass(probs: Tensor, snap: LayerSnapshot) -> Tensor:
@@ -237,30 +259,19 @@ def kept_mass(probs: Tensor, snap: LayerSnapshot) -> Tensor:
 
 
 @dataclass(kw_only=True)
-class PolicyLossConfig:
+class PolicyLossConfig(PolicyOptions, HfOptions):
     """``lapse eval policy-loss``: loss streamed under an eviction policy beside the dense
-    model's, KL divergence and attention-mass recall (lapse models)."""
+    model's, KL divergence and attention-mass recall (lapse models, or ``--hf``)."""
 
-    model: tyro.conf.Positional[Path]
-    """A run folder, one of its checkpoint folders, or a Hugging Face folder of a lapse model."""
-    policy: Literal["dense", "window", "acp", "h2o", "a2sf", "dcp"] = "window"
+    model: tyro.conf.Positional[Path | None] = None
+    """A run folder, one of its checkpoint folders, or a Hugging Face folder of a lapse model;
+    or none with ``--hf``."""
+    policy: PolicyName = "window"
     """The eviction policy, as in ``lapse generate``."""
-    budget: float = 0.2
-    """h2o / a2sf: tokens kept per head, a share of the prefix if <= 1, else a count."""
-    recent: int = 32
-    """h2o / a2sf: recent positions always kept."""
-    alpha: float = 0.9
-    """a2sf: forgetting factor of the accumulated scores."""
-    per: Literal["head", "layer"] = "head"
-    """h2o / a2sf: rank tokens per kv head, or once per layer."""
-    sinks: int = 4
-    """window / h2o / a2sf: first positions always kept."""
-    window: int = 1024
-    """window: recent positions kept."""
-    eps: float = math.exp(-10)
-    """acp: attention mass a row may lose to eviction."""
-    every: int | None = None
-    """Evict every this many steps; default: the policy's own."""
+    chunk: int = 1
+    """Tokens after the prefix fed per forward, the policy's pass before every ``every``-th
+    forward: a chunked prefill with eviction between chunks (1: token by token, as
+    ``lapse generate`` decodes)."""
     seq_len: int | None = None
     """Window length ``T`` (predictions at positions ``prefix .. T - 1``); default: the
     model's training context."""
@@ -273,22 +284,21 @@ class PolicyLossConfig:
     seed: int = 0
     """Picks the windows (the same as ``lapse eval ppl`` with this seed and length)."""
     corpus: CorpusConfig | None = None
-    """Where the windows come from; ``None``: the model's own corpus (validation split)."""
+    """Where the windows come from; ``None``: the model's own corpus (validation split; for
+    ``--hf``, the local Python installation's source files)."""
     data_dir: Path | None = None
     """Token-shard cache folder; ``None``: the run's data folder."""
     out_dir: Path | None = None
-    """Output folder; ``None``: ``<model>/eval/policy-loss/``."""
+    """Output folder; ``None``: ``<model>/eval/policy-loss/`` (``--hf``: ``eval/policy-loss/``)."""
     device: str = "auto"
     """Torch device; ``"auto"``: CUDA when available, else CPU. Always float32."""
     progress: bool = True
     """Show a tqdm bar over the tokens."""
 
     def __post_init__(self) -> None:
-        if not self.budget > 0:
-            raise ValueError(
-                f"--budget must be positive (a share of the prefix or a count), got {self.budget}"
-            )
-        for name in ("num_sequences", "batch_size"):
+        super().__post_init__()
+        self.check_source(self.model)
+        for name in ("num_sequences", "batch_size", "chunk"):
             if getattr(self, name) < 1:
                 raise ValueError(f"--{name.replace('_', '-')} must be at least 1, got {getattr(self, name)}")
         if self.seq_len is not None and self.seq_len < 2:
@@ -300,44 +310,34 @@ class PolicyLossConfig:
                 f"--prefix ({self.prefix}) must be below --seq-len ({self.seq_len}): the positions after the "
                 "prefix are the ones scored"
             )
-        self.make_policy()  # bad policy fields fail here, before the model loads
 
-    def make_policy(self) -> Policy:
-        budget = int(self.budget) if self.budget > 1 else float(self.budget)
-        every = {} if self.every is None else {"every": self.every}
-        match self.policy:
-            case "dense":
-                return Dense()
-            case "window":
-                return SinkWindow(sinks=self.sinks, window=self.window, **every)
-            case "acp":
-                return ACPBoundary(eps=self.eps, **every)
-            case "h2o":
-                return H2O(budget=budget, recent=self.recent, sinks=self.sinks, per=self.per, **every)
-            case "a2sf":
-                return A2SF(budget=budget, recent=self.recent, alpha=self.alpha, sinks=self.sinks,
-                            per=self.per, **every)
-            case "dcp":
-                return DCPDrop(**every)
-        raise ValueError(f"unknown policy {self.policy!r}")
+
+def model_windows(
+    model: EvalLM, seq_len: int, num: int, *, seed: int, corpus: CorpusConfig | None, data_dir: Path | None
+) -> Tensor:
+    """``[num, seq_len + 1]`` validation windows for ``model``: a lapse run's as ``lapse
+    eval ppl`` picks them, a Hugging Face model's from :func:`~lapse.eval.lm.text_windows`."""
+    if model.loaded is not None:
+        return eval_windows(model.loaded, seq_len, num, seed=seed, corpus=corpus, data_dir=data_dir)
+    return text_windows(model.tokenizer, corpus, seq_len, num, seed=seed)
 
 
 def run_policy_loss(cfg: PolicyLossConfig) -> dict:
     """Loads the model, picks the windows, runs :func:`streamed_loss`, writes
     ``results.json`` (this return value), ``summary.md`` and ``policy_loss.png`` into
     ``cfg.out_dir`` (default ``<model>/eval/policy-loss/``)."""
-    if not Path(cfg.model).exists():
+    if cfg.model is not None and not Path(cfg.model).exists():
         raise ValueError(f"model path does not exist: {cfg.model}")
-    loaded = load_model(cfg.model, device=cfg.device)
+    loaded = load_lm(cfg.model, cfg.hf, cfg.gguf_file, device=cfg.device)
     seq_len = cfg.seq_len if cfg.seq_len is not None else loaded.context
     prefix = cfg.prefix if cfg.prefix is not None else seq_len // 2
     if not 1 <= prefix < seq_len:
         raise ValueError(f"--prefix ({prefix}) must be in [1, --seq-len = {seq_len})")
     policy = cfg.make_policy()
-    check_fits(loaded.model, policy, prefix, seq_len - prefix)  # before the data is read
-    windows = eval_windows(loaded, seq_len, cfg.num_sequences, seed=cfg.seed, corpus=cfg.corpus,
-                           data_dir=cfg.data_dir)  # [N, T + 1]
-    r = streamed_loss(loaded.model, windows, policy, prefix=prefix, batch_size=cfg.batch_size,
+    check_fits(loaded.lm, policy, prefix, seq_len)  # before the data is read
+    windows = model_windows(loaded, seq_len, cfg.num_sequences, seed=cfg.seed, corpus=cfg.corpus,
+                            data_dir=cfg.data_dir)  # [N, T + 1]
+    r = streamed_loss(loaded.lm, windows, policy, prefix=prefix, chunk=cfg.chunk, batch_size=cfg.batch_size,
                       progress=cfg.progress)
     loss, dense = r.loss.double().mean(0), r.dense_loss.double().mean(0)  # [S]
     results = {
@@ -345,7 +345,7 @@ def run_policy_loss(cfg: PolicyLossConfig) -> dict:
         "config": _jsonable(asdict(cfg)),
         "model": loaded.name,
         "path": str(loaded.path),
-        "arch": loaded.config.name,
+        "arch": _arch(loaded),
         "policy": cfg.policy,
         "policy_repr": repr(policy),
         "seq_len": seq_len,
@@ -368,12 +368,17 @@ def run_policy_loss(cfg: PolicyLossConfig) -> dict:
         "sequence_losses": r.loss.double().mean(1).tolist(),
         "sequence_dense_losses": r.dense_loss.double().mean(1).tolist(),
     }
-    out_dir = cfg.out_dir if cfg.out_dir is not None else Path(cfg.model) / "eval" / "policy-loss"
+    out_dir = cfg.out_dir if cfg.out_dir is not None else Path(cfg.model or ".") / "eval" / "policy-loss"
     out_dir.mkdir(parents=True, exist_ok=True)
     _plot(results, out_dir / "policy_loss.png")
     write_text_atomic(out_dir / "summary.md", _summary(results))
     write_text_atomic(out_dir / "results.json", json.dumps(results, indent=1))
     return {**results, "out_dir": str(out_dir)}
+
+
+def _arch(model: EvalLM) -> str:
+    """A lapse model's kind name, or a Hugging Face model's ``model_type``."""
+    return model.loaded.config.name if model.loaded is not None else model.lm.config.model_type
 
 
 def _jsonable(obj):

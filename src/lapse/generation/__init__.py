@@ -16,7 +16,18 @@ from .generate import (
     sample,
     supports_paged,
 )
-from .policies import A2SF, H2O, POLICIES, ACPBoundary, DCPDrop, Dense, Policy, SinkWindow
+from .policies import (
+    A2SF,
+    H2O,
+    POLICIES,
+    ACPBoundary,
+    DCPDrop,
+    Dense,
+    Policy,
+    PolicyName,
+    PolicyOptions,
+    SinkWindow,
+)
 
 __all__ = [
     "A2SF",
@@ -26,6 +37,8 @@ __all__ = [
     "DCPDrop",
     "Dense",
     "Policy",
+    "PolicyName",
+    "PolicyOptions",
     "SinkWindow",
     "compiled_decode_one_token",
     "decode_one_token",

@@ -10,12 +10,10 @@ bytes the paged store held against what a dense cache would hold.
 from __future__ import annotations
 
 import json
-import math
 import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal
 
 import torch
 import tyro
@@ -28,11 +26,11 @@ from lapse.models import Decoder
 from lapse.models.checkpoint import CHECKPOINT_NAME, CONFIG_FILE, latest_checkpoint, load_weights, read_run
 
 from .generate import generate, paged_store_for, supports_paged
-from .policies import A2SF, H2O, ACPBoundary, DCPDrop, Dense, Policy, SinkWindow
+from .policies import Dense, Policy, PolicyName, PolicyOptions
 
 
 @dataclass(kw_only=True)
-class GenerateConfig:
+class GenerateConfig(PolicyOptions):
     """Generate text from a trained run (or one of its checkpoints) under an eviction policy."""
 
     model: tyro.conf.Positional[Path | None] = None
@@ -63,27 +61,9 @@ class GenerateConfig:
     """Sample from the most likely tokens whose probability reaches p (nucleus)."""
     seed: int = 0
     """Seed of the sampling."""
-    policy: Literal["dense", "window", "acp", "h2o", "a2sf", "dcp"] = "dense"
+    policy: PolicyName = "dense"
     """Eviction policy: keep everything; sinks + window; ACP boundary (FoX Pro); H2O; A2SF;
     DCP (free what a DCP model's interaction mask dropped)."""
-    budget: float = 0.2
-    """h2o / a2sf: tokens kept per head, a share of the prompt if <= 1, else a count."""
-    recent: int = 32
-    """h2o / a2sf: recent positions always kept."""
-    alpha: float = 0.9
-    """a2sf: forgetting factor of the accumulated scores."""
-    per: Literal["head", "layer"] = "head"
-    """h2o / a2sf: rank tokens per kv head, or once per layer (every head the same tokens:
-    what DCP models need)."""
-    sinks: int = 4
-    """window / h2o / a2sf: first positions always kept (attention sinks)."""
-    window: int = 1024
-    """window: recent positions kept."""
-    eps: float = math.exp(-10)
-    """acp: attention mass a row may lose to eviction."""
-    every: int | None = None
-    """Evict every this many steps (outside the decode step); default: the policy's own
-    (window, acp: 64; h2o, a2sf: 1)."""
     device: str = "auto"
     """``auto``: CUDA when available."""
     compile: bool = False
@@ -92,6 +72,7 @@ class GenerateConfig:
     """``--prompts-file``: prompts generated together (of any lengths: a ragged batch)."""
 
     def __post_init__(self) -> None:
+        super().__post_init__()
         if (self.model is None) == (self.hf is None):
             raise ValueError("give a run folder or --hf PATH (one of them)")
         if self.gguf_file is not None and self.hf is None:
@@ -114,20 +95,6 @@ class GenerateConfig:
         if self.device == "auto":
             return torch.device("cuda" if torch.cuda.is_available() else "cpu")
         return torch.device(self.device)
-
-    def make_policy(self) -> Policy:
-        budget = int(self.budget) if self.budget > 1 else float(self.budget)
-        every = {} if self.every is None else {"every": self.every}
-        return {
-            "dense": lambda: Dense(),
-            "window": lambda: SinkWindow(sinks=self.sinks, window=self.window, **every),
-            "acp": lambda: ACPBoundary(eps=self.eps, **every),
-            "h2o": lambda: H2O(budget=budget, recent=self.recent, sinks=self.sinks, per=self.per, **every),
-            "a2sf": lambda: A2SF(
-                budget=budget, recent=self.recent, alpha=self.alpha, sinks=self.sinks, per=self.per, **every
-            ),
-            "dcp": lambda: DCPDrop(**every),
-        }[self.policy]()
 
 
 def load_run_model(path: Path, device: torch.device) -> tuple[Decoder, object]:

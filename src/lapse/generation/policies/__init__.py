@@ -10,6 +10,7 @@ from .base import Policy
 from .dcp import DCPDrop
 from .dense import Dense
 from .h2o import H2O
+from .options import PolicyName, PolicyOptions
 from .window import SinkWindow
 
 POLICIES: dict[str, type[Policy]] = {
@@ -21,4 +22,7 @@ POLICIES: dict[str, type[Policy]] = {
     "dcp": DCPDrop,
 }
 
-__all__ = ["A2SF", "ACPBoundary", "DCPDrop", "H2O", "POLICIES", "Dense", "Policy", "SinkWindow"]
+__all__ = [
+    "A2SF", "ACPBoundary", "DCPDrop", "H2O", "POLICIES", "Dense", "Policy", "PolicyName", "PolicyOptions",
+    "SinkWindow",
+]

@@ -1,0 +1,76 @@
+"""The command line's policy flags, shared by ``lapse generate`` and every ``lapse eval``
+that runs under a policy: one dataclass that the commands' configs derive from, so the
+flags, their help and the policy they build are written once."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Literal
+
+from .a2sf import A2SF
+from .acp import ACPBoundary
+from .base import Policy
+from .dcp import DCPDrop
+from .dense import Dense
+from .h2o import H2O
+from .window import SinkWindow
+
+PolicyName = Literal["dense", "window", "acp", "h2o", "a2sf", "dcp"]
+
+
+@dataclass(kw_only=True)
+class PolicyOptions:
+    """An eviction policy and its fields, as flags (``--policy h2o --budget 64 ...``)."""
+
+    policy: PolicyName | None = None
+    """Eviction policy: keep everything; sinks + window; ACP boundary (FoX Pro); H2O; A2SF;
+    DCP (free what a DCP model's interaction mask dropped). ``None``: no policy (the
+    command's plain path)."""
+    budget: float = 0.2
+    """h2o / a2sf: tokens kept per head, a share of the prompt if <= 1, else a count."""
+    recent: int = 32
+    """h2o / a2sf: recent positions always kept."""
+    alpha: float = 0.9
+    """a2sf: forgetting factor of the accumulated scores."""
+    per: Literal["head", "layer"] = "head"
+    """h2o / a2sf: rank tokens per kv head, or once per layer (every head the same tokens:
+    what DCP models need)."""
+    sinks: int = 4
+    """window / h2o / a2sf: first positions always kept (attention sinks)."""
+    window: int = 1024
+    """window: recent positions kept."""
+    eps: float = math.exp(-10)
+    """acp: attention mass a row may lose to eviction."""
+    every: int | None = None
+    """Evict every this many steps (outside the decode step); default: the policy's own
+    (window, acp: 64; h2o, a2sf: 1)."""
+
+    def __post_init__(self) -> None:
+        if not self.budget > 0:
+            raise ValueError(
+                f"--budget must be positive (a share of the prompt or a count), got {self.budget}"
+            )
+        self.make_policy()  # bad policy fields fail here, before any model loads
+
+    def make_policy(self) -> Policy | None:
+        """The policy the flags name (``None`` without ``--policy``)."""
+        budget = int(self.budget) if self.budget > 1 else float(self.budget)
+        every = {} if self.every is None else {"every": self.every}
+        match self.policy:
+            case None:
+                return None
+            case "dense":
+                return Dense(**every)
+            case "window":
+                return SinkWindow(sinks=self.sinks, window=self.window, **every)
+            case "acp":
+                return ACPBoundary(eps=self.eps, **every)
+            case "h2o":
+                return H2O(budget=budget, recent=self.recent, sinks=self.sinks, per=self.per, **every)
+            case "a2sf":
+                return A2SF(budget=budget, recent=self.recent, alpha=self.alpha, sinks=self.sinks,
+                            per=self.per, **every)
+            case "dcp":
+                return DCPDrop(**every)
+        raise ValueError(f"--policy must be one of dense, window, acp, h2o, a2sf, dcp; got {self.policy!r}")
