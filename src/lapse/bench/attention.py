@@ -98,19 +98,10 @@ Provider = Literal[
     "lookahead-keys-attention",
 ]
 Mode = Literal["fwd", "fwd+bwd"]
-PROVIDERS: tuple[Provider, ...] = (
-    "lapse",
-    "lapse-acp",
-    "sdpa-default",
-    "sdpa-flash",
-    "sdpa-efficient",
-    "sdpa-cudnn",
-    "flex",
-    "fla",
-)
-"""The default providers (forgetting attention and its peers)."""
 SOFTMAX_BASELINES: tuple[Provider, ...] = ("sdpa-default", "sdpa-flash", "sdpa-efficient", "sdpa-cudnn")
 """Causal softmax attention without a gate: the ratios are taken against the fastest."""
+PROVIDERS: tuple[Provider, ...] = ("lapse", "lapse-acp", *SOFTMAX_BASELINES, "flex", "fla")
+"""The default providers (forgetting attention and its peers)."""
 PROVIDER_ALIASES: dict[str, Provider] = {"sdpa": "sdpa-flash"}
 """Older names still accepted by --providers."""
 CASTLE_PROVIDERS: tuple[Provider, ...] = (
