@@ -29,19 +29,11 @@ import torch.nn.functional as F
 from torch import Tensor
 from torch.autograd.function import once_differentiable
 
-# log Ibar and log I are floored here instead of reaching -inf: a cumulative sum through
-# -inf is fine, but any later difference or product with 0 would give NaN, and a floored
-# weight exp(-1e4) is exactly 0 in float32 and float64, the same as the -inf it stands for.
-LOG_FLOOR = -1.0e4
-T_MAX = -LOG_FLOOR
+from ..backend import check_backend, resolve_backend, triton
+from .alpha_sigmoid_triton import TritonAlphaSigmoid
+from .common import LOG_FLOOR, STEPS, T_MAX
 
-# Bisection halves [0, T_MAX] until the bracket is below half an ulp of 1/2 (the scale of
-# p where it is most sensitive to t): ceil(log2(T_MAX) + mantissa bits). float32: 38
-# steps (|t error| <= 3.6e-8); float64: 67 steps (|t error| <= 6.8e-17).
-_STEPS = {
-    torch.float32: math.ceil(math.log2(T_MAX) + 24),
-    torch.float64: math.ceil(math.log2(T_MAX) + 53),
-}
+ALPHA_SIGMOID_BACKENDS = ("auto", "triton", "torch")
 
 
 def check_alpha(alpha: object) -> float:
@@ -76,7 +68,7 @@ def solve_logit(x: Tensor, alpha: float) -> Tensor:
     log_ax = torch.log(ax)  # -inf at x = 0: every step moves hi down, t -> 0
     lo = torch.zeros_like(x)
     hi = torch.full_like(x, T_MAX)
-    for _ in range(_STEPS[x.dtype]):
+    for _ in range(STEPS[x.dtype]):
         mid = 0.5 * (lo + hi)
         h = c * F.logsigmoid(mid) + torch.log(torch.expm1(-c * mid) / -c)
         below = h < log_ax  # the root lies above mid
@@ -137,20 +129,32 @@ def _clip_linear(x: Tensor, log: bool) -> Tensor:
     return torch.where(inside, log_p, clipped)
 
 
-def _apply(x: Tensor, alpha: float, log: bool) -> Tensor:
+def _resolve(x: Tensor, backend: str) -> str:
+    """``"auto"``: the fused Triton kernels for float16/bfloat16/float32 CUDA tensors, the
+    torch bisection otherwise (float64 stays in torch: the kernels solve in float32)."""
+    check_backend(backend, ALPHA_SIGMOID_BACKENDS)
+    if backend == "auto":
+        return "triton" if triton is not None and x.is_cuda and x.dtype != torch.float64 else "torch"
+    return resolve_backend(backend, x, ALPHA_SIGMOID_BACKENDS)
+
+
+def _apply(x: Tensor, alpha: float, log: bool, backend: str) -> Tensor:
     _check_x(x)
     alpha = check_alpha(alpha)
+    backend = _resolve(x, backend)
     xw = x.to(_work_dtype(x))
     if alpha == 1.0:
         out = F.logsigmoid(xw).clamp_min(LOG_FLOOR) if log else torch.sigmoid(xw)
     elif alpha == 2.0:
         out = _clip_linear(xw, log)
+    elif backend == "triton":
+        out = TritonAlphaSigmoid.apply(xw, alpha, log)
     else:
         out = _AlphaSigmoid.apply(xw, alpha, log)
     return out.to(x.dtype)
 
 
-def alpha_sigmoid(x: Tensor, alpha: float) -> Tensor:
+def alpha_sigmoid(x: Tensor, alpha: float, *, backend: str = "auto") -> Tensor:
     """The alpha-sigmoid ``sigma_alpha(x) = argmax_{p in [0,1]} p x + H_alpha(p)``
     (Tsallis entropy ``H_alpha``; SPEC section 6), elementwise.
 
@@ -163,15 +167,19 @@ def alpha_sigmoid(x: Tensor, alpha: float) -> Tensor:
         x: a floating-point tensor of any shape; float16 and bfloat16 are computed in
             float32, float64 in float64.
         alpha: a python float ``>= 1`` (scheduled on the host during training).
+        backend: ``"auto"`` (Triton for CUDA tensors other than float64, else torch),
+            ``"triton"`` (the fused kernels of ``alpha_sigmoid_triton.py``: one pass
+            forward, one backward) or ``"torch"`` (the bisection as torch ops). They
+            compute the same function; ``alpha = 1, 2`` take the closed forms on either.
 
     Returns:
         ``p`` in [0, 1], the shape and dtype of ``x``. Differentiable: ``dp/dx = 1 /
         (p^(a-2) + (1-p)^(a-2))`` where ``0 < p < 1``, 0 where clipped.
     """
-    return _apply(x, alpha, log=False)
+    return _apply(x, alpha, log=False, backend=backend)
 
 
-def log_alpha_sigmoid(x: Tensor, alpha: float) -> Tensor:
+def log_alpha_sigmoid(x: Tensor, alpha: float, *, backend: str = "auto") -> Tensor:
     """``log sigma_alpha(x)``, floored at ``LOG_FLOOR = -1e4`` (where ``p = 0``).
 
     Computed from the bisected logit as ``log sigmoid(t)``, so it keeps full relative
@@ -179,4 +187,4 @@ def log_alpha_sigmoid(x: Tensor, alpha: float) -> Tensor:
     Gradient ``1 / (p^(a-1) + p (1-p)^(a-2))`` where ``0 < p < 1``, 0 where clipped.
     Same arguments as :func:`alpha_sigmoid`.
     """
-    return _apply(x, alpha, log=True)
+    return _apply(x, alpha, log=True, backend=backend)
