@@ -24,3 +24,61 @@ def test_the_benchmark_step_is_the_trainer_step():
     (la, wa), (lb, wb) = results
     assert torch.equal(la, lb)
     assert all(torch.equal(wa[k], wb[k]) for k in wa)
+
+
+def test_the_benchmark_dcp_step_is_the_trainer_dcp_step():
+    from lapse.bench.training import dcp_penalty
+    from lapse.train.config import DCPTrainConfig
+    from lapse.train.dcp import DCPTraining, dcp_layers
+
+    cfg = preset("tiny", "transformer-llama", attention="dcp", dcp_r=4, dcp_beta_init=-0.4, vocab_size=128,
+                 max_seq_len=32)
+    ids = torch.randint(0, 128, (4, 33), generator=torch.Generator().manual_seed(0))
+    x, y = ids[:, :-1], ids[:, 1:]
+    results = []
+    for step in (optimizer_step, train_step):
+        torch.manual_seed(0)
+        model = Decoder(cfg)
+        opt = torch.optim.AdamW(optimizer_groups(model, 0.1), lr=1e-3, betas=(0.9, 0.95))
+        if step is optimizer_step:
+            penalty = dcp_penalty(model, 3.0, 0.5)
+            loss = step(model, opt, x, y, 2, penalty)
+            dropped = penalty.dropped / penalty.forwards
+        else:
+            dcp = DCPTraining(dcp_layers(model), DCPTrainConfig(gamma=0.5, alpha_start=3.0, alpha_end=3.0), 1,
+                              torch.device("cpu"))
+            dcp.set_step(0)
+            loss, _ = step(model, opt, x, y, 2, torch.device("cpu"), torch.bfloat16, 1.0, dcp)
+            dropped = dcp.take()[0]
+        results.append((loss, dropped, model.state_dict()))
+    (la, da, wa), (lb, db, wb) = results
+    assert torch.equal(la, lb) and torch.equal(da, db)
+    assert da.max() > 0  # beta < 0: the mask drops, so the penalty has something to move
+    assert all(torch.equal(wa[k], wb[k]) for k in wa)
+
+
+def test_bench_train_runs_dcp_against_the_transformer_on_cpu(tmp_path):
+    import json
+
+    from lapse.bench.training import TrainBenchConfig, run
+
+    cfg = TrainBenchConfig(
+        preset="tiny", arch="transformer-llama", seq_len=32, batch_size=2, micro_batch_size=1, steps=1, warmup=0,
+        variants=("transformer", "dcp"), dcp_r=4, out_dir=tmp_path,
+    )
+    rows = {r["variant"]: r for r in run(cfg)["rows"]}
+    assert rows["dcp"]["vs_transformer"] > 0 and rows["transformer"]["vs_transformer"] == 1.0
+    # the same softmax weights; at beta init (2) almost every keep probability is 1
+    assert abs(rows["dcp"]["loss"] - rows["transformer"]["loss"]) < 1e-3 * rows["transformer"]["loss"]
+    assert json.loads((tmp_path / "results.json").read_text())["rows"][1]["variant"] == "dcp"
+
+
+def test_bench_train_refuses_bad_dcp_settings():
+    import pytest
+
+    from lapse.bench.training import TrainBenchConfig
+
+    with pytest.raises(ValueError, match="dcp_gamma"):
+        TrainBenchConfig(dcp_gamma=-1.0)
+    with pytest.raises(ValueError, match="dcp_alpha"):
+        TrainBenchConfig(dcp_alpha=0.5)

@@ -1,4 +1,5 @@
-"""Training throughput of one model with ACP on and off, in one process (``lapse bench train``).
+"""Training throughput of one model with ACP on and off, and of DCP fine-tuning against the
+softmax Transformer it wraps, in one process (``lapse bench train``).
 
 Every variant loads the same weights (a trained run's checkpoint, so the gates have
 decayed the way training made them, or a fresh init), feeds the same windows, and runs
@@ -7,24 +8,35 @@ whole optimizer steps (forward, backward, clipping, AdamW) as the trainer takes 
 rounds so drift of the GPU clock hits all alike; the median step time is reported with
 tokens/s, MFU (attention counted as dense causal FLOPs, so pruned and dense runs are
 compared on the same work), the pruned fraction and the peak memory.
+
+``dcp`` times DCP fine-tuning steps (SPEC section 6) as ``lapse train --init-from RUN
+--model.attention dcp`` takes them: the softmax Transformer of the same sizes with DCP
+attention on it, its softmax weights those of the ``transformer`` variant (or of the run's
+checkpoint, when that holds a softmax model) and its interaction parameters at their
+init, the alpha-sigmoid mask at a fixed ``dcp_alpha`` (the schedule's middle: the
+bisection's full cost, not the closed forms of alpha = 1 or 2), and the sparsity penalty
+``dcp_gamma * mean over layers of mean I`` in the loss. Its row reads against the
+``transformer`` row of the same compile mode ("vs transformer": step time ratio).
 """
 
 from __future__ import annotations
 
 import json
+import math
 import platform
 import statistics
 import subprocess
 import time
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
-from typing import Literal
+from typing import Callable, Literal
 
 import torch
 
 # "transformer": the same sizes as a Transformer of the same block type (RoPE, SDPA flash),
-# freshly initialised: the reference for what the rest of the model costs.
-VARIANTS = tuple(f"{v}{c}" for v in ("dense", "acp", "transformer") for c in ("", "-compile"))
+# freshly initialised: the reference for what the rest of the model costs. "dcp": that
+# Transformer under DCP fine-tuning.
+VARIANTS = tuple(f"{v}{c}" for v in ("dense", "acp", "transformer", "dcp") for c in ("", "-compile"))
 
 
 @dataclass(kw_only=True)
@@ -36,8 +48,9 @@ class TrainBenchConfig:
     a fresh ``preset`` model on random tokens."""
     preset: str = "125m"
     """Model preset when ``run`` is ``None``."""
-    arch: Literal["fox-llama", "fox-pro"] = "fox-pro"
-    """Architecture when ``run`` is ``None``."""
+    arch: Literal["fox-llama", "fox-pro", "transformer-llama", "transformer-pro"] = "fox-pro"
+    """Architecture when ``run`` is ``None`` (``dense``/``acp`` need a FoX one; ``transformer``
+    and ``dcp`` take its block type with softmax / DCP attention)."""
     seq_len: int = 16384
     """T, tokens per row."""
     batch_size: int = 8
@@ -50,9 +63,16 @@ class TrainBenchConfig:
     """Untimed steps per variant first (autotuning, compilation, allocator growth)."""
     variants: tuple[str, ...] = ("dense", "acp")
     """Any of ``dense``, ``acp``, ``transformer`` (the same sizes with RoPE and SDPA flash
-    instead of forgetting attention), each optionally with ``-compile``."""
+    instead of forgetting attention), ``dcp`` (that Transformer fine-tuned with DCP), each
+    optionally with ``-compile``."""
     acp_eps: float | None = None
     """ACP tolerance; ``None``: the model config's."""
+    dcp_alpha: float = 4.0
+    """The alpha-sigmoid's alpha in the ``dcp`` steps (not 1 or 2: those are closed forms)."""
+    dcp_gamma: float = 0.1
+    """DCP's sparsity weight in the ``dcp`` steps."""
+    dcp_r: int = 64
+    """DCP's interaction dim in the ``dcp`` steps."""
     lr: float = 1e-4
     """Learning rate of the timed steps (small: the weights barely move while timing)."""
     peak_tflops: float | None = None
@@ -64,6 +84,10 @@ class TrainBenchConfig:
         unknown = sorted(set(self.variants) - set(VARIANTS))
         if unknown:
             raise ValueError(f"unknown variants {unknown}; valid: {VARIANTS}")
+        if not math.isfinite(self.dcp_alpha) or self.dcp_alpha < 1:
+            raise ValueError(f"dcp_alpha must be a finite number >= 1, got {self.dcp_alpha!r}")
+        if not math.isfinite(self.dcp_gamma) or self.dcp_gamma < 0:
+            raise ValueError(f"dcp_gamma must be a finite number >= 0, got {self.dcp_gamma!r}")
         if self.batch_size % self.micro_batch_size:
             raise ValueError(
                 f"micro_batch_size {self.micro_batch_size} must divide batch_size {self.batch_size}"
@@ -82,13 +106,13 @@ def _commit() -> str:
 def run(cfg: TrainBenchConfig) -> dict:
     from lapse.data import WindowSampler, prepare_data
     from lapse.models import Decoder, flops_per_token, optimizer_groups, preset
-    from lapse.models.checkpoint import latest_checkpoint, load_weights, read_run
+    from lapse.models.checkpoint import dcp_parameter_names, latest_checkpoint, load_weights, read_run
     from lapse.models.mfu import peak_tflops
     from lapse.ops.forgetting import set_value_checks
 
-    if not torch.cuda.is_available():
-        raise SystemExit("lapse bench train needs a CUDA device")
-    device = torch.device("cuda")
+    # CPU runs (a tiny preset) check the wiring only; timings that matter come from CUDA.
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    cuda = device.type == "cuda"
     set_value_checks(False)
     if cfg.run is not None:
         saved = read_run(cfg.run)
@@ -123,27 +147,41 @@ def run(cfg: TrainBenchConfig) -> dict:
     flops = flops_per_token(model_cfg, cfg.seq_len)
     peak = peak_tflops(device, cfg.peak_tflops)
     tokens = cfg.batch_size * cfg.seq_len
+    softmax_cfg = replace(model_cfg, attention="softmax", acp=False)
     states = {}
     for name in cfg.variants:
         torch.manual_seed(0)
+        regularizer = None
         if name.startswith("transformer"):
-            model = Decoder(replace(model_cfg, attention="softmax", acp=False)).to(device)
+            model = Decoder(softmax_cfg).to(device)
+        elif name.startswith("dcp"):
+            model = Decoder(replace(softmax_cfg, attention="dcp", dcp_r=cfg.dcp_r)).to(device)
+            if folder is not None and model_cfg.attention == "softmax":
+                load_weights(folder, model, init_dcp=True)
+            else:  # the transformer variant's weights (the same seed), the interaction ones at init
+                torch.manual_seed(0)
+                missing, unexpected = model.load_state_dict(Decoder(softmax_cfg).state_dict(), strict=False)
+                assert not unexpected and set(missing) == set(dcp_parameter_names(model)), (missing, unexpected)
+            regularizer = dcp_penalty(model, cfg.dcp_alpha, cfg.dcp_gamma)
         else:
+            if model_cfg.attention != "forgetting":
+                raise ValueError(f"the {name} variant needs a FoX model (arch fox-*), got {model_cfg.name}")
             model = Decoder(replace(model_cfg, acp=name.startswith("acp"))).to(device)
             if folder is not None:
                 load_weights(folder, model)
         if name.endswith("compile"):
             for block in model.blocks:
                 block.compile()
-        opt = torch.optim.AdamW(optimizer_groups(model, 0.1), lr=cfg.lr, betas=(0.9, 0.95), fused=True)
-        states[name] = {"model": model, "opt": opt, "times": [], "losses": []}
+        opt = torch.optim.AdamW(optimizer_groups(model, 0.1), lr=cfg.lr, betas=(0.9, 0.95), fused=cuda)
+        states[name] = {"model": model, "opt": opt, "regularizer": regularizer, "times": [], "losses": []}
 
     def step(name: str, i: int, timed: bool) -> None:
         s = states[name]
         x, y = batch(i)
-        torch.cuda.synchronize()
+        if cuda:
+            torch.cuda.synchronize()
         t0 = time.perf_counter()
-        loss = optimizer_step(s["model"], s["opt"], x, y, cfg.micro_batch_size).item()  # syncs
+        loss = optimizer_step(s["model"], s["opt"], x, y, cfg.micro_batch_size, s["regularizer"]).item()  # syncs
         if timed:
             s["times"].append(time.perf_counter() - t0)
             s["losses"].append(loss)
@@ -155,12 +193,14 @@ def run(cfg: TrainBenchConfig) -> dict:
             step(name, i, timed=False)
     for i in range(cfg.steps):
         for name in cfg.variants:
-            torch.cuda.reset_peak_memory_stats()
+            if cuda:
+                torch.cuda.reset_peak_memory_stats()
             step(name, cfg.warmup + i, timed=True)
             states[name].setdefault("peak_gib", 0.0)
-            states[name]["peak_gib"] = max(
-                states[name]["peak_gib"], torch.cuda.max_memory_allocated() / 2**30
-            )
+            if cuda:
+                states[name]["peak_gib"] = max(
+                    states[name]["peak_gib"], torch.cuda.max_memory_allocated() / 2**30
+                )
 
     rows = []
     for name, s in states.items():
@@ -169,10 +209,12 @@ def run(cfg: TrainBenchConfig) -> dict:
         if name.startswith("acp"):
             model.set_collect_stats(True)
             x, _ = batch(0)
-            with torch.no_grad(), torch.autocast("cuda", dtype=torch.bfloat16):
+            with torch.no_grad(), torch.autocast(device.type, dtype=torch.bfloat16):
                 model(x[: cfg.micro_batch_size].to(device))
             pruned = model.pruned_fractions()  # [n_layers, H]
             model.set_collect_stats(False)
+        elif name.startswith("dcp"):
+            pruned = s["regularizer"].dropped[:, None] / max(s["regularizer"].forwards, 1)  # [n_layers, 1]
         t = statistics.median(s["times"])
         tok_s = tokens / t
         rows.append(
@@ -188,12 +230,16 @@ def run(cfg: TrainBenchConfig) -> dict:
             }
         )
     base = next((r for r in rows if r["variant"] == "dense"), None)
+    step_s = {r["variant"]: r["step_s"] for r in rows}
     for r in rows:
         r["speedup_vs_dense"] = base["step_s"] / r["step_s"] if base else None
+        mode = "-compile" if r["variant"].endswith("-compile") else ""
+        peer = step_s.get(f"transformer{mode}") or step_s.get("transformer") or step_s.get("transformer-compile")
+        r["vs_transformer"] = r["step_s"] / peer if peer else None
 
     result = {
         "bench": "train",
-        "device": torch.cuda.get_device_name(device),
+        "device": torch.cuda.get_device_name(device) if cuda else f"cpu ({platform.processor() or 'unknown'})",
         "torch": torch.__version__,
         "triton": _triton_version(),
         "python": platform.python_version(),
@@ -212,15 +258,16 @@ def run(cfg: TrainBenchConfig) -> dict:
         f"{result['device']}; weights: {source}; median of {cfg.steps} steps; MFU with attention counted "
         f"as dense causal ({flops / 1e9:.2f} GFLOP/token)",
         "",
-        "| variant | step s | tokens/s | MFU | vs dense | pruned | peak GiB | loss |",
-        "|---|---|---|---|---|---|---|---|",
+        "| variant | step s | tokens/s | MFU | vs dense | vs transformer | pruned | peak GiB | loss |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         mfu = f"{100 * r['mfu']:.1f}%" if r["mfu"] is not None else "-"
         pruned = f"{100 * r['pruned']:.1f}%" if r["pruned"] is not None else "-"
         speed = f"{r['speedup_vs_dense']:.2f}x" if r["speedup_vs_dense"] else "-"
+        slower = f"{r['vs_transformer']:.2f}x" if r["vs_transformer"] else "-"
         lines.append(
-            f"| {r['variant']} | {r['step_s']:.3f} | {r['tokens_per_s']:,.0f} | {mfu} | {speed} | "
+            f"| {r['variant']} | {r['step_s']:.3f} | {r['tokens_per_s']:,.0f} | {mfu} | {speed} | {slower} | "
             f"{pruned} | {r['peak_gib']:.1f} | {r['loss']:.3f} |"
         )
     text = "\n".join(lines)
@@ -232,23 +279,57 @@ def run(cfg: TrainBenchConfig) -> dict:
 
 
 def optimizer_step(
-    model: torch.nn.Module, optimizer: torch.optim.Optimizer, x: torch.Tensor, y: torch.Tensor, micro: int
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    x: torch.Tensor,
+    y: torch.Tensor,
+    micro: int,
+    regularizer: Callable[[], torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """One optimizer step as the trainer takes it in one process: forward and backward per
-    micro-batch of ``micro`` rows under bf16 autocast, gradients averaged, clipped to norm
-    1, AdamW. Returns the mean loss (a device tensor)."""
+    micro-batch of ``micro`` rows under bf16 autocast (``regularizer()``, called after each
+    forward, added to its loss), gradients averaged, clipped to norm 1, AdamW. Returns the
+    mean LM loss (a device tensor)."""
     device = next(model.parameters()).device
     pieces = list(zip(x.split(micro), y.split(micro), strict=True))
     total = torch.zeros((), device=device)
     for xm, ym in pieces:
         with torch.autocast(device.type, dtype=torch.bfloat16):
             _, loss = model(xm.to(device, non_blocking=True), ym.to(device, non_blocking=True))
-        (loss / len(pieces)).backward()
+            objective = loss if regularizer is None else loss + regularizer()
+        (objective / len(pieces)).backward()
         total += loss.detach().float() / len(pieces)
     torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
     return total
+
+
+class dcp_penalty:
+    """DCP's training objective term for ``model``'s DCP layers, as the trainer's
+    ``DCPTraining`` computes it (which the benchmark may not import): the layers keep each
+    forward's ``log I`` under the alpha-sigmoid at ``alpha``; calling the instance after a
+    forward returns ``gamma * mean over layers of dcp_sparsity_loss`` and counts the share
+    of context each layer dropped (``dropped`` ``[L]`` summed over ``forwards``)."""
+
+    def __init__(self, model: torch.nn.Module, alpha: float, gamma: float):
+        from lapse.layers import DCPAttention
+
+        self.layers = [m for m in model.modules() if isinstance(m, DCPAttention)]
+        for layer in self.layers:
+            layer.alpha, layer.keep_log_mask = alpha, True
+        self.gamma = gamma
+        self.dropped = torch.zeros(len(self.layers), device=next(model.parameters()).device)
+        self.forwards = 0
+
+    def __call__(self) -> torch.Tensor:
+        from lapse.layers.dcp import take_log_masks
+        from lapse.ops.dcp import dcp_sparsity_loss
+
+        masks, dropped = take_log_masks(self.layers)
+        self.dropped += dropped
+        self.forwards += 1
+        return self.gamma * torch.stack([dcp_sparsity_loss(m) for m in masks]).mean()
 
 
 def _triton_version() -> str | None:

@@ -223,3 +223,15 @@ class DCPAttention(SoftmaxAttention):
         if self.collect_stats:
             self.last_stats = DCPStats(dropped=dcp_sparsity(log_i))
         return log_i
+
+
+def take_log_masks(layers: list[DCPAttention]) -> tuple[list[Tensor], Tensor]:
+    """The ``log I`` each layer kept in its last full forward (``keep_log_mask``; taken
+    from the layers) and the share of context each dropped, ``[L]``: the mean over
+    positions ``k >= 1`` of dropped / k. What DCP training reads after each forward."""
+    masks = [layer.take_log_mask() for layer in layers]
+    if any(m is None for m in masks):
+        raise RuntimeError("a DCP layer kept no log I: no full forward ran since the last call")
+    with torch.no_grad():
+        dropped = torch.stack([dcp_sparsity(m)[:, 1:].mean() for m in masks])  # [L]
+    return masks, dropped

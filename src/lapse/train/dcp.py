@@ -18,7 +18,8 @@ import torch
 from torch import Tensor, nn
 
 from lapse.layers import DCPAttention
-from lapse.ops.dcp import dcp_sparsity, dcp_sparsity_loss
+from lapse.layers.dcp import take_log_masks
+from lapse.ops.dcp import dcp_sparsity_loss
 
 from .config import DCPTrainConfig
 
@@ -62,12 +63,7 @@ class DCPTraining:
     def observe(self) -> tuple[list[Tensor], Tensor]:
         """The ``log I`` of each layer's last forward (taken from the layers) and the share
         of context each dropped ``[L]`` (mean over positions ``k >= 1`` of dropped / k)."""
-        masks = [layer.take_log_mask() for layer in self.layers]
-        if any(m is None for m in masks):
-            raise RuntimeError("a DCP layer kept no log I: no full forward ran since the last call")
-        with torch.no_grad():
-            dropped = torch.stack([dcp_sparsity(m)[:, 1:].mean() for m in masks])  # [L]
-        return masks, dropped
+        return take_log_masks(self.layers)
 
     def __call__(self) -> Tensor:
         """The penalty ``gamma * mean over layers of dcp_sparsity_loss`` of the forward just
