@@ -5,10 +5,13 @@ into slots), then decoded one token at a time with ``castle_decode_update`` and
 ``castle_attention_decode``; the output of every step is held against the row of the
 parallel form (float64 oracle) at that position. The sequences of a batch have different
 lengths, the caches have spare capacity filled with NaN, heads are grouped.
-Float64 is held to 1e-12 relative; float32 (measured 2e-7 relative at most) to 2e-6.
+Float64 is held to 1e-12 relative; float32 (measured 2e-7 relative at most) to 2e-6, the
+fused Triton step (``castle_decode_step``, interpreter) too.
 """
 
 from __future__ import annotations
+
+import os
 
 import pytest
 import torch
@@ -16,6 +19,7 @@ from castle_cases import Case, make_inputs, rel
 
 from lapse.ops.castle import (
     castle_attention_decode,
+    castle_decode_step,
     castle_decode_update,
     castle_lookahead_keys,
     naive_castle_parallel,
@@ -26,9 +30,10 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 SCALE = 0.3
 
 
-def _decode_all(xs, prefill, window, capacity, dtype):
+def _decode_all(xs, prefill, window, capacity, dtype, backend="reference"):
     """Outputs ``[B, T, H, D]`` of every position decoded after prefills of ``prefill[b]``
-    tokens (rows before the prefill end are NaN), and the final U cache."""
+    tokens (rows before the prefill end are NaN), and the final U cache. ``backend``:
+    the two reference functions, or ``castle_decode_step`` on a backend."""
     q_c, k_c, v_c, q_u, k_u, v_u = (x.to(dtype) for x in xs)
     b, t, h, d = q_c.shape
     nan = float("nan")
@@ -51,9 +56,14 @@ def _decode_all(xs, prefill, window, capacity, dtype):
             q_u[rows, pos], k_c[rows, pos], v_c[rows, pos])
         seqlens = (pos + 1).to(torch.int32)
         u_before = u.clone()
-        castle_decode_update(u, qu_cache, k_u[rows, pos], v_u[rows, pos], seqlens,
-                             scale=SCALE, window=window)
-        o = castle_attention_decode(q_c[rows, pos], kc_cache, vc_cache, u, seqlens, scale=SCALE)
+        if backend == "reference":
+            castle_decode_update(u, qu_cache, k_u[rows, pos], v_u[rows, pos], seqlens,
+                                 scale=SCALE, window=window)
+            o = castle_attention_decode(q_c[rows, pos], kc_cache, vc_cache, u, seqlens, scale=SCALE)
+        else:
+            o = castle_decode_step(q_c[rows, pos], k_u[rows, pos], v_u[rows, pos], u, qu_cache,
+                                   kc_cache, vc_cache, seqlens, scale=SCALE, window=window,
+                                   backend=backend)
         for i in range(b):
             p = int(pos[i])
             if not torch.isnan(out[i, p]).all():
@@ -83,6 +93,22 @@ def test_decode_equals_parallel_every_prefix(window):
     got32, _ = _decode_all(xs, prefill, window, capacity=30, dtype=torch.float32)
     for i, n in enumerate(prefill):
         assert rel(got32[i, n:], ref[i, n:]) < 2e-6
+
+
+@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="CPU tensors need TRITON_INTERPRET=1")
+@pytest.mark.filterwarnings("ignore::DeprecationWarning")
+@pytest.mark.parametrize("window", [None, 1, 3], ids=lambda w: f"W{w}")
+def test_fused_step_equals_parallel_every_prefix(window):
+    """The fused Triton step (interpreter), token after token from ragged prefills."""
+    case = Case(b=3, t=23, h=4, hc=2, hu=1, d=24)
+    xs, _, _ = make_inputs(case, seed=11)
+    ref, _ = naive_castle_parallel(*(x.double() for x in xs), SCALE, window)
+    prefill = [0, 5, 17]
+    got, u = _decode_all(xs, prefill, window, capacity=30, dtype=torch.float32, backend="triton")
+    for i, n in enumerate(prefill):
+        assert rel(got[i, n:], ref[i, n:]) < 2e-6
+    full = castle_lookahead_keys(*(x.double() for x in xs[3:]), scale=SCALE, window=window)
+    assert rel(u[:, :case.t], full) < 1e-6
 
 
 def test_decode_step_compiles_without_host_reads():

@@ -3,6 +3,7 @@
 from .castle import (
     castle_attention,
     castle_attention_decode,
+    castle_decode_step,
     castle_decode_update,
     castle_lookahead_keys,
 )
@@ -25,6 +26,7 @@ __all__ = [
     "attention_key_scores",
     "castle_attention",
     "castle_attention_decode",
+    "castle_decode_step",
     "castle_decode_update",
     "castle_lookahead_keys",
     "dcp_attention",

@@ -3,8 +3,9 @@
 The folder reads top-down: ``common.py`` (checks), ``naive.py`` (the recurrent
 definition and the parallel form, the oracles), ``chunked.py`` (the blocked algorithm in
 PyTorch), ``triton_fwd.py`` / ``triton_bwd.py`` / ``triton_ops.py`` (the blocked
-algorithm as a wavefront of Triton launches), ``decode.py`` (one token over a UQ-KV
-cache), and here the public function. ``README.md`` derives the block formulas.
+algorithm as a wavefront of Triton launches), ``decode.py`` / ``decode_triton.py``
+(one token over a UQ-KV cache: the torch references and the fused Triton step), and here
+the public function. ``README.md`` derives the block formulas.
 """
 
 from __future__ import annotations
@@ -14,12 +15,13 @@ from torch import Tensor
 
 from ..backend import resolve_backend
 from .common import Problem, validate
-from .decode import castle_attention_decode, castle_decode_update
+from .decode import castle_attention_decode, castle_decode_step, castle_decode_update
 from .naive import naive_castle_parallel, naive_castle_recurrent
 
 __all__ = [
     "castle_attention",
     "castle_attention_decode",
+    "castle_decode_step",
     "castle_decode_update",
     "castle_lookahead_keys",
     "naive_castle_parallel",

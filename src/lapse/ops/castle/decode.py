@@ -13,9 +13,15 @@ stores) with a per-sequence length. A step for the new token at slot ``t`` is
 3. :func:`castle_attention_decode` evaluates ``softmax(q^C_t K^C^T * scale -
    SiLU(q^C_t U^T * scale)) V^C`` over the slots ``s <= t``.
 
-Both are plain PyTorch with static shapes and no host reads (with ``check_values=False``),
-so a decode step compiles and captures into a CUDA graph. The cache after a prefill of
-``T`` tokens is ``castle_lookahead_keys(q_u, k_u, v_u)`` beside ``q_u, k_c, v_c``.
+:func:`castle_decode_step` is 2 and 3 in one call: on CUDA the fused Triton kernel of
+``decode_triton.py`` (each held slot's ``u, q^U, k^C, v^C`` read once, ``u`` written
+once, nothing past a sequence's length touched), elsewhere the two functions above, which
+are the plain reference. All are free of host reads (with ``check_values=False``) and
+have static shapes, so a decode step compiles and captures into a CUDA graph. The cache
+after a prefill of ``T`` tokens is ``castle_lookahead_keys(q_u, k_u, v_u)`` beside
+``q_u, k_c, v_c``.
+
+The file reads: the torch references, the checks, the public functions.
 
 Legend: B batch, S capacity, H query heads, HC causal kv heads, HU lookahead kv heads,
 D head dim, W window.
@@ -27,8 +33,73 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from ..backend import resolve_backend
 from ..forgetting.common import _shape, check_devices, check_float_dtype, check_tensors, resolve_scale
+from ..forgetting.decode import DECODE_BACKENDS
+from ..forgetting.decode_triton import MAX_SPLITS
 from .common import check_group, check_window
+from .decode_triton import triton_castle_decode
+
+
+def _update_torch(u_cache: Tensor, qu_cache: Tensor, k_u: Tensor, v_u: Tensor,
+                  cache_seqlens: Tensor, scale: float, window: int | None) -> None:
+    """The plain reference of the lookahead update, in place (inputs already checked).
+
+    Float32 arithmetic (float64 for a float64 cache), rounded to ``u_cache``'s dtype;
+    slots outside the updated range are masked (or never gathered), so garbage there,
+    NaN included, cannot leak in.
+    """
+    b, s, h, d = u_cache.shape
+    hu = k_u.shape[1]
+    acc = torch.float64 if u_cache.dtype == torch.float64 else torch.float32
+    ku = k_u.repeat_interleave(h // hu, dim=1).to(acc)  # [B, H, D]
+    vu = v_u.repeat_interleave(h // hu, dim=1).to(acc)  # [B, H, D]
+    t = cache_seqlens.long() - 1  # [B]
+    if window is None or window >= s:
+        # every slot, masked: O(S D) per head, the cost of the attention step itself
+        slots = torch.arange(s, device=u_cache.device)[None, :]  # [1, S]
+        q = qu_cache.to(acc)  # [B, S, H, D]
+        w = torch.sigmoid(torch.einsum("bshd,bhd->bsh", q, ku) * scale)  # [B, S, H]
+        keep = slots < t[:, None]
+        if window is not None:
+            keep = keep & (slots >= t[:, None] - window)
+        w = torch.where(keep[..., None], w, 0.0)  # NaN in unused slots cannot leak in
+        new = torch.where((slots == t[:, None])[..., None, None], 0.0,
+                          u_cache.to(acc) + w[..., None] * vu[:, None])  # [B, S, H, D]
+        u_cache.copy_(new)
+        return
+    # SWL: only the W slots before t change; gather their queries, scatter-add the change
+    rows = t[:, None] - window + torch.arange(window, device=u_cache.device)  # [B, W]
+    keep = rows >= 0
+    idx = rows.clamp_min(0)[:, :, None, None].expand(b, window, h, d)  # [B, W, H, D]
+    q = torch.gather(qu_cache, 1, idx).to(acc)  # [B, W, H, D]
+    w = torch.sigmoid(torch.einsum("bwhd,bhd->bwh", q, ku) * scale)  # [B, W, H]
+    w = torch.where(keep[..., None], w, 0.0)  # rows clamped to slot 0 (t < W) add 0
+    u_cache.scatter_add_(1, idx, (w[..., None] * vu[:, None]).to(u_cache.dtype))
+    last = t[:, None, None, None].expand(b, 1, h, d)  # [B, 1, H, D]
+    u_cache.scatter_(1, last, torch.zeros(b, 1, h, d, dtype=u_cache.dtype, device=u_cache.device))
+
+
+def _attend_torch(q_c: Tensor, k_c_cache: Tensor, v_c_cache: Tensor, u_cache: Tensor,
+                  cache_seqlens: Tensor, scale: float) -> tuple[Tensor, Tensor]:
+    """The plain reference of the attention over the updated cache: ``(o, lse)``, every
+    slot scored and the ones past ``t`` masked (zeroed before use). Float32 arithmetic
+    (float64 for float64 ``q_c``)."""
+    b, h, _ = q_c.shape
+    s, hc = k_c_cache.shape[1], k_c_cache.shape[2]
+    acc = torch.float64 if q_c.dtype == torch.float64 else torch.float32
+    keep = torch.arange(s, device=q_c.device)[None, :] < cache_seqlens[:, None].long()  # [B, S]
+    keep4 = keep[:, :, None, None]
+    kc = torch.where(keep4, k_c_cache, 0.0).repeat_interleave(h // hc, dim=2).to(acc)  # [B, S, H, D]
+    vc = torch.where(keep4, v_c_cache, 0.0).repeat_interleave(h // hc, dim=2).to(acc)  # [B, S, H, D]
+    u = torch.where(keep4, u_cache, 0.0).to(acc)  # [B, S, H, D]
+    q = q_c.to(acc)
+    s_c = torch.einsum("bhd,bshd->bhs", q, kc) * scale  # [B, H, S]
+    s_u = torch.einsum("bhd,bshd->bhs", q, u) * scale  # [B, H, S]
+    logits = (s_c - F.silu(s_u)).masked_fill(~keep[:, None, :], float("-inf"))
+    lse = torch.logsumexp(logits, dim=-1)  # [B, H]
+    o = torch.einsum("bhs,bshd->bhd", torch.softmax(logits, dim=-1), vc).to(q_c.dtype)
+    return o, lse.float()
 
 
 def _check_cache(name: str, x: Tensor, b: int, d: int) -> None:
@@ -43,6 +114,51 @@ def _check_seqlens(cache_seqlens: Tensor, b: int, s: int, check_values: bool) ->
     if check_values and bool(((cache_seqlens < 1) | (cache_seqlens > s)).any()):
         raise ValueError(f"cache_seqlens must be in [1, capacity = {s}], got "
                          f"{cache_seqlens.tolist()[:16]}")
+
+
+def _check_update(u_cache, qu_cache, k_u, v_u, cache_seqlens, window, check_values) -> int | None:
+    """Checks the arguments of :func:`castle_decode_update`; returns the window."""
+    check_tensors(u_cache=u_cache, qu_cache=qu_cache, k_u=k_u, v_u=v_u, cache_seqlens=cache_seqlens)
+    check_devices(u_cache, qu_cache=qu_cache, k_u=k_u, v_u=v_u, cache_seqlens=cache_seqlens)
+    if k_u.dim() != 3 or k_u.shape != v_u.shape:
+        raise ValueError(f"k_u and v_u must be [batch, heads, head_dim] of one shape, got "
+                         f"{_shape(k_u)} and {_shape(v_u)}")
+    b, _, d = k_u.shape
+    for name, x in (("k_u", k_u), ("v_u", v_u)):
+        check_float_dtype(name, x)
+    _check_cache("u_cache", u_cache, b, d)
+    _check_cache("qu_cache", qu_cache, b, d)
+    if u_cache.shape != qu_cache.shape:
+        raise ValueError(f"u_cache and qu_cache must have the same shape, got {_shape(u_cache)} "
+                         f"and {_shape(qu_cache)}")
+    _, s, h, _ = u_cache.shape
+    check_group("k_u", k_u[:, None], h)
+    _check_seqlens(cache_seqlens, b, s, check_values)
+    return check_window(window)
+
+
+def _check_attend(q_c, k_c_cache, v_c_cache, u_cache, cache_seqlens, scale, check_values) -> float:
+    """Checks the arguments of :func:`castle_attention_decode`; returns the scale."""
+    check_tensors(q_c=q_c, k_c_cache=k_c_cache, v_c_cache=v_c_cache, u_cache=u_cache,
+                  cache_seqlens=cache_seqlens)
+    check_devices(q_c, k_c_cache=k_c_cache, v_c_cache=v_c_cache, u_cache=u_cache,
+                  cache_seqlens=cache_seqlens)
+    if q_c.dim() != 3:
+        raise ValueError(f"q_c must be [batch, heads, head_dim], got {_shape(q_c)}")
+    check_float_dtype("q_c", q_c)
+    b, h, d = q_c.shape
+    for name, x in (("k_c_cache", k_c_cache), ("v_c_cache", v_c_cache), ("u_cache", u_cache)):
+        _check_cache(name, x, b, d)
+    if k_c_cache.shape != v_c_cache.shape:
+        raise ValueError(f"k_c_cache and v_c_cache must have the same shape, got "
+                         f"{_shape(k_c_cache)} and {_shape(v_c_cache)}")
+    s = k_c_cache.shape[1]
+    if u_cache.shape[1:3] != (s, h):
+        raise ValueError(f"u_cache must be [batch, capacity={s}, heads={h}, head_dim], got "
+                         f"{_shape(u_cache)}")
+    check_group("k_c_cache", k_c_cache, h)
+    _check_seqlens(cache_seqlens, b, s, check_values)
+    return resolve_scale(scale, d)
 
 
 def castle_decode_update(
@@ -66,7 +182,8 @@ def castle_decode_update(
     After the call ``u_cache[b, :t + 1]`` is ``U^t`` of SPEC section 5. Slots past ``t``
     are left as they are (garbage there, NaN included, is never read). The arithmetic
     runs in float32 (float64 for a float64 cache) and is rounded to ``u_cache``'s dtype;
-    keep ``U`` in float32: it is a running sum over the whole sequence.
+    keep ``U`` in float32: it is a running sum over the whole sequence. Plain PyTorch on
+    every device (the reference of :func:`castle_decode_step`).
 
     Args:
         u_cache: ``[B, S, H, D]`` the lookahead vectors, updated in place.
@@ -81,52 +198,9 @@ def castle_decode_update(
     Returns:
         ``u_cache``.
     """
-    check_tensors(u_cache=u_cache, qu_cache=qu_cache, k_u=k_u, v_u=v_u, cache_seqlens=cache_seqlens)
-    check_devices(u_cache, qu_cache=qu_cache, k_u=k_u, v_u=v_u, cache_seqlens=cache_seqlens)
-    if k_u.dim() != 3 or k_u.shape != v_u.shape:
-        raise ValueError(f"k_u and v_u must be [batch, heads, head_dim] of one shape, got "
-                         f"{_shape(k_u)} and {_shape(v_u)}")
-    b, hu, d = k_u.shape
-    for name, x in (("k_u", k_u), ("v_u", v_u)):
-        check_float_dtype(name, x)
-    _check_cache("u_cache", u_cache, b, d)
-    _check_cache("qu_cache", qu_cache, b, d)
-    if u_cache.shape != qu_cache.shape:
-        raise ValueError(f"u_cache and qu_cache must have the same shape, got {_shape(u_cache)} "
-                         f"and {_shape(qu_cache)}")
-    _, s, h, _ = u_cache.shape
-    check_group("k_u", k_u[:, None], h)
-    window = check_window(window)
-    scale = resolve_scale(scale, d)
-    _check_seqlens(cache_seqlens, b, s, check_values)
-
-    acc = torch.float64 if u_cache.dtype == torch.float64 else torch.float32
-    ku = k_u.repeat_interleave(h // hu, dim=1).to(acc)  # [B, H, D]
-    vu = v_u.repeat_interleave(h // hu, dim=1).to(acc)  # [B, H, D]
-    t = cache_seqlens.long() - 1  # [B]
-    if window is None or window >= s:
-        # every slot, masked: O(S D) per head, the cost of the attention step itself
-        slots = torch.arange(s, device=u_cache.device)[None, :]  # [1, S]
-        q = qu_cache.to(acc)  # [B, S, H, D]
-        w = torch.sigmoid(torch.einsum("bshd,bhd->bsh", q, ku) * scale)  # [B, S, H]
-        keep = slots < t[:, None]
-        if window is not None:
-            keep = keep & (slots >= t[:, None] - window)
-        w = torch.where(keep[..., None], w, 0.0)  # NaN in unused slots cannot leak in
-        new = torch.where((slots == t[:, None])[..., None, None], 0.0,
-                          u_cache.to(acc) + w[..., None] * vu[:, None])  # [B, S, H, D]
-        u_cache.copy_(new)
-        return u_cache
-    # SWL: only the W slots before t change; gather their queries, scatter-add the change
-    rows = t[:, None] - window + torch.arange(window, device=u_cache.device)  # [B, W]
-    keep = rows >= 0
-    idx = rows.clamp_min(0)[:, :, None, None].expand(b, window, h, d)  # [B, W, H, D]
-    q = torch.gather(qu_cache, 1, idx).to(acc)  # [B, W, H, D]
-    w = torch.sigmoid(torch.einsum("bwhd,bhd->bwh", q, ku) * scale)  # [B, W, H]
-    w = torch.where(keep[..., None], w, 0.0)  # rows clamped to slot 0 (t < W) add 0
-    u_cache.scatter_add_(1, idx, (w[..., None] * vu[:, None]).to(u_cache.dtype))
-    last = t[:, None, None, None].expand(b, 1, h, d)  # [B, 1, H, D]
-    u_cache.scatter_(1, last, torch.zeros(b, 1, h, d, dtype=u_cache.dtype, device=u_cache.device))
+    window = _check_update(u_cache, qu_cache, k_u, v_u, cache_seqlens, window, check_values)
+    _update_torch(u_cache, qu_cache, k_u, v_u, cache_seqlens, resolve_scale(scale, k_u.shape[-1]),
+                  window)
     return u_cache
 
 
@@ -149,6 +223,7 @@ def castle_attention_decode(
 
     (``u_t = 0``, so the new token scores itself by ``q^C . k^C_t`` alone). Float32
     arithmetic (float64 for float64 ``q_c``); slots past ``t`` are masked before use.
+    Plain PyTorch on every device (the reference of :func:`castle_decode_step`).
 
     Args:
         q_c: ``[B, H, D]`` the new token's causal queries.
@@ -163,38 +238,84 @@ def castle_attention_decode(
     Returns:
         ``o`` ``[B, H, D]`` in ``q_c``'s dtype, or ``(o, lse)``.
     """
-    check_tensors(q_c=q_c, k_c_cache=k_c_cache, v_c_cache=v_c_cache, u_cache=u_cache,
-                  cache_seqlens=cache_seqlens)
-    check_devices(q_c, k_c_cache=k_c_cache, v_c_cache=v_c_cache, u_cache=u_cache,
-                  cache_seqlens=cache_seqlens)
-    if q_c.dim() != 3:
-        raise ValueError(f"q_c must be [batch, heads, head_dim], got {_shape(q_c)}")
-    check_float_dtype("q_c", q_c)
-    b, h, d = q_c.shape
-    for name, x in (("k_c_cache", k_c_cache), ("v_c_cache", v_c_cache), ("u_cache", u_cache)):
-        _check_cache(name, x, b, d)
-    if k_c_cache.shape != v_c_cache.shape:
-        raise ValueError(f"k_c_cache and v_c_cache must have the same shape, got "
-                         f"{_shape(k_c_cache)} and {_shape(v_c_cache)}")
-    s = k_c_cache.shape[1]
-    if u_cache.shape[1:3] != (s, h):
-        raise ValueError(f"u_cache must be [batch, capacity={s}, heads={h}, head_dim], got "
-                         f"{_shape(u_cache)}")
-    check_group("k_c_cache", k_c_cache, h)
-    scale = resolve_scale(scale, d)
-    _check_seqlens(cache_seqlens, b, s, check_values)
+    scale = _check_attend(q_c, k_c_cache, v_c_cache, u_cache, cache_seqlens, scale, check_values)
+    o, lse = _attend_torch(q_c, k_c_cache, v_c_cache, u_cache, cache_seqlens, scale)
+    return (o, lse) if return_lse else o
 
-    acc = torch.float64 if q_c.dtype == torch.float64 else torch.float32
-    hc = k_c_cache.shape[2]
-    keep = torch.arange(s, device=q_c.device)[None, :] < cache_seqlens[:, None].long()  # [B, S]
-    keep4 = keep[:, :, None, None]
-    kc = torch.where(keep4, k_c_cache, 0.0).repeat_interleave(h // hc, dim=2).to(acc)  # [B, S, H, D]
-    vc = torch.where(keep4, v_c_cache, 0.0).repeat_interleave(h // hc, dim=2).to(acc)  # [B, S, H, D]
-    u = torch.where(keep4, u_cache, 0.0).to(acc)  # [B, S, H, D]
-    q = q_c.to(acc)
-    s_c = torch.einsum("bhd,bshd->bhs", q, kc) * scale  # [B, H, S]
-    s_u = torch.einsum("bhd,bshd->bhs", q, u) * scale  # [B, H, S]
-    logits = (s_c - F.silu(s_u)).masked_fill(~keep[:, None, :], float("-inf"))
-    lse = torch.logsumexp(logits, dim=-1)  # [B, H]
-    o = torch.einsum("bhs,bshd->bhd", torch.softmax(logits, dim=-1), vc).to(q_c.dtype)
-    return (o, lse.float()) if return_lse else o
+
+def castle_decode_step(
+    q_c: Tensor,
+    k_u: Tensor,
+    v_u: Tensor,
+    u_cache: Tensor,
+    qu_cache: Tensor,
+    k_c_cache: Tensor,
+    v_c_cache: Tensor,
+    cache_seqlens: Tensor,
+    *,
+    scale: float | None = None,
+    window: int | None = None,
+    return_lse: bool = False,
+    num_splits: int | None = None,
+    check_values: bool = True,
+    backend: str = "auto",
+):
+    """One CASTLE decode step over a UQ-KV cache: the lookahead update, in place, then the
+    new token's output. With ``t = cache_seqlens[b] - 1`` (the new token's slot)::
+
+        u_s += sigmoid(q^U_s . k^U_t * scale) v^U_t    for s < t  (SWL: t - W <= s < t)
+        u_t  = 0
+        o    = softmax_s(q^C . k^C_s * scale - SiLU(q^C . u_s * scale)) v^C_s,   s <= t
+
+    exactly :func:`castle_decode_update` followed by :func:`castle_attention_decode`. For
+    ``cache_seqlens = [3, 5]``, capacity 6 and ``W = 2``, the slots read (``r``), read and
+    written (``w``) and untouched (``.``) are::
+
+        w w w . . .        r w w w . .
+
+    On the Triton backend one kernel, split over the slots, does both in a single pass
+    (``u`` float32 arithmetic rounded to ``u_cache``'s dtype, scores in float32): each
+    held slot's ``u``, ``k^C``, ``v^C`` (and, where ``u`` changes, ``q^U``) are read once
+    and ``u`` written once; slots at or past ``cache_seqlens`` are never touched.
+
+    Args:
+        q_c: ``[B, H, D]`` the new token's causal queries, float16, bfloat16 or float32
+            (float64 on the torch backend). ``D`` up to 256.
+        k_u, v_u: ``[B, HU, D]`` the new token's lookahead key and value, ``HU`` dividing
+            ``H``; not kept.
+        u_cache: ``[B, S, H, D]`` the lookahead vectors (float32: a running sum over the
+            whole sequence), updated in place; contiguous in its last dim.
+        qu_cache: ``[B, S, H, D]`` the lookahead queries, ``q^U_t`` at slot ``t``.
+        k_c_cache, v_c_cache: ``[B, S, HC, D]``, ``k^C_t, v^C_t`` at slot ``t``; ``HC``
+            dividing ``H``.
+        cache_seqlens: ``[B]`` int32 valid slots, the new token included, in ``[1, S]``.
+        scale: ``1 / sqrt(D)`` by default. window: ``None`` (CASTLE) or ``W >= 1``.
+        return_lse: also return the log-sum-exp ``[B, H]`` float32 (natural log).
+        num_splits: Triton only, how many splits share each sequence's slots; by default
+            chosen from ``S`` and ``B * HC`` to fill the GPU.
+        check_values: check ``cache_seqlens`` (one host read); pass False in a compiled or
+            captured step.
+        backend: ``"auto"`` (Triton on CUDA, else torch), ``"triton"`` or ``"torch"``
+            (the two reference functions).
+
+    Returns:
+        ``o`` ``[B, H, D]`` in ``q_c``'s dtype, or ``(o, lse)``. An inference op: no
+        gradient.
+    """
+    scale = _check_attend(q_c, k_c_cache, v_c_cache, u_cache, cache_seqlens, scale, check_values)
+    window = _check_update(u_cache, qu_cache, k_u, v_u, cache_seqlens, window, check_values=False)
+    backend = resolve_backend(backend, q_c, DECODE_BACKENDS)
+    if backend == "triton":
+        if num_splits is not None and not (isinstance(num_splits, int) and 1 <= num_splits <= MAX_SPLITS):
+            raise ValueError(f"num_splits must be an int in [1, {MAX_SPLITS}], got {num_splits!r}")
+        if u_cache.dtype == torch.float64:
+            raise TypeError("backend='triton' takes a float32, bfloat16 or float16 u_cache, got float64")
+        if u_cache.stride(-1) != 1:
+            raise ValueError(f"u_cache must be contiguous in its last dim, got strides {u_cache.stride()}")
+        with torch.no_grad():
+            o, lse = triton_castle_decode(q_c, k_u, v_u, u_cache, qu_cache, k_c_cache, v_c_cache,
+                                          cache_seqlens, scale, window, num_splits)
+    else:
+        _update_torch(u_cache, qu_cache, k_u, v_u, cache_seqlens, scale, window)
+        o, lse = _attend_torch(q_c, k_c_cache, v_c_cache, u_cache, cache_seqlens, scale)
+    return (o, lse) if return_lse else o

@@ -1,0 +1,303 @@
+"""The fused UQ-KV decode step of CASTLE: one Triton kernel that updates each held slot's
+lookahead vector ``u_s`` and attends with it in the same pass, and its launcher.
+
+The public function and the plain torch reference are in ``decode.py``. Split-K
+flash-decoding: program ``(split, b * HC + h)`` owns causal kv head ``h`` and the
+``GROUP = H // HC`` query heads that read it, and a share of the slots ``[0, t]`` of
+sequence ``b`` (``t = cache_seqlens[b] - 1``, the new token). Per tile of slots it
+
+1. loads ``u_s`` (float32) and, for the slots whose ``u`` changes (``s < t``; SWL
+   ``t - W <= s < t``), ``q^U_s``; forms ``u_s += sigmoid(q^U_s . k^U_t * scale) v^U_t``,
+   sets ``u_t = 0``, and stores back only the changed slots;
+2. loads ``k^C_s, v^C_s`` once for the group and runs an online softmax (base 2) over
+   ``q^C . k^C_s * scale - SiLU(q^C . u_s * scale)`` with the ``u_s`` just formed.
+
+So each held slot's bytes are read once and ``u`` written once (SWL: only the ``W``
+changing rows are written, and ``q^U`` read only there), and no slot at or past a
+sequence's length is touched. A split writes a float32 partial ``(acc, m, l)``, merged by
+the combine kernel of the forgetting decode op; one split writes the output directly.
+
+Products are multiply-and-sum in float32 (a matrix-vector per query head: the step is
+bound by memory, and ``tl.dot`` would pad the group to 16 rows).
+
+The launch is wrapped in the custom op ``lapse::castle_decode`` (it mutates ``u_cache``)
+so that ``torch.compile(fullgraph=True)`` and CUDA graphs see one opaque call; the
+launcher never reads a tensor value back to the host.
+
+Legend: B batch, S capacity, H query heads, HC causal kv heads, HU lookahead kv heads,
+GROUP = H // HC, D head dim; in kernels BG (padded group), BN (slots per tile), BD
+(padded D).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from ..backend import LOG2E_TL, tl, triton, triton_jit
+from ..forgetting.decode_triton import (
+    _PIPELINE_STAGES,
+    _choose_num_splits,
+    _combine_splits,
+    _resident_programs,
+    _split_workspace,
+    _store_split_result,
+)
+from ..splits import split_range
+
+# Elements of one [BG, BN, BD] tile: 2048 float32 keep a program's u and q^U tiles in
+# registers at 4 warps.
+_TILE_ELEMENTS = 2048
+
+
+@triton_jit
+def _castle_decode_split_kernel(
+    q_c,
+    k_u,
+    v_u,
+    u,
+    q_u,
+    k_c,
+    v_c,
+    cache_seqlens,
+    acc_part,
+    m_part,
+    l_part,
+    o,
+    lse,
+    scale,
+    window,
+    num_splits,
+    stride_qb,
+    stride_qh,
+    stride_kub,
+    stride_kuh,
+    stride_vub,
+    stride_vuh,
+    stride_ub,
+    stride_us,
+    stride_uh,
+    stride_qub,
+    stride_qus,
+    stride_quh,
+    stride_kb,
+    stride_ks,
+    stride_kh,
+    stride_vb,
+    stride_vs,
+    stride_vh,
+    stride_ob,
+    stride_oh,
+    HC: tl.constexpr,
+    GROUP: tl.constexpr,
+    GROUP_U: tl.constexpr,
+    D: tl.constexpr,
+    BG: tl.constexpr,
+    BN: tl.constexpr,
+    BD: tl.constexpr,
+    USE_WINDOW: tl.constexpr,
+    IS_SINGLE_SPLIT: tl.constexpr,
+):
+    i_s = tl.program_id(0).to(tl.int64)
+    i_bh = tl.program_id(1).to(tl.int64)
+    i_b = i_bh // HC
+    i_h = i_bh % HC
+
+    o_g = tl.arange(0, BG)
+    o_d = tl.arange(0, BD)
+    m_g = o_g < GROUP
+    m_d = o_d < D
+    m_gd = m_g[:, None] & m_d[None, :]  # [BG, BD]
+    o_hq = i_h * GROUP + o_g  # [BG] the query heads of causal kv head i_h
+    o_hu = o_hq // GROUP_U  # [BG] their lookahead kv heads
+
+    n = tl.load(cache_seqlens + i_b).to(tl.int64)
+    t = n - 1  # the new token's slot
+    start, end = split_range(0, n, i_s, num_splits, BN)
+    if USE_WINDOW:
+        lo = t - window  # the first slot whose u changes
+    else:
+        lo = 0
+
+    p_q = q_c + i_b * stride_qb + o_hq[:, None] * stride_qh + o_d[None, :]
+    b_q = tl.load(p_q, mask=m_gd, other=0.0).to(tl.float32)  # [BG, BD]
+    p_ku = k_u + i_b * stride_kub + o_hu[:, None] * stride_kuh + o_d[None, :]
+    b_ku = tl.load(p_ku, mask=m_gd, other=0.0).to(tl.float32)  # [BG, BD]
+    p_vu = v_u + i_b * stride_vub + o_hu[:, None] * stride_vuh + o_d[None, :]
+    b_vu = tl.load(p_vu, mask=m_gd, other=0.0).to(tl.float32)  # [BG, BD]
+
+    b_m = tl.full([BG], float("-inf"), dtype=tl.float32)
+    b_l = tl.zeros([BG], dtype=tl.float32)
+    b_acc = tl.zeros([BG, BD], dtype=tl.float32)
+    for j0 in range(start, end, BN):
+        o_j = j0 + tl.arange(0, BN)  # [BN]
+        m_j = o_j < end
+        m_upd = m_j & (o_j < t) & (o_j >= lo)  # slots whose u changes
+        m_gjd = m_gd[:, None, :] & m_j[None, :, None]  # [BG, BN, BD]
+        m_upd3 = m_gd[:, None, :] & m_upd[None, :, None]  # [BG, BN, BD]
+
+        p_u = (u + i_b * stride_ub + o_j[None, :, None] * stride_us
+               + o_hq[:, None, None] * stride_uh + o_d[None, None, :])
+        b_u = tl.load(p_u, mask=m_gjd, other=0.0).to(tl.float32)  # [BG, BN, BD]
+        p_qu = (q_u + i_b * stride_qub + o_j[None, :, None] * stride_qus
+                + o_hq[:, None, None] * stride_quh + o_d[None, None, :])
+        b_qu = tl.load(p_qu, mask=m_upd3, other=0.0).to(tl.float32)  # [BG, BN, BD]
+        b_gate = tl.sigmoid(tl.sum(b_qu * b_ku[:, None, :], axis=2) * scale)  # [BG, BN]
+        b_gate = tl.where(m_upd[None, :], b_gate, 0.0)
+        # u_t = 0 replaces whatever slot t held (NaN included)
+        b_u = tl.where((o_j == t)[None, :, None], 0.0, b_u + b_gate[:, :, None] * b_vu[:, None, :])
+        b_u_held = b_u.to(u.dtype.element_ty)
+        tl.store(p_u, b_u_held, mask=m_gd[:, None, :] & (m_upd | (o_j == t))[None, :, None])
+        b_u = b_u_held.to(tl.float32)  # attend with u as stored, as the reference does
+
+        p_k = k_c + i_b * stride_kb + i_h * stride_kh + o_j[:, None] * stride_ks + o_d[None, :]
+        p_v = v_c + i_b * stride_vb + i_h * stride_vh + o_j[:, None] * stride_vs + o_d[None, :]
+        b_k = tl.load(p_k, mask=m_j[:, None] & m_d[None, :], other=0.0).to(tl.float32)  # [BN, BD]
+        b_v = tl.load(p_v, mask=m_j[:, None] & m_d[None, :], other=0.0).to(tl.float32)  # [BN, BD]
+        b_sc = tl.sum(b_q[:, None, :] * b_k[None, :, :], axis=2) * scale  # [BG, BN]
+        b_su = tl.sum(b_q[:, None, :] * b_u, axis=2) * scale  # [BG, BN]
+        b_s = (b_sc - b_su * tl.sigmoid(b_su)) * LOG2E_TL
+        b_s = tl.where(m_g[:, None] & m_j[None, :], b_s, float("-inf"))
+
+        b_m_new = tl.maximum(b_m, tl.max(b_s, axis=1))  # [BG]
+        # padded group rows keep m = -inf; exp2(-inf - 0) = 0 keeps them NaN-free
+        b_m_safe = tl.where(b_m_new == float("-inf"), 0.0, b_m_new)
+        b_alpha = tl.exp2(b_m - b_m_safe)  # [BG]
+        b_p = tl.exp2(b_s - b_m_safe[:, None])  # [BG, BN]
+        b_l = b_l * b_alpha + tl.sum(b_p, axis=1)
+        b_acc = b_acc * b_alpha[:, None] + tl.sum(b_p[:, :, None] * b_v[None, :, :], axis=1)
+        b_m = b_m_new
+
+    _store_split_result(b_acc, b_m, b_l, o, lse, acc_part, m_part, l_part, i_b, i_s, o_hq, o_d,
+                        m_g, m_d, num_splits, stride_ob, stride_oh, HC * GROUP, D, IS_SINGLE_SPLIT)
+
+
+def _launch_options(q_c: Tensor, u_cache: Tensor, k_c_cache: Tensor, qu_cache: Tensor,
+                    group: int, num_splits: int | None) -> tuple[int, dict]:
+    """``(num_splits, options)``: tiles of about ``_TILE_ELEMENTS`` per ``[BG, BN, BD]``,
+    and as many splits as fit in one wave of resident programs (``num_splits`` chosen
+    when None), each >= 256 slots long."""
+    b, _, d = q_c.shape
+    s, hc = k_c_cache.shape[1], k_c_cache.shape[2]
+    block_d = max(16, triton.next_power_of_2(d))
+    block_g = triton.next_power_of_2(group)
+    block_n = max(16, min(64, _TILE_ELEMENTS // (block_g * block_d)))
+    if num_splits is None:
+        tile_bytes = block_n * block_d * (
+            block_g * (u_cache.element_size() + qu_cache.element_size()) + 2 * k_c_cache.element_size()
+        )
+        num_splits = _choose_num_splits(s, b * hc, _resident_programs(q_c.device, tile_bytes))
+    # large groups (GQA) cannot shrink BN below 16: more warps share their tiles' registers
+    num_warps = 4 if block_g * block_n * block_d <= 2 * _TILE_ELEMENTS else 8
+    options = dict(BG=block_g, BN=block_n, BD=block_d, IS_SINGLE_SPLIT=num_splits == 1,
+                   num_warps=num_warps, num_stages=_PIPELINE_STAGES)
+    return num_splits, options
+
+
+def launch_castle_decode(
+    q_c: Tensor,
+    k_u: Tensor,
+    v_u: Tensor,
+    u_cache: Tensor,
+    qu_cache: Tensor,
+    k_c_cache: Tensor,
+    v_c_cache: Tensor,
+    cache_seqlens: Tensor,
+    scale: float,
+    window: int | None,
+    o: Tensor,
+    lse: Tensor,
+    num_splits: int | None = None,
+    workspace: tuple[Tensor, Tensor, Tensor] | None = None,
+) -> None:
+    """Updates ``u_cache`` in place and writes ``o`` [B, H, D] and ``lse`` [B, H] float32
+    (natural log). Every tensor must be contiguous in its last dim (``u_cache`` is
+    written in place, so it is not copied here).
+
+    ``workspace`` (``acc [B, H, splits, D]``, ``m`` and ``l`` ``[B, H, splits]``, float32)
+    can be passed in so tests can poison it with NaN.
+    """
+    b, h, d = q_c.shape
+    hc, hu = k_c_cache.shape[2], k_u.shape[1]
+    group = h // hc
+    num_splits, options = _launch_options(q_c, u_cache, k_c_cache, qu_cache, group, num_splits)
+    acc_part, m_part, l_part = _split_workspace(q_c, num_splits) if workspace is None else workspace
+    _castle_decode_split_kernel[(num_splits, b * hc)](
+        q_c,
+        k_u,
+        v_u,
+        u_cache,
+        qu_cache,
+        k_c_cache,
+        v_c_cache,
+        cache_seqlens,
+        acc_part,
+        m_part,
+        l_part,
+        o,
+        lse,
+        scale,
+        0 if window is None else window,
+        num_splits,
+        q_c.stride(0),
+        q_c.stride(1),
+        k_u.stride(0),
+        k_u.stride(1),
+        v_u.stride(0),
+        v_u.stride(1),
+        u_cache.stride(0),
+        u_cache.stride(1),
+        u_cache.stride(2),
+        qu_cache.stride(0),
+        qu_cache.stride(1),
+        qu_cache.stride(2),
+        k_c_cache.stride(0),
+        k_c_cache.stride(1),
+        k_c_cache.stride(2),
+        v_c_cache.stride(0),
+        v_c_cache.stride(1),
+        v_c_cache.stride(2),
+        o.stride(0),
+        o.stride(1),
+        HC=hc,
+        GROUP=group,
+        GROUP_U=h // hu,
+        D=d,
+        USE_WINDOW=window is not None,
+        **options,
+    )
+    _combine_splits(acc_part, m_part, l_part, o, lse, num_splits, options["BD"])
+
+
+@torch.library.custom_op("lapse::castle_decode", mutates_args=("u_cache",))
+def triton_castle_decode(
+    q_c: Tensor,
+    k_u: Tensor,
+    v_u: Tensor,
+    u_cache: Tensor,
+    qu_cache: Tensor,
+    k_c_cache: Tensor,
+    v_c_cache: Tensor,
+    cache_seqlens: Tensor,
+    scale: float,
+    window: int | None,
+    num_splits: int | None,
+) -> tuple[Tensor, Tensor]:
+    """``(o [B, H, D], lse [B, H] float32)`` of :func:`launch_castle_decode` in fresh
+    tensors, ``u_cache`` updated in place, as one operator that ``torch.compile`` does not
+    trace into (inputs already checked)."""
+    q_c, k_u, v_u, qu_cache, k_c_cache, v_c_cache = (
+        x if x.stride(-1) == 1 else x.contiguous()
+        for x in (q_c, k_u, v_u, qu_cache, k_c_cache, v_c_cache)
+    )
+    o = q_c.new_empty(q_c.shape)  # contiguous, as the kernel's stores assume
+    lse = q_c.new_empty(q_c.shape[:2], dtype=torch.float32)
+    launch_castle_decode(q_c, k_u, v_u, u_cache, qu_cache, k_c_cache, v_c_cache, cache_seqlens,
+                         scale, window, o, lse, num_splits)
+    return o, lse
+
+
+@triton_castle_decode.register_fake
+def _(q_c, k_u, v_u, u_cache, qu_cache, k_c_cache, v_c_cache, cache_seqlens, scale, window,
+      num_splits):
+    return q_c.new_empty(q_c.shape), q_c.new_empty(q_c.shape[:2], dtype=torch.float32)
