@@ -9,6 +9,8 @@ misplaced slot or missing term (those show at 1e-2 and up)."""
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
@@ -98,6 +100,26 @@ def test_prefill_chunk_and_steps_equal_the_full_forward(kv_heads, window):
     assert view.extras["u"].dtype == torch.float64 and store.seqlens.tolist() == [10, 10]
     torch.testing.assert_close(view.extras["u"][:, :10], u, atol=ATOL, rtol=0)
     torch.testing.assert_close(view.extras["q_u"][:, :10], q_u, atol=ATOL, rtol=0)
+
+
+@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="CPU tensors need TRITON_INTERPRET=1")
+@pytest.mark.filterwarnings("ignore::DeprecationWarning")
+@pytest.mark.parametrize("window", [None, 2], ids=lambda w: f"W{w}")
+def test_fused_triton_step_decodes_like_the_torch_reference(window):
+    """backend="triton" (interpreter, float32): the prefill, a chunk and single steps go
+    through the fused decode kernel and give the torch-backend layer's outputs and U."""
+    layer = _layer(2, window).float()
+    x = torch.randn(2, 9, C)
+    outs, stores = {}, {}
+    with torch.no_grad():
+        for backend in ("torch", "triton"):
+            layer.backend = backend
+            stores[backend] = DenseStore(1, capacity=12)
+            outs[backend] = torch.cat([_run(layer, x[:, a:b], stores[backend])
+                                       for a, b in ((0, 4), (4, 6), (6, 7), (7, 8), (8, 9))], dim=1)
+    torch.testing.assert_close(outs["triton"], outs["torch"], atol=1e-5, rtol=0)
+    u_t, u_ref = stores["triton"].view(0).extras["u"], stores["torch"].view(0).extras["u"]
+    torch.testing.assert_close(u_t[:, :9], u_ref[:, :9], atol=1e-5, rtol=0)
 
 
 def test_a_one_token_prompt_and_float32_state():

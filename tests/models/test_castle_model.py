@@ -9,6 +9,7 @@ difference measured was 2.4e-6."""
 from __future__ import annotations
 
 import json
+import os
 
 import pytest
 import torch
@@ -126,6 +127,29 @@ def test_compiled_step_equals_eager(case):
         torch.testing.assert_close(logits_c, logits_e, atol=ATOL32, rtol=0)
         token_e, token_c = logits_e.argmax(-1, keepdim=True), logits_c.argmax(-1, keepdim=True)
     assert compiled.seqlens.tolist() == eager.seqlens.tolist() == [11, 11]
+
+
+@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="CPU tensors need TRITON_INTERPRET=1")
+@pytest.mark.filterwarnings("ignore::DeprecationWarning")
+@pytest.mark.parametrize("case", ["castle", "swl-gqa"])
+def test_compiled_step_with_the_fused_kernel(case):
+    """attn_backend="triton" (interpreter): the compiled step calls the fused decode kernel
+    (the custom op lapse::castle_decode, fullgraph) and equals the torch-backend model's
+    eager step."""
+    arch, overrides = CASES[case]
+    model = _model(arch, attn_backend="triton", **overrides)
+    reference = _model(arch, attn_backend="torch", **overrides)
+    ids = torch.randint(0, model.config.vocab_size, (2, 6))
+    eager, compiled = DenseStore(2, capacity=10), DenseStore(2, capacity=10)
+    step = compiled_decode_one_token(mode=None, backend="aot_eager")
+    token_e = prefill(reference, ids, eager).argmax(-1, keepdim=True)
+    token_c = prefill(model, ids, compiled).argmax(-1, keepdim=True)
+    for _ in range(3):
+        logits_e, logits_c = decode_one_token(reference, token_e, eager), step(model, token_c, compiled)
+        torch.testing.assert_close(logits_c, logits_e, atol=ATOL32, rtol=0)
+        token_e, token_c = logits_e.argmax(-1, keepdim=True), logits_c.argmax(-1, keepdim=True)
+    torch.testing.assert_close(compiled.view(0).extras["u"][:, :9], eager.view(0).extras["u"][:, :9],
+                               atol=ATOL32, rtol=0)
 
 
 def test_ragged_generation_equals_each_prompt_alone():

@@ -23,10 +23,11 @@ query, in the model's dtype); ``k^U, v^U`` of a token are used once and not kept
   ragged prefill each prompt's ``U`` is computed from its own tokens alone (the padding
   after a prompt would otherwise add its lookahead contributions), one call per prompt.
 - One token per sequence (the decode step) appends ``u = 0`` and ``q^U``, adds the token's
-  lookahead contribution to every held ``u_s`` in place
-  (:func:`~lapse.ops.castle.castle_decode_update`, under SWL only the last ``W`` slots)
-  and attends over the held slots (:func:`~lapse.ops.castle.castle_attention_decode`).
-  Fixed shapes, no host reads: the step compiles.
+  lookahead contribution to every held ``u_s`` in place (under SWL only the last ``W``
+  slots) and attends over the held slots: :func:`~lapse.ops.castle.castle_decode_step`,
+  on CUDA one fused Triton kernel that reads each held slot once and nothing past a
+  sequence's length, elsewhere the torch reference. Fixed shapes, no host reads: the
+  step compiles (the kernel is the custom op ``lapse::castle_decode``).
 - A chunk of ``T > 1`` tokens after a prefix (a prompt continued, eager only) appends all
   ``T`` slots at once and then runs the two decode ops once per token, in order: the
   ``i``-th pass sees the first ``i + 1`` new slots as held, the later ones masked, so it
@@ -47,12 +48,7 @@ import torch
 from torch import Tensor, nn
 
 from lapse.kv import KVCache, PagedView
-from lapse.ops.castle import (
-    castle_attention,
-    castle_attention_decode,
-    castle_decode_update,
-    castle_lookahead_keys,
-)
+from lapse.ops.castle import castle_attention, castle_decode_step, castle_lookahead_keys
 from lapse.ops.castle.common import check_window
 
 from .attention import Attention
@@ -67,7 +63,9 @@ class CastleAttention(Attention):
         window: ``None`` (CASTLE) or the lookahead window ``W >= 1`` of CASTLE-SWL.
         rope_base: RoPE theta of the causal and the lookahead queries and keys.
         backend: of :func:`~lapse.ops.castle.castle_attention` in full forwards (``auto``:
-            Triton on CUDA, the blocked PyTorch path otherwise).
+            Triton on CUDA, the blocked PyTorch path otherwise) and of
+            :func:`~lapse.ops.castle.castle_decode_step` when decoding (``naive``: its
+            torch reference).
     """
 
     needs_even_head_dim = True
@@ -117,13 +115,14 @@ class CastleAttention(Attention):
         cache.append(self.layer_idx, k, v, u=q_u.new_zeros(q_u.shape, dtype=acc), q_u=q_u)
         view = cache.view(self.layer_idx)
         u_cache, qu_cache = view.extras["u"], view.extras["q_u"]  # [B, S, H, D] each
+        backend = "torch" if self.backend == "naive" else self.backend
         out = []
         for i in range(t):  # one pass per new token; t == 1 in the decode step
             seqlens = view.seqlens - (t - 1 - i)  # [B] int32: held slots up to token i
-            castle_decode_update(u_cache, qu_cache, k_u[:, i], v_u[:, i], seqlens,
-                                 scale=self.scale, window=self.window, check_values=False)
-            out.append(castle_attention_decode(q[:, i], view.k, view.v, u_cache, seqlens,
-                                               scale=self.scale, check_values=False))  # [B, H, D]
+            out.append(castle_decode_step(
+                q[:, i], k_u[:, i], v_u[:, i], u_cache, qu_cache, view.k, view.v, seqlens,
+                scale=self.scale, window=self.window, check_values=False, backend=backend,
+            ))  # [B, H, D]
         return torch.stack(out, dim=1)  # [B, T, H, D]
 
     # torch.compile leaves the op eager, as forgetting attention's: its Triton path is a
