@@ -67,9 +67,12 @@ except ImportError as e:  # pragma: no cover - depends on the environment
 from tqdm import tqdm
 
 from lapse.eval.common import LoadedModel, load_model
+from lapse.eval.lm import as_causal_lm, load_lm
 from lapse.eval.lm_eval_config import _DTYPES, LmEvalConfig, _positive_int
+from lapse.eval.policy import greedy_continuation, next_logits, streamed_loss
 from lapse.files import write_text_atomic
-from lapse.generation import generate
+from lapse.generation import Dense, Policy, generate
+from lapse.hf import EvictingCache
 from lapse.kv import DenseStore
 
 TASKS_DIR = Path(__file__).with_name("lm_eval_tasks")
@@ -104,8 +107,11 @@ class LapseLM(TemplateLM):
 
     def __init__(
         self,
-        pretrained: str | Path | LoadedModel,
+        pretrained: str | Path | LoadedModel | None = None,
         *,
+        hf: str | Path | None = None,
+        gguf_file: str | None = None,
+        policy: Policy | None = None,
         device: str | None = None,
         batch_size: int | str = 8,
         max_length: int | str | None = None,
@@ -115,25 +121,35 @@ class LapseLM(TemplateLM):
         super().__init__()
         if dtype not in _DTYPES:
             raise ValueError(f"dtype must be one of {sorted(_DTYPES)}, got {dtype!r}")
+        if policy is not None and not isinstance(policy, Policy):
+            raise TypeError(f"policy must be a lapse.generation policy, got {type(policy).__name__}")
         self.batch_size = _positive_int("batch_size", batch_size)
         if device in (None, "auto"):
             device = "cuda" if torch.cuda.is_available() else "cpu"
         if isinstance(pretrained, LoadedModel):
             self.loaded = pretrained
             self.loaded.model.to(device=device, dtype=_DTYPES[dtype]).eval()
-        else:
+        elif hf is None:
             self.loaded = load_model(pretrained, device=device, dtype=_DTYPES[dtype])
+        if hf is not None:  # a pretrained Hugging Face model: always through an EvictingCache
+            pretrained_lm = load_lm(hf=hf, gguf_file=gguf_file, device=device, dtype=_DTYPES[dtype])
+            self.loaded = LoadedModel(model=None, tokenizer=pretrained_lm.tokenizer, name=pretrained_lm.name,
+                                      path=pretrained_lm.path)
+            self.lm, policy = pretrained_lm.lm, policy or Dense()
+        else:
+            self.lm = None if policy is None else as_causal_lm(self.loaded.model)
         if self.loaded.tokenizer is None:
             raise ValueError(
                 f"no tokenizer beside the model at {self.loaded.path}: lm-eval sends text, "
                 "so save the tokenizer with the model"
             )
         self.model = self.loaded.model
+        self.policy = policy
         self.tokenizer = self.loaded.tokenizer
         self._device = torch.device(device)
-        self._max_length = (
-            self.loaded.config.max_seq_len if max_length is None else _positive_int("max_length", max_length)
-        )
+        config = self.loaded.config if self.lm is None else self.lm.config
+        limit = config.max_position_embeddings if self.lm is not None else config.max_seq_len
+        self._max_length = limit if max_length is None else _positive_int("max_length", max_length)
         self.dtype = dtype
 
     @property
@@ -158,6 +174,7 @@ class LapseLM(TemplateLM):
             "lapse_path": str(self.loaded.path),
             "max_length": self.max_length,
             "dtype": self.dtype,
+            "policy": None if self.policy is None else repr(self.policy),
         }
 
     @torch.no_grad()
@@ -196,6 +213,8 @@ class LapseLM(TemplateLM):
         return tokens[:-1], continuation
 
     def _score(self, windows: list[tuple[list[int], list[int]]]) -> list[tuple[float, bool]]:
+        if self.policy is not None:
+            return [self._score_under_policy(inp, target) for inp, target in windows]
         width = max(len(inp) for inp, _ in windows)
         batch = torch.full((len(windows), width), self.eot_token_id, dtype=torch.long)  # [B, T]
         for j, (inp, _) in enumerate(windows):
@@ -210,6 +229,23 @@ class LapseLM(TemplateLM):
             greedy.append((logp.argmax(dim=-1) == target_ids).all())
         # one read-back per batch
         return list(zip(torch.stack(totals).tolist(), torch.stack(greedy).tolist(), strict=True))
+
+    def _score_under_policy(self, inp: list[int], target: list[int]) -> tuple[float, bool]:
+        """``(sum log p, is_greedy)`` of ``target`` after its context, the context pruned to
+        the policy's budget first (the A2SF protocol): the context less its last token is
+        prefilled and cut, then the rest fed one token at a time (:func:`streamed_loss`).
+        A one-token context has nothing to prune: its prediction comes from its prefill."""
+        ids = torch.tensor([inp + target[-1:]], device=self.device)  # [1, n + 1]: context + continuation
+        n, k = len(inp), len(target)
+        logp, greedy = 0.0, True
+        if n == k:  # a one-token context: the first continuation token from its prefill
+            cache = EvictingCache(Dense(), model=self.lm, max_context=n)
+            first = torch.log_softmax(next_logits(self.lm, ids[:, :1], cache)[0], dim=-1)  # [V]
+            logp, greedy = float(first[target[0]]), int(first.argmax()) == target[0]
+        if n >= 2:
+            r = streamed_loss(self.lm, ids, self.policy, prefix=max(1, n - k), compare=False)
+            logp, greedy = logp - float(r.loss.double().sum()), greedy and bool(r.greedy.all())
+        return logp, greedy
 
     def loglikelihood_rolling(self, requests, disable_tqdm: bool = False) -> list[float]:
         """Log-likelihood of each whole text (``Instance.args == (text,)``), the first token
@@ -255,6 +291,11 @@ class LapseLM(TemplateLM):
         temperature = float(gen_kwargs.get("temperature", 0.0)) if gen_kwargs.get("do_sample") else 0.0
         top_k = gen_kwargs.get("top_k")
         ids = (self.tok_encode(context) or [self.prefix_token_id])[-(self.max_length - max_new) :]
+        if self.policy is not None:  # greedy under the policy, then cut at the first stop
+            prompt = torch.tensor([ids if len(ids) > 1 else [self.prefix_token_id, *ids]], device=self.device)
+            new = greedy_continuation(self.lm, prompt, max_new, self.policy)[0].tolist()
+            new = new[: new.index(self.eot_token_id)] if self.eot_token_id in new else new
+            return _cut_at_stops(self.tok_decode(new), until)
         cache = DenseStore(self.loaded.config.n_layers, capacity=len(ids) + max_new)
         step_input = torch.tensor([ids], dtype=torch.long, device=self.device)  # [1, T]
         new: list[int] = []
@@ -269,10 +310,13 @@ class LapseLM(TemplateLM):
                 break
             if any(s in self.tok_decode(new) for s in until):
                 break
-        text = self.tok_decode(new)
-        for stop in until:
-            text = text.split(stop, 1)[0]
-        return text
+        return _cut_at_stops(self.tok_decode(new), until)
+
+
+def _cut_at_stops(text: str, until: list[str]) -> str:
+    for stop in until:
+        text = text.split(stop, 1)[0]
+    return text
 
 
 def jsonl_dataset(path: str | Path, split: str = "test") -> dict:
@@ -314,7 +358,8 @@ def run_lm_eval(cfg: LmEvalConfig) -> dict:
 
     out_dir = cfg.resolved_out_dir
     manager = task_manager(cfg.tasks, cfg.include_path)
-    model_args = {"pretrained": str(cfg.model), "dtype": cfg.dtype}
+    model_args = {"pretrained": None if cfg.model is None else str(cfg.model), "dtype": cfg.dtype,
+                  "hf": cfg.hf, "gguf_file": cfg.gguf_file, "policy": cfg.make_policy()}
     if cfg.max_length is not None:
         model_args["max_length"] = cfg.max_length
     start = time.perf_counter()
@@ -347,14 +392,15 @@ def run_lm_eval(cfg: LmEvalConfig) -> dict:
 
 
 def _summary(cfg: LmEvalConfig, results: dict, seconds: float) -> str:
-    name = results.get("config", {}).get("lapse_model", cfg.model.name)
+    name = results.get("config", {}).get("lapse_model", (cfg.model or cfg.hf).name)
     counts = ", ".join(
         f"{task} {n['effective']} of {n['original']}" for task, n in results.get("n-samples", {}).items()
     )
     lines = [
         f"# lm-eval: {name}",
         "",
-        f"Model `{cfg.model}`; tasks {', '.join(cfg.tasks)}; documents: {counts}; "
+        f"Model `{cfg.model or cfg.hf}`{_policy_words(results)}; tasks {', '.join(cfg.tasks)}; "
+        f"documents: {counts}; "
         f"few-shot {cfg.num_fewshot if cfg.num_fewshot is not None else 'task default'}; "
         f"seed {cfg.seed}; lm-eval {results['lapse']['lm_eval_version']}; {_duration(seconds)}.",
         "",
@@ -364,6 +410,11 @@ def _summary(cfg: LmEvalConfig, results: dict, seconds: float) -> str:
     if results.get("groups"):
         lines += [lm_utils.make_table(results, "groups").strip(), ""]
     return "\n".join(lines)
+
+
+def _policy_words(results: dict) -> str:
+    policy = results.get("config", {}).get("policy")
+    return "" if policy is None else f" under `{policy}` (each prompt pruned to its budget before the answer)"
 
 
 def _duration(seconds: float) -> str:

@@ -12,6 +12,9 @@ from typing import Literal
 
 import torch
 
+from lapse.eval.lm import HfOptions
+from lapse.generation import PolicyOptions
+
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -26,12 +29,14 @@ def _positive_int(name: str, value) -> int:
 
 
 @dataclass(kw_only=True)
-class LmEvalConfig:
-    """lm-eval tasks on one lapse model: the settings of :func:`run_lm_eval`."""
+class LmEvalConfig(PolicyOptions, HfOptions):
+    """lm-eval tasks on one lapse model or pretrained Hugging Face model (``--hf``),
+    optionally under an eviction policy (``--policy``: each prompt pruned to the budget
+    before its answer is scored, the A2SF protocol): the settings of :func:`run_lm_eval`."""
 
-    model: Path
+    model: Path | None = None
     """A run folder, checkpoint folder or Hugging Face folder (anything
-    :func:`lapse.eval.load_model` opens), with its tokenizer beside it."""
+    :func:`lapse.eval.load_model` opens), with its tokenizer beside it; or none with ``--hf``."""
     tasks: tuple[str, ...]
     """lm-eval task, group or tag names: the bundled ``lapse_tiny_mc`` / ``_ppl`` / ``_gen``
     (tag ``lapse_tiny``), those in :attr:`include_path`, or the harness's own (these need
@@ -59,9 +64,12 @@ class LmEvalConfig:
     """Also write every document's prompt, responses and scores (``samples_<task>.jsonl``)."""
 
     def __post_init__(self) -> None:
-        self.model = Path(self.model)
-        if not self.model.exists():
-            raise ValueError(f"model path does not exist: {self.model}")
+        super().__post_init__()
+        self.check_source(self.model)
+        if self.model is not None:
+            self.model = Path(self.model)
+            if not self.model.exists():
+                raise ValueError(f"model path does not exist: {self.model}")
         names_ok = not isinstance(self.tasks, str) and all(isinstance(t, str) and t for t in self.tasks)
         if not self.tasks or not names_ok:
             raise ValueError(f"tasks must be a non-empty tuple of task names, got {self.tasks!r}")
@@ -86,4 +94,4 @@ class LmEvalConfig:
 
     @property
     def resolved_out_dir(self) -> Path:
-        return self.out_dir if self.out_dir is not None else self.model / "eval" / "lm-eval"
+        return self.out_dir if self.out_dir is not None else (self.model or Path(".")) / "eval" / "lm-eval"

@@ -45,9 +45,11 @@ import torch
 import torch.nn.functional as F
 
 from lapse.data import Tokenizer, python_source_documents, text_documents
-from lapse.eval.common import LoadedModel, load_model
+from lapse.eval.common import LoadedModel
+from lapse.eval.lm import HfOptions, load_lm
+from lapse.eval.policy import greedy_continuation, streamed_loss
 from lapse.files import save_figure, write_text_atomic
-from lapse.generation import generate
+from lapse.generation import Dense, Policy, PolicyOptions, generate
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 # A segment ends after a newline or after a sentence's final punctuation and its space:
@@ -56,12 +58,16 @@ _BOUNDARY = re.compile(r"(?<=\n)|(?<=[.!?] )")
 
 
 @dataclass(kw_only=True)
-class NiahConfig:
-    """A needle-in-a-haystack grid: models x context lengths x needle depths x trials."""
+class NiahConfig(PolicyOptions, HfOptions):
+    """A needle-in-a-haystack grid: models x context lengths x needle depths x trials,
+    optionally under an eviction policy (``--policy``) and on a pretrained Hugging Face
+    model (``--hf``: scored through an :class:`~lapse.hf.EvictingCache`, ``dense`` when no
+    policy is named)."""
 
-    models: tuple[Path, ...]
+    models: tuple[Path, ...] = ()
     """Models to evaluate: run folders, checkpoint folders or Hugging Face folders
-    (anything :func:`lapse.eval.load_model` opens); each needs its tokenizer beside it."""
+    (anything :func:`lapse.eval.load_model` opens); each needs its tokenizer beside it.
+    ``--hf`` adds a pretrained model after them."""
     context_lengths: tuple[int, ...] = (512, 1024, 2048, 4096)
     """Prompt lengths in tokens of each model's tokenizer (haystack + needle + query,
     without the answer), strictly increasing."""
@@ -114,13 +120,16 @@ class NiahConfig:
     """Show a progress bar over the cells."""
 
     def __post_init__(self) -> None:
+        super().__post_init__()
         for name in ("models", "context_lengths", "depths", "haystack_patterns"):
             value = getattr(self, name)
             if isinstance(value, (str, Path)) or not isinstance(value, Sequence):
                 raise TypeError(f"{name} must be a tuple, got {value!r}")
             setattr(self, name, tuple(value))
-        if not self.models:
-            raise ValueError("give at least one model path")
+        if not self.models and self.hf is None:
+            raise ValueError("give at least one model path, or --hf PATH")
+        if self.gguf_file is not None and self.hf is None:
+            raise ValueError("--gguf-file names a file of an --hf model folder: give --hf too")
         self.models = tuple(Path(m) for m in self.models)
         if not self.context_lengths or any(not isinstance(n, int) or n < 1 for n in self.context_lengths):
             raise ValueError(f"context_lengths must be positive integers, got {self.context_lengths}")
@@ -153,7 +162,7 @@ class NiahConfig:
             if not self.haystack.exists():
                 raise ValueError(f"haystack path does not exist: {self.haystack}")
         if self.out_dir is None:
-            self.out_dir = self.models[0] / "eval" / "niah"
+            self.out_dir = (self.models[0] if self.models else Path(".")) / "eval" / "niah"
         self.out_dir = Path(self.out_dir)
 
     def needle_text(self, number: int) -> str:
@@ -327,7 +336,10 @@ def build_prompt(
 
 @torch.no_grad()
 def score_prompts(
-    model: torch.nn.Module, prompts: Sequence[Prompt], device: str | torch.device
+    model: torch.nn.Module,
+    prompts: Sequence[Prompt],
+    device: str | torch.device,
+    policy: Policy | None = None,
 ) -> list[dict]:
     """Both scores of prompts of one length, in one batch.
 
@@ -335,6 +347,12 @@ def score_prompts(
     answer's token count, and a row matches when its first ``len(answer)`` new tokens are
     the answer ids. Log-likelihood: one forward over prompt + answer (answers of unequal
     length are padded at the end, which no earlier position sees).
+
+    Under ``policy`` (a lapse model or a Hugging Face one): the prompt less its last token
+    is prefilled and cut by the policy, then the last prompt token and the answer are fed
+    one at a time (:func:`lapse.eval.policy.streamed_loss`,
+    :func:`~lapse.eval.policy.greedy_continuation`): every answer token is scored, and
+    generated, from the cache as the policy leaves it.
     """
     length = len(prompts[0].ids)
     if any(len(p.ids) != length for p in prompts):
@@ -346,11 +364,17 @@ def score_prompts(
     for row, p in enumerate(prompts):
         answers[row, : len(p.answer_ids)] = torch.tensor(p.answer_ids)
         valid[row, : len(p.answer_ids)] = True
-    new = generate(model, prompt_ids, n_new)[:, length:]  # [B, A]
+    if policy is None:
+        new = generate(model, prompt_ids, n_new)[:, length:]  # [B, A]
+        logits, _ = model(torch.cat([prompt_ids, answers], dim=1))  # [B, L + A, V]
+        logp = F.log_softmax(logits[:, length - 1 : length - 1 + n_new].float(), dim=-1)  # [B, A, V]
+        token_logp = logp.gather(-1, answers[..., None])[..., 0]  # [B, A]
+    else:
+        new = greedy_continuation(model, prompt_ids, n_new, policy)  # [B, A]
+        windows = torch.cat([prompt_ids, answers], dim=1)  # [B, L + A]
+        token_logp = -streamed_loss(model, windows, policy, prefix=length - 1, compare=False).loss.to(device)
     exact = ((new == answers) | ~valid).all(dim=1)  # [B]
-    logits, _ = model(torch.cat([prompt_ids, answers], dim=1))  # [B, L + A, V]
-    logp = F.log_softmax(logits[:, length - 1 : length - 1 + n_new].float(), dim=-1)  # [B, A, V]
-    token_logp = logp.gather(-1, answers[..., None])[..., 0] * valid  # [B, A]
+    token_logp = token_logp * valid  # [B, A]
     return [
         {
             "generated_ids": new[row, : len(p.answer_ids)].tolist(),
@@ -366,13 +390,15 @@ def evaluate_model(
     cfg: NiahConfig,
     haystack: Haystack,
     *,
+    policy: Policy | None = None,
     deadline: float | None = None,
     bar=None,
 ) -> dict:
     """Every cell of the grid for one model; returns its part of ``results.json``.
 
-    ``deadline`` (a ``time.monotonic()`` value): no cell starts after it. ``bar``: a tqdm
-    bar advanced once per cell.
+    ``policy``: score under it (:func:`score_prompts`). ``deadline`` (a
+    ``time.monotonic()`` value): no cell starts after it. ``bar``: a tqdm bar advanced
+    once per cell.
     """
     tokenizer = loaded.tokenizer
     if tokenizer is None:
@@ -396,7 +422,7 @@ def evaluate_model(
             prompts = [build_prompt(cfg, tokenizer, haystack, t, length, depth) for t in trials]
             scores = []
             for i in range(0, len(prompts), cfg.batch_size):
-                scores += score_prompts(model, prompts[i : i + cfg.batch_size], device)
+                scores += score_prompts(model, prompts[i : i + cfg.batch_size], device, policy)
             details = [
                 {
                     "trial": p.trial.index,
@@ -430,6 +456,7 @@ def evaluate_model(
         "name": loaded.name,
         "path": str(loaded.path),
         "train_context": getattr(train_config, "context", None),
+        "policy": None if policy is None else repr(policy),
         "cells": cells,
         "complete": len(cells) == len(cfg.context_lengths) * len(cfg.depths),
         "seconds": round(time.perf_counter() - started, 2),
@@ -459,10 +486,19 @@ def run_niah(cfg: NiahConfig) -> dict:
     with tqdm(
         total=cells * len(cfg.models), desc="niah", disable=not cfg.progress, dynamic_ncols=True
     ) as bar:
-        for path in cfg.models:
-            loaded = load_model(path, device=cfg.device, dtype=DTYPES[cfg.dtype])
-            results["models"].append(evaluate_model(loaded, cfg, haystack, deadline=deadline, bar=bar))
-            del loaded
+        policy = cfg.make_policy()
+        sources = [(path, None) for path in cfg.models] + ([(None, cfg.hf)] if cfg.hf is not None else [])
+        for path, hf in sources:
+            model = load_lm(path, hf, cfg.gguf_file, device=cfg.device, dtype=DTYPES[cfg.dtype])
+            loaded = LoadedModel(model=model.lm, tokenizer=model.tokenizer, name=model.name, path=model.path,
+                                 train_config=getattr(model.loaded, "train_config", None))
+            if policy is None and hf is None:  # a lapse model's plain path
+                loaded.model = model.loaded.model
+            scored = policy if policy is not None or hf is None else Dense()
+            results["models"].append(
+                evaluate_model(loaded, cfg, haystack, policy=scored, deadline=deadline, bar=bar)
+            )
+            del loaded, model
             if torch.cuda.is_available():
                 torch.cuda.empty_cache()  # the next model gets the memory back
     write_outputs(results, cfg.out_dir)
@@ -577,6 +613,9 @@ def summary_markdown(results: dict, image: str) -> str:
     rule = "|---" * (len(lengths) + 2) + "|"
     for model in results["models"]:
         lines += [f"## {model['name']}", ""]
+        if model.get("policy"):
+            lines += [f"Under the eviction policy `{model['policy']}`: the prompt less its last token "
+                      "prefilled and cut, then the rest fed one token at a time.", ""]
         if not model["complete"]:
             lines += [f"Stopped by the time limit after {len(model['cells'])} cells; '-' was not run.", ""]
         for key, label, fmt in (

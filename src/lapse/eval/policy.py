@@ -199,6 +199,26 @@ def next_logits(lm: nn.Module, ids: Tensor, cache: EvictingCache) -> Tensor:
 
 
 @torch.no_grad()
+def greedy_continuation(model: nn.Module, ids: Tensor, n: int, policy: Policy) -> Tensor:
+    """``n`` tokens ``[B, n]`` that continue ``ids`` ``[B, T]`` greedily under ``policy``, by
+    the protocol of :func:`streamed_loss` with ``prefix = T - 1``: the prompt less its last
+    token prefilled, the policy's cut, then the last token and each new one fed one at a
+    time, so every new token is predicted from the cache as the policy leaves it."""
+    lm = as_causal_lm(model)
+    t = ids.shape[1]
+    if t < 2:
+        raise ValueError(f"a prompt continued under a policy needs at least 2 tokens, got {t}")
+    check_fits(lm, policy, t - 1, t + n - 1)
+    cache = policy_cache(lm, policy, t + n - 1)
+    next_logits(lm, ids[:, :-1], cache)
+    token, new = ids[:, -1:], []
+    for _ in range(n):
+        token = next_logits(lm, token, cache).argmax(-1, keepdim=True)  # [B, 1]
+        new.append(token)
+    return torch.cat(new, dim=1)
+
+
+@torch.no_grad()
 def _stream(
     lm: nn.Module, ids: Tensor, policy: Policy, prefix: int, chunk: int, compare: bool, bar: tqdm
 ) -> dict[str, Tensor | None]:
