@@ -86,3 +86,16 @@ def compare(case: Case, dtype, backend, floor: float, seed: int = 0, device="cpu
             f"{name}: {backend} error {err:.2e} > {factor} x baseline {err_base:.2e} + {fl:.0e}")
         errors[name] = (err, err_base)
     return errors
+
+
+def time_ms(fn, reps: int = 5) -> float:
+    """Milliseconds per call of ``fn`` on the GPU (one warm-up call, then ``reps``)."""
+    fn()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(reps):
+        fn()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) / reps

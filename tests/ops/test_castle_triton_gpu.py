@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from castle_cases import Case, compare, make_inputs
+from castle_cases import Case, compare, make_inputs, time_ms
 
 from lapse.ops.castle import castle_attention
 
@@ -68,18 +68,6 @@ def test_triton_gpu_peak_memory_16k():
     assert extra < tt_matrix / 8
 
 
-def _time_ms(fn, reps=5):
-    fn()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(reps):
-        fn()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) / reps
-
-
 def _speed_row(t: int, d: int) -> dict:
     f = torch.nn.functional.scaled_dot_product_attention
     case = Case(b=16384 // t, t=t, h=8, hc=8, hu=8, d=d)
@@ -94,8 +82,8 @@ def _speed_row(t: int, d: int) -> dict:
         ("castle-swl512", lambda: castle_attention(*ys, window=512, backend="triton")),
     ):
         with torch.no_grad():
-            row[name] = _time_ms(fwd)
-        row[name + "+bwd"] = _time_ms(lambda fwd=fwd: fwd().backward(do))
+            row[name] = time_ms(fwd)
+        row[name + "+bwd"] = time_ms(lambda fwd=fwd: fwd().backward(do))
     return row
 
 

@@ -43,7 +43,7 @@ from ..forgetting.decode_triton import (
     _split_workspace,
     _store_split_result,
 )
-from ..splits import split_range
+from ..splits import split_program, split_range
 
 # Elements of one [BG, BN, BD] tile: 2048 float32 keep a program's u and q^U tiles in
 # registers at 4 warps.
@@ -98,17 +98,9 @@ def _castle_decode_split_kernel(
     USE_WINDOW: tl.constexpr,
     IS_SINGLE_SPLIT: tl.constexpr,
 ):
-    i_s = tl.program_id(0).to(tl.int64)
-    i_bh = tl.program_id(1).to(tl.int64)
-    i_b = i_bh // HC
-    i_h = i_bh % HC
-
-    o_g = tl.arange(0, BG)
-    o_d = tl.arange(0, BD)
-    m_g = o_g < GROUP
-    m_d = o_d < D
+    # o_hq [BG]: the query heads of causal kv head i_h
+    i_s, i_b, i_h, o_hq, o_d, m_g, m_d = split_program(HC, GROUP, D, BG, BD)
     m_gd = m_g[:, None] & m_d[None, :]  # [BG, BD]
-    o_hq = i_h * GROUP + o_g  # [BG] the query heads of causal kv head i_h
     o_hu = o_hq // GROUP_U  # [BG] their lookahead kv heads
 
     n = tl.load(cache_seqlens + i_b).to(tl.int64)
