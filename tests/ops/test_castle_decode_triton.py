@@ -157,9 +157,11 @@ def test_kernel_against_float64_full_sequence(case, dtype, floor):
         assert err <= 2 * err_ref + floor, f"{name}: {err:.2e} > 2 x {err_ref:.2e} + {floor:.0e}"
 
 
-@pytest.mark.parametrize("num_splits", [1, 3], ids=lambda n: f"splits{n}")
-def test_launch_writes_every_output(num_splits):
-    """Outputs and split workspace poisoned with NaN: every element must be written."""
+@pytest.mark.parametrize("num_splits, config", [(1, None), (3, None), (2, {"BN": 16, "num_warps": 2})],
+                         ids=["splits1", "splits3", "splits2-BN16"])
+def test_launch_writes_every_output(num_splits, config):
+    """Outputs and split workspace poisoned with NaN: every element must be written (also
+    with a tuning override of the tile)."""
     case = Case(window=3)
     _, new, cache, lens = make_step(case, torch.float32, seed=2)
     o_ref, lse_ref, _ = run_step(new, cache, lens, case, "torch")
@@ -169,7 +171,7 @@ def test_launch_writes_every_output(num_splits):
                  torch.full((b, h, num_splits), NAN))
     launch_castle_decode(new["q_c"], new["k_u"], new["v_u"], cache["u_cache"].clone(),
                          cache["qu_cache"], cache["k_c_cache"], cache["v_c_cache"], lens, SCALE,
-                         case.window, o, lse, num_splits, workspace)
+                         case.window, o, lse, num_splits, workspace, config)
     assert rel(o, o_ref) < 2e-6 and rel(lse, lse_ref) < 2e-6
 
 

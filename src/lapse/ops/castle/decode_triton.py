@@ -165,24 +165,27 @@ def _castle_decode_split_kernel(
 
 
 def _launch_options(q_c: Tensor, u_cache: Tensor, k_c_cache: Tensor, qu_cache: Tensor,
-                    group: int, num_splits: int | None) -> tuple[int, dict]:
+                    group: int, num_splits: int | None, config: dict | None) -> tuple[int, dict]:
     """``(num_splits, options)``: tiles of about ``_TILE_ELEMENTS`` per ``[BG, BN, BD]``,
     and as many splits as fit in one wave of resident programs (``num_splits`` chosen
-    when None), each >= 256 slots long."""
+    when None), each >= 256 slots long. ``config`` overrides ``BN``, ``num_warps`` and
+    ``num_stages`` (for tuning on a GPU)."""
+    config = config or {}
     b, _, d = q_c.shape
     s, hc = k_c_cache.shape[1], k_c_cache.shape[2]
     block_d = max(16, triton.next_power_of_2(d))
     block_g = triton.next_power_of_2(group)
-    block_n = max(16, min(64, _TILE_ELEMENTS // (block_g * block_d)))
+    block_n = config.get("BN", max(16, min(64, _TILE_ELEMENTS // (block_g * block_d))))
+    stages = config.get("num_stages", _PIPELINE_STAGES)
     if num_splits is None:
         tile_bytes = block_n * block_d * (
             block_g * (u_cache.element_size() + qu_cache.element_size()) + 2 * k_c_cache.element_size()
         )
         num_splits = _choose_num_splits(s, b * hc, _resident_programs(q_c.device, tile_bytes))
     # large groups (GQA) cannot shrink BN below 16: more warps share their tiles' registers
-    num_warps = 4 if block_g * block_n * block_d <= 2 * _TILE_ELEMENTS else 8
+    num_warps = config.get("num_warps", 4 if block_g * block_n * block_d <= 2 * _TILE_ELEMENTS else 8)
     options = dict(BG=block_g, BN=block_n, BD=block_d, IS_SINGLE_SPLIT=num_splits == 1,
-                   num_warps=num_warps, num_stages=_PIPELINE_STAGES)
+                   num_warps=num_warps, num_stages=stages)
     return num_splits, options
 
 
@@ -201,18 +204,21 @@ def launch_castle_decode(
     lse: Tensor,
     num_splits: int | None = None,
     workspace: tuple[Tensor, Tensor, Tensor] | None = None,
+    config: dict | None = None,
 ) -> None:
     """Updates ``u_cache`` in place and writes ``o`` [B, H, D] and ``lse`` [B, H] float32
     (natural log). Every tensor must be contiguous in its last dim (``u_cache`` is
     written in place, so it is not copied here).
 
     ``workspace`` (``acc [B, H, splits, D]``, ``m`` and ``l`` ``[B, H, splits]``, float32)
-    can be passed in so tests can poison it with NaN.
+    can be passed in so tests can poison it with NaN; ``config`` overrides the tile
+    ``BN``, ``num_warps`` and ``num_stages`` (tuning).
     """
     b, h, d = q_c.shape
     hc, hu = k_c_cache.shape[2], k_u.shape[1]
     group = h // hc
-    num_splits, options = _launch_options(q_c, u_cache, k_c_cache, qu_cache, group, num_splits)
+    num_splits, options = _launch_options(q_c, u_cache, k_c_cache, qu_cache, group, num_splits,
+                                          config)
     acc_part, m_part, l_part = _split_workspace(q_c, num_splits) if workspace is None else workspace
     _castle_decode_split_kernel[(num_splits, b * hc)](
         q_c,
