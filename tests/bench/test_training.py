@@ -63,8 +63,8 @@ def test_bench_train_runs_dcp_against_the_transformer_on_cpu(tmp_path):
     from lapse.bench.training import TrainBenchConfig, run
 
     cfg = TrainBenchConfig(
-        preset="tiny", arch="transformer-llama", seq_len=32, batch_size=2, micro_batch_size=1, steps=1, warmup=0,
-        variants=("transformer", "dcp"), dcp_r=4, out_dir=tmp_path,
+        preset="tiny", arch="transformer-llama", seq_len=32, batch_size=2, micro_batch_size=1, steps=1,
+        warmup=0, variants=("transformer", "dcp"), dcp_r=4, out_dir=tmp_path,
     )
     rows = {r["variant"]: r for r in run(cfg)["rows"]}
     assert rows["dcp"]["vs_transformer"] > 0 and rows["transformer"]["vs_transformer"] == 1.0

@@ -16,8 +16,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from lapse.ops.dcp import LOG_FLOOR, alpha_sigmoid, interaction_log_mask, log_alpha_sigmoid
-from lapse.ops.dcp import alpha_sigmoid_triton
+from lapse.ops.dcp import (
+    LOG_FLOOR,
+    alpha_sigmoid,
+    alpha_sigmoid_triton,
+    interaction_log_mask,
+    log_alpha_sigmoid,
+)
 
 # log(0) = -inf on purpose (x = 0 in the kernel); numpy warns about it in the interpreter
 pytestmark = pytest.mark.filterwarnings("ignore:divide by zero:RuntimeWarning")
@@ -72,9 +77,8 @@ def test_triton_matches_the_float64_reference_as_closely_as_torch_float32(fn, al
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 def test_triton_takes_16_bit_inputs_in_float32(dtype):
     x = points(3.0, (5, 33)).to(dtype)
-    assert torch.equal(
-        log_alpha_sigmoid(x, 3.0, backend="triton"), log_alpha_sigmoid(x.float(), 3.0, backend="triton").to(dtype)
-    )
+    want = log_alpha_sigmoid(x.float(), 3.0, backend="triton").to(dtype)
+    assert torch.equal(log_alpha_sigmoid(x, 3.0, backend="triton"), want)
 
 
 def test_triton_edges_nan_saturation_and_empty():

@@ -27,9 +27,10 @@ import platform
 import statistics
 import subprocess
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
-from typing import Callable, Literal
+from typing import Literal
 
 import torch
 
@@ -161,7 +162,8 @@ def run(cfg: TrainBenchConfig) -> dict:
             else:  # the transformer variant's weights (the same seed), the interaction ones at init
                 torch.manual_seed(0)
                 missing, unexpected = model.load_state_dict(Decoder(softmax_cfg).state_dict(), strict=False)
-                assert not unexpected and set(missing) == set(dcp_parameter_names(model)), (missing, unexpected)
+                if unexpected or set(missing) != set(dcp_parameter_names(model)):
+                    raise RuntimeError(f"DCP vs softmax weights: missing {missing}, unexpected {unexpected}")
             regularizer = dcp_penalty(model, cfg.dcp_alpha, cfg.dcp_gamma)
         else:
             if model_cfg.attention != "forgetting":
@@ -181,7 +183,8 @@ def run(cfg: TrainBenchConfig) -> dict:
         if cuda:
             torch.cuda.synchronize()
         t0 = time.perf_counter()
-        loss = optimizer_step(s["model"], s["opt"], x, y, cfg.micro_batch_size, s["regularizer"]).item()  # syncs
+        loss = optimizer_step(s["model"], s["opt"], x, y, cfg.micro_batch_size, s["regularizer"])
+        loss = loss.item()  # syncs
         if timed:
             s["times"].append(time.perf_counter() - t0)
             s["losses"].append(loss)
@@ -234,12 +237,13 @@ def run(cfg: TrainBenchConfig) -> dict:
     for r in rows:
         r["speedup_vs_dense"] = base["step_s"] / r["step_s"] if base else None
         mode = "-compile" if r["variant"].endswith("-compile") else ""
-        peer = step_s.get(f"transformer{mode}") or step_s.get("transformer") or step_s.get("transformer-compile")
+        peers = (f"transformer{mode}", "transformer", "transformer-compile")
+        peer = next((step_s[v] for v in peers if v in step_s), None)
         r["vs_transformer"] = r["step_s"] / peer if peer else None
 
     result = {
         "bench": "train",
-        "device": torch.cuda.get_device_name(device) if cuda else f"cpu ({platform.processor() or 'unknown'})",
+        "device": torch.cuda.get_device_name(device) if cuda else f"cpu {platform.processor()}".strip(),
         "torch": torch.__version__,
         "triton": _triton_version(),
         "python": platform.python_version(),

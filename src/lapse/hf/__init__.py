@@ -8,10 +8,12 @@ registers model type ``"lapse"`` with the Auto classes.
 :class:`EvictingCache` is a ``transformers`` cache backed by a lapse paged store under an
 eviction policy, for LLaMA-family Hugging Face models (through the ``"lapse_paged"``
 attention function it registers) and the lapse adapter alike; :func:`load_pretrained`
-loads a Hugging Face folder or a GGUF file (the optional ``lapse[hf]`` extra).
+loads a Hugging Face folder or a GGUF file (the optional ``lapse[hf]`` extra);
+:func:`add_dcp` puts Dynamic Context Pruning on such a model's attention layers.
 """
 
 from .cache import LapseCache
+from .dcp import DCPProjections, add_dcp, dcp_modules
 from .evicting import ATTENTION, EvictingCache, register_attention, use_lapse_attention
 from .loading import load_pretrained, resolve_model_path
 from .model import LapseConfig, LapseForCausalLM, register
@@ -21,10 +23,13 @@ register_attention()
 
 __all__ = [
     "ATTENTION",
+    "DCPProjections",
     "EvictingCache",
     "LapseCache",
     "LapseConfig",
     "LapseForCausalLM",
+    "add_dcp",
+    "dcp_modules",
     "load_pretrained",
     "register",
     "register_attention",

@@ -55,7 +55,7 @@ from transformers import AttentionInterface, Cache
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
-from lapse.generation import Policy, logit_bounds, supports_paged
+from lapse.generation import DCPDrop, Policy, logit_bounds, supports_paged
 from lapse.kv import PagedStore
 from lapse.models import Decoder
 from lapse.ops import attention_key_scores
@@ -69,6 +69,10 @@ ATTENTION = "lapse_paged"
 FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
 """Hugging Face ``model_type`` values whose attention is causal softmax over RoPE'd keys
 that the model caches before attending (what the paged decode op computes)."""
+
+HIDDEN = "lapse_dcp_hidden"
+"""The keyword that carries an attention layer's input to the attention function, for the
+DCP interaction projections (:mod:`lapse.hf.dcp` sets it from a forward pre-hook)."""
 
 _slot = threading.local()  # .cache: the EvictingCache whose update the next attention call takes
 
@@ -102,14 +106,19 @@ def lapse_paged_attention(
 ) -> tuple[Tensor, None]:
     """The ``"lapse_paged"`` attention function: ``query`` ``[B, HQ, T, D]``, ``key``,
     ``value`` ``[B, H, T, D]`` (Hugging Face's layout) -> ``[B, T, HQ, D]``. Over an
-    :class:`EvictingCache` see the module doc; otherwise Hugging Face's SDPA."""
+    :class:`EvictingCache` see the module doc; otherwise Hugging Face's SDPA. A layer with
+    DCP (``module.dcp``, :func:`lapse.hf.add_dcp`) attends under its keep mask instead."""
+    hidden = kwargs.pop(HIDDEN, None)
+    dcp = getattr(module, "dcp", None)
     cache = getattr(_slot, "cache", None)
     if cache is None or cache._handoff != module.layer_idx:
+        if dcp is not None:
+            return dcp.attend_full(query, key, value, attention_mask, scaling, hidden), None
         return sdpa_attention_forward(
             module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs
         )
     _slot.cache, cache._handoff = None, None
-    return cache._attend(module, query, key, value, attention_mask, scaling, **kwargs), None
+    return cache._attend(module, query, key, value, attention_mask, scaling, hidden, **kwargs), None
 
 
 class EvictingCache(Cache):
@@ -240,7 +249,7 @@ class EvictingCache(Cache):
             self.policy.check(decoder)
             self._bounds = logit_bounds(decoder)
         else:
-            _check_family(model.config, self.policy)
+            _check_family(model.config, self.policy, any(hasattr(m, "dcp") for m in model.modules()))
         self._checked = True
 
     def _open(self, config, batch: int, prompt_len: int, kv_heads: int) -> PagedStore:
@@ -309,12 +318,14 @@ class EvictingCache(Cache):
 
     # -- a Hugging Face layer's attention (from lapse_paged_attention) ---------------------
 
-    def _attend(self, module, query, key, value, attention_mask, scaling, **kwargs) -> Tensor:
+    def _attend(self, module, query, key, value, attention_mask, scaling, hidden, **kwargs) -> Tensor:
         i, t = module.layer_idx, query.shape[2]
         config = module.config
         if i == 0:
             self._begin(module, query, key, attention_mask)
-        if self._seen == 0:  # the prompt: Hugging Face's SDPA, then into the store
+        if getattr(module, "dcp", None) is not None:
+            out = self._attend_dcp(module.dcp, query, key, value, hidden)
+        elif self._seen == 0:  # the prompt: Hugging Face's SDPA, then into the store
             out, _ = sdpa_attention_forward(
                 module, query, key, value, attention_mask, scaling=scaling, **kwargs
             )
@@ -332,7 +343,7 @@ class EvictingCache(Cache):
         b, _, t, _ = query.shape
         if self._seen == 0:
             if not self._checked:
-                _check_family(module.config, self.policy)
+                _check_family(module.config, self.policy, hasattr(module, "dcp"))
                 self._checked = True
             mask = None if attention_mask is None else _keys_of_last_query(attention_mask, t)
             self._start, lengths = padding_runs(mask, t, fresh=True)
@@ -365,6 +376,18 @@ class EvictingCache(Cache):
             )[0]
         store.record_prefill_scores(i, scores)
 
+    def _attend_dcp(self, dcp, query: Tensor, key: Tensor, value: Tensor, hidden: Tensor) -> Tensor:
+        """A DCP layer's prompt or decode step over the store: the lapse layer's paged path
+        (drop flags per slot, freed by ``DCPDrop``), each padded prompt row's tokens first
+        as for every other layer, moved back after. ``[B, T, HQ, D]``."""
+        q, k, v = (x.transpose(1, 2) for x in (query, key, value))  # [B, T, heads, D]
+        start = self._start if self._seen == 0 else None
+        if start is not None:
+            q, k, v, hidden = (roll_rows(x, start) for x in (q, k, v, hidden))
+        q_int, k_int = dcp.interaction(hidden)  # [B, T, r]
+        out = dcp._attend_paged(q, k, v, q_int, k_int, None, self.store)  # [B, T, HQ, D]
+        return out if start is None else roll_rows(out, -start)
+
     def _decode(self, i: int, query: Tensor, key: Tensor, value: Tensor, scaling: float | None) -> Tensor:
         """One token per row over the store: ``[B, 1, HQ, D]``."""
         store = self.store
@@ -393,10 +416,21 @@ def _lapse_decoder(model: nn.Module) -> Decoder | None:
     return decoder if isinstance(decoder, Decoder) else None
 
 
-def _check_family(config, policy: Policy) -> None:
-    """Raises a ``ValueError`` naming the model family when the cache cannot serve it."""
+def _check_family(config, policy: Policy, dcp: bool) -> None:
+    """Raises a ``ValueError`` naming the model family when the cache cannot serve it
+    (``dcp``: the model has DCP layers, :func:`lapse.hf.add_dcp`)."""
     family = getattr(config, "model_type", type(config).__name__)
-    if type(policy).check is not Policy.check:  # it reads the model's layers: a lapse model's
+    if isinstance(policy, DCPDrop) and not dcp:
+        raise ValueError(
+            f"DCPDrop needs DCP parameters (W_Qint, W_Kint, beta) in every attention layer, and this "
+            f"{family} model has none: add them with lapse.hf.add_dcp(model) and fine-tune"
+        )
+    if dcp and policy.score_decay is not None:
+        raise ValueError(
+            f"{type(policy).__name__} ranks tokens by attention scores, which DCP layers do not record: use "
+            "DCPDrop (or Dense, SinkWindow) on a DCP model"
+        )
+    if type(policy).check is not Policy.check and not isinstance(policy, DCPDrop):  # a lapse model's
         raise ValueError(
             f"{type(policy).__name__} needs what lapse's layers provide (ACPBoundary: FoX forget gates; "
             f"DCPDrop: DCP's drop flags), and a {family} model has plain softmax attention: use a lapse "

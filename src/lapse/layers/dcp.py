@@ -66,12 +66,13 @@ class DCPStats:
     dropped: Tensor
 
 
-class DCPAttention(SoftmaxAttention):
-    """Softmax attention with RoPE and the DCP interaction mask (see the module doc).
-
-    Args: those of :class:`~lapse.layers.SoftmaxAttention`, and
-        r: interaction dimension of ``W_Qint, W_Kint: d_model -> r`` (no bias).
-        beta_init: initial value of the layer's scalar offset ``beta``.
+class DCPInteraction:
+    """What DCP adds to a softmax attention layer, for any module that mixes it in: the
+    interaction projections and ``beta``, the mask of the current mode, and the decode
+    over a paged store. The host class provides ``training``, ``layer_idx``,
+    ``n_heads``, ``n_kv_heads``, ``scale``, ``collect_stats`` and ``last_stats``; it calls
+    :meth:`init_interaction` in its ``__init__`` (lapse's :class:`DCPAttention`, and the
+    Hugging Face wrapper of :mod:`lapse.hf.dcp`).
 
     Attributes:
         alpha: the alpha-sigmoid's alpha (``>= 1``, checked when set); the trainer's
@@ -82,17 +83,14 @@ class DCPAttention(SoftmaxAttention):
             graph, for the sparsity loss) until :meth:`take_log_mask` takes it.
     """
 
-    supports_paged = True
-    needs_uniform_heads = True  # kint is split across the kv heads' pages (see _attend_paged)
     marks_dropped_slots = True  # each slot's drop flag, read by lapse.generation.DCPDrop
 
-    def __init__(self, *args, r: int = 64, beta_init: float = 2.0, **kwargs):
-        super().__init__(*args, **kwargs)
+    def init_interaction(self, c: int, r: int, beta_init: float) -> None:
+        """``W_Qint, W_Kint: c -> r`` (no bias) and ``beta`` at ``beta_init``."""
         if not isinstance(r, int) or isinstance(r, bool) or r < 1:
             raise ValueError(f"the DCP interaction dim r must be a positive integer, got {r!r}")
         if not math.isfinite(beta_init):
             raise ValueError(f"beta_init must be a finite number, got {beta_init!r}")
-        c = self.q_proj.in_features
         self.r = r
         self.qint_proj = nn.Linear(c, r, bias=False)  # W_Qint
         self.kint_proj = nn.Linear(c, r, bias=False)  # W_Kint
@@ -101,6 +99,7 @@ class DCPAttention(SoftmaxAttention):
         self.step_mask: bool | None = None
         self.keep_log_mask = False
         self.last_log_mask: Tensor | None = None
+        self.interaction_backend = "auto"  # of the alpha-sigmoid: "auto", "triton" or "torch"
 
     @property
     def alpha(self) -> float:
@@ -124,43 +123,6 @@ class DCPAttention(SoftmaxAttention):
         it (holding it would keep that forward's graph alive)."""
         log_i, self.last_log_mask = self.last_log_mask, None
         return log_i
-
-    def attend(
-        self, q: Tensor, k: Tensor, v: Tensor, x: Tensor, positions: Tensor, cache: KVCache | None
-    ) -> Tensor:
-        t = q.shape[1]
-        limit = t if cache is None else cache.capacity
-        q, k = self.rotary(q, positions, limit), self.rotary(k, positions, limit)
-        q_int, k_int = self.qint_proj(x), self.kint_proj(x)  # [B, T, r]
-        if cache is None:
-            return dcp_attention(q, k, v, self._log_mask(q_int, k_int), scale=self.scale)
-        if isinstance(cache.view(self.layer_idx), PagedView):
-            return self._attend_paged(q, k, v, q_int, k_int, positions, cache)
-        if t > 1 and cache.length == 0:  # prefill: log I over the prompt
-            log_i = self._log_mask(q_int, k_int)  # [B, T, T]
-            log_keep = cache.last(log_i).clamp_min(LOG_FLOOR)  # [B, T]: as of each prompt's last token
-            cache.append(self.layer_idx, k, v, kint=k_int, log_keep=log_keep.detach())
-            return dcp_attention(q, k, v, log_i, scale=self.scale)
-        acc = torch.float64 if q_int.dtype == torch.float64 else torch.float32
-        cache.append(self.layer_idx, k, v, kint=k_int, log_keep=q_int.new_zeros(q_int.shape[:2], dtype=acc))
-        view = cache.view(self.layer_idx)
-        log_keep = view.extras["log_keep"]  # [B, S]: as of the token before these
-        z = interaction_logits(q_int, view.extras["kint"], self.beta)  # [B, T, S]
-        if self.uses_step_mask:
-            log_ibar = torch.where(z > 0, 0.0, LOG_FLOOR).to(z.dtype)
-        else:
-            log_ibar = log_alpha_sigmoid(z, self.alpha).clamp_min(LOG_FLOOR)
-        slots = torch.arange(z.shape[-1], device=z.device)  # [S]
-        later = slots[None, None, :] < positions[:, :, None]  # [B, T, S]: token n acts on slots j < n
-        rows = log_keep[:, None, :] + torch.where(later, log_ibar, 0.0).cumsum(dim=1)  # [B, T, S]
-        log_keep.copy_(cache.last(rows).clamp_min(LOG_FLOOR))  # in place: irreversible from now on
-        held = slots[None, None, :] <= positions[:, :, None]  # [B, T, S]
-        bias = torch.where(held, rows, -math.inf).to(q.dtype)  # [B, T, S]
-        keys, values = view.k, view.v  # [B, S, K, D]
-        if t > 1:  # a chunk after a prefix (eager): only the held slots, as SoftmaxAttention
-            n = cache.length + t
-            keys, values, bias = keys[:, :n], values[:, :n], bias[..., :n]
-        return self._sdpa(q, keys, values, bias[:, None])
 
     def _attend_paged(
         self, q: Tensor, k: Tensor, v: Tensor, q_int: Tensor, k_int: Tensor, positions: Tensor, cache: KVCache
@@ -217,13 +179,70 @@ class DCPAttention(SoftmaxAttention):
         if self.uses_step_mask:
             log_i = interaction_log_mask_step(q_int, k_int, self.beta)
         else:
-            log_i = interaction_log_mask(q_int, k_int, self.beta, self.alpha)
+            log_i = interaction_log_mask(
+                q_int, k_int, self.beta, self.alpha, backend=self.interaction_backend
+            )
         if self.keep_log_mask:
             self.last_log_mask = log_i
         if self.collect_stats:
             self.last_stats = DCPStats(dropped=dcp_sparsity(log_i))
         return log_i
 
+
+
+class DCPAttention(DCPInteraction, SoftmaxAttention):
+    """Softmax attention with RoPE and the DCP interaction mask (see the module doc).
+
+    Args: those of :class:`~lapse.layers.SoftmaxAttention`, and
+        r: interaction dimension of ``W_Qint, W_Kint: d_model -> r`` (no bias).
+        beta_init: initial value of the layer's scalar offset ``beta``.
+
+    Attributes: those of :class:`DCPInteraction`.
+    """
+
+    supports_paged = True
+    needs_uniform_heads = True  # kint is split across the kv heads' pages (see _attend_paged)
+
+    def __init__(self, *args, r: int = 64, beta_init: float = 2.0, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.init_interaction(self.q_proj.in_features, r, beta_init)
+
+    def attend(
+        self, q: Tensor, k: Tensor, v: Tensor, x: Tensor, positions: Tensor, cache: KVCache | None
+    ) -> Tensor:
+        t = q.shape[1]
+        limit = t if cache is None else cache.capacity
+        q, k = self.rotary(q, positions, limit), self.rotary(k, positions, limit)
+        q_int, k_int = self.qint_proj(x), self.kint_proj(x)  # [B, T, r]
+        if cache is None:
+            return dcp_attention(q, k, v, self._log_mask(q_int, k_int), scale=self.scale)
+        if isinstance(cache.view(self.layer_idx), PagedView):
+            return self._attend_paged(q, k, v, q_int, k_int, positions, cache)
+        if t > 1 and cache.length == 0:  # prefill: log I over the prompt
+            log_i = self._log_mask(q_int, k_int)  # [B, T, T]
+            log_keep = cache.last(log_i).clamp_min(LOG_FLOOR)  # [B, T]: as of each prompt's last token
+            cache.append(self.layer_idx, k, v, kint=k_int, log_keep=log_keep.detach())
+            return dcp_attention(q, k, v, log_i, scale=self.scale)
+        acc = torch.float64 if q_int.dtype == torch.float64 else torch.float32
+        cache.append(self.layer_idx, k, v, kint=k_int, log_keep=q_int.new_zeros(q_int.shape[:2], dtype=acc))
+        view = cache.view(self.layer_idx)
+        log_keep = view.extras["log_keep"]  # [B, S]: as of the token before these
+        z = interaction_logits(q_int, view.extras["kint"], self.beta)  # [B, T, S]
+        if self.uses_step_mask:
+            log_ibar = torch.where(z > 0, 0.0, LOG_FLOOR).to(z.dtype)
+        else:
+            log_ibar = log_alpha_sigmoid(z, self.alpha).clamp_min(LOG_FLOOR)
+        slots = torch.arange(z.shape[-1], device=z.device)  # [S]
+        later = slots[None, None, :] < positions[:, :, None]  # [B, T, S]: token n acts on slots j < n
+        rows = log_keep[:, None, :] + torch.where(later, log_ibar, 0.0).cumsum(dim=1)  # [B, T, S]
+        log_keep.copy_(cache.last(rows).clamp_min(LOG_FLOOR))  # in place: irreversible from now on
+        held = slots[None, None, :] <= positions[:, :, None]  # [B, T, S]
+        bias = torch.where(held, rows, -math.inf).to(q.dtype)  # [B, T, S]
+        keys, values = view.k, view.v  # [B, S, K, D]
+        if t > 1:  # a chunk after a prefix (eager): only the held slots, as SoftmaxAttention
+            n = cache.length + t
+            keys, values, bias = keys[:, :n], values[:, :n], bias[..., :n]
+        return self._sdpa(q, keys, values, bias[:, None])
 
 def take_log_masks(layers: list[DCPAttention]) -> tuple[list[Tensor], Tensor]:
     """The ``log I`` each layer kept in its last full forward (``keep_log_mask``; taken
