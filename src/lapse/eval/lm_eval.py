@@ -243,9 +243,16 @@ class LapseLM(TemplateLM):
             first = torch.log_softmax(next_logits(self.lm, ids[:, :1], cache)[0], dim=-1)  # [V]
             logp, greedy = float(first[target[0]]), int(first.argmax()) == target[0]
         if n >= 2:
-            r = streamed_loss(self.lm, ids, self.policy, prefix=max(1, n - k), compare=False)
+            prefix = max(1, n - k)
+            r = streamed_loss(self.lm, ids, self._policy_for(prefix, n), prefix=prefix, compare=False)
             logp, greedy = logp - float(r.loss.double().sum()), greedy and bool(r.greedy.all())
         return logp, greedy
+
+    def _policy_for(self, prompt_len: int, total: int) -> Policy:
+        """The policy, or ``Dense()`` for a request its budget holds whole (a short prompt:
+        nothing to prune, which the budgeted policies refuse to run on)."""
+        bound = self.policy.max_tokens(prompt_len)
+        return Dense() if bound is not None and bound >= total else self.policy
 
     def loglikelihood_rolling(self, requests, disable_tqdm: bool = False) -> list[float]:
         """Log-likelihood of each whole text (``Instance.args == (text,)``), the first token
@@ -293,7 +300,8 @@ class LapseLM(TemplateLM):
         ids = (self.tok_encode(context) or [self.prefix_token_id])[-(self.max_length - max_new) :]
         if self.policy is not None:  # greedy under the policy, then cut at the first stop
             prompt = torch.tensor([ids if len(ids) > 1 else [self.prefix_token_id, *ids]], device=self.device)
-            new = greedy_continuation(self.lm, prompt, max_new, self.policy)[0].tolist()
+            policy = self._policy_for(prompt.shape[1] - 1, prompt.shape[1] + max_new - 1)
+            new = greedy_continuation(self.lm, prompt, max_new, policy)[0].tolist()
             new = new[: new.index(self.eot_token_id)] if self.eot_token_id in new else new
             return _cut_at_stops(self.tok_decode(new), until)
         cache = DenseStore(self.loaded.config.n_layers, capacity=len(ids) + max_new)
