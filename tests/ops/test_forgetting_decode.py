@@ -256,6 +256,38 @@ def test_triton_kernel_matches_reference(kc):
     assert max_err(lse, lse_ref) <= lse_tol, (max_err(lse, lse_ref), lse_tol)
 
 
+@pytest.mark.parametrize("num_splits", [1, 3, None])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@needs_interpreter
+def test_triton_kernel_without_bias_is_softmax_attention(dtype, num_splits):
+    """``c_cache=None``: plain softmax attention over each row's first ``lens`` slots (the
+    Transformer's step), against SDPA in float64 on the held keys, NaN in every slot the
+    kernel must not read; the tuned launch options of the bias-free kernel (BN 128,
+    4 stages) run under the interpreter too."""
+    case = Case(hq=4, h=2, d=64, lens=(1, 63, 300), capacity=320, dead=True)
+    x = make_cache(case, dtype)
+    b, hq, d = x["q"].shape
+    o, lse = forgetting_attention_decode(
+        x["q"], x["k_cache"], x["v_cache"], None, x["lens"], return_lse=True,
+        num_splits=num_splits, backend="triton",
+    )
+    o_t, lse_t = forgetting_attention_decode(
+        x["q"], x["k_cache"], x["v_cache"], None, x["lens"], return_lse=True, backend="torch"
+    )
+    assert torch.isfinite(o).all() and torch.isfinite(lse).all()
+    for i, n in enumerate(case.lens):
+        q = x["q"][i].double()[:, None]  # [HQ, 1, D]
+        k = x["k"][i, :n].double().repeat_interleave(hq // case.h, 1).transpose(0, 1)  # [HQ, n, D]
+        v = x["v"][i, :n].double().repeat_interleave(hq // case.h, 1).transpose(0, 1)
+        ref = torch.nn.functional.scaled_dot_product_attention(q, k, v)[:, 0]  # [HQ, D]
+        lse_ref = torch.logsumexp(q @ k.transpose(1, 2) * d**-0.5, -1)[:, 0]  # [HQ]
+        # the torch path in float32 math, output rounded to the dtype, sets the scale
+        floor = 1e-6 if dtype == torch.float32 else 1e-3
+        tol = 2 * max_err(o_t[i], ref) + floor
+        assert max_err(o[i], ref) <= tol, (i, max_err(o[i], ref), tol)
+        assert max_err(lse[i], lse_ref) <= 2 * max_err(lse_t[i], lse_ref) + 1e-5
+
+
 @needs_interpreter
 def test_triton_public_function_writes_out():
     case = Case(hq=4, h=2, d=48, window=True, dead=True)

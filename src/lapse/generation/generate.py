@@ -45,6 +45,10 @@ def decode_one_token(model: Decoder, token: Tensor, cache: KVCache) -> Tensor:
     return logits[:, -1]
 
 
+DECODE_RECOMPILE_LIMIT = 64
+"""Compiled entries of the decode step a process may hold (:func:`compiled_decode_one_token`)."""
+
+
 @functools.cache
 def compiled_decode_one_token(
     mode: str | None = "reduce-overhead", backend: str = "inductor"
@@ -53,7 +57,13 @@ def compiled_decode_one_token(
     and (mode, backend). With ``reduce-overhead`` each step replays a CUDA graph: the
     returned logits are overwritten by the next step (clone them to keep them), and the
     store's buffers must not be reallocated between steps (give the store its capacity).
-    ``backend="aot_eager"`` checks the trace without code generation (tests on CPU)."""
+    ``backend="aot_eager"`` checks the trace without code generation (tests on CPU).
+
+    Raises Dynamo's recompile limit (a process-wide setting) to at least
+    ``DECODE_RECOMPILE_LIMIT``: every model kind, batch and store shape is one more compiled
+    entry of the same function, and with ``fullgraph=True`` the ninth would be an error
+    (Dynamo's default limit is 8), not a slower step."""
+    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, DECODE_RECOMPILE_LIMIT)
     return torch.compile(decode_one_token, mode=mode, backend=backend, fullgraph=True)
 
 

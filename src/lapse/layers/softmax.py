@@ -7,6 +7,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from lapse.kv import KVCache, PagedView
+from lapse.ops.forgetting import forgetting_attention_cached
 
 from .attention import Attention
 from .rotary import RotaryEmbedding
@@ -16,9 +17,11 @@ class SoftmaxAttention(Attention):
     """Causal ``softmax(scale q k^T) v`` with RoPE on q and k, by PyTorch's SDPA.
 
     With a cache: the first call (prefill) runs causal SDPA on its own tokens; later calls
-    attend over the held keys with a mask ``key position <= query position`` (one token:
-    over the whole buffer, a fixed shape for compiled decoding), or over a paged store with
-    the paged decode op (no bias).
+    attend over the held keys: on CUDA one token by the decode op without a forget gate
+    (:func:`~lapse.ops.forgetting.forgetting_attention_cached` with no ``c``: the split-K
+    kernel, which reads only each row's held slots), otherwise by SDPA with a mask
+    ``key position <= query position`` over the whole buffer (one token: a fixed shape for
+    compiled decoding); over a paged store by the paged decode op (no bias).
 
     Args: those of :class:`~lapse.layers.Attention`, and ``rope_base`` (theta).
     """
@@ -47,6 +50,10 @@ class SoftmaxAttention(Attention):
         if isinstance(view, PagedView):
             return self._paged_decode(q, view, cache, "auto")
         keys, values = view.k, view.v  # [B, S, K, D]
+        if t == 1 and q.is_cuda:  # the split-K kernel: 5-45% faster than cuDNN SDPA here
+            return forgetting_attention_cached(
+                q, keys, values, None, view.seqlens, scale=self.scale, check_values=False
+            )  # [B, 1, H, D]
         if t > 1:  # a chunk after a prefix (eager): only the held slots
             n = cache.length + t
             keys, values = keys[:, :n], values[:, :n]

@@ -39,7 +39,7 @@ def _decode_torch(
     q: Tensor,
     k_cache: Tensor,
     v_cache: Tensor,
-    c_cache: Tensor,
+    c_cache: Tensor | None,
     cache_seqlens: Tensor,
     window_start: Tensor | None,
     scale: float,
@@ -59,9 +59,12 @@ def _decode_torch(
     if window_start is not None:
         keep = keep & (pos[None, :, None] >= window_start[:, None, :].long())  # [B, S, HQ]
     keep = keep.expand(b, s, hq)  # [B, S, HQ]
-    last = (cache_seqlens.long() - 1)[:, None, None].expand(b, 1, hq)  # [B, 1, HQ]
-    c_t = torch.gather(c_cache, 1, last)  # [B, 1, HQ], the cache's dtype
-    bias = torch.where(keep, c_t - c_cache, 0.0).to(acc)  # [B, S, HQ]
+    if c_cache is None:  # plain softmax attention
+        bias = torch.zeros(b, s, hq, dtype=acc, device=q.device)
+    else:
+        last = (cache_seqlens.long() - 1)[:, None, None].expand(b, 1, hq)  # [B, 1, HQ]
+        c_t = torch.gather(c_cache, 1, last)  # [B, 1, HQ], the cache's dtype
+        bias = torch.where(keep, c_t - c_cache, 0.0).to(acc)  # [B, S, HQ]
     k = torch.where(keep[..., None], k, 0.0)
     v = torch.where(keep[..., None], v, 0.0)
     logits = torch.einsum("bhd,bshd->bhs", q.to(acc), k) * scale + bias.transpose(1, 2)
@@ -76,7 +79,7 @@ def _cached_torch(
     q: Tensor,
     k_cache: Tensor,
     v_cache: Tensor,
-    c_cache: Tensor,
+    c_cache: Tensor | None,
     cache_seqlens: Tensor,
     scale: float,
 ) -> Tensor:
@@ -97,11 +100,12 @@ def _cached_torch(
     valid = (pos[None, :] < n[:, None])[:, :, None, None]  # [B, S, 1, 1]
     k = torch.where(valid, k_cache, 0.0).repeat_interleave(hq // h, dim=2).to(acc)  # [B, S, HQ, D]
     v = torch.where(valid, v_cache, 0.0).repeat_interleave(hq // h, dim=2).to(acc)  # [B, S, HQ, D]
-    slot_q = pos_q.clamp(0, s - 1)[:, :, None].expand(b, t, hq)  # [B, T, HQ]
-    c_q = torch.gather(c_cache, 1, slot_q).transpose(1, 2)  # [B, HQ, T], the cache's dtype
-    c_k = c_cache.transpose(1, 2)  # [B, HQ, S]
-    bias = torch.where(allowed, c_q[..., None] - c_k[:, :, None, :], 0.0).to(acc)  # [B, HQ, T, S]
-    logits = torch.einsum("bthd,bshd->bhts", q.to(acc), k) * scale + bias
+    logits = torch.einsum("bthd,bshd->bhts", q.to(acc), k) * scale  # [B, HQ, T, S]
+    if c_cache is not None:
+        slot_q = pos_q.clamp(0, s - 1)[:, :, None].expand(b, t, hq)  # [B, T, HQ]
+        c_q = torch.gather(c_cache, 1, slot_q).transpose(1, 2)  # [B, HQ, T], the cache's dtype
+        c_k = c_cache.transpose(1, 2)  # [B, HQ, S]
+        logits = logits + torch.where(allowed, c_q[..., None] - c_k[:, :, None, :], 0.0).to(acc)
     p = torch.softmax(logits.masked_fill(~allowed, float("-inf")), dim=-1)  # [B, HQ, T, S]
     return torch.einsum("bhts,bshd->bthd", p, v).to(q.dtype)  # [B, T, HQ, D]
 
@@ -110,7 +114,7 @@ def _validate(
     q: Tensor,
     k_cache: Tensor,
     v_cache: Tensor,
-    c_cache: Tensor,
+    c_cache: Tensor | None,
     cache_seqlens: Tensor,
     *,
     window_start: Tensor | None,
@@ -126,8 +130,9 @@ def _validate(
     ``[B, HQ, D]``. Values (``cache_seqlens`` in ``[T, S]``, ``window_start``) are read
     back to the host only with ``check_values``.
     """
-    tensors = dict(q=q, k_cache=k_cache, v_cache=v_cache, c_cache=c_cache,
-                   cache_seqlens=cache_seqlens)
+    tensors = dict(q=q, k_cache=k_cache, v_cache=v_cache, cache_seqlens=cache_seqlens)
+    if c_cache is not None:
+        tensors["c_cache"] = c_cache
     if window_start is not None:
         tensors["window_start"] = window_start
     if out is not None:
@@ -155,9 +160,9 @@ def _validate(
         raise ValueError(f"k_cache must have a capacity of at least 1, got {_shape(k_cache)}")
     if t < 1 or t > s:
         raise ValueError(f"q has {t} new tokens, expected 1 to the capacity {s}")
-    if c_cache.dtype not in (torch.float32, torch.float64):
+    if c_cache is not None and c_cache.dtype not in (torch.float32, torch.float64):
         raise TypeError(f"c_cache must be float32 or float64, got {c_cache.dtype}")
-    if tuple(c_cache.shape) != (b, s, hq):
+    if c_cache is not None and tuple(c_cache.shape) != (b, s, hq):
         raise ValueError(
             f"c_cache must be [batch, capacity, query_heads] = {(b, s, hq)}, "
             f"got {_shape(c_cache)}"
@@ -197,7 +202,7 @@ def _decode(
     q: Tensor,
     k_cache: Tensor,
     v_cache: Tensor,
-    c_cache: Tensor,
+    c_cache: Tensor | None,
     cache_seqlens: Tensor,
     window_start: Tensor | None,
     scale: float,
@@ -216,7 +221,7 @@ def forgetting_attention_decode(
     q: Tensor,
     k_cache: Tensor,
     v_cache: Tensor,
-    c_cache: Tensor,
+    c_cache: Tensor | None,
     cache_seqlens: Tensor,
     *,
     scale: float | None = None,
@@ -249,7 +254,8 @@ def forgetting_attention_decode(
             ``LOG_GATE_FLOOR`` as ``cumulative_log_gates`` does). The bias ``c_t - c_j``
             is taken in this dtype and only then rounded to float32, so a float64 cache
             keeps the bias exact at long context, where ``c`` grows large and a float32
-            difference cancels digits (SPEC section 1, Numerics).
+            difference cancels digits (SPEC section 1, Numerics). ``None``: no forget
+            gate, plain softmax attention (the Transformer's step over a dense store).
         cache_seqlens: ``[B]`` int32, the number of valid slots, in ``[1, S]``.
         scale: logit scale, ``1 / sqrt(D)`` by default.
         window_start: optional ``[B, HQ]`` int32, the first kept key of each (sequence,
@@ -288,7 +294,7 @@ def forgetting_attention_cached(
     q: Tensor,
     k_cache: Tensor,
     v_cache: Tensor,
-    c_cache: Tensor,
+    c_cache: Tensor | None,
     cache_seqlens: Tensor,
     *,
     scale: float | None = None,
@@ -321,7 +327,8 @@ def forgetting_attention_cached(
             read and may hold anything.
         c_cache: ``[B, S, HQ]`` float64 or float32, the cumulative log gate of every
             cached key for every query head (finite: build it with
-            ``cumulative_log_gates``, whose ``initial`` continues a cached sequence).
+            ``cumulative_log_gates``, whose ``initial`` continues a cached sequence);
+            ``None``: plain softmax attention.
         cache_seqlens: ``[B]`` int32, the number of valid slots *including* the ``T``
             new tokens, in ``[T, S]``.
         scale: logit scale, ``1 / sqrt(D)`` by default.

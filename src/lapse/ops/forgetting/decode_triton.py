@@ -29,6 +29,15 @@ _MIN_KEYS_PER_SPLIT = 256
 MAX_SPLITS = 128
 # Tiles kept in flight per program by Triton's software pipelining (its default on Hopper).
 _PIPELINE_STAGES = 3
+# Launch options of the dense split kernel at D <= 64, with the FoX bias and without:
+# the best on average over B x prompt in {1, 8, 32} x 4k, 4 x 16k and 2 x 32k of 27 tiles x
+# warps x stages, on an H100 (scripts/tune_decode.py; docs/bench/decode/h100-tune-decode-*.json):
+# 3-8% faster than BN 64, 4 warps, 3 stages. The bias's strided float64 loads favour small
+# tiles; plain softmax streams best in large ones.
+_DENSE_TUNED = {
+    True: dict(BN=32, num_warps=2, num_stages=3),
+    False: dict(BN=128, num_warps=4, num_stages=4),
+}
 
 
 @triton_jit
@@ -126,6 +135,7 @@ def _decode_split_kernel(
     DOT_PRECISION: tl.constexpr,
     USE_WINDOW: tl.constexpr,
     IS_SINGLE_SPLIT: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
 ):
     i_s = tl.program_id(0).to(tl.int64)
     i_bh = tl.program_id(1).to(tl.int64)
@@ -153,9 +163,10 @@ def _decode_split_kernel(
 
     p_q = q + i_b * stride_qb + o_hq[:, None] * stride_qh + o_d[None, :]
     b_q = tl.load(p_q, mask=m_g[:, None] & m_d[None, :], other=0.0)  # [BG, BD]
-    # c_t in the cache's dtype: the difference is taken before any rounding to float32.
-    p_ct = c + i_b * stride_cb + (n - 1) * stride_cs + o_hq * stride_ch
-    b_ct = tl.load(p_ct, mask=m_g, other=0.0)  # [BG]
+    if HAS_BIAS:
+        # c_t in the cache's dtype: the difference is taken before any rounding to float32.
+        p_ct = c + i_b * stride_cb + (n - 1) * stride_cs + o_hq * stride_ch
+        b_ct = tl.load(p_ct, mask=m_g, other=0.0)  # [BG]
 
     b_m = tl.full([BG], float("-inf"), dtype=tl.float32)
     b_l = tl.zeros([BG], dtype=tl.float32)
@@ -170,11 +181,12 @@ def _decode_split_kernel(
         m_gj = m_g[:, None] & m_j[None, :]  # [BG, BN]
         if USE_WINDOW:
             m_gj = m_gj & (o_j[None, :] >= b_ws[:, None])
-        p_c = c + i_b * stride_cb + o_j[None, :] * stride_cs + o_hq[:, None] * stride_ch
-        b_c = tl.load(p_c, mask=m_gj, other=0.0)  # [BG, BN]
-        b_bias = (b_ct[:, None] - b_c).to(tl.float32)  # [BG, BN]
         b_s = tl.dot(b_q, tl.trans(b_k), input_precision=DOT_PRECISION)  # [BG, BN]
-        b_s = b_s * scale_log2 + b_bias * LOG2E_TL
+        b_s = b_s * scale_log2
+        if HAS_BIAS:
+            p_c = c + i_b * stride_cb + o_j[None, :] * stride_cs + o_hq[:, None] * stride_ch
+            b_c = tl.load(p_c, mask=m_gj, other=0.0)  # [BG, BN]
+            b_s += (b_ct[:, None] - b_c).to(tl.float32) * LOG2E_TL  # the FoX bias
         b_s = tl.where(m_gj, b_s, float("-inf"))
         b_m, b_l, b_acc = _online_softmax_update(b_s, b_v, b_m, b_l, b_acc, DOT_PRECISION)
 
@@ -220,7 +232,7 @@ def _decode_combine_kernel(
     tl.store(lse + i_bhq, (b_m_max + tl.log2(b_l_sum)) * LN2_TL)
 
 
-def _resident_programs(device: torch.device, tile_bytes: int) -> int:
+def _resident_programs(device: torch.device, tile_bytes: int, stages: int = _PIPELINE_STAGES) -> int:
     """How many split programs the GPU runs at once: SMs x programs per SM.
 
     Shared memory bounds a program to ~_PIPELINE_STAGES K/V tile pairs, so it decides how
@@ -232,7 +244,7 @@ def _resident_programs(device: torch.device, tile_bytes: int) -> int:
         props = torch.cuda.get_device_properties(device)
         n_sms = props.multi_processor_count
         smem = getattr(props, "shared_memory_per_multiprocessor", smem)
-    per_sm = max(1, min(4, int(0.9 * smem) // (_PIPELINE_STAGES * tile_bytes)))
+    per_sm = max(1, min(4, int(0.9 * smem) // (stages * tile_bytes)))
     return n_sms * per_sm
 
 
@@ -249,28 +261,32 @@ def _choose_num_splits(capacity: int, programs: int, resident: int) -> int:
 
 
 def _split_launch(
-    q: Tensor, group: int, keys: int, programs: int, num_splits: int | None
+    q: Tensor, group: int, keys: int, programs: int, num_splits: int | None,
+    config: dict | None = None,
 ) -> tuple[int, dict]:
     """``(num_splits, options)`` of a split kernel over ``programs`` key heads of ``group``
     query heads each, at most ``keys`` keys per head: ``num_splits`` chosen when None, and
     the launch options both split kernels share (tiles ``BG``, ``BN``, ``BD``, dot
-    precision, ``IS_SINGLE_SPLIT``, warps and stages)."""
+    precision, ``IS_SINGLE_SPLIT``, warps and stages). ``config`` overrides ``BN``,
+    ``num_warps`` and ``num_stages`` (``scripts/tune_decode.py`` measures them)."""
+    config = config or {}
     block_d = max(16, triton.next_power_of_2(q.shape[-1]))
     # tl.dot needs 16 rows: small groups are padded. A multiply-and-sum over an unpadded
     # [group, BN, BD] product spilled registers and ran 2-10x slower on an H100.
     block_g = max(16, triton.next_power_of_2(group))
-    block_n = 64 if block_d <= 128 else 32
+    block_n = config.get("BN", 64 if block_d <= 128 else 32)
+    stages = config.get("num_stages", _PIPELINE_STAGES)
     if num_splits is None:
         tile_bytes = 2 * block_n * block_d * q.element_size()  # one K and one V tile
-        num_splits = _choose_num_splits(keys, programs, _resident_programs(q.device, tile_bytes))
+        num_splits = _choose_num_splits(keys, programs, _resident_programs(q.device, tile_bytes, stages))
     options = dict(
         BG=block_g,
         BN=block_n,
         BD=block_d,
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         IS_SINGLE_SPLIT=num_splits == 1,
-        num_warps=4,
-        num_stages=_PIPELINE_STAGES,
+        num_warps=config.get("num_warps", 4),
+        num_stages=stages,
     )
     return num_splits, options
 
@@ -320,7 +336,7 @@ def launch_decode(
     q: Tensor,
     k_cache: Tensor,
     v_cache: Tensor,
-    c_cache: Tensor,
+    c_cache: Tensor | None,
     cache_seqlens: Tensor,
     window_start: Tensor | None,
     scale: float,
@@ -328,8 +344,14 @@ def launch_decode(
     lse: Tensor,
     num_splits: int | None = None,
     workspace: tuple[Tensor, Tensor, Tensor] | None = None,
+    config: dict | None = None,
 ) -> None:
     """Writes ``o`` [B, HQ, D] and ``lse`` [B, HQ] float32 (natural log) in place.
+
+    ``config``: launch options for :func:`_split_launch` (``BN``, ``num_warps``,
+    ``num_stages``); by default the measured table ``_DENSE_TUNED`` at ``D <= 64``.
+
+    ``c_cache`` ``None``: plain softmax attention (no FoX bias; the Transformer's step).
 
     ``workspace`` (``acc [B, HQ, splits, D]``, ``m`` and ``l`` ``[B, HQ, splits]``, all
     float32) can be passed in so tests can poison it with NaN.
@@ -340,15 +362,19 @@ def launch_decode(
     q, k_cache, v_cache = (
         t if t.stride(-1) == 1 else t.contiguous() for t in (q, k_cache, v_cache)
     )
-    num_splits, options = _split_launch(q, group, s, b * h, num_splits)
+    if config is None and d <= 64:
+        config = _DENSE_TUNED[c_cache is not None]
+    num_splits, options = _split_launch(q, group, s, b * h, num_splits, config)
     acc_part, m_part, l_part = _split_workspace(q, num_splits) if workspace is None else workspace
     ws = window_start if window_start is not None else cache_seqlens  # unread placeholder
     ws_strides = (ws.stride(0), ws.stride(1)) if window_start is not None else (0, 0)
+    c = c_cache if c_cache is not None else k_cache  # unread placeholder
+    c_strides = c_cache.stride() if c_cache is not None else (0, 0, 0)
     _decode_split_kernel[(num_splits, b * h)](
         q,
         k_cache,
         v_cache,
-        c_cache,
+        c,
         cache_seqlens,
         ws,
         acc_part,
@@ -366,9 +392,7 @@ def launch_decode(
         v_cache.stride(0),
         v_cache.stride(1),
         v_cache.stride(2),
-        c_cache.stride(0),
-        c_cache.stride(1),
-        c_cache.stride(2),
+        *c_strides,
         *ws_strides,
         o.stride(0),
         o.stride(1),
@@ -376,6 +400,7 @@ def launch_decode(
         GROUP=group,
         D=d,
         USE_WINDOW=window_start is not None,
+        HAS_BIAS=c_cache is not None,
         **options,
     )
     _combine_splits(acc_part, m_part, l_part, o, lse, num_splits, options["BD"])
@@ -386,7 +411,7 @@ def triton_decode(
     q: Tensor,
     k_cache: Tensor,
     v_cache: Tensor,
-    c_cache: Tensor,
+    c_cache: Tensor | None,
     cache_seqlens: Tensor,
     window_start: Tensor | None,
     scale: float,
