@@ -13,6 +13,7 @@ against fused (the projections a layer reads from the same input).
     python scripts/tune_decode.py --out tune.json
 """
 
+# ruff: noqa: B023 (each closure over loop variables is timed inside its own iteration)
 from __future__ import annotations
 
 import argparse

@@ -282,17 +282,18 @@ def generate(
     bounds = None if policy is None else logit_bounds(model)
     steps = [logits]
     tokens = [draw(logits)]  # [B, 1] each
-    for i in range(max_new_tokens - 1):
-        if len(stop_tokens) and i % check_every == 0 and bool(done.all()):
-            break
-        if policy is not None and i % policy.every == 0:
-            evict(model, cache, policy, bounds, compile=compile)  # the prompt's cut first, then every `every`
-            cache.reserve(min(policy.every, max_new_tokens - 1 - i))  # pages for the next steps
-        logits = step(model, tokens[-1], cache)
-        if compile and return_logits:
-            logits = logits.clone()  # the next CUDA-graph replay overwrites it
-        steps.append(logits)
-        tokens.append(draw(logits))
+    with model.fused_projections():
+        for i in range(max_new_tokens - 1):
+            if len(stop_tokens) and i % check_every == 0 and bool(done.all()):
+                break
+            if policy is not None and i % policy.every == 0:
+                evict(model, cache, policy, bounds, compile=compile)  # the prompt's cut, then every `every`
+                cache.reserve(min(policy.every, max_new_tokens - 1 - i))  # pages for the next steps
+            logits = step(model, tokens[-1], cache)
+            if compile and return_logits:
+                logits = logits.clone()  # the next CUDA-graph replay overwrites it
+            steps.append(logits)
+            tokens.append(draw(logits))
     new = torch.cat(tokens, dim=1)  # [B, N]
     if lengths is None:
         out = torch.cat([input_ids, new], dim=1)  # [B, T + N]

@@ -16,12 +16,14 @@ from __future__ import annotations
 import math
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor, nn
 
 from lapse.kv import KVCache, PagedView, ShiftState
 from lapse.ops import attention_key_scores
 from lapse.ops.forgetting import forgetting_attention_paged_decode
 
+from .fused import fuse_weights
 from .norm import RMSNorm
 from .shift import KVShift
 
@@ -80,6 +82,8 @@ class Attention(nn.Module):
         self.k_norm = RMSNorm((k, d), qk_norm_eps) if qk_norm else None
         self.o_norm = RMSNorm((h, d), norm_eps) if output_gate else None
         self.o_gate = nn.Linear(c, h * d, bias=False) if output_gate else None  # W_g, full width
+        # [q; k; v; o_gate] weights in one matrix for one-token steps (fuse_projections)
+        self.register_buffer("fused_in_proj", None, persistent=False)
         # statistics of the last forward, kept when collect_stats is set (kinds that have any)
         self.collect_stats = False
         self.last_stats = None
@@ -88,18 +92,53 @@ class Attention(nn.Module):
         """x ``[B, T, C]`` (the normed block input); positions ``[B, T]`` or ``[1, T]``;
         with a cache the tokens continue the sequences it holds and are appended to it."""
         b, t, _ = x.shape
-        h, k, d = self.n_heads, self.n_kv_heads, self.head_dim
-        q = self.q_proj(x).view(b, t, h, d)  # [B, T, H, D]
-        key = self.k_proj(x).view(b, t, k, d)  # [B, T, K, D]
-        val = self.v_proj(x).view(b, t, k, d)  # [B, T, K, D]
+        h, d = self.n_heads, self.head_dim
+        q, key, val, gate = self._project(x)
         if self.k_shift is not None:
             key, val = self._shift(key, val, x, cache)
         if self.q_norm is not None:
             q, key = self.q_norm(q), self.k_norm(key)  # QK-norm on q and the shifted k
         o = self.attend(q, key, val, x, positions, cache)  # [B, T, H, D]
-        if self.o_gate is not None:
-            return self.o_proj(self.o_norm(o).reshape(b, t, h * d) * torch.sigmoid(self.o_gate(x)))
+        if gate is not None:
+            return self.o_proj(self.o_norm(o).reshape(b, t, h * d) * torch.sigmoid(gate))
         return self.o_proj(o.reshape(b, t, h * d))  # [B, T, C]
+
+    def _project(self, x: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor | None]:
+        """q ``[B, T, H, D]``, k, v ``[B, T, K, D]`` and the output gate's logits
+        ``[B, T, H * D]`` (``None`` without one) of ``x`` ``[B, T, C]``: one product with
+        the fused weights in a one-token step without autograd when
+        :meth:`fuse_projections` made them, else one per projection."""
+        b, t, _ = x.shape
+        h, k, d = self.n_heads, self.n_kv_heads, self.head_dim
+        w = self.fused_in_proj
+        if w is not None and t == 1 and not torch.is_grad_enabled():
+            parts = F.linear(x, w).split([h * d, k * d, k * d, w.shape[0] - (h + 2 * k) * d], dim=-1)
+            q, key, val, gate = parts
+            gate = gate if self.o_gate is not None else None
+        else:
+            q, key, val = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+            gate = self.o_gate(x) if self.o_gate is not None else None
+        return q.view(b, t, h, d), key.view(b, t, k, d), val.view(b, t, k, d), gate
+
+    @torch.no_grad()
+    def fuse_projections(self, enabled: bool = True) -> None:
+        """Copies the q, k, v (and output gate) weights into one matrix that one-token
+        steps without autograd multiply with once; ``enabled=False`` stops using it.
+        Use :meth:`lapse.models.Decoder.fused_projections`, which does both.
+
+        The decode step's small GEMMs are bound by kernel latency: on an H100 four
+        ``[8, 768] x [768, 768]`` products take 12.7 us and their fused ``768 -> 3072``
+        one 3.3 us (``scripts/tune_decode.py``). A copy, not a view, written into the
+        matrix made before when the shapes agree, so a captured CUDA graph keeps reading
+        the same memory (which stays allocated: one more copy of these weights)."""
+        if not enabled:
+            self.fused_in_proj = None  # its memory stays in _fused for the next snapshot
+            return
+        ws = [self.q_proj.weight, self.k_proj.weight, self.v_proj.weight]
+        if self.o_gate is not None:
+            ws.append(self.o_gate.weight)
+        self._fused = fuse_weights(getattr(self, "_fused", None), ws)
+        self.fused_in_proj = self._fused
 
     def attend(
         self, q: Tensor, k: Tensor, v: Tensor, x: Tensor, positions: Tensor, cache: KVCache | None

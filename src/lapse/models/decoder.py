@@ -17,6 +17,9 @@ step with fixed shapes (compilable, :mod:`lapse.generation`).
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
@@ -135,6 +138,25 @@ class Decoder(nn.Module):
                 f"the cache has {cache.n_layers} layers but the model has {len(self.blocks)}: "
                 "make it with DenseStore(config.n_layers)"
             )
+
+    @contextlib.contextmanager
+    def fused_projections(self) -> Iterator[None]:
+        """Inside, one-token steps without autograd (decoding) multiply each layer's input
+        once with its q, k, v (and output gate) weights concatenated, and once with
+        ``[W_gate; W_up]``: a snapshot of the weights taken at entry (the decode step's
+        small GEMMs are bound by kernel latency, ``scripts/tune_decode.py``). Prefill,
+        training and everything outside use the separate projections. The snapshot's
+        memory (one more copy of those weights) is kept for the next entry, so a
+        captured CUDA graph finds it at the same address."""
+        for block in self.blocks:
+            block.attn.fuse_projections()
+            block.mlp.fuse_projections()
+        try:
+            yield
+        finally:
+            for block in self.blocks:
+                block.attn.fuse_projections(False)
+                block.mlp.fuse_projections(False)
 
     def set_collect_stats(self, enabled: bool) -> None:
         """Keep each layer's statistics of the next forwards (ACP's, for forgetting
