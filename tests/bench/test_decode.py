@@ -1,6 +1,6 @@
 """``lapse bench decode`` as a CPU dry run: the table's rows and keys, policies over the
-paged store, a trained run instead of a preset (timings on a CPU mean nothing; the GPU
-figures are in BENCHMARKS.md)."""
+paged store, a trained run instead of a preset, a DCP run on its validation text (timings
+on a CPU mean nothing; the GPU figures are in BENCHMARKS.md)."""
 
 from __future__ import annotations
 
@@ -8,8 +8,14 @@ import json
 from pathlib import Path
 
 import pytest
+import torch
 
-from lapse.bench.decode import DecodeBenchConfig, run
+from lapse.bench.decode import DecodeBenchConfig, _prompts, run
+from lapse.cli import main as cli_main
+from lapse.data import WindowSampler, prepare_data
+from lapse.models import preset
+from lapse.models.checkpoint import read_run
+from lapse.train import train, train_preset
 
 RUN = Path(__file__).parents[1] / "fixtures" / "before_restructure" / "run-fox-pro"
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -66,8 +72,55 @@ def test_a_trained_run_replaces_the_preset(tmp_path):
         run(_cfg(tmp_path, run=tmp_path / "nope"))
 
 
+@pytest.fixture(scope="module")
+def dcp_run(tmp_path_factory) -> Path:
+    """A 2-step Transformer (LLaMA) run fine-tuned 2 steps into DCP (beta -0.3: the step
+    mask drops a good share), as scripts/gpu_issue14.sh makes one on a GPU."""
+    root = tmp_path_factory.mktemp("dcp-bench")
+    model = preset("tiny", "transformer-llama", vocab_size=320, max_seq_len=64)
+    common = dict(data_dir=root / "data", val_every=0, acp_stats_every=0)
+    train(train_preset("cpu-tiny", run_dir=root / "base", steps=2, model=model, **common))
+    args = f"train cpu-tiny --run-dir {root / 'dcp'} --data-dir {root / 'data'} --init-from {root / 'base'}"
+    args += " --model.attention dcp --model.no-acp --model.dcp-beta-init -0.3 --model.dcp-r 8"
+    cli_main(
+        [*args.split(), "--dcp.gamma", "0.5", "--steps", "2", "--val-every", "0", "--checkpoint-every", "0"]
+    )
+    return root / "dcp"
+
+
+def test_a_dcp_run_frees_what_it_drops_on_validation_prompts(tmp_path, dcp_run):
+    """The paged steps traced whole (aot_eager: fullgraph, no code generation)."""
+    cfg = _cfg(
+        tmp_path,
+        run=dcp_run,
+        workloads=("2x40",),
+        prompts="validation",
+        policies=("dense", "acp", "dcp"),
+        providers=("lapse-compile",),
+        compile_backend="aot_eager",
+    )
+    results = run(cfg)
+    (row,) = results["rows"]
+    assert "dcp-llama" in row["arch"] and row["lapse-compile"] > 0
+    assert "paged-acp" not in row  # no gates to read: skipped
+    assert row["kv-dense"] > 0.9 and row["kv-dcp"] < 0.8 * row["kv-dense"]
+    # the interaction keys and drop flags ride in the same pages: against a softmax model's
+    # keys and values alone the share is larger
+    assert row["kv-vs-softmax-dcp"] > row["kv-dcp"] and row["kv-vs-softmax-dense"] > 1
+    assert results["env"]["prompts"] == "validation"
+    assert "validation prompts" in (tmp_path / "results.md").read_text()
+    saved = read_run(dcp_run)
+    data = prepare_data(
+        saved.corpus, saved.tokenizer, vocab_size=320, data_dir=saved.data_dir, progress=False
+    )
+    window = WindowSampler(shards=data.validation, seq_len=40, batch_size=2, seed=7).batch(0)[0]
+    assert torch.equal(_prompts(cfg, saved.model, 2, 40, torch.device("cpu")), window)
+
+
 def test_bad_config_is_refused():
     with pytest.raises(ValueError, match="unknown providers"):
         DecodeBenchConfig(providers=("vllm",))
     with pytest.raises(ValueError, match="a workload is BxT"):
         DecodeBenchConfig(workloads=("8-4096",))
+    with pytest.raises(ValueError, match="give --run"):
+        DecodeBenchConfig(prompts="validation")

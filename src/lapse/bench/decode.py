@@ -15,7 +15,9 @@ the same GPU:
   :class:`~lapse.kv.PagedStore` under an eviction policy, the evictions (every
   ``--every`` steps, outside the step) inside the timed region; ``kv-<policy>``: the
   share of a dense cache's KV bytes the store holds at the end (whole pages, the next
-  steps' pages included);
+  steps' pages included; the same pools on both sides), ``kv-vs-softmax-<policy>``: the
+  bytes held over a softmax model's dense keys and values of the same tokens (a DCP
+  model's interaction keys and drop flags counted against it); ``dcp`` on a DCP run;
 - ``hf-llama-compile``: ``transformers``' ``LlamaForCausalLM`` of the same sizes (the
   LLaMA block: SwiGLU of the same width, RoPE, SDPA) with a ``StaticCache`` and its decode
   step compiled the same way, the recipe of the transformers documentation: what a user
@@ -58,6 +60,8 @@ from lapse.models import Decoder, param_count, preset
 from lapse.models.checkpoint import latest_checkpoint, load_weights, read_run
 
 PROVIDERS = ("lapse", "lapse-compile", "hf-llama-compile", "hf-llama-eager")
+# the attention kind whose state a policy reads (FoX's gates, DCP's drop flags): skipped on others
+POLICY_NEEDS = {"acp": "forgetting", "dcp": "dcp"}
 # HBM bandwidth (bytes/s) by device name, for the limit
 HBM_BANDWIDTH = {"H100": 3.35e12, "H200": 4.8e12}
 
@@ -71,7 +75,12 @@ class DecodeBenchConfig:
     run: Path | None = None
     """A trained run folder (its newest intact checkpoint) timed instead of random-init
     presets (``archs`` and ``preset`` are then ignored): eviction policies such as
-    ``acp`` evict what the trained gates forget. Prompts stay random tokens."""
+    ``acp`` evict what the trained gates forget, ``dcp`` what the trained interaction
+    mask drops (a model fine-tuned with ``--model.attention dcp``)."""
+    prompts: Literal["random", "validation"] = "random"
+    """The prompts: uniform random tokens, or (``validation``, with ``run``) windows of the
+    run's validation data, the text its gates and masks were trained on: what they keep
+    or drop of random tokens says little about text."""
     archs: tuple[str, ...] = ("fox-pro", "transformer-pro")
     """Architectures of the lapse providers."""
     workloads: tuple[str, ...] = ("8x4096", "4x16384", "2x32768")
@@ -95,6 +104,9 @@ class DecodeBenchConfig:
     """Weights and activations."""
     device: str = "cuda"
     """Where to run (``cpu`` works, for a dry run)."""
+    compile_backend: Literal["inductor", "aot_eager"] = "inductor"
+    """Of the compiled steps (``lapse-compile``, ``paged-*``): ``aot_eager`` traces them
+    whole (``fullgraph``) without generating code or CUDA graphs, for a CPU dry run."""
     bandwidth: float | None = None
     """HBM bytes/s for the limit; ``None``: from the device name (H100 3.35e12, H200 4.8e12)."""
     out_dir: Path = Path("runs/bench/decode")
@@ -114,6 +126,8 @@ class DecodeBenchConfig:
             parts = w.split("x")
             if len(parts) != 2 or not all(p.isdigit() and int(p) > 0 for p in parts):
                 raise ValueError(f"a workload is BxT with positive integers (e.g. 8x4096), got {w!r}")
+        if self.prompts == "validation" and self.run is None:
+            raise ValueError("prompts='validation' reads a trained run's validation data: give --run")
         if self.steps < 1 or self.warmup < 0:
             raise ValueError(f"steps must be >= 1 and warmup >= 0, got {self.steps}, {self.warmup}")
 
@@ -140,20 +154,25 @@ def _timed_steps(
 @torch.no_grad()
 def time_lapse(
     model: Decoder,
-    batch: int,
-    prompt: int,
+    ids: torch.Tensor,
     cfg: DecodeBenchConfig,
     *,
     compile: bool,
     make_store: Callable[..., object] = DenseStore,
 ) -> float:
-    """ms per decode step of a lapse model after a prefill of ``batch x prompt`` random tokens."""
+    """ms per decode step of a lapse model after a prefill of the prompts ``ids`` ``[B, T]``."""
     device = next(model.parameters()).device
-    ids = torch.randint(0, model.config.vocab_size, (batch, prompt), device=device)
-    store = make_store(model.config.n_layers, capacity=prompt + cfg.warmup + cfg.steps + 1)
+    store = make_store(model.config.n_layers, capacity=ids.shape[1] + cfg.warmup + cfg.steps + 1)
     token = prefill(model, ids, store).argmax(-1, keepdim=True)
-    fn = compiled_decode_one_token() if compile else decode_one_token
-    return _timed_steps(lambda tok: fn(model, tok, store), token, cfg, device)
+    fn = _compiled_step(cfg) if compile else decode_one_token
+    with model.fused_projections():
+        return _timed_steps(lambda tok: fn(model, tok, store), token, cfg, device)
+
+
+def _compiled_step(cfg: DecodeBenchConfig) -> Callable[[Decoder, torch.Tensor, object], torch.Tensor]:
+    if cfg.compile_backend == "aot_eager":
+        return compiled_decode_one_token(mode=None, backend="aot_eager")
+    return compiled_decode_one_token()
 
 
 def _policy(name: str, cfg: DecodeBenchConfig):
@@ -167,18 +186,21 @@ def _policy(name: str, cfg: DecodeBenchConfig):
 
 @torch.no_grad()
 def time_paged(
-    model: Decoder, batch: int, prompt: int, cfg: DecodeBenchConfig, name: str
-) -> tuple[float, float, float]:
+    model: Decoder, ids: torch.Tensor, cfg: DecodeBenchConfig, name: str
+) -> tuple[float, float, float, float]:
     """ms per compiled decode step over the paged store under policy ``name`` (evictions
-    included), the share of a dense cache's KV bytes it holds at the end, and the ms per
-    step of the evictions alone (timed between synchronisations, amortised)."""
+    included) after a prefill of the prompts ``ids`` ``[B, T]``; the share of a dense
+    cache's KV bytes it holds at the end (the same pools: a model's per-slot extras on
+    both sides); that share against a softmax model's dense keys and values alone (what a
+    DCP model's interaction keys and drop flags cost on top); and the ms per step of the
+    evictions alone (timed between synchronisations, amortised)."""
     device = next(model.parameters()).device
     policy = _policy(name, cfg)
-    ids = torch.randint(0, model.config.vocab_size, (batch, prompt), device=device)
+    batch, prompt = ids.shape
     store = paged_store_for(model, batch, prompt, cfg.warmup + cfg.steps + 1, policy)
     token = prefill(model, ids, store).argmax(-1, keepdim=True)
     bounds = logit_bounds(model)
-    fn = compiled_decode_one_token()
+    fn = _compiled_step(cfg)
     count, evicting = [0], [0.0]
 
     def step(tok: torch.Tensor) -> torch.Tensor:
@@ -192,8 +214,13 @@ def time_paged(
         count[0] += 1
         return fn(model, tok, store)
 
-    ms = _timed_steps(step, token, cfg, device)
-    return ms, store.bytes_held() / store.bytes_if_dense(), evicting[0] / cfg.steps * 1e3
+    with model.fused_projections():
+        ms = _timed_steps(step, token, cfg, device)
+    held = store.bytes_held()
+    mc = model.config
+    per_token = 2 * mc.n_layers * mc.kv_heads * mc.head_dim * store.k[0].element_size()  # K and V
+    softmax_kv = per_token * int(store.seqlens.sum())
+    return ms, held / store.bytes_if_dense(), held / softmax_kv, evicting[0] / cfg.steps * 1e3
 
 
 @torch.no_grad()
@@ -266,6 +293,26 @@ def bandwidth_limit_ms(model_cfg, batch: int, tokens: float, itemsize: int, band
     return (weights + kv) / bandwidth * 1e3
 
 
+def _prompts(cfg: DecodeBenchConfig, model_cfg, batch: int, prompt: int, device) -> torch.Tensor:
+    """``[B, T]`` prompt ids: uniform random tokens, or windows of ``cfg.run``'s validation data."""
+    if cfg.prompts == "random":
+        return torch.randint(0, model_cfg.vocab_size, (batch, prompt), device=device)
+    from lapse.data import WindowSampler, prepare_data
+
+    saved = read_run(cfg.run)
+    data = prepare_data(
+        saved.corpus,
+        saved.tokenizer,
+        vocab_size=model_cfg.vocab_size,
+        data_dir=saved.data_dir,
+        progress=False,
+    )
+    if data.validation is None:
+        raise ValueError(f"--run {cfg.run}'s corpus has no validation split (val_fraction 0): random prompts")
+    ids, _ = WindowSampler(shards=data.validation, seq_len=prompt, batch_size=batch, seed=7).batch(0)
+    return ids.to(device)
+
+
 def _model(cfg: DecodeBenchConfig, arch: str, prompt: int, device, dtype) -> tuple[object, Decoder]:
     """A random-init model of ``cfg.preset`` and ``arch``, or the trained ``cfg.run``; its
     context set to ``prompt`` (FoX has no position limit; RoPE tables follow)."""
@@ -301,18 +348,20 @@ def run(cfg: DecodeBenchConfig) -> dict:
             model_cfg, model = _model(cfg, arch, prompt, device, dtype)
             arch = model_cfg.name if cfg.run is None else f"{model_cfg.name} ({cfg.run.name})"
             row = {"workload": workload, "batch": batch, "prompt": prompt, "arch": arch}
+            ids = _prompts(cfg, model_cfg, batch, prompt, device)
             for provider in ("lapse", "lapse-compile"):
                 if provider in cfg.providers:
-                    row[provider] = time_lapse(model, batch, prompt, cfg, compile=provider == "lapse-compile")
+                    row[provider] = time_lapse(model, ids, cfg, compile=provider == "lapse-compile")
                     print(f"{workload} {arch} {provider}: {row[provider]:.3f} ms/step", flush=True)
             for policy in cfg.policies:
-                if policy == "acp" and model_cfg.attention != "forgetting":
+                if POLICY_NEEDS.get(policy, model_cfg.attention) != model_cfg.attention:
                     continue
-                ms, share, evict_ms = time_paged(model, batch, prompt, cfg, policy)
+                ms, share, vs_softmax, evict_ms = time_paged(model, ids, cfg, policy)
                 row[f"paged-{policy}"], row[f"kv-{policy}"], row[f"evict-{policy}"] = ms, share, evict_ms
+                row[f"kv-vs-softmax-{policy}"] = vs_softmax
                 print(
                     f"{workload} {arch} paged {policy}: {ms:.3f} ms/step ({evict_ms:.3f} evicting), "
-                    f"KV {100 * share:.1f}% of dense",
+                    f"KV {100 * share:.1f}% of dense ({100 * vs_softmax:.1f}% of a softmax model's K, V)",
                     flush=True,
                 )
             if bandwidth is not None:
@@ -348,6 +397,7 @@ def run(cfg: DecodeBenchConfig) -> dict:
         "dtype": cfg.dtype,
         "preset": cfg.preset if cfg.run is None else None,
         "run": None if cfg.run is None else str(cfg.run),
+        "prompts": cfg.prompts,
         "steps": cfg.steps,
         "warmup": cfg.warmup,
         "bandwidth": bandwidth,
@@ -371,6 +421,7 @@ def markdown_table(results: dict) -> str:
         + ["limit"]
     )
     what = f"{env['preset']} shapes, random init" if env.get("run") is None else f"trained run {env['run']}"
+    what += f", {env.get('prompts', 'random')} prompts"
     lines = [
         f"Decode step, {what}, {env['dtype']}, {env['device']}, "
         f"torch {env['torch']}, "
