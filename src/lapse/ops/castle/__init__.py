@@ -3,7 +3,9 @@
 The folder reads top-down: ``common.py`` (checks), ``naive.py`` (the recurrent
 definition and the parallel form, the oracles), ``chunked.py`` (the blocked algorithm in
 PyTorch), ``triton_fwd.py`` / ``triton_bwd.py`` / ``triton_ops.py`` (the blocked
-algorithm as a wavefront of Triton launches), ``decode.py`` / ``decode_triton.py``
+algorithm as a wavefront of Triton launches), ``parallel.py`` / ``triton_parallel.py``
+(the key-major schedule, every key block at once: its PyTorch mirror and its kernels),
+``decode.py`` / ``decode_triton.py``
 (one token over a UQ-KV cache: the torch references and the fused Triton step), and here
 the public function. ``README.md`` derives the block formulas.
 """
@@ -36,6 +38,10 @@ def _one(q_c, k_c, v_c, q_u, k_u, v_u, p: Problem, backend: str) -> tuple[Tensor
         from .chunked import chunked_castle_attention
 
         return chunked_castle_attention(q_c, k_c, v_c, q_u, k_u, v_u, p.scale, p.window)
+    if backend == "triton-parallel":
+        from .triton_ops import triton_parallel_castle_attention
+
+        return triton_parallel_castle_attention(q_c, k_c, v_c, q_u, k_u, v_u, p.scale, p.window)
     from .triton_ops import triton_castle_attention
 
     return triton_castle_attention(q_c, k_c, v_c, q_u, k_u, v_u, p.scale, p.window)
@@ -92,6 +98,9 @@ def castle_attention(
             (natural log), differentiable.
         backend: ``"auto"`` (Triton on CUDA, else ``"torch"``), ``"triton"`` (the
             blocked algorithm as a wavefront of kernel launches, memory O(T D)),
+            ``"triton-parallel"`` (the key-major schedule: every key block at once, rows
+            summed with atomics, so results vary in the last bits between runs; memory
+            O(T D)),
             ``"torch"`` (the blocked algorithm in PyTorch, float32 math, any device) or
             ``"naive"`` (Theorem 1 materialised, O(T^3)).
 
@@ -99,7 +108,10 @@ def castle_attention(
         ``o`` ``[B, T, H, D]`` in the dtype of ``q_c``, or ``(o, lse)`` with ``return_lse``.
     """
     p = validate(q_c, k_c, v_c, q_u, k_u, v_u, scale, window, cu_seqlens, backend)
-    backend = resolve_backend(backend, q_c)
+    if backend == "triton-parallel":
+        resolve_backend("triton", q_c)  # the wavefront's checks: Triton usable, no float64
+    else:
+        backend = resolve_backend(backend, q_c)
     six = (q_c, k_c, v_c, q_u, k_u, v_u)
     if p.seqlens is None:
         o, lse = _one(*six, p, backend)

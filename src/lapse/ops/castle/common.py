@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 from torch import Tensor
 
-from ..backend import check_backend
+from ..backend import BACKENDS, check_backend
 from ..forgetting.common import (
     _shape,
     check_cu_seqlens,
@@ -21,6 +21,10 @@ from ..forgetting.common import (
 )
 
 MAX_HEAD_DIM = 256
+# "triton-parallel": the key-major Triton schedule (README.md), one launch per pass
+# instead of the wavefront's 2 T / BT; "triton" stays the wavefront until GPU timings
+# decide which one "auto" picks.
+CASTLE_BACKENDS = (*BACKENDS, "triton-parallel")
 
 
 @dataclass(frozen=True)
@@ -103,7 +107,7 @@ def validate(
     if d < 1 or d > MAX_HEAD_DIM:
         raise ValueError(f"head_dim must be in [1, {MAX_HEAD_DIM}], got {d}")
     window = check_window(window)
-    check_backend(backend)
+    check_backend(backend, CASTLE_BACKENDS)
     scale = resolve_scale(scale, d)
     seqlens = None
     if cu_seqlens is not None:
