@@ -28,6 +28,9 @@ K^U, V^U`` are drawn like them (``q, k`` RMS-normalised, ``v ~ N(0, 1)``, seed +
   (O(T^3) time, several ``T x T`` buffers per head), so it is skipped (reported n/a)
   above ``--castle-naive-max-t`` (2048).
 - ``castle-swl-triton``: CASTLE-SWL with ``--castle-window`` (512).
+- ``castle-triton-parallel``, ``castle-swl-triton-parallel``: the same through
+  ``backend="triton-parallel"``, the key-major schedule (one launch per pass instead of
+  the wavefront's ``2 T / 64``; ``ops/castle/README.md``).
 - ``lookahead-keys-attention``: the public package of that name (0.1.2, import name
   ``lookahead_keys_attention``; its Triton ``castle_attention_triton(q, k, v, qu, ku, vu,
   scale, return_U_for_cache)`` in ``[B, H, T, D]``, computing in float16, O(T^3) per the
@@ -95,6 +98,8 @@ Provider = Literal[
     "castle-torch",
     "castle-naive",
     "castle-swl-triton",
+    "castle-triton-parallel",
+    "castle-swl-triton-parallel",
     "lookahead-keys-attention",
 ]
 Mode = Literal["fwd", "fwd+bwd"]
@@ -109,6 +114,8 @@ CASTLE_PROVIDERS: tuple[Provider, ...] = (
     "castle-torch",
     "castle-naive",
     "castle-swl-triton",
+    "castle-triton-parallel",
+    "castle-swl-triton-parallel",
     "lookahead-keys-attention",
 )
 GATED: tuple[Provider, ...] = ("lapse", "lapse-acp", "flex", "fla")
@@ -447,7 +454,7 @@ def castle_lookahead(wl: Workload, seed: int) -> tuple[Tensor, Tensor, Tensor]:
 
 def castle_window_of(name: str, cfg: AttentionBenchConfig) -> int | None:
     """The lookahead window a CASTLE provider computes with (``None``: CASTLE)."""
-    return cfg.castle_window if name == "castle-swl-triton" else None
+    return cfg.castle_window if name.startswith("castle-swl-") else None
 
 
 def _castle_runner(wl: Workload, backend: str, window: int | None, cfg: AttentionBenchConfig) -> Runner:
@@ -535,7 +542,8 @@ def build_runner(name: Provider, wl: Workload, cfg: AttentionBenchConfig) -> Run
         return _flex_runner(wl)
     if name == "fla":
         return _fla_runner(wl)
-    if name in ("castle-triton", "castle-torch", "castle-naive", "castle-swl-triton"):
+    if name in ("castle-triton", "castle-torch", "castle-naive", "castle-swl-triton",
+                "castle-triton-parallel", "castle-swl-triton-parallel"):
         backend = name.removeprefix("castle-").removeprefix("swl-")
         return _castle_runner(wl, backend, castle_window_of(name, cfg), cfg)
     if name == "lookahead-keys-attention":
