@@ -10,6 +10,8 @@ room for the GPU's fused multiply-adds at 4k slots); ``o`` is rounded to bf16 (2
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 from castle_cases import rel, time_ms
@@ -71,7 +73,9 @@ def test_kernel_equals_reference_at_125m_shapes(window, hc):
 
 def test_compiled_cuda_graph_step_equals_eager():
     """A tiny CASTLE-SWL model in bf16: compiled_decode_one_token (Inductor, CUDA graphs)
-    calls the kernel and gives the eager step's logits, token after token."""
+    calls the kernel and gives the eager step's logits, token after token: its distance
+    to the same model in float32 at most twice the eager bf16 step's (on an H100 the two
+    bf16 steps differed by 1.2e-2 relative, Inductor rounding elsewhere than eager)."""
     from lapse.generation import compiled_decode_one_token, decode_one_token, prefill
     from lapse.kv import DenseStore
     from lapse.models import Decoder, preset
@@ -80,15 +84,19 @@ def test_compiled_cuda_graph_step_equals_eager():
     model = Decoder(preset("tiny", "castle-swl", castle_window=4, init_std=0.1)).cuda().bfloat16().eval()
     ids = torch.randint(0, model.config.vocab_size, (3, 9), device="cuda")
     layers = model.config.n_layers
+    model32 = copy.deepcopy(model).float()
     eager, compiled = DenseStore(layers, capacity=32), DenseStore(layers, capacity=32)
+    full = DenseStore(layers, capacity=32)
     step = compiled_decode_one_token()
     token_e = prefill(model, ids, eager).argmax(-1, keepdim=True)
-    token_c = prefill(model, ids, compiled).argmax(-1, keepdim=True)
+    prefill(model, ids, compiled)
+    prefill(model32, ids, full)
     for _ in range(8):
-        logits_e = decode_one_token(model, token_e, eager)
-        logits_c = step(model, token_c, compiled).clone()
-        assert rel(logits_c.float(), logits_e.float()) < 1e-2
-        token_e = token_c = logits_e.argmax(-1, keepdim=True)
+        logits_e = decode_one_token(model, token_e, eager).float()
+        logits_c = step(model, token_e, compiled).float()
+        logits_32 = decode_one_token(model32, token_e, full)
+        assert rel(logits_c, logits_32) <= 2 * rel(logits_e, logits_32) + 1e-3
+        token_e = logits_e.argmax(-1, keepdim=True)
     assert compiled.seqlens.tolist() == eager.seqlens.tolist() == [17, 17, 17]
 
 
