@@ -1,5 +1,5 @@
-"""CASTLE's Triton path on a GPU (``pytest -m gpu``): bf16 at realistic sizes, peak memory,
-and a timing report against SDPA. Skipped without CUDA; never runs in CI.
+"""CASTLE's Triton paths (wavefront and key-major) on a GPU (``pytest -m gpu``): bf16 at
+realistic sizes, peak memory, and a timing report against SDPA. Skipped without CUDA; never runs in CI.
 
 Accuracy: the 2x (o, lse) / 3x (gradients) rule of castle_cases.py against the naive
 parallel form in bf16, with the float64 reference from the blocked torch path (the naive
@@ -15,6 +15,7 @@ from castle_cases import Case, compare, make_inputs, time_ms
 from lapse.ops.castle import castle_attention
 
 pytestmark = pytest.mark.gpu
+BACKENDS = ["triton", "triton-parallel"]  # the wavefront and the key-major schedule
 
 GPU_CASES = [
     Case(b=2, t=2048, h=8, hc=8, hu=8, d=64),
@@ -42,14 +43,16 @@ def _poison():
 
 
 @pytest.mark.usefixtures("_poison")
+@pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("case", GPU_CASES, ids=lambda c: c.id)
-def test_triton_gpu_bf16(case):
-    errors = compare(case, torch.bfloat16, "triton", 1e-3, seed=case.d, device="cuda",
+def test_triton_gpu_bf16(case, backend):
+    errors = compare(case, torch.bfloat16, backend, 1e-3, seed=case.d, device="cuda",
                      ref_backend="torch")
-    print(case.id, {k: f"{a:.1e}/{b:.1e}" for k, (a, b) in errors.items()})
+    print(case.id, backend, {k: f"{a:.1e}/{b:.1e}" for k, (a, b) in errors.items()})
 
 
-def test_triton_gpu_peak_memory_16k():
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_triton_gpu_peak_memory_16k(backend):
     """T = 16384, 8 heads of 64, fwd + bwd: the extra memory is O(T D) (float32 U, R and
     gradient buffers), far below one T x T bf16 matrix per head (4 GiB over 8 heads)."""
     case = Case(b=1, t=16384, h=8, hc=8, hu=8, d=64)
@@ -59,11 +62,11 @@ def test_triton_gpu_peak_memory_16k():
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()
     before = torch.cuda.memory_allocated()
-    castle_attention(*ys, backend="triton").backward(do)
+    castle_attention(*ys, backend=backend).backward(do)
     torch.cuda.synchronize()
     extra = torch.cuda.max_memory_allocated() - before
     tt_matrix = case.h * case.t * case.t * 2
-    print(f"T=16384 H=8 D=64 fwd+bwd: peak extra {extra / 2**20:.0f} MiB "
+    print(f"{backend} T=16384 H=8 D=64 fwd+bwd: peak extra {extra / 2**20:.0f} MiB "
           f"(one T x T bf16 matrix over the heads: {tt_matrix / 2**20:.0f} MiB)")
     assert extra < tt_matrix / 8
 
@@ -80,6 +83,8 @@ def _speed_row(t: int, d: int) -> dict:
         ("sdpa", lambda: f(*qkv, is_causal=True).transpose(1, 2)),
         ("castle", lambda: castle_attention(*ys, backend="triton")),
         ("castle-swl512", lambda: castle_attention(*ys, window=512, backend="triton")),
+        ("castle-parallel", lambda: castle_attention(*ys, backend="triton-parallel")),
+        ("castle-swl512-parallel", lambda: castle_attention(*ys, window=512, backend="triton-parallel")),
     ):
         with torch.no_grad():
             row[name] = time_ms(fwd)
