@@ -102,12 +102,10 @@ def _lookahead_tile(b_qc, b_qu, KU, VU, i_b, i_hu, hu, o_i, o_s, o_d, m_i, m_d, 
 
 
 @triton.jit
-def _fwd_kernel(
-    QC, KC, VC, QU, KU, VU, M2, ACC, DEN, UEND,
-    T, H, GROUP_C, GROUP_U, NB, scale, window,
-    D: tl.constexpr, BD: tl.constexpr, BT: tl.constexpr,
-    USE_WINDOW: tl.constexpr, DOT_PREC: tl.constexpr,
-):
+def _column(KC, VC, QU, T, H, GROUP_C, GROUP_U, NB, window,
+            D: tl.constexpr, BD: tl.constexpr, BT: tl.constexpr, USE_WINDOW: tl.constexpr):
+    """A key-major program's indices, its column block ``J``'s ``K^C, V^C, Q^U``
+    ``[BT, BD]``, and ``i_last``, the last query block some row of ``J`` looks ahead to."""
     i_j = tl.program_id(0).to(tl.int64)
     i_bh = tl.program_id(1).to(tl.int64)
     i_b = i_bh // H
@@ -121,17 +119,28 @@ def _fwd_kernel(
     m_s = o_s < T
     m_d = o_d < D
     m_sd = m_s[:, None] & m_d[None, :]
-
+    i_last = NB - 1
+    if USE_WINDOW:
+        i_last = tl.minimum(i_last, i_j + (BT - 1 + window) // BT)
     # [BT, BD] column block J
     b_kc = tl.load(KC + ((i_b * T + o_s[:, None]) * hc + i_hc) * D + o_d[None, :], mask=m_sd, other=0.0)
     b_vc = tl.load(VC + ((i_b * T + o_s[:, None]) * hc + i_hc) * D + o_d[None, :], mask=m_sd, other=0.0)
     b_qu = tl.load(QU + ((i_b * T + o_s[:, None]) * H + i_h) * D + o_d[None, :], mask=m_sd, other=0.0)
+    return i_j, i_bh, i_b, i_h, i_hu, hu, o_s, o_d, m_d, m_sd, i_last, b_kc, b_vc, b_qu
+
+
+@triton.jit
+def _fwd_kernel(
+    QC, KC, VC, QU, KU, VU, M2, ACC, DEN, UEND,
+    T, H, GROUP_C, GROUP_U, NB, scale, window,
+    D: tl.constexpr, BD: tl.constexpr, BT: tl.constexpr,
+    USE_WINDOW: tl.constexpr, DOT_PREC: tl.constexpr,
+):
+    i_j, i_bh, i_b, i_h, i_hu, hu, o_s, o_d, m_d, m_sd, i_last, b_kc, b_vc, b_qu = _column(
+        KC, VC, QU, T, H, GROUP_C, GROUP_U, NB, window, D, BD, BT, USE_WINDOW)
+
     dt = b_kc.dtype
     b_u = tl.zeros([BT, BD], dtype=tl.float32)
-    # the last query block whose tokens some row of J looks ahead to
-    i_last = NB - 1
-    if USE_WINDOW:
-        i_last = tl.minimum(i_last, i_j + (BT - 1 + window) // BT)
     for i_i in range(i_j, i_last + 1):
         o_i = i_i * BT + tl.arange(0, BT)
         m_i = o_i < T
@@ -183,34 +192,16 @@ def _bwd_kernel(
     D: tl.constexpr, BD: tl.constexpr, BT: tl.constexpr,
     USE_WINDOW: tl.constexpr, DOT_PREC: tl.constexpr,
 ):
-    i_j = tl.program_id(0).to(tl.int64)
-    i_bh = tl.program_id(1).to(tl.int64)
-    i_b = i_bh // H
-    i_h = i_bh % H
-    i_hc = i_h // GROUP_C
-    i_hu = i_h // GROUP_U
-    hc = H // GROUP_C
-    hu = H // GROUP_U
-    o_s = i_j * BT + tl.arange(0, BT)
-    o_d = tl.arange(0, BD)
-    m_s = o_s < T
-    m_d = o_d < D
-    m_sd = m_s[:, None] & m_d[None, :]
+    i_j, i_bh, i_b, i_h, i_hu, hu, o_s, o_d, m_d, m_sd, i_last, b_kc, b_vc, b_qu = _column(
+        KC, VC, QU, T, H, GROUP_C, GROUP_U, NB, window, D, BD, BT, USE_WINDOW)
     o_col = (i_bh * T + o_s[:, None]) * D + o_d[None, :]
 
-    # [BT, BD] column block J
-    b_kc = tl.load(KC + ((i_b * T + o_s[:, None]) * hc + i_hc) * D + o_d[None, :], mask=m_sd, other=0.0)
-    b_vc = tl.load(VC + ((i_b * T + o_s[:, None]) * hc + i_hc) * D + o_d[None, :], mask=m_sd, other=0.0)
-    b_qu = tl.load(QU + ((i_b * T + o_s[:, None]) * H + i_h) * D + o_d[None, :], mask=m_sd, other=0.0)
     dt = b_kc.dtype
     b_u = tl.load(UEND + o_col, mask=m_sd, other=0.0)  # U_J after the last query block
     b_r = tl.zeros([BT, BD], dtype=tl.float32)  # gradient reaching U_J from later pairs
     b_dkc = tl.zeros([BT, BD], dtype=tl.float32)
     b_dvc = tl.zeros([BT, BD], dtype=tl.float32)
     b_dqu = tl.zeros([BT, BD], dtype=tl.float32)
-    i_last = NB - 1
-    if USE_WINDOW:
-        i_last = tl.minimum(i_last, i_j + (BT - 1 + window) // BT)
     # past the window, in reverse: U_J is final, nothing reaches the lookahead inputs
     for n in range(0, NB - 1 - i_last):
         o_i = (NB - 1 - n) * BT + tl.arange(0, BT)
