@@ -32,6 +32,7 @@ import triton
 import triton.language as tl
 
 from ..backend import LOG2E_TL
+from .triton_parallel import lookahead_tile
 
 
 @triton.jit
@@ -105,19 +106,9 @@ def _bwd_step_kernel(
             b_dvu = tl.load(DVU + o_row, mask=m_id, other=0.0)
         b_qu = tl.load(QU + ((i_b * T + o_s[:, None]) * H + i_h) * D + o_d[None, :], mask=m_sd,
                        other=0.0)
-        b_ku = tl.load(KU + ((i_b * T + o_i[:, None]) * hu + i_hu) * D + o_d[None, :], mask=m_id,
-                       other=0.0)
-        b_vu = tl.load(VU + ((i_b * T + o_i[:, None]) * hu + i_hu) * D + o_d[None, :], mask=m_id,
-                       other=0.0)
-        # [BT_s, BT_j]
-        m_g = (o_i[None, :] > o_s[:, None]) & m_i[None, :]
-        if USE_WINDOW:
-            m_g = m_g & (o_i[None, :] <= o_s[:, None] + window)
-        b_sg = tl.sigmoid(tl.dot(b_qu, tl.trans(b_ku), input_precision=DOT_PREC) * scale)
-        b_g = tl.where(m_g, b_sg, 0.0)
-        # [BT_i, BT_j]
-        b_a = tl.dot(b_qc, tl.trans(b_vu), input_precision=DOT_PREC) * scale
-        b_a = tl.where(o_i[None, :] <= o_i[:, None], b_a, 0.0)
+        # [BT_s, BT_j] G and its sigmoid, [BT_i, BT_j] A
+        b_g, b_sg, b_a, b_ku, b_vu = lookahead_tile(b_qc, b_qu, KU, VU, i_b, i_hu, hu, o_i, o_s, o_d,
+                                                    m_i, m_d, T, scale, window, D, USE_WINDOW, DOT_PREC)
         # the forward added exactly this product: subtracting it gives U_J before block I
         b_u -= tl.dot(b_g.to(dt), b_vu, input_precision=DOT_PREC)
         tl.store(U + o_col, b_u, mask=m_sd)

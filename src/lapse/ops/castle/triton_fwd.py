@@ -29,6 +29,7 @@ import triton
 import triton.language as tl
 
 from ..backend import LOG2E_TL
+from .triton_parallel import lookahead_tile
 
 
 @triton.jit
@@ -74,19 +75,9 @@ def _fwd_step_kernel(
     if IN_WINDOW:
         b_qu = tl.load(QU + ((i_b * T + o_s[:, None]) * H + i_h) * D + o_d[None, :], mask=m_sd,
                        other=0.0)
-        b_ku = tl.load(KU + ((i_b * T + o_i[:, None]) * hu + i_hu) * D + o_d[None, :], mask=m_id,
-                       other=0.0)
-        b_vu = tl.load(VU + ((i_b * T + o_i[:, None]) * hu + i_hu) * D + o_d[None, :], mask=m_id,
-                       other=0.0)
-        # [BT_s, BT_j]
-        m_g = (o_i[None, :] > o_s[:, None]) & m_i[None, :]
-        if USE_WINDOW:
-            m_g = m_g & (o_i[None, :] <= o_s[:, None] + window)
-        b_x = tl.dot(b_qu, tl.trans(b_ku), input_precision=DOT_PREC) * scale
-        b_g = tl.where(m_g, tl.sigmoid(b_x), 0.0)
-        # [BT_i, BT_j]
-        b_a = tl.dot(b_qc, tl.trans(b_vu), input_precision=DOT_PREC) * scale
-        b_a = tl.where(o_i[None, :] <= o_i[:, None], b_a, 0.0)
+        # [BT_s, BT_j] G, [BT_i, BT_j] A
+        b_g, _, b_a, _, b_vu = lookahead_tile(b_qc, b_qu, KU, VU, i_b, i_hu, hu, o_i, o_s, o_d,
+                                              m_i, m_d, T, scale, window, D, USE_WINDOW, DOT_PREC)
         b_su += tl.dot(b_a.to(dt), tl.trans(b_g.to(dt)), input_precision=DOT_PREC)
         # [BT_s, BD]
         b_u = tl.dot(b_g.to(dt), b_vu, b_u, input_precision=DOT_PREC)

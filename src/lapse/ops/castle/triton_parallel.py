@@ -83,9 +83,10 @@ def _fwd_tile(b_qc, b_kc, b_vc, b_su, M2, ACC, DEN, i_bh, o_i, o_s, o_d, m_i, m_
 
 
 @triton.jit
-def _lookahead_tile(b_qc, b_qu, KU, VU, i_b, i_hu, hu, o_i, o_s, o_d, m_i, m_d, T, scale, window,
+def lookahead_tile(b_qc, b_qu, KU, VU, i_b, i_hu, hu, o_i, o_s, o_d, m_i, m_d, T, scale, window,
                     D: tl.constexpr, USE_WINDOW: tl.constexpr, DOT_PREC: tl.constexpr):
-    """``(G, sigmoid, A, K^U_I, V^U_I)`` of pair (I, J) inside the window."""
+    """``(G, sigmoid, A, K^U_I, V^U_I)`` of pair (I, J) inside the window (the wavefront
+    kernels call it too)."""
     m_id = m_i[:, None] & m_d[None, :]
     b_ku = tl.load(KU + ((i_b * T + o_i[:, None]) * hu + i_hu) * D + o_d[None, :], mask=m_id, other=0.0)
     b_vu = tl.load(VU + ((i_b * T + o_i[:, None]) * hu + i_hu) * D + o_d[None, :], mask=m_id, other=0.0)
@@ -146,7 +147,7 @@ def _fwd_kernel(
         m_i = o_i < T
         b_qc = tl.load(QC + ((i_b * T + o_i[:, None]) * H + i_h) * D + o_d[None, :],
                        mask=m_i[:, None] & m_d[None, :], other=0.0)
-        b_g, b_sg, b_a, b_ku, b_vu = _lookahead_tile(b_qc, b_qu, KU, VU, i_b, i_hu, hu, o_i, o_s, o_d,
+        b_g, b_sg, b_a, b_ku, b_vu = lookahead_tile(b_qc, b_qu, KU, VU, i_b, i_hu, hu, o_i, o_s, o_d,
                                                      m_i, m_d, T, scale, window, D, USE_WINDOW, DOT_PREC)
         # [BT_i, BT_s]
         b_su = tl.dot(b_qc, tl.trans(b_u.to(dt)), input_precision=DOT_PREC) * scale
@@ -231,7 +232,7 @@ def _bwd_kernel(
         o_acc = (i_bh * T + o_i[:, None]) * D + o_d[None, :]
         b_qc = tl.load(QC + o_row, mask=m_id, other=0.0)
         b_do = tl.load(DO + o_row, mask=m_id, other=0.0)
-        b_g, b_sg, b_a, b_ku, b_vu = _lookahead_tile(b_qc, b_qu, KU, VU, i_b, i_hu, hu, o_i, o_s, o_d,
+        b_g, b_sg, b_a, b_ku, b_vu = lookahead_tile(b_qc, b_qu, KU, VU, i_b, i_hu, hu, o_i, o_s, o_d,
                                                      m_i, m_d, T, scale, window, D, USE_WINDOW, DOT_PREC)
         # U_J before block I: the forward added exactly this product (nothing before J)
         b_u = tl.where(i_i > i_j, b_u - tl.dot(b_g.to(dt), b_vu, input_precision=DOT_PREC), 0.0)
