@@ -105,8 +105,9 @@ class DecodeBenchConfig:
     device: str = "cuda"
     """Where to run (``cpu`` works, for a dry run)."""
     compile_backend: Literal["inductor", "aot_eager"] = "inductor"
-    """Of the compiled steps (``lapse-compile``, ``paged-*``): ``aot_eager`` traces them
-    whole (``fullgraph``) without generating code or CUDA graphs, for a CPU dry run."""
+    """Of the compiled steps (``lapse-compile``, ``paged-*``) and eviction passes:
+    ``aot_eager`` traces them (the steps whole, ``fullgraph``) without generating code or
+    CUDA graphs, for a CPU dry run; ``inductor`` compiles the passes on CUDA only."""
     bandwidth: float | None = None
     """HBM bytes/s for the limit; ``None``: from the device name (H100 3.35e12, H200 4.8e12)."""
     out_dir: Path = Path("runs/bench/decode")
@@ -202,11 +203,12 @@ def time_paged(
     bounds = logit_bounds(model)
     fn = _compiled_step(cfg)
     count, evicting = [0], [0.0]
+    passes = "aot_eager" if cfg.compile_backend == "aot_eager" else None  # None: compiled on CUDA
 
     def step(tok: torch.Tensor) -> torch.Tensor:
         if count[0] % policy.every == 0:
             start = time.perf_counter()
-            evict(model, store, policy, bounds)
+            evict(model, store, policy, bounds, compile=passes)
             store.reserve(min(policy.every, cfg.warmup + cfg.steps - count[0]))
             if device.type == "cuda":
                 torch.cuda.synchronize()
