@@ -49,44 +49,18 @@ DATA="${DATA:-/tmp/dcp-study/data}"
 BUDGET="${BUDGET:-530}"  # seconds for the whole script: the report is cut at what is left of it
 source "$(dirname "${BASH_SOURCE[0]}")/study_lib.sh"
 COMMIT="${COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}"
-phase() { echo "== $1 (t = $(( $(date +%s) - T0 )) s)"; }
 mkdir -p "$OUT" "$RUNS"
 rm -rf "${RUNS:?}"/*
 date -u +"start %FT%TZ, commit $COMMIT"
 
-phase "data (built once, before the runs read it)"
-build_data "$PRESET" "$DATA" "$BYTES"
-
-data="--data-dir $DATA --tokenizer byte --corpus.max-bytes $BYTES --seq-len $SEQ --no-progress"
-phase "pretraining the dense base (transformer-llama)"
-$L train "$PRESET" --run-dir "$RUNS/base" --model.arch transformer-llama --model.no-acp $MODEL \
-    --model.max-seq-len "$SEQ" $data --batch-size "$PRE_BATCH" --steps "$PRE_STEPS" \
-    --warmup-steps $((PRE_STEPS / 10)) --lr "$PRE_LR" --log-every 25 --val-every $((PRE_STEPS / 5)) \
-    --val-batches 4 --acp-stats-every 0 --checkpoint-every 0 --time-limit-minutes "$PRE_MINUTES" \
-    $PRE_EXTRA > "$OUT/train-base.log" 2>&1 || { echo "pretraining failed"; tail -n 30 "$OUT/train-base.log"; exit 1; }
-tail -n 3 "$OUT/train-base.log"
-
-phase "fine-tuning into DCP, gamma in {$GAMMAS}, concurrently"
-pids=() names=()
-for g in $GAMMAS; do
-    name="dcp-g$g"
-    $L train "$PRESET" --run-dir "$RUNS/$name" --init-from "$RUNS/base" --model.attention dcp --model.no-acp \
-        --dcp.gamma "$g" --dcp.alpha-start 1 --dcp.alpha-end 8 --dcp.no-interaction-only $data \
-        --batch-size "$FT_BATCH" --steps "$FT_STEPS" --warmup-steps $((FT_STEPS / 10)) --lr "$FT_LR" \
-        --log-every 10 --val-every $((FT_STEPS / 4 > 0 ? FT_STEPS / 4 : 1)) --val-batches 4 \
-        --acp-stats-every 0 --checkpoint-every 0 --time-limit-minutes "$FT_MINUTES" \
-        $FT_EXTRA > "$OUT/train-$name.log" 2>&1 &
-    pids+=($!) names+=("$RUNS/$name")
-done
-for pid in "${pids[@]}"; do wait "$pid" || { echo "a fine-tuning run failed"; tail -n 20 "$OUT"/train-dcp-*.log; exit 1; }; done
-tail -n 3 "$OUT"/train-dcp-*.log
+dcp_trainings
 pack  # the training logs come back even if the report is cut
 
 phase "report: lapse eval dcp"
 cmd="PRESET=$PRESET SEQ=$SEQ BYTES=$BYTES PRE_STEPS=$PRE_STEPS PRE_BATCH=$PRE_BATCH PRE_LR=$PRE_LR"
 cmd+=" PRE_MINUTES=$PRE_MINUTES GAMMAS='$GAMMAS' FT_STEPS=$FT_STEPS FT_BATCH=$FT_BATCH FT_LR=$FT_LR"
 cmd+=" FT_MINUTES=$FT_MINUTES NSEQ=$NSEQ bash scripts/study_dcp.sh"
-run $L eval dcp "${names[@]}" --base "$RUNS/base" --out-dir "$RUNS/report" --num-sequences "$NSEQ" \
+run $L eval dcp "${DCP_RUNS[@]}" --base "$RUNS/base" --out-dir "$RUNS/report" --num-sequences "$NSEQ" \
     --snippets 3 --snippet-tokens "$SNIPPET" --commit "$COMMIT" --command "$cmd" \
     --title "DCP study: gamma sweep of fine-tunes of a Transformer (LLaMA), context $SEQ" $EVAL_EXTRA
 [[ -d "$RUNS/report" ]] && cp -r "$RUNS/report/." "$OUT/"
