@@ -96,7 +96,7 @@ def castle_attention(
             (a host read of the offsets, then one call per sequence).
         return_lse: also return the log-sum-exp of the logits, ``[B, H, T]`` float32
             (natural log), differentiable.
-        backend: ``"auto"`` (Triton on CUDA, else ``"torch"``), ``"triton"`` (the
+        backend: ``"auto"`` (``"triton-parallel"`` on CUDA, else ``"torch"``), ``"triton"`` (the
             blocked algorithm as a wavefront of kernel launches, memory O(T D)),
             ``"triton-parallel"`` (the key-major schedule: every key block at once, rows
             summed with atomics, so results vary in the last bits between runs; memory
@@ -110,6 +110,11 @@ def castle_attention(
     p = validate(q_c, k_c, v_c, q_u, k_u, v_u, scale, window, cu_seqlens, backend)
     if backend == "triton-parallel":
         resolve_backend("triton", q_c)  # the wavefront's checks: Triton usable, no float64
+    elif backend == "auto":
+        # the key-major schedule: 1.4-3.0x the wavefront's speed forward+backward at every
+        # shape measured on an H100 (BENCHMARKS.md, CASTLE), and less memory
+        backend = resolve_backend(backend, q_c)
+        backend = "triton-parallel" if backend == "triton" else backend
     else:
         backend = resolve_backend(backend, q_c)
     six = (q_c, k_c, v_c, q_u, k_u, v_u)
