@@ -5,7 +5,7 @@ lapse resume RUN_DIR [--steps N]         continue a run from its last checkpoint
 lapse export RUN_DIR OUT_DIR             a trained model as a Hugging Face folder
 lapse generate RUN --prompt TEXT         text under an eviction policy (--policy dense|window|acp|h2o|a2sf)
 lapse generate --hf PATH --prompt TEXT   the same from a Hugging Face folder or GGUF (--gguf-file NAME)
-lapse eval per-token-loss|ppl|policy-loss|niah|acp|dcp|lm-eval   evaluations (JSON, PNG, Markdown)
+lapse eval per-token-loss|ppl|policy-loss|niah|acp|dcp|lm-eval|eviction   evaluations (JSON, PNG, Markdown)
 lapse report RUN [RUN ...]               one Markdown page: runs and their evaluations
 lapse bench attention                    time forgetting attention against its peers (CUDA)
 lapse bench decode                       ms per decode step against HF compiled Llama (CUDA)
@@ -32,6 +32,7 @@ from lapse.bench.training import TrainBenchConfig
 from lapse.eval.acp import AcpEvalConfig
 from lapse.eval.common import ExportConfig, output_folder
 from lapse.eval.dcp import DcpStudyConfig
+from lapse.eval.eviction import EvictionStudyConfig
 from lapse.eval.lm_eval_config import LmEvalConfig
 from lapse.eval.loss import PerTokenLossConfig, PplConfig
 from lapse.eval.niah import NiahConfig
@@ -119,6 +120,16 @@ def _app() -> SubcommandApp:
         from lapse.eval.policy import run_policy_loss
 
         _wrote(run_policy_loss(cfg), cfg, "policy-loss")
+
+    @evals.command(name="eviction")
+    def eval_eviction(cfg: Annotated[EvictionStudyConfig, tyro.conf.arg(name="")]) -> None:
+        """The eviction study on one prompt set: window, H2O's variants, A2SF at several alphas
+        (and ACP on FoX) at several budgets; streamed loss, KL, attention-mass recall, NIAH;
+        one JSON per run, then plots and summary.md over every set in --out-dir."""
+        from lapse.eval.eviction import run_eviction
+
+        run_eviction(cfg)
+        print(f"wrote the runs, summary.md, verdict.json and the plots to {cfg.out_dir}")
 
     @evals.command(name="niah")
     def eval_niah(cfg: Annotated[NiahConfig, tyro.conf.arg(name="")]) -> None:
