@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
@@ -178,9 +179,14 @@ def llama_dir(tmp_path_factory) -> Path:
     return folder
 
 
+def _corpus_args(llama_dir: Path) -> list[str]:
+    """The folder's corpus.txt as the windows' corpus, half of it validation."""
+    return ["corpus:corpus-config", "--corpus.kind", "text", "--corpus.paths", str(llama_dir / "corpus.txt"),
+            "--corpus.val-fraction", "0.5"]
+
+
 def test_cli_policy_loss_and_niah_on_an_hf_folder(llama_dir, tmp_path, capsys):
-    corpus = ["corpus:corpus-config", "--corpus.kind", "text", "--corpus.paths", str(llama_dir / "corpus.txt"),
-              "--corpus.val-fraction", "0.5"]
+    corpus = _corpus_args(llama_dir)
     main(["eval", "policy-loss", "--hf", str(llama_dir), "--policy", "h2o", "--budget", "8", "--recent", "2",
           "--seq-len", "24", "--prefix", "12", "--num-sequences", "2", "--chunk", "2", "--no-progress",
           "--out-dir", str(tmp_path / "pl"), *corpus])
@@ -196,3 +202,26 @@ def test_cli_policy_loss_and_niah_on_an_hf_folder(llama_dir, tmp_path, capsys):
               "--haystack", str(llama_dir / "corpus.txt"), "--no-progress",
               "--out-dir", str(tmp_path / "n2")])
     assert "exceed the model's context of 256" in capsys.readouterr().err
+
+
+def test_per_position_loss_of_an_hf_model_equals_its_logits():
+    model, windows = _llama(), _windows()
+    logits = model(windows[:, :-1]).logits.float()  # [N, T, V]
+    plain = F.cross_entropy(logits.transpose(1, 2), windows[:, 1:], reduction="none")
+    torch.testing.assert_close(per_position_loss(model, windows, logits_chunk=7), plain, atol=ATOL, rtol=0)
+
+
+def test_cli_ppl_and_per_token_loss_on_an_hf_folder(llama_dir, tmp_path):
+    corpus = _corpus_args(llama_dir)
+    main(["eval", "ppl", "--hf", str(llama_dir), "--context-lengths", "16", "32", "--num-sequences", "2",
+          "--smooth-window", "1", "--no-progress", "--out-dir", str(tmp_path / "ppl"), *corpus])
+    dense = json.loads((tmp_path / "ppl" / "results.json").read_text())
+    entry = dense["models"][0]
+    assert entry["arch"] == "llama" and entry["max_seq_len"] == 256 and dense["policy"] is None
+    assert [row["context_length"] for row in entry["lengths"]] == [16, 32]
+    main(["eval", "per-token-loss", "--hf", str(llama_dir), "--seq-len", "32", "--num-sequences", "2",
+          "--smooth-window", "1", "--policy", "dense", "--prefix", "8", "--no-progress",
+          "--out-dir", str(tmp_path / "ptl"), *corpus])
+    streamed = json.loads((tmp_path / "ptl" / "results.json").read_text())
+    assert streamed["policy"].startswith("Dense")  # Dense streamed = the plain loss of the same windows
+    np.testing.assert_allclose(streamed["models"][0]["loss"], entry["loss"], atol=ATOL)

@@ -41,7 +41,7 @@ from tqdm.auto import tqdm
 from lapse.data import CorpusConfig
 from lapse.data.tokenizer import tokenizer_info
 from lapse.eval.common import LoadedModel, eval_windows, load_model
-from lapse.eval.lm import as_causal_lm
+from lapse.eval.lm import HfOptions, as_causal_lm, load_lm, text_windows
 from lapse.eval.policy import streamed_loss
 from lapse.files import save_figure, write_text_atomic
 from lapse.generation import PolicyOptions
@@ -55,15 +55,16 @@ SMOOTHING_RULE = (
 
 
 @dataclass(kw_only=True)
-class LossEvalConfig(PolicyOptions):
+class LossEvalConfig(PolicyOptions, HfOptions):
     """What both loss evaluations share: the models, the data, the device, the limits, and
     an optional eviction policy (``--policy``: loss streamed through the cache as the
     policy leaves it, :func:`lapse.eval.policy.streamed_loss`)."""
 
-    models: tuple[str, ...]
+    models: tuple[str, ...] = ()
     """Model paths: run folders, checkpoint folders or Hugging Face folders (see
     :func:`lapse.eval.common.load_model`). The first one's validation data (or ``corpus``)
-    gives the windows; plots overlay the models in this order."""
+    gives the windows; plots overlay the models in this order. ``--hf`` adds a pretrained
+    model after them (first, and the windows' tokenizer, when no path is given)."""
 
     names: tuple[str, ...] = ()
     """Labels for plots and tables, one per model; empty: the folder names (made unique)."""
@@ -122,14 +123,17 @@ class LossEvalConfig(PolicyOptions):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        if isinstance(self.models, (str, Path)) or not self.models:
-            raise ValueError(f"models must be a non-empty tuple of paths, got {self.models!r}")
+        if isinstance(self.models, (str, Path)) or (not self.models and self.hf is None):
+            raise ValueError(f"models must be a non-empty tuple of paths (or give --hf), got {self.models!r}")
+        if self.gguf_file is not None and self.hf is None:
+            raise ValueError("--gguf-file names a file of an --hf model folder: give --hf too")
         self.models = tuple(str(m) for m in self.models)
         if isinstance(self.names, str):
             raise ValueError(f"names must be a tuple of strings, got the string {self.names!r}")
         self.names = tuple(self.names)
-        if self.names and len(self.names) != len(self.models):
-            raise ValueError(f"names has {len(self.names)} entries for {len(self.models)} models")
+        count = len(self.models) + (self.hf is not None)
+        if self.names and len(self.names) != count:
+            raise ValueError(f"names has {len(self.names)} entries for {count} models")
         if len(set(self.names)) != len(self.names):
             raise ValueError(f"names must be unique, got {self.names}")
         for name in ("num_sequences", "batch_size", "logits_chunk", "smooth_window", "chunk"):
@@ -198,7 +202,8 @@ def per_position_loss(model: Decoder, windows: Tensor, *, logits_chunk: int = 10
     """Cross-entropy of every next-token prediction in ``windows``, without full logits.
 
     Args:
-        model: a :class:`~lapse.models.Decoder` (in ``eval()`` mode).
+        model: a :class:`~lapse.models.Decoder`, or a Hugging Face causal LM (``--hf``), in
+            ``eval()`` mode.
         windows: int64 ``[B, T + 1]`` token ids. Position ``i`` predicts ``windows[:, i + 1]``
             from ``windows[:, : i + 1]``.
         logits_chunk: positions whose logits are made at once; peak memory of the head is
@@ -221,11 +226,14 @@ def per_position_loss(model: Decoder, windows: Tensor, *, logits_chunk: int = 10
             f"vocab_size {vocab}: were the windows made with another tokenizer?"
         )
     ids, labels = windows[:, :-1], windows[:, 1:]  # [B, T] each
-    hidden = model.hidden_states(ids)  # [B, T, C]
+    if isinstance(model, Decoder):
+        hidden, head = model.hidden_states(ids), model.lm_head  # [B, T, C]
+    else:
+        hidden, head = model.get_decoder()(input_ids=ids).last_hidden_state, model.get_output_embeddings()
     losses = torch.empty(labels.shape, dtype=torch.float32, device=labels.device)  # [B, T]
     for s in range(0, labels.shape[1], logits_chunk):
         e = min(s + logits_chunk, labels.shape[1])
-        logits = model.lm_head(hidden[:, s:e]).float()  # [B, t, V]
+        logits = head(hidden[:, s:e]).float()  # [B, t, V]
         losses[:, s:e] = F.cross_entropy(logits.transpose(1, 2), labels[:, s:e], reduction="none")  # [B, t]
     return losses
 
@@ -352,6 +360,10 @@ def _load_models(cfg: LossEvalConfig) -> list[LoadedModel]:
         load_model(path, device=device, dtype=dtype, name=cfg.names[i] if cfg.names else None)
         for i, path in enumerate(cfg.models)
     ]
+    if cfg.hf is not None:  # a transformers causal LM where the lapse Decoder would be
+        hf = load_lm(None, cfg.hf, cfg.gguf_file, device=device, dtype=dtype)
+        name = cfg.names[-1] if cfg.names else hf.name
+        models.append(LoadedModel(model=hf.lm, tokenizer=hf.tokenizer, name=name, path=hf.path))
     if not cfg.names:
         for loaded, label in zip(models, _unique_labels(models), strict=True):
             loaded.name = label
@@ -403,7 +415,18 @@ def _num_windows(cfg: LossEvalConfig, seq_len: int) -> int:
     return min(cfg.num_sequences, max(1, cfg.max_tokens // seq_len))
 
 
+def _is_hf(m: LoadedModel) -> bool:
+    return not isinstance(m.model, Decoder)
+
+
+def _context(m: LoadedModel) -> int:
+    """The training context of a lapse model; a Hugging Face model's ``max_position_embeddings``."""
+    return m.model.config.max_position_embeddings if _is_hf(m) else m.context
+
+
 def _windows(cfg: LossEvalConfig, first: LoadedModel, seq_len: int) -> Tensor:
+    if _is_hf(first):  # no run, no token shards: documents encoded with its tokenizer
+        return text_windows(first.tokenizer, cfg.corpus, seq_len, _num_windows(cfg, seq_len), seed=cfg.seed)
     return eval_windows(
         first, seq_len, _num_windows(cfg, seq_len), seed=cfg.seed, corpus=cfg.corpus, data_dir=cfg.data_dir
     )  # [n, seq_len + 1]
@@ -419,7 +442,7 @@ def run_per_token_loss(cfg: PerTokenLossConfig) -> dict:
     ``summary.md`` (a table and the plot).
     """
     models = _load_models(cfg)
-    seq_len = cfg.seq_len if cfg.seq_len is not None else models[0].context
+    seq_len = cfg.seq_len if cfg.seq_len is not None else _context(models[0])
     windows = _windows(cfg, models[0], seq_len)
     curves = _evaluate(models, windows, cfg, "per-token loss")
     results = {**_results(cfg, "per-token-loss", models, curves, windows), "seq_len": seq_len}
@@ -446,7 +469,7 @@ def run_ppl(cfg: PplConfig) -> dict:
     models = _load_models(cfg)
     lengths = cfg.context_lengths
     if not lengths:
-        t = models[0].context
+        t = _context(models[0])
         lengths = tuple(sorted({max(1, t // 2), t, 2 * t, 4 * t}))
     windows = _windows(cfg, models[0], lengths[-1])
     curves = _evaluate(models, windows, cfg, f"ppl (T up to {lengths[-1]})", prefixes=lengths)
@@ -456,7 +479,7 @@ def run_ppl(cfg: PplConfig) -> dict:
             summary = curve_summary(curves.loss[k][:length])
             rows[k].append({
                 "context_length": length,
-                "extrapolation": length > m.context,
+                "extrapolation": length > _context(m),
                 "mean_loss": summary["mean_loss"],
                 "mean_loss_stderr": _stderr(curves.prefix_losses[k][:, p]),
                 "ppl": math.exp(summary["mean_loss"]),
@@ -491,7 +514,8 @@ def _results(cfg: LossEvalConfig, name: str, models: list[LoadedModel], curves, 
 def _write(cfg: LossEvalConfig, results: dict, plot, png: str, summary) -> dict:
     """Plot, summary and results into ``cfg.out_dir`` (default
     ``<first model>/eval/<evaluation>/``); the results with ``out_dir`` added."""
-    out_dir = cfg.out_dir if cfg.out_dir is not None else Path(cfg.models[0]) / "eval" / results["evaluation"]
+    first = Path(cfg.models[0]) if cfg.models else Path(".")  # --hf alone: ./eval/<evaluation>/
+    out_dir = cfg.out_dir if cfg.out_dir is not None else first / "eval" / results["evaluation"]
     out_dir.mkdir(parents=True, exist_ok=True)
     plot(results, out_dir / png)
     write_text_atomic(out_dir / "summary.md", summary(results))
@@ -503,9 +527,9 @@ def _model_entry(m: LoadedModel, loss: np.ndarray, sequence_losses: np.ndarray, 
     return {
         "name": m.name,
         "path": str(m.path),
-        "arch": m.config.name,
-        "acp": m.config.acp,
-        "max_seq_len": m.context,
+        "arch": m.model.config.model_type if _is_hf(m) else m.config.name,
+        "acp": False if _is_hf(m) else m.config.acp,
+        "max_seq_len": _context(m),
         **curve_summary(loss),
         "mean_loss_stderr": _stderr(sequence_losses),
         "loss": loss.tolist(),
@@ -523,6 +547,8 @@ def _data_description(cfg: LossEvalConfig, first: LoadedModel) -> str:
     corpus = cfg.corpus
     if corpus is None and first.train_config is not None:
         corpus = first.train_config.corpus
+    if corpus is None and _is_hf(first):
+        corpus = CorpusConfig()  # text_windows' default: the local Python sources
     if corpus is None:
         return "unknown corpus"
     where = f" {', '.join(corpus.paths)}" if corpus.paths else ""
