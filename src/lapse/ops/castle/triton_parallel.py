@@ -269,16 +269,26 @@ def _bwd_kernel(
 
 
 def parallel_config(d: int, interpret: bool, backward: bool = False) -> dict:
-    """Block size and warps by head dim. Not tuned on a GPU yet
-    (``scripts/tune_castle_parallel.py`` measures the options). The forward holds one
-    float32 ``[BT, D]`` tile across its loop (``U_J``), the backward five (``U_J, R_J``,
-    ``dK^C, dV^C, dQ^U``), hence smaller backward blocks at large D. The interpreter
-    gets 16-position blocks, so small test shapes span several blocks."""
+    """Block size, warps and stages by head dim, measured on an H100
+    (``scripts/tune_castle_parallel.py``, T 4096, B x T = 16k, 8 heads, bf16; raw
+    ``docs/bench/castle/h100-tune-parallel.log``): backward at D 64 with 32-position
+    blocks, 4 warps, 2 stages 5.1 ms against 16.6 ms for the first guess (64, 8 warps, 1
+    stage), 2.9 against 5.9 ms under SWL 512; forward at D 128 with 4 warps, 1 stage 2.66
+    against 3.51 ms. The forward holds one float32 ``[BT, D]`` tile across its loop
+    (``U_J``), the backward five (``U_J, R_J``, ``dK^C, dV^C, dQ^U``), hence its smaller
+    blocks. The interpreter gets 16-position blocks, so small test shapes span several
+    blocks."""
     if interpret:
         return dict(BT=16, num_warps=1, num_stages=1)
     if backward:
-        return dict(BT=64 if d <= 64 else 32, num_warps=8 if d > 32 else 4, num_stages=1)
-    return dict(BT=64 if d <= 128 else 32, num_warps=4 if d <= 64 else 8, num_stages=2)
+        if d <= 64:
+            return dict(BT=32, num_warps=4, num_stages=2)
+        return dict(BT=32, num_warps=8, num_stages=1)
+    if d <= 64:
+        return dict(BT=64, num_warps=4, num_stages=2)
+    if d <= 128:
+        return dict(BT=64, num_warps=4, num_stages=1)
+    return dict(BT=32, num_warps=8, num_stages=2)
 
 
 def _common(qc, kc, ku, window, cfg):
