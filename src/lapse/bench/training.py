@@ -34,8 +34,9 @@ from typing import Literal
 
 import torch
 
-# "transformer": the same sizes as a Transformer of the same block type (RoPE, SDPA flash),
-# freshly initialised: the reference for what the rest of the model costs. "dcp": that
+# "transformer": the same sizes as a Transformer of the same block type (RoPE, SDPA with its
+# default backend: cuDNN on an H100), freshly initialised: the reference for what the rest
+# of the model costs. "dcp": that
 # Transformer under DCP fine-tuning.
 VARIANTS = tuple(f"{v}{c}" for v in ("dense", "acp", "transformer", "dcp") for c in ("", "-compile"))
 
@@ -63,8 +64,8 @@ class TrainBenchConfig:
     warmup: int = 2
     """Untimed steps per variant first (autotuning, compilation, allocator growth)."""
     variants: tuple[str, ...] = ("dense", "acp")
-    """Any of ``dense``, ``acp``, ``transformer`` (the same sizes with RoPE and SDPA flash
-    instead of forgetting attention), ``dcp`` (that Transformer fine-tuned with DCP), each
+    """Any of ``dense``, ``acp``, ``transformer`` (the same sizes with RoPE and SDPA, its default
+    backend, instead of forgetting attention), ``dcp`` (that Transformer fine-tuned with DCP), each
     optionally with ``-compile``."""
     acp_eps: float | None = None
     """ACP tolerance; ``None``: the model config's."""
