@@ -167,7 +167,7 @@ def run_kvpress(args) -> None:
             with press(model):
                 model(windows[:, :prompt], past_key_values=cache, use_cache=True, logits_to_keep=1)
         t1 = time.perf_counter()
-        # the cache holds fewer keys than positions: give the true positions (RoPE), as kvpress's pipeline does
+        # the cache holds fewer keys than positions: the true positions (RoPE), as kvpress's pipeline gives
         logits = [
             model(
                 windows[:, prompt + i : prompt + i + 1],
