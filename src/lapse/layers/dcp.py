@@ -211,8 +211,7 @@ class DCPAttention(DCPInteraction, SoftmaxAttention):
         self, q: Tensor, k: Tensor, v: Tensor, x: Tensor, positions: Tensor, cache: KVCache | None
     ) -> Tensor:
         t = q.shape[1]
-        limit = t if cache is None else cache.capacity
-        q, k = self.rotary(q, positions, limit), self.rotary(k, positions, limit)
+        q, k = self._rotate(q, k, positions, cache)
         q_int, k_int = self.qint_proj(x), self.kint_proj(x)  # [B, T, r]
         if cache is None:
             return dcp_attention(q, k, v, self._log_mask(q_int, k_int), scale=self.scale)

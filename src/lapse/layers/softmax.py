@@ -36,8 +36,7 @@ class SoftmaxAttention(Attention):
         self, q: Tensor, k: Tensor, v: Tensor, x: Tensor, positions: Tensor, cache: KVCache | None
     ) -> Tensor:
         t = q.shape[1]
-        limit = t if cache is None else cache.capacity
-        q, k = self.rotary(q, positions, limit), self.rotary(k, positions, limit)
+        q, k = self._rotate(q, k, positions, cache)
         if cache is None:
             return self._sdpa(q, k, v, None)
         first = t > 1 and cache.length == 0  # prefill: its own tokens, causal
@@ -60,6 +59,13 @@ class SoftmaxAttention(Attention):
         slots = torch.arange(keys.shape[1], device=q.device)  # [S]
         mask = slots[None, None, :] <= positions[:, :, None]  # [B, T, S]
         return self._sdpa(q, keys, values, mask[:, None])
+
+    def _rotate(
+        self, q: Tensor, k: Tensor, positions: Tensor, cache: KVCache | None
+    ) -> tuple[Tensor, Tensor]:
+        """RoPE on q and k at ``positions``, its table sized for the cache's capacity."""
+        limit = q.shape[1] if cache is None else cache.capacity
+        return self.rotary(q, positions, limit), self.rotary(k, positions, limit)
 
     def _sdpa(self, q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None) -> Tensor:
         """SDPA in ``[B, T, H, D]`` layout; causal when no mask is given."""
