@@ -170,8 +170,13 @@ def _launch_options(q_c: Tensor, u_cache: Tensor, k_c_cache: Tensor, qu_cache: T
     and as many splits as fit in one wave of resident programs (``num_splits`` chosen
     when None), each >= 256 slots long. ``config`` overrides ``BN``, ``num_warps`` and
     ``num_stages`` (for tuning on a GPU)."""
-    config = config or {}
     b, _, d = q_c.shape
+    if config is None and b == 1:
+        # one sequence: few programs, each streaming long tiles. On an H100 at 7 heads of
+        # 64 and 4096 slots, 13.5 against 19.5 us; at B 8 and 4 the defaults were already
+        # the best of 36 options (scripts/tune_castle_decode.py, docs/bench/castle/h100-tune-decode.json)
+        config = dict(BN=128, num_warps=8, num_stages=2)
+    config = config or {}
     s, hc = k_c_cache.shape[1], k_c_cache.shape[2]
     block_d = max(16, triton.next_power_of_2(d))
     block_g = triton.next_power_of_2(group)
