@@ -65,7 +65,8 @@ def main() -> None:
         changed = n if window is None else min(n, window)
         # k^C, v^C and u read at every slot; u written and q^U read where u changes
         moved = b * H * D * (n * (2 + 2 + 4) + changed * (4 + 2))
-        for bn, warps, stages in [(None, None, None), *itertools.product(args.block_n, args.warps, args.stages)]:
+        grid = [(None, None, None), *itertools.product(args.block_n, args.warps, args.stages)]
+        for bn, warps, stages in grid:
             cfg = None if bn is None else dict(BN=bn, num_warps=warps, num_stages=stages)
             row = dict(batch=b, slots=n, window=window, config=cfg or "default")
             try:
