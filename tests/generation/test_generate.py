@@ -300,3 +300,29 @@ def test_stop_tokens_end_each_sequence_and_the_loop():
     assert out.shape[1] <= 5 + 4 + 4  # both ended by step 4: the check at step 4 stopped the loop
     with pytest.raises(ValueError, match="top_p must be in"):
         generate(model, ids, 3, temperature=1.0, top_p=0.0)
+
+
+def test_fused_projections_after_inference_mode_and_a_failed_entry():
+    """A snapshot made under ``torch.inference_mode`` is not written into outside it (a
+    fresh one is made), and an entry that fails part-way leaves nothing fused."""
+    model = _model("fox-pro")
+    ids = torch.randint(0, model.config.vocab_size, (1, 5), generator=torch.Generator().manual_seed(0))
+    with torch.inference_mode():
+        first = generate(model, ids, 3)
+    assert torch.equal(generate(model, ids, 3), first)
+    calls = [0]
+    original = type(model.blocks[0].mlp).fuse_projections
+
+    def failing(self, enabled=True):
+        calls[0] += 1
+        if enabled and calls[0] == 2:
+            raise RuntimeError("out of memory")
+        original(self, enabled)
+
+    type(model.blocks[0].mlp).fuse_projections = failing
+    try:
+        with pytest.raises(RuntimeError, match="out of memory"), model.fused_projections():
+            pass
+    finally:
+        type(model.blocks[0].mlp).fuse_projections = original
+    assert all(b.attn.fused_in_proj is None and b.mlp.fused_gate_up is None for b in model.blocks)

@@ -64,7 +64,8 @@ def compiled_decode_one_token(
     ``DECODE_RECOMPILE_LIMIT``: every model kind, batch and store shape is one more compiled
     entry of the same function, and with ``fullgraph=True`` the ninth would be an error
     (Dynamo's default limit is 8), not a slower step."""
-    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, DECODE_RECOMPILE_LIMIT)
+    name = "recompile_limit" if hasattr(torch._dynamo.config, "recompile_limit") else "cache_size_limit"
+    setattr(torch._dynamo.config, name, max(getattr(torch._dynamo.config, name), DECODE_RECOMPILE_LIMIT))
     return torch.compile(decode_one_token, mode=mode, backend=backend, fullgraph=True)
 
 

@@ -22,6 +22,7 @@ def fuse_weights(existing: Tensor | None, weights: list[Tensor]) -> Tensor:
         and existing.shape == (rows, w0.shape[1])
         and existing.dtype == w0.dtype
         and existing.device == w0.device
+        and existing.is_inference() == torch.is_inference_mode_enabled()
     ):
         return torch.cat(weights, out=existing)
     return torch.cat(weights)

@@ -49,7 +49,9 @@ class SoftmaxAttention(Attention):
         if isinstance(view, PagedView):
             return self._paged_decode(q, view, cache, "auto")
         keys, values = view.k, view.v  # [B, S, K, D]
-        if t == 1 and q.is_cuda:  # the split-K kernel: 5-45% faster than cuDNN SDPA here
+        fast = q.is_cuda and q.dtype != torch.float64 and q.shape[-1] <= 256
+        if t == 1 and fast and not (torch.is_grad_enabled() and q.requires_grad):
+            # the split-K kernel (an inference op): 5-45% faster than cuDNN SDPA here
             return forgetting_attention_cached(
                 q, keys, values, None, view.seqlens, scale=self.scale, check_values=False
             )  # [B, 1, H, D]

@@ -148,10 +148,10 @@ class Decoder(nn.Module):
         training and everything outside use the separate projections. The snapshot's
         memory (one more copy of those weights) is kept for the next entry, so a
         captured CUDA graph finds it at the same address."""
-        for block in self.blocks:
-            block.attn.fuse_projections()
-            block.mlp.fuse_projections()
         try:
+            for block in self.blocks:
+                block.attn.fuse_projections()
+                block.mlp.fuse_projections()
             yield
         finally:
             for block in self.blocks:

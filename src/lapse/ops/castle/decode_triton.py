@@ -171,7 +171,7 @@ def _launch_options(q_c: Tensor, u_cache: Tensor, k_c_cache: Tensor, qu_cache: T
     when None), each >= 256 slots long. ``config`` overrides ``BN``, ``num_warps`` and
     ``num_stages`` (for tuning on a GPU)."""
     b, _, d = q_c.shape
-    if config is None and b == 1:
+    if config is None and b == 1 and triton.next_power_of_2(group) * 128 * d <= 4 * _TILE_ELEMENTS:
         # one sequence: few programs, each streaming long tiles. On an H100 at 7 heads of
         # 64 and 4096 slots, 13.5 against 19.5 us; at B 8 and 4 the defaults were already
         # the best of 36 options (scripts/tune_castle_decode.py, docs/bench/castle/h100-tune-decode.json)

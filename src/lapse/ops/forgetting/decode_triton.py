@@ -362,7 +362,7 @@ def launch_decode(
     q, k_cache, v_cache = (
         t if t.stride(-1) == 1 else t.contiguous() for t in (q, k_cache, v_cache)
     )
-    if config is None and d <= 64:
+    if config is None and d <= 64 and q.element_size() == 2:  # measured in bf16
         config = _DENSE_TUNED[c_cache is not None]
     num_splits, options = _split_launch(q, group, s, b * h, num_splits, config)
     acc_part, m_part, l_part = _split_workspace(q, num_splits) if workspace is None else workspace
