@@ -154,7 +154,7 @@ def test_fused_projections_step_equals_separate(arch):
     token = prefill(model, ids, plain).argmax(-1, keepdim=True)
     prefill(model, ids, fused)
     expected = decode_one_token(model, token, plain)
-    with model.fused_projections():
+    with model.fused_projections(keep=True):
         attn, mlp = model.blocks[0].attn, model.blocks[0].mlp
         assert attn.fused_in_proj is not None and mlp.fused_gate_up is not None
         got = decode_one_token(model, token, fused)
@@ -313,11 +313,11 @@ def test_fused_projections_after_inference_mode_and_a_failed_entry():
     calls = [0]
     original = type(model.blocks[0].mlp).fuse_projections
 
-    def failing(self, enabled=True):
+    def failing(self, enabled=True, keep=True):
         calls[0] += 1
         if enabled and calls[0] == 2:
             raise RuntimeError("out of memory")
-        original(self, enabled)
+        original(self, enabled, keep)
 
     type(model.blocks[0].mlp).fuse_projections = failing
     try:

@@ -166,7 +166,7 @@ def time_lapse(
     store = make_store(model.config.n_layers, capacity=ids.shape[1] + cfg.warmup + cfg.steps + 1)
     token = prefill(model, ids, store).argmax(-1, keepdim=True)
     fn = _compiled_step(cfg) if compile else decode_one_token
-    with model.fused_projections():
+    with model.fused_projections(keep=True):
         return _timed_steps(lambda tok: fn(model, tok, store), token, cfg, device)
 
 
@@ -216,7 +216,7 @@ def time_paged(
         count[0] += 1
         return fn(model, tok, store)
 
-    with model.fused_projections():
+    with model.fused_projections(keep=True):
         ms = _timed_steps(step, token, cfg, device)
     held = store.bytes_held()
     mc = model.config

@@ -285,8 +285,8 @@ def generate(
     steps = [logits]
     tokens = [draw(logits)]  # [B, 1] each
     # a model without fused projections (a hand-written one in a test, say) decodes as is
-    fused = getattr(model, "fused_projections", contextlib.nullcontext)
-    with fused():
+    fused = getattr(model, "fused_projections", None)
+    with contextlib.nullcontext() if fused is None else fused(keep=compile):
         for i in range(max_new_tokens - 1):
             if len(stop_tokens) and i % check_every == 0 and bool(done.all()):
                 break

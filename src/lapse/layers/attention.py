@@ -121,18 +121,21 @@ class Attention(nn.Module):
         return q.view(b, t, h, d), key.view(b, t, k, d), val.view(b, t, k, d), gate
 
     @torch.no_grad()
-    def fuse_projections(self, enabled: bool = True) -> None:
+    def fuse_projections(self, enabled: bool = True, keep: bool = True) -> None:
         """Copies the q, k, v (and output gate) weights into one matrix that one-token
-        steps without autograd multiply with once; ``enabled=False`` stops using it.
+        steps without autograd multiply with once; ``enabled=False`` stops using it (and
+        frees it unless ``keep``).
         Use :meth:`lapse.models.Decoder.fused_projections`, which does both.
 
         The decode step's small GEMMs are bound by kernel latency: on an H100 four
         ``[8, 768] x [768, 768]`` products take 12.7 us and their fused ``768 -> 3072``
         one 3.3 us (``scripts/tune_decode.py``). A copy, not a view, written into the
         matrix made before when the shapes agree, so a captured CUDA graph keeps reading
-        the same memory (which stays allocated: one more copy of these weights)."""
+        the same memory."""
         if not enabled:
-            self.fused_in_proj = None  # its memory stays in _fused for the next snapshot
+            self.fused_in_proj = None
+            if not keep:  # else the next snapshot is written into the same memory
+                self._fused = None
             return
         ws = [self.q_proj.weight, self.k_proj.weight, self.v_proj.weight]
         if self.o_gate is not None:

@@ -140,14 +140,15 @@ class Decoder(nn.Module):
             )
 
     @contextlib.contextmanager
-    def fused_projections(self) -> Iterator[None]:
+    def fused_projections(self, keep: bool = False) -> Iterator[None]:
         """Inside, one-token steps without autograd (decoding) multiply each layer's input
         once with its q, k, v (and output gate) weights concatenated, and once with
         ``[W_gate; W_up]``: a snapshot of the weights taken at entry (the decode step's
         small GEMMs are bound by kernel latency, ``scripts/tune_decode.py``). Prefill,
-        training and everything outside use the separate projections. The snapshot's
-        memory (one more copy of those weights) is kept for the next entry, so a
-        captured CUDA graph finds it at the same address."""
+        training and everything outside use the separate projections. The snapshot (one
+        more copy of those weights) is freed on exit, or with ``keep`` kept for the next
+        entry to write into, so a captured CUDA graph finds it at the same address
+        (``generate(compile=True)`` keeps it)."""
         try:
             for block in self.blocks:
                 block.attn.fuse_projections()
@@ -155,8 +156,8 @@ class Decoder(nn.Module):
             yield
         finally:
             for block in self.blocks:
-                block.attn.fuse_projections(False)
-                block.mlp.fuse_projections(False)
+                block.attn.fuse_projections(False, keep)
+                block.mlp.fuse_projections(False, keep)
 
     def set_collect_stats(self, enabled: bool) -> None:
         """Keep each layer's statistics of the next forwards (ACP's, for forgetting
