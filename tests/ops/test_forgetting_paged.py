@@ -151,13 +151,14 @@ TORCH_CASES = [
 ]
 
 
+@pytest.mark.parametrize("backend", ["torch", "naive"])
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=["fp64", "fp32"])
 @pytest.mark.parametrize("case", TORCH_CASES, ids=lambda c: c.id)
-def test_torch_backend_matches_reference(case, dtype):
+def test_torch_backends_match_reference(case, dtype, backend):
     x = make_store(case, dtype)
     scale = case.d**-0.5
     o, probs = forgetting_attention_paged_decode(**x["args"], return_key_probs=True,
-                                                 backend="torch")
+                                                 backend=backend)
     assert o.dtype == dtype and probs.dtype == torch.float32
     assert probs.shape == (len(case.lens), case.h, case.max_pages * case.page_size)
     o_ref, p_ref = reference(x, case.fox, scale)
@@ -208,7 +209,8 @@ def test_key_probs_sum_over_the_group(fox):
 
 @pytest.mark.parametrize(
     "backend, dtype",
-    [("torch", torch.float64), pytest.param("triton", torch.float32, marks=needs_interpreter)],
+    [("torch", torch.float64), ("naive", torch.float64),
+     pytest.param("triton", torch.float32, marks=needs_interpreter)],
 )
 def test_matches_dense_decode(backend, dtype):
     """Pages holding, for every kv head, the tokens of a dense cache give the dense op's
@@ -220,7 +222,8 @@ def test_matches_dense_decode(backend, dtype):
     k = torch.randn(b, s, h, d, generator=g, dtype=torch.float64).to(dtype)
     v = torch.randn(b, s, h, d, generator=g, dtype=torch.float64).to(dtype)
     c = cumulative_log_gates(torch.nn.functional.logsigmoid(torch.randn(b, s, hq, generator=g) + 1))
-    o_dense = forgetting_attention_decode(q, k, v, c, seqlens, backend=backend)
+    o_dense = forgetting_attention_decode(q, k, v, c, seqlens,
+                                          backend="torch" if backend == "naive" else backend)
 
     # page p of (b, h) is pool page perm[(b * h_count + h) * pages + p]: scattered, shared pool
     pages = s // ps
@@ -341,7 +344,7 @@ def _step(args, backend, return_key_probs):
 
 @pytest.mark.parametrize(
     "backend, fox, return_key_probs",
-    [("torch", True, True), ("torch", False, False),
+    [("torch", True, True), ("torch", False, False), ("naive", True, True),
      pytest.param("triton", True, True, marks=needs_interpreter)],
 )
 def test_compiles_without_graph_breaks(backend, fox, return_key_probs):
@@ -416,7 +419,7 @@ BAD_INPUTS = [
     ("device", dict(lengths=torch.tensor([[17, 3], [16, 32]], dtype=torch.int32, device="meta")),
      ValueError, "lengths is on meta"),
     ("scale", dict(scale=0.0), ValueError, "scale must be"),
-    ("backend", dict(backend="naive"), ValueError, "backend must be one of"),
+    ("backend", dict(backend="cuda"), ValueError, "backend must be one of"),
     ("num-splits", dict(num_splits=0), ValueError, "num_splits"),
     ("triton-float64", dict(q=torch.randn(2, 4, 8, dtype=torch.float64),
                             k_pages=torch.randn(6, 16, 8, dtype=torch.float64),

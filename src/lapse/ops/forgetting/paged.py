@@ -7,8 +7,9 @@ own page table and length, because eviction keeps a different number of tokens p
 logical slot ``i`` of (b, h) is page ``page_table[b, h, i // page_size]`` at offset
 ``i % page_size``.
 
-The file reads: the plain torch reference, the checks, the public function. The Triton
-path (split-K kernels reading pages through the table) is in ``paged_triton.py``.
+The file reads: the plain reference (``naive``), the gathered torch path (``torch``, what
+CPUs run), the checks, the public function. The Triton path (split-K kernels reading pages
+through the table) is in ``paged_triton.py``.
 
 Legend: B batch, H key/value heads, HQ query heads, G = HQ // H, D head dim, P pages in
 the pool, PS page size, MP pages per head in the table, L = MP * PS logical slots.
@@ -24,12 +25,10 @@ from .common import _shape, check_devices, check_float_dtype, check_tensors, res
 from .decode_triton import MAX_SPLITS
 from .paged_triton import triton_paged_decode
 
-# the torch path is the plain reference, so there is no separate naive one
-PAGED_BACKENDS = tuple(b for b in BACKENDS if b != "naive")
 MIN_PAGE_SIZE = 16
 
 
-def _paged_decode_torch(
+def _paged_decode_naive(
     q: Tensor,
     k_pages: Tensor,
     v_pages: Tensor,
@@ -75,6 +74,62 @@ def _paged_decode_torch(
     return o.to(q.dtype), key_probs
 
 
+def _paged_decode_torch(
+    q: Tensor,
+    k_pages: Tensor,
+    v_pages: Tensor,
+    page_table: Tensor,
+    lengths: Tensor,
+    c_pages: Tensor | None,
+    c_query: Tensor | None,
+    scale: float,
+    return_key_probs: bool,
+) -> tuple[Tensor, Tensor | None]:
+    """The reference's math with less memory traffic, for CPUs (a decode step calls it once
+    per layer): only the pages up to the longest head's are gathered (on the CPU, outside
+    compiled code; elsewhere the whole table, so no host sync), with one ``index_select``
+    per pool; only ``v`` is zeroed past each length (a key or ``c`` there makes a garbage
+    logit that the ``-inf`` fill replaces, while ``0 * NaN`` in ``p @ v`` would stay NaN);
+    batched ``matmul`` instead of ``einsum``. Same outputs as :func:`_paged_decode_naive`,
+    ``key_probs`` padded with zeros to the table's ``L``."""
+    b, hq, d = q.shape
+    _, h, max_pages = page_table.shape
+    page_size = k_pages.shape[1]
+    g = hq // h
+    acc = torch.float64 if q.dtype == torch.float64 else torch.float32
+    n = lengths.long()  # [B, H]
+    n_pages = (n + page_size - 1) // page_size  # [B, H]
+    # on the CPU, outside compiled code, data-dependent sizes cost no sync
+    host = q.device.type == "cpu" and not torch.compiler.is_compiling()
+    mp = min(max_pages, max(1, int(n_pages.max()))) if host else max_pages
+    n_slots = mp * page_size
+    used = torch.arange(mp, device=q.device) < n_pages[..., None]  # [B, H, mp]
+    pages = torch.where(used, page_table[..., :mp], 0).long().flatten()  # [B * H * mp]
+    past = torch.arange(n_slots, device=q.device) >= n[..., None]  # [B, H, L']
+    k = k_pages.index_select(0, pages).view(b, h, n_slots, d).to(acc)  # [B, H, L', D]
+    v = v_pages.index_select(0, pages).view(b, h, n_slots, d)  # a copy: zeroed in place
+    if host:  # the rows past the lengths only (a broadcast masked_fill costs 10x more on CPU)
+        v.view(-1, d).index_fill_(0, past.flatten().nonzero().squeeze(1), 0)
+    else:
+        v = v.masked_fill(past[..., None], 0)
+    v = v.to(acc)  # [B, H, L', D]
+    q_g = q.view(b, h, g, d).to(acc)  # [B, H, G, D]
+    logits = torch.matmul(q_g, k.transpose(2, 3)) * scale  # [B, H, G, L']
+    if c_pages is not None:
+        c_k = c_pages.index_select(0, pages).view(b, h, n_slots, g)  # [B, H, L', G], c's dtype
+        bias = c_query.view(b, h, 1, g) - c_k  # [B, H, L', G]
+        logits = logits + bias.transpose(2, 3).to(acc)
+    logits = logits.masked_fill(past[:, :, None, :], float("-inf"))
+    p = torch.softmax(logits, dim=-1)  # [B, H, G, L']
+    o = torch.matmul(p, v).reshape(b, hq, d)  # [B, HQ, D]
+    key_probs = None
+    if return_key_probs:
+        key_probs = p.sum(dim=2).float()  # [B, H, L']
+        if mp < max_pages:
+            key_probs = torch.nn.functional.pad(key_probs, (0, (max_pages - mp) * page_size))
+    return o.to(q.dtype), key_probs
+
+
 def _validate(
     q: Tensor,
     k_pages: Tensor,
@@ -98,7 +153,7 @@ def _validate(
         tensors |= dict(c_pages=c_pages, c_query=c_query)
     check_tensors(**tensors)
     check_devices(**tensors)
-    check_backend(backend, PAGED_BACKENDS)
+    check_backend(backend, BACKENDS)
     if q.dim() != 3:
         raise ValueError(f"q must be [batch, query_heads, head_dim], got {_shape(q)}")
     check_float_dtype("q", q)
@@ -234,8 +289,8 @@ def forgetting_attention_paged_decode(
             from ``L`` and ``B * H`` (shapes only) to fill the GPU.
         check_values: check ``lengths`` and the page ids in use (one host-device sync);
             pass False inside a captured or compiled decode step.
-        backend: ``"auto"`` (Triton on CUDA, else torch), ``"triton"`` or ``"torch"`` (the
-            plain reference, any device).
+        backend: ``"auto"`` (Triton on CUDA, else torch), ``"triton"``, ``"torch"`` (the
+            gathered path, any device) or ``"naive"`` (the plain reference, any device).
 
     Returns:
         ``o`` ``[B, HQ, D]`` in ``q``'s dtype, or ``(o, key_probs)`` with
@@ -245,13 +300,14 @@ def forgetting_attention_paged_decode(
     """
     scale = _validate(q, k_pages, v_pages, page_table, lengths, c_pages, c_query, scale,
                       num_splits, check_values, backend)
-    backend = resolve_backend(backend, q, PAGED_BACKENDS)
+    backend = resolve_backend(backend, q, BACKENDS)
     if backend == "triton":
         with torch.no_grad():  # an inference op: no gradient through the kernels
             o, key_probs = triton_paged_decode(q, k_pages, v_pages, page_table, lengths,
                                                c_pages, c_query, scale, return_key_probs,
                                                num_splits)
     else:
-        o, key_probs = _paged_decode_torch(q, k_pages, v_pages, page_table, lengths, c_pages,
-                                           c_query, scale, return_key_probs)
+        path = _paged_decode_torch if backend == "torch" else _paged_decode_naive
+        o, key_probs = path(q, k_pages, v_pages, page_table, lengths, c_pages, c_query, scale,
+                            return_key_probs)
     return (o, key_probs) if return_key_probs else o
