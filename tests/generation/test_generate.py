@@ -161,7 +161,7 @@ def test_fused_projections_step_equals_separate(arch):
     # measured 0 on CPU for all five; on a GPU the blocking of the product may differ
     torch.testing.assert_close(got, expected, atol=ATOL32, rtol=0)
     assert attn.fused_in_proj is None and mlp.fused_gate_up is None
-    address = attn._fused.data_ptr()
+    address = attn._fused.weight.data_ptr()
     with torch.no_grad():
         attn.q_proj.weight.mul_(2)
     with model.fused_projections():
@@ -170,6 +170,111 @@ def test_fused_projections_step_equals_separate(arch):
         with torch.enable_grad():
             model(ids[:, :1])[0].sum().backward()
     assert attn.q_proj.weight.grad is not None and mlp.w_up.weight.grad is not None
+
+
+def _change_weights(model: Decoder, change: str, ids: torch.Tensor) -> None:
+    """Changes every layer's fused weights the way ``change`` names."""
+    if change == "mul_":
+        with torch.no_grad():
+            for block in model.blocks:
+                block.attn.q_proj.weight.mul_(2)
+                block.attn.o_gate.weight.mul_(-1)
+                block.mlp.w_up.weight.mul_(0.5)
+    elif change == "to-float64":
+        model.to(torch.float64)
+    elif change == "load_state_dict":
+        torch.manual_seed(1)
+        model.load_state_dict(Decoder(preset("tiny", "fox-pro", init_std=0.1, n_kv_heads=2)).state_dict())
+    else:  # an optimizer step (foreach: in place, one version bump per weight)
+        with torch.enable_grad():
+            model(ids)[0].square().mean().backward()
+        torch.optim.SGD(model.parameters(), lr=1.0, foreach=True).step()
+
+
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+@pytest.mark.parametrize("change", ["mul_", "to-float64", "load_state_dict", "optimizer"])
+def test_fused_projections_follow_weights_changed_inside(change, compiled):
+    """Weights changed inside ``fused_projections(keep=True)``, after a fused step used the
+    snapshot, are taken again before the next fused step: its logits equal a separate-
+    projection model's with the new weights. float64; measured 0 for all eight (before
+    the check, mul_ / load_state_dict / the optimizer step were off by 3.2 / 4.0 / 0.56 in
+    logits of about 2.5; ``.to()`` converts the snapshot with the weights, 0 before too).
+    The compiled step (``aot_eager``) is checked on the host before its call."""
+    model = _model("fox-pro", torch.float32 if change == "to-float64" else torch.float64, n_kv_heads=2)
+    ids = torch.randint(0, model.config.vocab_size, (2, 6), generator=torch.Generator().manual_seed(0))
+    step = compiled_decode_one_token(mode=None, backend="aot_eager") if compiled else decode_one_token
+    with model.fused_projections(keep=True):
+        warm = DenseStore(2, capacity=4)
+        step(model, prefill(model, ids[:, :3], warm).argmax(-1, keepdim=True), warm)  # the snapshot in use
+        _change_weights(model, change, ids)
+        assert next(model.parameters()).dtype == torch.float64
+        separate = Decoder(model.config).to(torch.float64).eval()
+        separate.load_state_dict(model.state_dict())  # the snapshot is no state: not copied
+        fused_store, plain_store = DenseStore(2, capacity=8), DenseStore(2, capacity=8)
+        token = prefill(model, ids, fused_store).argmax(-1, keepdim=True)
+        prefill(separate, ids, plain_store)
+        got = step(model, token, fused_store)
+        attn, mlp = model.blocks[0].attn, model.blocks[0].mlp
+        assert attn.fused_in_proj is not None and mlp.fused_gate_up is not None
+    expected = decode_one_token(separate, token, plain_store)
+    torch.testing.assert_close(got, expected, atol=ATOL64, rtol=0)
+
+
+def test_fused_projections_skip_fsdp2_weights():
+    """Under FSDP2 (``fully_shard``; one process, gloo) the weights are DTensor shards: nothing
+    is fused (before, the snapshot was a DTensor and the first step failed with "mixed
+    torch.Tensor and DTensor"), and the step equals the unsharded model's (float64,
+    measured 0)."""
+    dist = torch.distributed
+    if not dist.is_available() or not dist.is_gloo_available() or dist.is_initialized():
+        pytest.skip("needs torch.distributed with gloo and no process group yet")
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor import DTensor
+
+    model = _model("fox-pro", torch.float64, n_kv_heads=2)
+    plain = _model("fox-pro", torch.float64, n_kv_heads=2)
+    ids = torch.randint(0, model.config.vocab_size, (2, 6), generator=torch.Generator().manual_seed(0))
+    dist.init_process_group("gloo", rank=0, world_size=1, store=dist.HashStore())
+    try:
+        mesh = init_device_mesh("cpu", (1,))
+        for block in model.blocks:
+            fully_shard(block, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+        assert isinstance(model.blocks[0].attn.q_proj.weight, DTensor)
+        stores = DenseStore(2, capacity=8), DenseStore(2, capacity=8)
+        with torch.no_grad():
+            model(ids, cache=stores[0])  # through FSDP's hooks (prefill() bypasses the root's)
+        token = prefill(plain, ids, stores[1]).argmax(-1, keepdim=True)
+        with model.fused_projections(keep=True):
+            assert all(b.attn.fused_in_proj is None and b.mlp.fused_gate_up is None for b in model.blocks)
+            got = decode_one_token(model, token, stores[0])
+    finally:
+        dist.destroy_process_group()
+    torch.testing.assert_close(got, decode_one_token(plain, token, stores[1]), atol=ATOL64, rtol=0)
+
+
+def test_compiled_decode_step_scopes_the_recompile_limit():
+    """Nine compiled entries of the decode step (nine batch sizes, automatic dynamic shapes
+    off) under a process-wide limit of 8, ``fullgraph=True``: no error, because each call
+    raises the limit inside ``torch._dynamo.config.patch``, which Dynamo reads when the call
+    misses its cache (``torch.compile(decode_one_token, fullgraph=True)`` called the same
+    way raises ``FailOnRecompileLimitHit`` at the ninth); the process-wide setting is the
+    same after."""
+    config = torch._dynamo.config
+    name = "recompile_limit" if hasattr(config, "recompile_limit") else "cache_size_limit"
+    model = _model("transformer-llama")
+    vocab = model.config.vocab_size
+    step = compiled_decode_one_token(mode=None, backend="aot_eager")
+    torch._dynamo.reset()  # this test's entries alone
+    graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+    with config.patch(name, 8), config.patch(automatic_dynamic_shapes=False):
+        for batch in range(1, 10):
+            ids = torch.randint(0, vocab, (batch, 3), generator=torch.Generator().manual_seed(0))
+            store = DenseStore(2, capacity=4)
+            step(model, prefill(model, ids, store).argmax(-1, keepdim=True), store)
+        assert getattr(config, name) == 8
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] - graphs == 9  # the raw one fails at 9
 
 
 def test_prefill_projects_only_the_last_position():

@@ -60,13 +60,33 @@ def compiled_decode_one_token(
     store's buffers must not be reallocated between steps (give the store its capacity).
     ``backend="aot_eager"`` checks the trace without code generation (tests on CPU).
 
-    Raises Dynamo's recompile limit (a process-wide setting) to at least
-    ``DECODE_RECOMPILE_LIMIT``: every model kind, batch and store shape is one more compiled
-    entry of the same function, and with ``fullgraph=True`` the ninth would be an error
-    (Dynamo's default limit is 8), not a slower step."""
-    name = "recompile_limit" if hasattr(torch._dynamo.config, "recompile_limit") else "cache_size_limit"
-    setattr(torch._dynamo.config, name, max(getattr(torch._dynamo.config, name), DECODE_RECOMPILE_LIMIT))
-    return torch.compile(decode_one_token, mode=mode, backend=backend, fullgraph=True)
+    Each call runs under ``torch._dynamo.config.patch``, which raises Dynamo's recompile
+    limit to at least ``DECODE_RECOMPILE_LIMIT`` for the compiles of this call only: every
+    model kind, batch and store shape is one more compiled entry of the same function
+    (entries of every (mode, backend) count together), and with ``fullgraph=True`` the
+    ninth would be an error (Dynamo's default limit is 8), not a slower step. Dynamo reads
+    the limit when a call misses its cache, inside the call
+    (``tests/generation/test_generate.py``: nine entries, the setting unchanged after).
+
+    Before each step the model's fused projections are checked against its weights on the
+    host (:meth:`lapse.models.Decoder.refresh_fused_projections`; the compiled step cannot
+    read a weight's address without a graph break): weights changed inside
+    ``fused_projections`` are copied into the snapshot again, in place where the shapes
+    agree, so a captured CUDA graph reads them. No device sync; host time per step, with
+    the patch's 15 us, about 90 us for 12 layers on a busy 2-core CPU, which overlaps the
+    device's work on the steps before (the step reads nothing back)."""
+    compiled = torch.compile(decode_one_token, mode=mode, backend=backend, fullgraph=True)
+    config = torch._dynamo.config
+    name = "recompile_limit" if hasattr(config, "recompile_limit") else "cache_size_limit"  # torch < 2.6
+
+    def step(model: Decoder, token: Tensor, cache: KVCache) -> Tensor:
+        refresh = getattr(model, "refresh_fused_projections", None)  # None: a hand-written model
+        if refresh is not None:
+            refresh()
+        with config.patch(name, max(getattr(config, name), DECODE_RECOMPILE_LIMIT)):
+            return compiled(model, token, cache)
+
+    return step
 
 
 def supports_paged(model: Decoder) -> bool:

@@ -23,7 +23,7 @@ from lapse.kv import KVCache, PagedView, ShiftState
 from lapse.ops import attention_key_scores
 from lapse.ops.forgetting import forgetting_attention_paged_decode
 
-from .fused import fuse_weights
+from .fused import FusedWeights
 from .norm import RMSNorm
 from .shift import KVShift
 
@@ -84,6 +84,7 @@ class Attention(nn.Module):
         self.o_gate = nn.Linear(c, h * d, bias=False) if output_gate else None  # W_g, full width
         # [q; k; v; o_gate] weights in one matrix for one-token steps (fuse_projections)
         self.register_buffer("fused_in_proj", None, persistent=False)
+        self._fused = FusedWeights()
         # statistics of the last forward, kept when collect_stats is set (kinds that have any)
         self.collect_stats = False
         self.last_stats = None
@@ -110,8 +111,10 @@ class Attention(nn.Module):
         :meth:`fuse_projections` made them, else one per projection."""
         b, t, _ = x.shape
         h, k, d = self.n_heads, self.n_kv_heads, self.head_dim
-        w = self.fused_in_proj
-        if w is not None and t == 1 and not torch.is_grad_enabled():
+        w = self.fused_in_proj if t == 1 and not torch.is_grad_enabled() else None
+        if w is not None and not torch.compiler.is_compiling():  # compiled: checked before the call
+            w = self.refresh_fused()
+        if w is not None:
             parts = F.linear(x, w).split([h * d, k * d, k * d, w.shape[0] - (h + 2 * k) * d], dim=-1)
             q, key, val, gate = parts
             gate = gate if self.o_gate is not None else None
@@ -131,17 +134,29 @@ class Attention(nn.Module):
         ``[8, 768] x [768, 768]`` products take 12.7 us and their fused ``768 -> 3072``
         one 3.3 us (``scripts/tune_decode.py``). A copy, not a view, written into the
         matrix made before when the shapes agree, so a captured CUDA graph keeps reading
-        the same memory."""
+        the same memory. Skipped (the separate projections run) for sharded weights
+        (DTensors: FSDP2, tensor parallelism)."""
         if not enabled:
             self.fused_in_proj = None
             if not keep:  # else the next snapshot is written into the same memory
-                self._fused = None
+                self._fused.free()
             return
-        ws = [self.q_proj.weight, self.k_proj.weight, self.v_proj.weight]
-        if self.o_gate is not None:
-            ws.append(self.o_gate.weight)
-        self._fused = fuse_weights(getattr(self, "_fused", None), ws)
-        self.fused_in_proj = self._fused
+        self.fused_in_proj = self._fused.take(self._fused_linears())
+
+    def refresh_fused(self) -> Tensor | None:
+        """The fused weights (``None`` when not fusing), taken again first if a source
+        weight changed since (in place, converted, moved or reloaded: ``FusedWeights``).
+        ``_project`` calls it in eager steps; a compiled step cannot (reading a weight's
+        address breaks the graph), so :func:`lapse.generation.compiled_decode_one_token`
+        calls it through :meth:`lapse.models.Decoder.refresh_fused_projections` first."""
+        w = self.fused_in_proj
+        if w is not None and (fresh := self._fused.current()) is not w:
+            self.fused_in_proj = w = fresh  # a module's __setattr__ costs microseconds: only on a change
+        return w
+
+    def _fused_linears(self) -> list[nn.Linear]:
+        linears = [self.q_proj, self.k_proj, self.v_proj]
+        return linears if self.o_gate is None else [*linears, self.o_gate]
 
     def attend(
         self, q: Tensor, k: Tensor, v: Tensor, x: Tensor, positions: Tensor, cache: KVCache | None

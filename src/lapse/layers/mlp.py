@@ -6,7 +6,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from .fused import fuse_weights
+from .fused import FusedWeights
 
 
 class SwiGLU(nn.Module):
@@ -19,10 +19,13 @@ class SwiGLU(nn.Module):
         self.w_down = nn.Linear(hidden, d_model, bias=False)
         # [W_gate; W_up] in one matrix for one-token steps (fuse_projections)
         self.register_buffer("fused_gate_up", None, persistent=False)
+        self._fused = FusedWeights()
 
     def forward(self, x: Tensor) -> Tensor:
-        w = self.fused_gate_up
-        if w is not None and x.shape[-2] == 1 and not torch.is_grad_enabled():
+        w = self.fused_gate_up if x.shape[-2] == 1 and not torch.is_grad_enabled() else None
+        if w is not None and not torch.compiler.is_compiling():  # compiled: checked before the call
+            w = self.refresh_fused()
+        if w is not None:
             gate, up = F.linear(x, w).chunk(2, dim=-1)  # one product in a decode step
         else:
             gate, up = self.w_gate(x), self.w_up(x)
@@ -34,7 +37,13 @@ class SwiGLU(nn.Module):
         if not enabled:
             self.fused_gate_up = None
             if not keep:  # else the next snapshot is written into the same memory
-                self._fused = None
+                self._fused.free()
             return
-        self._fused = fuse_weights(getattr(self, "_fused", None), [self.w_gate.weight, self.w_up.weight])
-        self.fused_gate_up = self._fused
+        self.fused_gate_up = self._fused.take([self.w_gate, self.w_up])
+
+    def refresh_fused(self) -> Tensor | None:
+        """As :meth:`lapse.layers.Attention.refresh_fused`."""
+        w = self.fused_gate_up
+        if w is not None and (fresh := self._fused.current()) is not w:
+            self.fused_gate_up = w = fresh  # a module's __setattr__ costs microseconds: only on a change
+        return w
