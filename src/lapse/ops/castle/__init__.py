@@ -17,12 +17,13 @@ from torch import Tensor
 
 from ..backend import resolve_backend
 from .common import Problem, validate
-from .decode import castle_attention_decode, castle_decode_step, castle_decode_update
+from .decode import castle_attention_decode, castle_decode_fold, castle_decode_step, castle_decode_update
 from .naive import naive_castle_parallel, naive_castle_recurrent
 
 __all__ = [
     "castle_attention",
     "castle_attention_decode",
+    "castle_decode_fold",
     "castle_decode_step",
     "castle_decode_update",
     "castle_lookahead_keys",

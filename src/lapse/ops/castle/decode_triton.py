@@ -17,6 +17,14 @@ changing rows are written, and ``q^U`` read only there), and no slot at or past 
 sequence's length is touched. A split writes a float32 partial ``(acc, m, l)``, merged by
 the combine kernel of the forgetting decode op; one split writes the output directly.
 
+With ``IS_DEFERRED`` (the deferred step, ``pending`` ring of ``M`` entries) step 1 adds,
+instead of the new token's term, the terms of every pending token ``p_i <= t`` whose
+slot ``s < p_i`` (SWL: ``p_i - W <= s``) it reaches, in position order, and stores ``u``
+only on the sequence's fold step (``t mod M = M - 1``; ``u_t = 0`` at every step). The
+kernel pushes the token into entry ``t mod M`` itself (split 0's programs; every program
+takes that entry from ``k_u, v_u``, so none reads what another writes), so the step
+stays one launch; the ring's few rows are re-read per tile from cache.
+
 Products are multiply-and-sum in float32 (a matrix-vector per query head: the step is
 bound by memory, and ``tl.dot`` would pad the group to 16 rows).
 
@@ -65,6 +73,9 @@ def _castle_decode_split_kernel(
     l_part,
     o,
     lse,
+    pend_k,
+    pend_v,
+    pend_pos,
     scale,
     window,
     num_splits,
@@ -88,6 +99,13 @@ def _castle_decode_split_kernel(
     stride_vh,
     stride_ob,
     stride_oh,
+    stride_pkb,
+    stride_pkm,
+    stride_pkh,
+    stride_pvb,
+    stride_pvm,
+    stride_pvh,
+    stride_ppb,
     HC: tl.constexpr,
     GROUP: tl.constexpr,
     GROUP_U: tl.constexpr,
@@ -97,6 +115,8 @@ def _castle_decode_split_kernel(
     BD: tl.constexpr,
     USE_WINDOW: tl.constexpr,
     IS_SINGLE_SPLIT: tl.constexpr,
+    M: tl.constexpr,
+    IS_DEFERRED: tl.constexpr,
 ):
     # o_hq [BG]: the query heads of causal kv head i_h
     i_s, i_b, i_h, o_hq, o_d, m_g, m_d = split_program(HC, GROUP, D, BG, BD)
@@ -106,8 +126,14 @@ def _castle_decode_split_kernel(
     n = tl.load(cache_seqlens + i_b).to(tl.int64)
     t = n - 1  # the new token's slot
     start, end = split_range(0, n, i_s, num_splits, BN)
+    if IS_DEFERRED:
+        e = t % M  # the new token's ring entry
+        base = t - e  # the slot of entry 0's token: the first since the last fold
+        is_fold = e == M - 1
+    else:
+        base = t
     if USE_WINDOW:
-        lo = t - window  # the first slot whose u changes
+        lo = base - window  # the first slot whose u any term changes
     else:
         lo = 0
 
@@ -117,6 +143,16 @@ def _castle_decode_split_kernel(
     b_ku = tl.load(p_ku, mask=m_gd, other=0.0).to(tl.float32)  # [BG, BD]
     p_vu = v_u + i_b * stride_vub + o_hu[:, None] * stride_vuh + o_d[None, :]
     b_vu = tl.load(p_vu, mask=m_gd, other=0.0).to(tl.float32)  # [BG, BD]
+    if IS_DEFERRED:
+        # push the token (every head's program stores the same bytes); the other
+        # programs take entry e from k_u, v_u, so no program reads what another writes
+        if i_s == 0:
+            p_pk = pend_k + i_b * stride_pkb + e * stride_pkm + o_hu[:, None] * stride_pkh + o_d[None, :]
+            p_pv = pend_v + i_b * stride_pvb + e * stride_pvm + o_hu[:, None] * stride_pvh + o_d[None, :]
+            tl.store(p_pk, b_ku.to(pend_k.dtype.element_ty), mask=m_gd)
+            tl.store(p_pv, b_vu.to(pend_v.dtype.element_ty), mask=m_gd)
+            if i_h == 0:
+                tl.store(pend_pos + i_b * stride_ppb + e, t.to(tl.int32))
 
     b_m = tl.full([BG], float("-inf"), dtype=tl.float32)
     b_l = tl.zeros([BG], dtype=tl.float32)
@@ -134,12 +170,37 @@ def _castle_decode_split_kernel(
         p_qu = (q_u + i_b * stride_qub + o_j[None, :, None] * stride_qus
                 + o_hq[:, None, None] * stride_quh + o_d[None, None, :])
         b_qu = tl.load(p_qu, mask=m_upd3, other=0.0).to(tl.float32)  # [BG, BN, BD]
-        b_gate = tl.sigmoid(tl.sum(b_qu * b_ku[:, None, :], axis=2) * scale)  # [BG, BN]
-        b_gate = tl.where(m_upd[None, :], b_gate, 0.0)
-        # u_t = 0 replaces whatever slot t held (NaN included)
-        b_u = tl.where((o_j == t)[None, :, None], 0.0, b_u + b_gate[:, :, None] * b_vu[:, None, :])
+        if IS_DEFERRED:
+            # the pending tokens in position order (the immediate update's order); the
+            # ring's few [BG, BD] rows stay in cache across the tiles
+            for i in tl.static_range(M):
+                p_i = base + i  # the slot of entry i's token, if valid
+                pos_i = tl.load(pend_pos + i_b * stride_ppb + i).to(tl.int64)
+                is_new = i == e
+                m_i = ((pos_i == p_i) | is_new) & (p_i <= t)  # is_new: pushed by this launch
+                m_old = m_gd & (m_i & (i != e))
+                p_pk = pend_k + i_b * stride_pkb + i * stride_pkm + o_hu[:, None] * stride_pkh + o_d[None, :]
+                p_pv = pend_v + i_b * stride_pvb + i * stride_pvm + o_hu[:, None] * stride_pvh + o_d[None, :]
+                b_ki = tl.load(p_pk, mask=m_old, other=0.0).to(tl.float32)  # [BG, BD]
+                b_vi = tl.load(p_pv, mask=m_old, other=0.0).to(tl.float32)  # [BG, BD]
+                b_ki = tl.where(is_new, b_ku, b_ki)
+                b_vi = tl.where(is_new, b_vu, b_vi)
+                m_ij = m_upd & m_i & (o_j < p_i)  # [BN] token p_i updates the slots before it
+                if USE_WINDOW:
+                    m_ij = m_ij & (o_j >= p_i - window)
+                b_gate = tl.sigmoid(tl.sum(b_qu * b_ki[:, None, :], axis=2) * scale)  # [BG, BN]
+                b_gate = tl.where(m_ij[None, :], b_gate, 0.0)
+                b_u = b_u + b_gate[:, :, None] * b_vi[:, None, :]
+            b_u = tl.where((o_j == t)[None, :, None], 0.0, b_u)
+            m_write = (m_upd & is_fold) | (o_j == t)  # the changed rows on the fold step only
+        else:
+            b_gate = tl.sigmoid(tl.sum(b_qu * b_ku[:, None, :], axis=2) * scale)  # [BG, BN]
+            b_gate = tl.where(m_upd[None, :], b_gate, 0.0)
+            # u_t = 0 replaces whatever slot t held (NaN included)
+            b_u = tl.where((o_j == t)[None, :, None], 0.0, b_u + b_gate[:, :, None] * b_vu[:, None, :])
+            m_write = m_upd | (o_j == t)
         b_u_held = b_u.to(u.dtype.element_ty)
-        tl.store(p_u, b_u_held, mask=m_gd[:, None, :] & (m_upd | (o_j == t))[None, :, None])
+        tl.store(p_u, b_u_held, mask=m_gd[:, None, :] & m_write[None, :, None])
         b_u = b_u_held.to(tl.float32)  # attend with u as stored, as the reference does
 
         p_k = k_c + i_b * stride_kb + i_h * stride_kh + o_j[:, None] * stride_ks + o_d[None, :]
@@ -210,10 +271,12 @@ def launch_castle_decode(
     num_splits: int | None = None,
     workspace: tuple[Tensor, Tensor, Tensor] | None = None,
     config: dict | None = None,
+    pending: tuple[Tensor, Tensor, Tensor] | None = None,
 ) -> None:
     """Updates ``u_cache`` in place and writes ``o`` [B, H, D] and ``lse`` [B, H] float32
     (natural log). Every tensor must be contiguous in its last dim (``u_cache`` is
-    written in place, so it is not copied here).
+    written in place, so it is not copied here). ``pending``: the deferred step's ring
+    ``(k, v, pos)`` (``castle_decode_step``), updated in place.
 
     ``workspace`` (``acc [B, H, splits, D]``, ``m`` and ``l`` ``[B, H, splits]``, float32)
     can be passed in so tests can poison it with NaN; ``config`` overrides the tile
@@ -225,6 +288,9 @@ def launch_castle_decode(
     num_splits, options = _launch_options(q_c, u_cache, k_c_cache, qu_cache, group, num_splits,
                                           config)
     acc_part, m_part, l_part = _split_workspace(q_c, num_splits) if workspace is None else workspace
+    # without a ring the kernel never touches these: any tensors do
+    pend_k, pend_v, pend_pos = (u_cache[:, :1], u_cache[:, :1], cache_seqlens[:, None]) if pending is None \
+        else pending
     _castle_decode_split_kernel[(num_splits, b * hc)](
         q_c,
         k_u,
@@ -239,6 +305,9 @@ def launch_castle_decode(
         l_part,
         o,
         lse,
+        pend_k,
+        pend_v,
+        pend_pos,
         scale,
         0 if window is None else window,
         num_splits,
@@ -262,11 +331,20 @@ def launch_castle_decode(
         v_c_cache.stride(2),
         o.stride(0),
         o.stride(1),
+        pend_k.stride(0),
+        pend_k.stride(1),
+        pend_k.stride(2),
+        pend_v.stride(0),
+        pend_v.stride(1),
+        pend_v.stride(2),
+        pend_pos.stride(0),
         HC=hc,
         GROUP=group,
         GROUP_U=h // hu,
         D=d,
         USE_WINDOW=window is not None,
+        M=pend_k.shape[1],
+        IS_DEFERRED=pending is not None,
         **options,
     )
     _combine_splits(acc_part, m_part, l_part, o, lse, num_splits, options["BD"])
@@ -303,4 +381,43 @@ def triton_castle_decode(
 @triton_castle_decode.register_fake
 def _(q_c, k_u, v_u, u_cache, qu_cache, k_c_cache, v_c_cache, cache_seqlens, scale, window,
       num_splits):
+    return q_c.new_empty(q_c.shape), q_c.new_empty(q_c.shape[:2], dtype=torch.float32)
+
+
+@torch.library.custom_op("lapse::castle_decode_deferred",
+                         mutates_args=("u_cache", "pend_k", "pend_v", "pend_pos"))
+def triton_castle_decode_deferred(
+    q_c: Tensor,
+    k_u: Tensor,
+    v_u: Tensor,
+    u_cache: Tensor,
+    qu_cache: Tensor,
+    k_c_cache: Tensor,
+    v_c_cache: Tensor,
+    cache_seqlens: Tensor,
+    pend_k: Tensor,
+    pend_v: Tensor,
+    pend_pos: Tensor,
+    scale: float,
+    window: int | None,
+    num_splits: int | None,
+) -> tuple[Tensor, Tensor]:
+    """The deferred step (``castle_decode_step(..., pending=...)``) as one operator:
+    ``(o, lse)`` in fresh tensors; ``u_cache`` (slot ``t``, and the fold) and the ring
+    updated in place by the kernel itself, so the step stays one launch (inputs already
+    checked; the ring is contiguous in its last dim)."""
+    q_c, k_u, v_u, qu_cache, k_c_cache, v_c_cache = (
+        x if x.stride(-1) == 1 else x.contiguous()
+        for x in (q_c, k_u, v_u, qu_cache, k_c_cache, v_c_cache)
+    )
+    o = q_c.new_empty(q_c.shape)
+    lse = q_c.new_empty(q_c.shape[:2], dtype=torch.float32)
+    launch_castle_decode(q_c, k_u, v_u, u_cache, qu_cache, k_c_cache, v_c_cache, cache_seqlens,
+                         scale, window, o, lse, num_splits, pending=(pend_k, pend_v, pend_pos))
+    return o, lse
+
+
+@triton_castle_decode_deferred.register_fake
+def _(q_c, k_u, v_u, u_cache, qu_cache, k_c_cache, v_c_cache, cache_seqlens, pend_k, pend_v, pend_pos,
+      scale, window, num_splits):
     return q_c.new_empty(q_c.shape), q_c.new_empty(q_c.shape[:2], dtype=torch.float32)
