@@ -14,9 +14,9 @@ import os
 import pytest
 import torch
 
-from lapse.kv import DenseStore, PagedStore
+from lapse.kv import DenseStore, LookaheadRing, PagedStore
 from lapse.layers import Attention, CastleAttention
-from lapse.ops.castle import castle_lookahead_keys, naive_castle_recurrent
+from lapse.ops.castle import castle_decode_fold, castle_lookahead_keys, naive_castle_recurrent
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -102,6 +102,53 @@ def test_prefill_chunk_and_steps_equal_the_full_forward(kv_heads, window):
     torch.testing.assert_close(view.extras["q_u"][:, :10], q_u, atol=ATOL, rtol=0)
 
 
+@pytest.mark.parametrize("window", WINDOWS, ids=lambda w: f"W{w}")
+@pytest.mark.parametrize("fold_every", [1, 3], ids=lambda m: f"M{m}")
+def test_deferred_update_decodes_like_the_full_forward(fold_every, window):
+    """fold_every: a prompt of 4, a chunk of 3, then 5 steps (folds at slots 2 mod 3, so
+    mid-chunk and between steps) equal the full forward; the store's U after folding the
+    ring equals the lookahead keys of the whole sequence."""
+    layer = _layer(2, window, fold_every=fold_every)
+    x = torch.randn(2, 12, C, dtype=torch.float64)
+    with torch.no_grad():
+        full = layer(x, torch.arange(12)[None])
+        store = DenseStore(1, capacity=16)
+        cuts = ((0, 4), (4, 7), (7, 8), (8, 9), (9, 10), (10, 11), (11, 12))
+        parts = [_run(layer, x[:, a:b], store) for a, b in cuts]
+    torch.testing.assert_close(torch.cat(parts, dim=1), full, atol=ATOL, rtol=0)
+    ring = store.state(0, LookaheadRing)
+    assert ring.k.shape == (2, fold_every, 2, D) and ring.pos.dtype == torch.int32
+    view = store.view(0)
+    castle_decode_fold(view.extras["u"], view.extras["q_u"], (ring.k, ring.v, ring.pos), store.seqlens,
+                       scale=layer.scale, window=window)
+    b, t = x.shape[:2]
+    pos = torch.arange(t)[None]
+    q_u = layer.rotary(layer.qu_proj(x).view(b, t, H, D), pos, t)
+    k_u = layer.rotary(layer.ku_proj(x).view(b, t, 2, D), pos, t)
+    u = castle_lookahead_keys(q_u, k_u, layer.vu_proj(x).view(b, t, 2, D), scale=layer.scale, window=window)
+    torch.testing.assert_close(view.extras["u"][:, :t], u, atol=ATOL, rtol=0)
+
+
+def test_deferred_ring_follows_reorder():
+    """A batch reordered between steps with tokens pending: every row continues as the
+    same sequence does unreordered."""
+    layer = _layer(2, 3, fold_every=4)
+    x = torch.randn(3, 9, C, dtype=torch.float64)
+    index = torch.tensor([2, 0, 1])
+    with torch.no_grad():
+        plain, moved = DenseStore(1, capacity=12), DenseStore(1, capacity=12)
+        _run(layer, x[:, :4], plain)
+        _run(layer, x[index, :4], moved)
+        for i in (4, 5):  # slots 4 and 5 pending (the fold is at slot 7)
+            _run(layer, x[:, i:i + 1], plain)
+            _run(layer, x[index, i:i + 1], moved)
+        moved.reorder(torch.argsort(index))  # back to the plain order
+        after = [(_run(layer, x[:, i:i + 1], plain), _run(layer, x[:, i:i + 1], moved)) for i in range(6, 9)]
+    for a, b in after:
+        torch.testing.assert_close(b, a, atol=ATOL, rtol=0)
+    assert torch.equal(moved.state(0, LookaheadRing).pos, plain.state(0, LookaheadRing).pos)
+
+
 @pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="CPU tensors need TRITON_INTERPRET=1")
 @pytest.mark.filterwarnings("ignore::DeprecationWarning")
 @pytest.mark.parametrize("window", [None, 2], ids=lambda w: f"W{w}")
@@ -178,6 +225,9 @@ def test_bad_input():
     for window in (1.5, True, "8"):
         with pytest.raises(TypeError, match="window must be None or an int"):
             CastleAttention(C, H, H, D, layer_idx=0, window=window)
+    for fold_every in (0, 2.0, True):
+        with pytest.raises(ValueError, match="fold_every"):
+            CastleAttention(C, H, H, D, layer_idx=0, fold_every=fold_every)
     with pytest.raises(ValueError, match="even head dim"):
         CastleAttention(C, H, H, 7, layer_idx=0)
     assert CastleAttention.supports_paged is False and Attention.supports_paged is True

@@ -82,6 +82,7 @@ class LapseConfig(PretrainedConfig):
     dcp_r: int = _DEFAULT.dcp_r
     dcp_beta_init: float = _DEFAULT.dcp_beta_init
     castle_window: int | None = _DEFAULT.castle_window
+    castle_fold_every: int | None = _DEFAULT.castle_fold_every
     init_std: float = _DEFAULT.init_std
     attn_backend: str = _DEFAULT.attn_backend
     use_cache: bool = True

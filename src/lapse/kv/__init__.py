@@ -9,11 +9,11 @@ pages per (sequence, kv head) from a shared pool, so eviction policies free real
 
 from .base import check_lengths
 from .dense import DenseStore
-from .extras import GateState, LayerState, ShiftState, static_zeros
+from .extras import GateState, LayerState, LookaheadRing, ShiftState, static_zeros
 from .paged import LayerSnapshot, PagedStore, PagedView
 from .protocol import KVCache, KVView
 
 __all__ = [
-    "DenseStore", "GateState", "KVCache", "KVView", "LayerSnapshot", "LayerState", "PagedStore", "PagedView",
-    "ShiftState", "check_lengths", "static_zeros",
+    "DenseStore", "GateState", "KVCache", "KVView", "LayerSnapshot", "LayerState", "LookaheadRing",
+    "PagedStore", "PagedView", "ShiftState", "check_lengths", "static_zeros",
 ]

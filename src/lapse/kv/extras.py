@@ -69,3 +69,26 @@ class ShiftState(LayerState):
             self.k_prev = static_zeros(b, 1, kh, d, dtype=k.dtype, device=k.device)
             self.v_prev = static_zeros(b, 1, kh, v.shape[-1], dtype=v.dtype, device=v.device)
         return self.k_prev, self.v_prev
+
+
+@dataclass(eq=False)
+class LookaheadRing(LayerState):
+    """CASTLE's deferred lookahead update: the last up to ``M`` tokens' lookahead keys
+    and values ``[B, M, K, D]`` not yet added into the per-slot ``u``, and the slot each
+    came from, ``pos`` ``[B, M]`` int32 (``-1``: empty). Written by the decode op itself
+    (:func:`lapse.ops.castle.castle_decode_step`, ``pending``); emptied at a prefill."""
+
+    k: Tensor | None = None
+    v: Tensor | None = None
+    pos: Tensor | None = None
+
+    def ensure(self, k_u: Tensor, m: int) -> tuple[Tensor, Tensor, Tensor]:
+        """The buffers, allocated like ``k_u[:, :1]`` ``[B, 1, K, D]`` with ``m`` entries
+        on first use."""
+        if self.k is None:
+            b, _, kh, d = k_u.shape
+            self.k = static_zeros(b, m, kh, d, dtype=k_u.dtype, device=k_u.device)
+            self.v = static_zeros(b, m, kh, d, dtype=k_u.dtype, device=k_u.device)
+            self.pos = static_zeros(b, m, dtype=torch.int32, device=k_u.device)
+            self.pos.fill_(-1)
+        return self.k, self.v, self.pos

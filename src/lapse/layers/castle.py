@@ -34,6 +34,18 @@ query, in the model's dtype); ``k^U, v^U`` of a token are used once and not kept
   equals ``T`` single-token steps (their ``u`` start at 0 and only the slots before a
   token change by it).
 
+- ``fold_every=M`` (opt-in; ``None``, the default, is the update above): the deferred
+  update of :func:`~lapse.ops.castle.castle_decode_step` (``pending``). The layer keeps
+  a :class:`~lapse.kv.LookaheadRing` in the store (``[B, M, K, D]`` lookahead keys and
+  values and their slots, reordered with the batch like every layer state; emptied at a
+  prefill); the step attends with the stored ``u`` plus the pending tokens' terms and
+  writes ``u`` back once every ``M`` tokens, so the store's ``u`` is ``U^t`` only after a
+  fold (:func:`~lapse.ops.castle.castle_decode_fold`). The fold is decided inside the op
+  from ``cache_seqlens`` (a sequence folds at ``t mod M = M - 1``), not by the caller:
+  the compiled step then has one graph whatever the step, needs no host read or step
+  counter, and the generation loop (``lapse.generation``) needs no CASTLE case; the ring
+  is allocated at the first, eager call (the prefill) and updated in place after.
+
 A :class:`~lapse.kv.PagedStore` is refused (``supports_paged = False``): a slot's ``u``
 changes after it is written, which the paged decode op and the eviction policies do not
 model.
@@ -47,7 +59,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
-from lapse.kv import KVCache, PagedView
+from lapse.kv import KVCache, LookaheadRing, PagedView
 from lapse.ops.castle import castle_attention, castle_decode_step, castle_lookahead_keys
 from lapse.ops.castle.common import check_window
 
@@ -66,6 +78,9 @@ class CastleAttention(Attention):
             Triton on CUDA, the blocked PyTorch path otherwise) and of
             :func:`~lapse.ops.castle.castle_decode_step` when decoding (``naive``: its
             torch reference).
+        fold_every: ``None`` (each decode step adds the token into every held ``u_s``) or
+            ``M >= 1``: the deferred update, ``u`` written back every ``M`` steps (module
+            doc). The same outputs up to float32 summation order.
     """
 
     needs_even_head_dim = True
@@ -76,10 +91,14 @@ class CastleAttention(Attention):
     parameter-matched model has 4/7 as many heads (SPEC section 5)."""
 
     def __init__(self, *args, window: int | None = None, rope_base: float = 500000.0,
-                 backend: str = "auto", **kwargs):
+                 backend: str = "auto", fold_every: int | None = None, **kwargs):
         super().__init__(*args, **kwargs)
         self.window = check_window(window)
         self.backend = backend
+        if fold_every is not None and (not isinstance(fold_every, int) or isinstance(fold_every, bool)
+                                       or fold_every < 1):
+            raise ValueError(f"fold_every must be None or a positive integer, got {fold_every!r}")
+        self.fold_every = fold_every
         c = self.q_proj.in_features
         h, k, d = self.n_heads, self.n_kv_heads, self.head_dim
         self.qu_proj = nn.Linear(c, h * d, bias=False)  # W^U_Q
@@ -88,7 +107,8 @@ class CastleAttention(Attention):
         self.rotary = RotaryEmbedding(d, rope_base)
 
     def extra_repr(self) -> str:
-        return f"window={self.window}"
+        fold = "" if self.fold_every is None else f", fold_every={self.fold_every}"
+        return f"window={self.window}{fold}"
 
     def attend(
         self, q: Tensor, k: Tensor, v: Tensor, x: Tensor, positions: Tensor, cache: KVCache | None
@@ -108,8 +128,13 @@ class CastleAttention(Attention):
                 "CASTLE attention decodes over a DenseStore only: the lookahead vectors U of held "
                 "slots change with every new token, which a paged store does not support"
             )
+        ring = None
+        if self.fold_every is not None:
+            ring = cache.state(self.layer_idx, LookaheadRing).ensure(k_u, self.fold_every)
         if t > 1 and cache.length == 0:  # prefill (t == 1 goes the step's way: no host read)
             cache.append(self.layer_idx, k, v, u=self._prompt_lookahead(q_u, k_u, v_u, cache), q_u=q_u)
+            if ring is not None:
+                ring[2].fill_(-1)  # U is complete at the prompt's end: nothing pending
             return self._full(q, k, v, q_u, k_u, v_u)
         acc = torch.float64 if q_u.dtype == torch.float64 else torch.float32
         cache.append(self.layer_idx, k, v, u=q_u.new_zeros(q_u.shape, dtype=acc), q_u=q_u)
@@ -121,7 +146,7 @@ class CastleAttention(Attention):
             seqlens = view.seqlens - (t - 1 - i)  # [B] int32: held slots up to token i
             out.append(castle_decode_step(
                 q[:, i], k_u[:, i], v_u[:, i], u_cache, qu_cache, view.k, view.v, seqlens,
-                scale=self.scale, window=self.window, check_values=False, backend=backend,
+                scale=self.scale, window=self.window, check_values=False, backend=backend, pending=ring,
             ))  # [B, H, D]
         return torch.stack(out, dim=1)  # [B, T, H, D]
 

@@ -154,6 +154,12 @@ class ModelConfig:
     """CASTLE: the lookahead window ``W`` of CASTLE-SWL (``u^t_s`` sums the tokens ``s <
     j <= min(t, s + W)``), ``None`` for CASTLE without a window (``attention="castle"`` only)."""
 
+    castle_fold_every: int | None = None
+    """CASTLE decoding: ``None`` (each step adds the new token into every held ``u_s``) or
+    ``M >= 1``, the deferred update that writes ``u`` back every ``M`` steps
+    (:class:`lapse.layers.CastleAttention`'s ``fold_every``; same outputs up to float32
+    summation order). Opt-in until GPU timings exist."""
+
     init_std: float = 0.02
     """Standard deviation of the normal init of every Linear and embedding weight."""
 
@@ -224,6 +230,10 @@ class ModelConfig:
             raise ValueError(
                 f"castle_window (CASTLE-SWL's lookahead window) must be a positive integer or None, "
                 f"got {self.castle_window!r}"
+            )
+        if self.castle_fold_every is not None and not _is_count(self.castle_fold_every):
+            raise ValueError(
+                f"castle_fold_every must be a positive integer or None, got {self.castle_fold_every!r}"
             )
         if not self.init_std > 0:
             raise ValueError(f"init_std must be positive, got {self.init_std!r}")

@@ -45,7 +45,8 @@ def _dcp(config, **common) -> Attention:
 
 def _castle(config, **common) -> Attention:
     return CastleAttention(
-        **common, window=config.castle_window, rope_base=config.rope_base, backend=config.attn_backend
+        **common, window=config.castle_window, rope_base=config.rope_base, backend=config.attn_backend,
+        fold_every=config.castle_fold_every,
     )
 
 
