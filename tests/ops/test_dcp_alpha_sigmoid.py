@@ -160,3 +160,45 @@ def test_nan_propagates_and_no_nan_gradient():
     xf = x[1:].clone().requires_grad_()
     (g,) = torch.autograd.grad(log_alpha_sigmoid(xf, 3.0).sum() + alpha_sigmoid(xf, 3.0).sum(), xf)
     assert torch.isfinite(g).all()
+
+
+def _values_and_grad(fn, x: torch.Tensor, alpha, backend: str = "torch"):
+    x = x.clone().requires_grad_()
+    y = fn(x, alpha, backend=backend)
+    w = torch.linspace(-1, 1, y.numel(), dtype=y.dtype)  # a gradient that is not all ones
+    (g,) = torch.autograd.grad((y * w).sum(), x)
+    return y.detach(), g
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=["f32", "f64"])
+@pytest.mark.parametrize("alpha", [1.0, 1.5, 2.0, 5.0, 8.0], ids=lambda a: f"a{a!r}")
+@pytest.mark.parametrize("fn", [alpha_sigmoid, log_alpha_sigmoid], ids=["p", "logp"])
+def test_tensor_alpha_equals_float_alpha_bitwise(fn, alpha, dtype):
+    """A 0-d alpha (compiled code) picks the closed forms by torch.where and rounds alpha - 1
+    once like a float: the same values and gradients, bitwise (also at 1 and 2)."""
+    x = torch.cat([grid(alpha if alpha != 2.0 else 1.5, dtype), torch.tensor([-3.0, 3.0], dtype=dtype)])
+    want = _values_and_grad(fn, x, alpha)
+    for alpha_t in (torch.tensor(alpha, dtype=torch.float64), torch.tensor(alpha)):
+        got = _values_and_grad(fn, x, alpha_t)
+        assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+        assert not torch.isnan(got[1]).any()
+    if alpha == 1.0:  # the closed forms, exactly
+        closed = torch.sigmoid(x) if fn is alpha_sigmoid else torch.nn.functional.logsigmoid(x)
+        assert torch.equal(want[0], closed)
+    if alpha == 2.0 and fn is alpha_sigmoid:
+        assert torch.equal(want[0], ((x + 1) / 2).clamp(0, 1))
+
+
+def test_tensor_alpha_compiles_once_for_every_value():
+    """Under torch.compile a 0-d alpha is an input: one graph, no recompilation when its
+    value changes, the values and gradients of eager code (aot_eager: measured bitwise)."""
+    x = grid(3.0, torch.float32, n=61)
+    alpha_t = torch.ones((), dtype=torch.float64)
+    torch._dynamo.reset()  # no graph of another test's shapes
+    compiled = torch.compile(log_alpha_sigmoid, backend="aot_eager", fullgraph=True)
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        for alpha in (1.0, 1.5, 2.0, 5.0):
+            alpha_t.fill_(alpha)
+            got = _values_and_grad(lambda x, a, backend: compiled(x, a, backend=backend), x, alpha_t)
+            want = _values_and_grad(log_alpha_sigmoid, x, alpha)
+            assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])

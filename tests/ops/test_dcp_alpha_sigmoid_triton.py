@@ -117,3 +117,31 @@ def test_triton_backend_refuses_float64_and_unknown_backends():
         alpha_sigmoid(torch.zeros(3, dtype=torch.float64), 3.0, backend="triton")
     with pytest.raises(ValueError, match="backend"):
         alpha_sigmoid(torch.zeros(3), 3.0, backend="naive")
+
+
+@pytest.mark.parametrize("alpha", [1.0, 1.5, 2.0, 5.0, 8.0], ids=lambda a: f"a{a}")
+@pytest.mark.parametrize("fn", [alpha_sigmoid, log_alpha_sigmoid], ids=["p", "log_p"])
+def test_triton_tensor_alpha_equals_float_alpha_bitwise(fn, alpha):
+    """The kernels read alpha from a 0-d tensor either way (a float is put in one): the
+    same values and gradients, bitwise, the closed forms at 1 and 2 included."""
+    x = points(alpha if alpha != 2.0 else 1.5).flatten()  # alpha 2: past the clip at |x| = 1
+    x = torch.cat([x, torch.tensor([-3.0, 3.0], dtype=torch.float64)])
+    want = run(fn, x.float(), alpha, "triton")
+    for alpha_t in (torch.tensor(alpha, dtype=torch.float64), torch.tensor(alpha)):
+        got = run(fn, x.float(), alpha_t, "triton")
+        assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+
+
+def test_triton_ops_compile_once_for_every_alpha():
+    """The launches are custom operators: torch.compile (fullgraph) calls them without
+    tracing into the kernels, and a new alpha value needs no new graph."""
+    x = points(3.0, (7, 45)).float()
+    alpha_t = torch.ones((), dtype=torch.float64)
+    torch._dynamo.reset()  # no graph of another test's shapes
+    compiled = torch.compile(log_alpha_sigmoid, backend="aot_eager", fullgraph=True)
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        for alpha in (1.0, 1.5, 2.0, 5.0):
+            alpha_t.fill_(alpha)
+            got = run(lambda x, a, backend: compiled(x, a, backend=backend), x, alpha_t, "triton")
+            want = run(log_alpha_sigmoid, x, alpha, "triton")
+            assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])

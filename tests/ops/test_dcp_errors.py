@@ -31,11 +31,13 @@ B, T, R, HQ, H, D = 2, 8, 4, 4, 2, 16
         (-1.0, ValueError, "alpha must be a finite number >= 1"),
         (math.nan, ValueError, "alpha must be a finite number >= 1"),
         (math.inf, ValueError, "alpha must be a finite number >= 1"),
-        (torch.tensor(2.0), TypeError, "alpha must be a python float"),
         (True, TypeError, "alpha must be a python float"),
         ("2", TypeError, "alpha must be a python float"),
+        (torch.tensor(2), TypeError, "a tensor alpha must be floating point"),
+        (torch.tensor([2.0]), ValueError, "a tensor alpha must be 0-d"),
+        (torch.tensor(2.0, device="meta"), ValueError, "alpha is on meta but x is on cpu"),
     ],
-    ids=["below-1", "negative", "nan", "inf", "tensor", "bool", "str"],
+    ids=["below-1", "negative", "nan", "inf", "bool", "str", "tensor-int", "tensor-1d", "tensor-device"],
 )
 def test_bad_alpha(fn, alpha, error, pattern):
     with pytest.raises(error, match=pattern):

@@ -76,7 +76,9 @@ class DCPInteraction:
 
     Attributes:
         alpha: the alpha-sigmoid's alpha (``>= 1``, checked when set); the trainer's
-            schedule sets it, 1.0 at first.
+            schedule sets it, 1.0 at first. Also held in a 0-d float64 buffer that the
+            setter fills in place: compiled code reads that, so the training forward
+            compiles whole and a new value needs no recompilation.
         step_mask: ``None``: the step mask in eval mode, the alpha-sigmoid in training
             mode; ``True``/``False``: always the step / the alpha-sigmoid.
         keep_log_mask: keep the last full forward's ``log I`` ``[B, T, T]`` (with its
@@ -95,6 +97,9 @@ class DCPInteraction:
         self.qint_proj = nn.Linear(c, r, bias=False)  # W_Qint
         self.kint_proj = nn.Linear(c, r, bias=False)  # W_Kint
         self.beta = nn.Parameter(torch.tensor(float(beta_init)))
+        # alpha as data for compiled code (see _alpha_arg): float64, so that it holds the
+        # float exactly; not in the state dict (the trainer's schedule sets it each step)
+        self.register_buffer("_alpha_t", torch.ones((), dtype=torch.float64), persistent=False)
         self.alpha = 1.0
         self.step_mask: bool | None = None
         self.keep_log_mask = False
@@ -108,6 +113,24 @@ class DCPInteraction:
     @alpha.setter
     def alpha(self, value: float) -> None:
         self._alpha = check_alpha(value)
+        self._alpha_t.fill_(self._alpha)  # in place: a compiled graph reads the new value
+
+    def _alpha_arg(self) -> float | Tensor:
+        """The alpha-sigmoid's alpha: the float in eager code (the closed forms at 1 and 2
+        are host branches there), the 0-d buffer under ``torch.compile``, so that one graph
+        serves every value of the schedule instead of one recompilation per step."""
+        return self._alpha_t if torch.compiler.is_compiling() else self._alpha
+
+    def _apply(self, fn, recurse=True):
+        # model.to(dtype) would round the alpha buffer and to_empty() leave it unset: it
+        # stays float64 and is refilled from the float, the one value it ever holds
+        super()._apply(fn, recurse)
+        alpha_t = self._buffers.get("_alpha_t")
+        if alpha_t is not None:
+            if alpha_t.dtype != torch.float64:
+                self._alpha_t = alpha_t = torch.empty((), dtype=torch.float64, device=alpha_t.device)
+            alpha_t.fill_(self._alpha)
+        return self
 
     @property
     def uses_step_mask(self) -> bool:
@@ -170,9 +193,6 @@ class DCPInteraction:
         )
         return o[:, None]  # [B, 1, H, D]
 
-    # Eager under torch.compile: the trainer changes alpha every step, and a compiled graph
-    # would specialise on the float (a recompilation per step); the rest of the block compiles.
-    @torch.compiler.disable
     def _log_mask(self, q_int: Tensor, k_int: Tensor) -> Tensor:
         """``log I`` ``[B, T, T]`` of a full forward, under the mask of the current mode;
         kept for the sparsity loss and statistics when asked."""
@@ -180,7 +200,7 @@ class DCPInteraction:
             log_i = interaction_log_mask_step(q_int, k_int, self.beta)
         else:
             log_i = interaction_log_mask(
-                q_int, k_int, self.beta, self.alpha, backend=self.interaction_backend
+                q_int, k_int, self.beta, self._alpha_arg(), backend=self.interaction_backend
             )
         if self.keep_log_mask:
             self.last_log_mask = log_i
@@ -230,7 +250,7 @@ class DCPAttention(DCPInteraction, SoftmaxAttention):
         if self.uses_step_mask:
             log_ibar = torch.where(z > 0, 0.0, LOG_FLOOR).to(z.dtype)
         else:
-            log_ibar = log_alpha_sigmoid(z, self.alpha).clamp_min(LOG_FLOOR)
+            log_ibar = log_alpha_sigmoid(z, self._alpha_arg()).clamp_min(LOG_FLOOR)
         slots = torch.arange(z.shape[-1], device=z.device)  # [S]
         later = slots[None, None, :] < positions[:, :, None]  # [B, T, S]: token n acts on slots j < n
         rows = log_keep[:, None, :] + torch.where(later, log_ibar, 0.0).cumsum(dim=1)  # [B, T, S]

@@ -17,6 +17,10 @@ same work for every element). ``T_MAX = 1e4 = -LOG_FLOOR``: a logit beyond it me
 gives ``log p = log sigmoid(t)`` to full relative precision even where ``p`` itself
 underflows, which the interaction mask needs: it sums ``log p``, never ``p``.
 
+``alpha`` is a python float (eager code: the closed forms at 1 and 2 are host branches)
+or a 0-d tensor (compiled code: one graph for every value of a scheduled alpha; the
+closed forms are picked by ``torch.where``, bitwise the same values).
+
 Shapes: elementwise; any shape.
 """
 
@@ -38,14 +42,25 @@ ALPHA_SIGMOID_BACKENDS = ("auto", "triton", "torch")
 
 def check_alpha(alpha: object) -> float:
     """``alpha`` as a float; ``TypeError`` unless a python number, ``ValueError`` unless
-    finite and >= 1. A tensor is refused: alpha picks code paths on the host, and reading
-    a CUDA tensor would synchronise."""
+    finite and >= 1. A tensor is refused here: its value cannot be read without a
+    synchronisation (the ops check a tensor alpha with :func:`check_alpha_tensor`)."""
     if isinstance(alpha, bool) or not isinstance(alpha, (int, float)):
         raise TypeError(f"alpha must be a python float (>= 1), got {type(alpha).__name__}")
     alpha = float(alpha)
     if not math.isfinite(alpha) or alpha < 1.0:
         raise ValueError(f"alpha must be a finite number >= 1, got {alpha!r}")
     return alpha
+
+
+def check_alpha_tensor(alpha: Tensor, x: Tensor) -> None:
+    """A tensor ``alpha`` must be 0-d, floating point and on the device of ``x``; its value
+    (finite, ``>= 1``) is the caller's to keep (a DCP layer's ``alpha`` setter checks it)."""
+    if not alpha.is_floating_point():
+        raise TypeError(f"a tensor alpha must be floating point, got {alpha.dtype}")
+    if alpha.dim() != 0:
+        raise ValueError(f"a tensor alpha must be 0-d, got shape {tuple(alpha.shape)}")
+    if alpha.device != x.device:
+        raise ValueError(f"alpha is on {alpha.device} but x is on {x.device}")
 
 
 def _check_x(x: Tensor) -> None:
@@ -59,11 +74,11 @@ def _work_dtype(x: Tensor) -> torch.dtype:
     return torch.float64 if x.dtype == torch.float64 else torch.float32
 
 
-def solve_logit(x: Tensor, alpha: float) -> Tensor:
-    """``t = logit(sigma_alpha(x))`` for ``alpha > 1``: ``+inf`` / ``-inf`` where ``p`` is
-    clipped to 1 / 0 (``|x| >= 1/(a-1)``), else in ``[-T_MAX, T_MAX]``; NaN stays NaN.
-    ``x`` float32 or float64 (the working precision)."""
-    c = alpha - 1.0
+def solve_logit(x: Tensor, alpha: Tensor) -> Tensor:
+    """``t = logit(sigma_alpha(x))`` for ``alpha > 1`` (0-d float64): ``+inf`` / ``-inf``
+    where ``p`` is clipped to 1 / 0 (``|x| >= 1/(a-1)``), else in ``[-T_MAX, T_MAX]``; NaN
+    stays NaN. ``x`` float32 or float64 (the working precision)."""
+    c = (alpha - 1.0).to(x.dtype)  # rounded once, as a python float meeting x in an op is
     ax = x.abs()
     log_ax = torch.log(ax)  # -inf at x = 0: every step moves hi down, t -> 0
     lo = torch.zeros_like(x)
@@ -81,30 +96,32 @@ def solve_logit(x: Tensor, alpha: float) -> Tensor:
     return torch.copysign(t, x)
 
 
-def _grad_from_logit(t: Tensor, alpha: float, log: bool) -> Tensor:
+def _grad_from_logit(t: Tensor, alpha: Tensor, log: bool) -> Tensor:
     """``dp/dx = 1 / (p^(a-2) + (1-p)^(a-2))`` or ``d log p / dx = 1 / (p^(a-1) +
     p (1-p)^(a-2))`` from the logit, in log space (no 0 * inf, no overflow of the
     individual powers); 0 where clipped (``t = +-inf``)."""
+    a1, a2 = (alpha - 1.0).to(t.dtype), (alpha - 2.0).to(t.dtype)
     clipped = torch.isinf(t)
     t = torch.where(clipped, 0.0, t)
     log_p = F.logsigmoid(t)
     log_q = log_p - t  # log(1 - p) = log sigmoid(-t)
     if log:
-        g = torch.exp(-torch.logaddexp((alpha - 1.0) * log_p, log_p + (alpha - 2.0) * log_q))
+        g = torch.exp(-torch.logaddexp(a1 * log_p, log_p + a2 * log_q))
     else:
-        g = torch.exp(-torch.logaddexp((alpha - 2.0) * log_p, (alpha - 2.0) * log_q))
+        g = torch.exp(-torch.logaddexp(a2 * log_p, a2 * log_q))
     return torch.where(clipped, 0.0, g)
 
 
 class _AlphaSigmoid(torch.autograd.Function):
-    """``p`` or ``log p`` (floored) for ``alpha > 1`` from the bisected logit, with the
-    closed-form gradient. Saves only the logit (one tensor the size of ``x``)."""
+    """``p`` or ``log p`` (floored) for ``alpha > 1`` (0-d float64) from the bisected
+    logit, with the closed-form gradient. Saves only the logit (one tensor the size of
+    ``x``) and ``alpha``."""
 
     @staticmethod
-    def forward(ctx, x: Tensor, alpha: float, log: bool) -> Tensor:
+    def forward(ctx, x: Tensor, alpha: Tensor, log: bool) -> Tensor:
         t = solve_logit(x, alpha)
-        ctx.save_for_backward(t)
-        ctx.alpha, ctx.log = alpha, log
+        ctx.save_for_backward(t, alpha)
+        ctx.log = log
         if log:
             return F.logsigmoid(t).clamp_min(LOG_FLOOR)
         return torch.sigmoid(t)
@@ -112,8 +129,13 @@ class _AlphaSigmoid(torch.autograd.Function):
     @staticmethod
     @once_differentiable
     def backward(ctx, grad: Tensor):
-        (t,) = ctx.saved_tensors
-        return grad * _grad_from_logit(t, ctx.alpha, ctx.log), None, None
+        t, alpha = ctx.saved_tensors
+        return grad * _grad_from_logit(t, alpha, ctx.log), None, None
+
+
+def _sigmoid(x: Tensor, log: bool) -> Tensor:
+    """``alpha = 1``: the logistic sigmoid (or its floored log)."""
+    return F.logsigmoid(x).clamp_min(LOG_FLOOR) if log else torch.sigmoid(x)
 
 
 def _clip_linear(x: Tensor, log: bool) -> Tensor:
@@ -138,23 +160,36 @@ def _resolve(x: Tensor, backend: str) -> str:
     return resolve_backend(backend, x, ALPHA_SIGMOID_BACKENDS)
 
 
-def _apply(x: Tensor, alpha: float, log: bool, backend: str) -> Tensor:
+def _bisect(x: Tensor, alpha: Tensor, log: bool, backend: str) -> Tensor:
+    if backend == "triton":
+        return TritonAlphaSigmoid.apply(x, alpha, log)
+    return _AlphaSigmoid.apply(x, alpha, log)
+
+
+def _apply(x: Tensor, alpha: float | Tensor, log: bool, backend: str) -> Tensor:
     _check_x(x)
-    alpha = check_alpha(alpha)
     backend = _resolve(x, backend)
     xw = x.to(_work_dtype(x))
-    if alpha == 1.0:
-        out = F.logsigmoid(xw).clamp_min(LOG_FLOOR) if log else torch.sigmoid(xw)
-    elif alpha == 2.0:
-        out = _clip_linear(xw, log)
-    elif backend == "triton":
-        out = TritonAlphaSigmoid.apply(xw, alpha, log)
+    if isinstance(alpha, Tensor):
+        check_alpha_tensor(alpha, x)
+        alpha = alpha.to(torch.float64)  # what follows from alpha is rounded once, as from a float
+        one, two = alpha == 1.0, alpha == 2.0
+        # No host branch: the bisection runs whatever alpha holds, at a stand-in alpha where
+        # a closed form is picked (so that its unused values and gradients stay finite).
+        solved = _bisect(xw, torch.where(one | two, 3.0, alpha), log, backend)
+        out = torch.where(one, _sigmoid(xw, log), torch.where(two, _clip_linear(xw, log), solved))
     else:
-        out = _AlphaSigmoid.apply(xw, alpha, log)
+        alpha = check_alpha(alpha)
+        if alpha == 1.0:
+            out = _sigmoid(xw, log)
+        elif alpha == 2.0:
+            out = _clip_linear(xw, log)
+        else:
+            out = _bisect(xw, torch.full((), alpha, dtype=torch.float64, device=x.device), log, backend)
     return out.to(x.dtype)
 
 
-def alpha_sigmoid(x: Tensor, alpha: float, *, backend: str = "auto") -> Tensor:
+def alpha_sigmoid(x: Tensor, alpha: float | Tensor, *, backend: str = "auto") -> Tensor:
     """The alpha-sigmoid ``sigma_alpha(x) = argmax_{p in [0,1]} p x + H_alpha(p)``
     (Tsallis entropy ``H_alpha``; SPEC section 6), elementwise.
 
@@ -166,7 +201,10 @@ def alpha_sigmoid(x: Tensor, alpha: float, *, backend: str = "auto") -> Tensor:
     Args:
         x: a floating-point tensor of any shape; float16 and bfloat16 are computed in
             float32, float64 in float64.
-        alpha: a python float ``>= 1`` (scheduled on the host during training).
+        alpha: a python float ``>= 1``, or a 0-d floating tensor on the device of ``x``
+            holding one (a scheduled alpha under ``torch.compile``: the graph does not
+            depend on its value; the value is not checked, reading it would synchronise).
+            Eager, both give the same results, bitwise.
         backend: ``"auto"`` (Triton for CUDA tensors other than float64, else torch),
             ``"triton"`` (the fused kernels of ``alpha_sigmoid_triton.py``: one pass
             forward, one backward) or ``"torch"`` (the bisection as torch ops). They
@@ -179,7 +217,7 @@ def alpha_sigmoid(x: Tensor, alpha: float, *, backend: str = "auto") -> Tensor:
     return _apply(x, alpha, log=False, backend=backend)
 
 
-def log_alpha_sigmoid(x: Tensor, alpha: float, *, backend: str = "auto") -> Tensor:
+def log_alpha_sigmoid(x: Tensor, alpha: float | Tensor, *, backend: str = "auto") -> Tensor:
     """``log sigma_alpha(x)``, floored at ``LOG_FLOOR = -1e4`` (where ``p = 0``).
 
     Computed from the bisected logit as ``log sigmoid(t)``, so it keeps full relative

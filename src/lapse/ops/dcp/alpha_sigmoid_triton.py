@@ -8,6 +8,12 @@ writes the logit ``t`` (saved for the backward) and ``p`` or ``log p``; the back
 the equation in the logit, ``h(t) = c log sigmoid(t) + log(-expm1(-c t) / c) = log |x|``),
 with ``expm1`` and ``log1p`` in Kahan's exp/log forms (the Triton interpreter has no
 libdevice). Float32 only (float16/bfloat16 are solved in float32 by the caller).
+
+``alpha`` is read from a 0-d tensor (float64, so that ``alpha - 1`` is rounded once, as
+from a python float): a value the trainer changes every step is data, not a kernel
+argument that ``torch.compile`` would bake into its graph. The launches are two custom
+operators (``lapse::dcp_alpha_sigmoid_fwd`` / ``_bwd``) that ``torch.compile`` calls
+without tracing into, on a GPU and under the interpreter alike.
 """
 
 from __future__ import annotations
@@ -26,8 +32,9 @@ BLOCK = 1024
 POISON_OUTPUTS = False
 
 
-def _empty_like(x: Tensor) -> Tensor:
-    return torch.full_like(x, float("nan")) if POISON_OUTPUTS else torch.empty_like(x)
+def _new_output(x: Tensor) -> Tensor:
+    """A contiguous tensor like ``x`` (NaN-filled when the tests poison outputs)."""
+    return x.new_full(x.shape, float("nan")) if POISON_OUTPUTS else x.new_empty(x.shape)
 
 
 @triton_jit
@@ -57,10 +64,11 @@ def _one_minus_exp_neg_over_c(t, c):
 
 @triton_jit
 def _alpha_sigmoid_fwd_kernel(
-    x_ptr, t_ptr, y_ptr, n, c, t_max, log_floor,
+    x_ptr, alpha_ptr, t_ptr, y_ptr, n, t_max, log_floor,
     STEPS: tl.constexpr, IS_LOG: tl.constexpr, BLOCK: tl.constexpr,
 ):
     i_b = tl.program_id(0).to(tl.int64)
+    c = (tl.load(alpha_ptr) - 1.0).to(tl.float32)  # alpha - 1 in the alpha tensor's precision, then float32
     o_x = i_b * BLOCK + tl.arange(0, BLOCK)
     m_x = o_x < n
     b_x = tl.load(x_ptr + o_x, mask=m_x, other=0.0).to(tl.float32)
@@ -91,9 +99,12 @@ def _alpha_sigmoid_fwd_kernel(
 
 @triton_jit
 def _alpha_sigmoid_bwd_kernel(
-    t_ptr, g_ptr, dx_ptr, n, alpha, IS_LOG: tl.constexpr, BLOCK: tl.constexpr,
+    t_ptr, g_ptr, alpha_ptr, dx_ptr, n, IS_LOG: tl.constexpr, BLOCK: tl.constexpr,
 ):
     i_b = tl.program_id(0).to(tl.int64)
+    alpha = tl.load(alpha_ptr)
+    a1 = (alpha - 1.0).to(tl.float32)
+    a2 = (alpha - 2.0).to(tl.float32)
     o_x = i_b * BLOCK + tl.arange(0, BLOCK)
     m_x = o_x < n
     b_t = tl.load(t_ptr + o_x, mask=m_x, other=0.0)
@@ -104,11 +115,11 @@ def _alpha_sigmoid_bwd_kernel(
     b_log_q = b_log_p - b_t  # log(1 - p)
     # dp/dx = 1 / (p^(a-2) + (1-p)^(a-2)); d log p/dx = 1 / (p^(a-1) + p (1-p)^(a-2)), in logs
     if IS_LOG:
-        b_u = (alpha - 1.0) * b_log_p
-        b_v = b_log_p + (alpha - 2.0) * b_log_q
+        b_u = a1 * b_log_p
+        b_v = b_log_p + a2 * b_log_q
     else:
-        b_u = (alpha - 2.0) * b_log_p
-        b_v = (alpha - 2.0) * b_log_q
+        b_u = a2 * b_log_p
+        b_v = a2 * b_log_q
     b_m = tl.maximum(b_u, b_v)
     b_lse = b_m + _log1p(tl.exp(-tl.abs(b_u - b_v)))  # logaddexp(u, v)
     b_dx = tl.where(b_clipped, 0.0, b_g * tl.exp(-b_lse))
@@ -119,41 +130,64 @@ def _grid(n: int) -> tuple[int]:
     return (triton.cdiv(n, BLOCK),)
 
 
-def launch_fwd(x: Tensor, alpha: float, log: bool) -> tuple[Tensor, Tensor]:
-    """``(t, y)`` for a contiguous float32 ``x``: the logit and ``p`` (or floored ``log p``)."""
-    t, y = _empty_like(x), _empty_like(x)
+def launch_fwd(x: Tensor, alpha: Tensor, log: bool) -> tuple[Tensor, Tensor]:
+    """``(t, y)`` for a contiguous float32 ``x`` and a 0-d ``alpha`` on its device: the
+    logit and ``p`` (or floored ``log p``)."""
+    t, y = _new_output(x), _new_output(x)
     n = x.numel()
     if n:
         _alpha_sigmoid_fwd_kernel[_grid(n)](
-            x, t, y, n, alpha - 1.0, T_MAX, LOG_FLOOR,
-            STEPS=STEPS[torch.float32], IS_LOG=log, BLOCK=BLOCK,
+            x, alpha, t, y, n, T_MAX, LOG_FLOOR, STEPS=STEPS[torch.float32], IS_LOG=log, BLOCK=BLOCK,
         )
     return t, y
 
 
-def launch_bwd(t: Tensor, grad: Tensor, alpha: float, log: bool) -> Tensor:
+def launch_bwd(t: Tensor, grad: Tensor, alpha: Tensor, log: bool) -> Tensor:
     """``grad * dy/dx`` from the saved logit ``t`` (both contiguous, float32)."""
-    dx = _empty_like(t)
+    dx = _new_output(t)
     n = t.numel()
     if n:
-        _alpha_sigmoid_bwd_kernel[_grid(n)](t, grad, dx, n, alpha, IS_LOG=log, BLOCK=BLOCK)
+        _alpha_sigmoid_bwd_kernel[_grid(n)](t, grad, alpha, dx, n, IS_LOG=log, BLOCK=BLOCK)
     return dx
 
 
+@torch.library.custom_op("lapse::dcp_alpha_sigmoid_fwd", mutates_args=())
+def alpha_sigmoid_fwd(x: Tensor, alpha: Tensor, log: bool) -> tuple[Tensor, Tensor]:
+    """:func:`launch_fwd` as one operator that ``torch.compile`` does not trace into: ``x``
+    float32 (made contiguous), ``alpha`` 0-d float64 on its device (inputs checked)."""
+    return launch_fwd(x.contiguous(), alpha, log)
+
+
+@alpha_sigmoid_fwd.register_fake
+def _(x, alpha, log):
+    return x.new_empty(x.shape), x.new_empty(x.shape)
+
+
+@torch.library.custom_op("lapse::dcp_alpha_sigmoid_bwd", mutates_args=())
+def alpha_sigmoid_bwd(t: Tensor, grad: Tensor, alpha: Tensor, log: bool) -> Tensor:
+    """:func:`launch_bwd` as one operator (``grad`` taken to float32, both made contiguous)."""
+    return launch_bwd(t.contiguous(), grad.float().contiguous(), alpha, log)
+
+
+@alpha_sigmoid_bwd.register_fake
+def _(t, grad, alpha, log):
+    return t.new_empty(t.shape)
+
+
 class TritonAlphaSigmoid(torch.autograd.Function):
-    """``p`` or floored ``log p`` for ``alpha > 1`` (``alpha != 2``) from a float32 ``x``,
-    by the fused kernels. Saves only the logit (one float32 tensor the size of ``x``)."""
+    """``p`` or floored ``log p`` from a float32 ``x`` and a 0-d float64 ``alpha > 1`` on
+    its device, by the fused kernels. Saves only the logit (one float32 tensor the size of
+    ``x``) and ``alpha``."""
 
     @staticmethod
-    def forward(ctx, x: Tensor, alpha: float, log: bool) -> Tensor:
-        t, y = launch_fwd(x.contiguous(), alpha, log)
-        ctx.save_for_backward(t)
-        ctx.alpha, ctx.log = alpha, log
+    def forward(ctx, x: Tensor, alpha: Tensor, log: bool) -> Tensor:
+        t, y = alpha_sigmoid_fwd(x, alpha, log)
+        ctx.save_for_backward(t, alpha)
+        ctx.log = log
         return y
 
     @staticmethod
     @once_differentiable
     def backward(ctx, grad: Tensor):
-        (t,) = ctx.saved_tensors
-        return launch_bwd(t, grad.float().contiguous(), ctx.alpha, ctx.log), None, None
-
+        t, alpha = ctx.saved_tensors
+        return alpha_sigmoid_bwd(t, grad, alpha, ctx.log), None, None

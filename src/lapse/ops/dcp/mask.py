@@ -112,7 +112,7 @@ def causal_log_cumsum(log_ibar: Tensor) -> Tensor:
 
 
 def interaction_log_mask(
-    q_int: Tensor, k_int: Tensor, beta: float | Tensor, alpha: float, *, backend: str = "auto"
+    q_int: Tensor, k_int: Tensor, beta: float | Tensor, alpha: float | Tensor, *, backend: str = "auto"
 ) -> Tensor:
     """``log I`` of DCP for training: the irreversible keep mask, shared by all heads.
 
@@ -132,7 +132,9 @@ def interaction_log_mask(
     Args:
         q_int, k_int: ``[B, T, r]`` interaction queries and keys, one floating dtype.
         beta: a number or a one-element tensor (the layer's ``beta_l``).
-        alpha: the alpha-sigmoid's alpha, a python float ``>= 1`` (the schedule's value).
+        alpha: the alpha-sigmoid's alpha, a python float ``>= 1`` (the schedule's value),
+            or a 0-d tensor holding it (compiled code: see
+            :func:`~lapse.ops.dcp.log_alpha_sigmoid`).
         backend: the alpha-sigmoid's (:func:`~lapse.ops.dcp.log_alpha_sigmoid`):
             ``"auto"``, ``"triton"`` (fused kernels, float32) or ``"torch"``.
 
@@ -140,7 +142,8 @@ def interaction_log_mask(
         ``log_i`` ``[B, T, T]`` float32 (float64 for float64 inputs).
     """
     check_interaction(q_int, k_int, beta, same_t=True)
-    alpha = check_alpha(alpha)
+    if not isinstance(alpha, Tensor):
+        alpha = check_alpha(alpha)
     z = _logits(q_int, k_int, beta)  # [B, T, T]
     return causal_log_cumsum(log_alpha_sigmoid(z, alpha, backend=backend))
 
