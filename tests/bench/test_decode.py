@@ -124,3 +124,18 @@ def test_bad_config_is_refused():
         DecodeBenchConfig(workloads=("8-4096",))
     with pytest.raises(ValueError, match="give --run"):
         DecodeBenchConfig(prompts="validation")
+
+
+def test_castle_fold_every_reaches_the_random_init_models():
+    """``--castle-fold-every`` sets the deferred lookahead update of the CASTLE layers it
+    builds; other architectures carry the field unused."""
+    from lapse.bench.decode import _model
+    from lapse.layers import CastleAttention
+
+    cfg = DecodeBenchConfig(preset="gpu-20m", device="cpu", castle_fold_every=8)
+    model_cfg, model = _model(cfg, "castle", 64, torch.device("cpu"), torch.float32)
+    layers = [m for m in model.modules() if isinstance(m, CastleAttention)]
+    assert model_cfg.castle_fold_every == 8 and layers
+    assert all(m.fold_every == 8 for m in layers)
+    model_cfg, _ = _model(cfg, "transformer-llama", 64, torch.device("cpu"), torch.float32)
+    assert model_cfg.attention == "softmax"

@@ -108,6 +108,9 @@ class DecodeBenchConfig:
     """Of the compiled steps (``lapse-compile``, ``paged-*``) and eviction passes:
     ``aot_eager`` traces them (the steps whole, ``fullgraph``) without generating code or
     CUDA graphs, for a CPU dry run; ``inductor`` compiles the passes on CUDA only."""
+    castle_fold_every: int | None = None
+    """Random-init models: ``ModelConfig.castle_fold_every``, the deferred lookahead update
+    of CASTLE models every this many steps (other architectures ignore it)."""
     bandwidth: float | None = None
     """HBM bytes/s for the limit; ``None``: from the device name (H100 3.35e12, H200 4.8e12)."""
     out_dir: Path = Path("runs/bench/decode")
@@ -319,7 +322,7 @@ def _model(cfg: DecodeBenchConfig, arch: str, prompt: int, device, dtype) -> tup
     """A random-init model of ``cfg.preset`` and ``arch``, or the trained ``cfg.run``; its
     context set to ``prompt`` (FoX has no position limit; RoPE tables follow)."""
     if cfg.run is None:
-        model_cfg = preset(cfg.preset, arch, max_seq_len=prompt)
+        model_cfg = preset(cfg.preset, arch, max_seq_len=prompt, castle_fold_every=cfg.castle_fold_every)
         return model_cfg, Decoder(model_cfg).to(device=device, dtype=dtype).eval()
     if not cfg.run.is_dir():
         raise FileNotFoundError(f"--run {cfg.run} is not a run folder")

@@ -1,0 +1,41 @@
+#!/usr/bin/env bash
+# What was built in a session without a GPU and awaits its first GPU run, in one call of
+# the device tool (about 8 minutes on an H100), from the repo root:
+#   bash scripts/gpu.sh bash scripts/gpu_pending.sh "$(cat .commit)"
+# with .whl/ and .commit carried (scripts/fetch_wheels.sh; .commit holds
+# `git rev-parse --short HEAD`, which the device's copy of the tree does not know).
+#   1. the GPU tests of the paths changed since they last ran on a GPU: the decode step
+#      (fused projections that follow the weights, the scoped recompile limit), CASTLE's
+#      deferred lookahead decode, DCP compiled with alpha as a tensor, the paged decode op;
+#   2. CASTLE's immediate against deferred decode step per layer (scripts/bench_castle_fold.py);
+#   3. decode steps at 125M, 8 x 4k: fox-pro, transformer-llama, castle (immediate and
+#      castle_fold_every=8) beside HF's compiled Llama, to compare with BENCHMARKS.md;
+#   4. DCP's fine-tuning step at context 1024 against the dense step, eager and compiled.
+# Results go to $OUT (the device tool's folder) or ./gpu-pending.
+set -uo pipefail
+COMMIT="${1:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}"
+OUT="${OUT:-gpu-pending}"
+mkdir -p "$OUT"
+L="python3 -m lapse.cli"
+nvidia-smi --query-gpu=name --format=csv,noheader | tee "$OUT/device.txt"
+python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)" | tee -a "$OUT/device.txt"
+
+echo "== 1. GPU tests"
+timeout 240 python3 -m pytest -m gpu -q -s -p no:cacheprovider \
+    tests/generation tests/ops/test_forgetting_paged.py tests/ops/test_castle_decode_fold_gpu.py \
+    tests/layers/test_dcp_layer.py 2>&1 | tail -n 40 | tee "$OUT/tests.txt"
+
+echo "== 2. CASTLE deferred decode, per layer"
+timeout 150 python3 scripts/bench_castle_fold.py --out "$OUT/castle_fold.json" 2>&1 | tail -n 30
+
+echo "== 3. decode steps, 8 x 4k"
+timeout 200 $L bench decode --archs fox-pro transformer-llama castle --workloads 8x4096 \
+    --providers lapse-compile hf-llama-compile --steps 32 --commit "$COMMIT" \
+    --out-dir "$OUT/decode" 2>&1 | tail -n 12
+timeout 120 $L bench decode --archs castle --castle-fold-every 8 --workloads 8x4096 \
+    --providers lapse-compile --steps 32 --commit "$COMMIT" --out-dir "$OUT/decode-fold8" 2>&1 | tail -n 6
+
+echo "== 4. DCP fine-tuning step, context 1024"
+timeout 150 $L bench train --preset 125m --arch transformer-llama --seq-len 1024 --batch-size 8 \
+    --micro-batch-size 8 --steps 6 --warmup 2 --variants transformer transformer-compile dcp dcp-compile \
+    --out-dir "$OUT/train-dcp" 2>&1 | tail -n 12
