@@ -25,21 +25,11 @@ import json
 import torch
 import triton.testing
 
+# the same 125M-shape caches as the tile tuning (this folder is on sys.path when a script in
+# it runs); H, D: 7 heads of 64
+from tune_castle_decode import D, H, _inputs
+
 from lapse.ops.castle import castle_decode_fold, castle_decode_step
-
-H, D = 7, 64
-
-
-def _inputs(b: int, n: int, capacity: int):
-    g = torch.Generator(device="cuda").manual_seed(0)
-
-    def randn(*shape, dtype=torch.bfloat16):
-        return (torch.randn(*shape, generator=g, device="cuda") * 0.3).to(dtype)
-
-    caches = dict(u=randn(b, capacity, H, D, dtype=torch.float32), qu=randn(b, capacity, H, D),
-                  kc=randn(b, capacity, H, D), vc=randn(b, capacity, H, D))
-    new = dict(q_c=randn(b, H, D), k_u=randn(b, H, D), v_u=randn(b, H, D))
-    return new, caches
 
 
 def _steps(new, caches, lens, u, window, ring):
@@ -66,7 +56,7 @@ def main() -> None:
     for shape, win, m in itertools.product(args.shapes, args.windows, args.fold_every):
         b, n = (int(x) for x in shape.split("x"))
         window = None if win == "none" else int(win)
-        new, caches = _inputs(b, n, n + m + 64)
+        new, caches, _ = _inputs(b, n, n + m + 64)
         # slots n-1 .. n+m-2 are the new tokens (the first at a fold boundary when m | n)
         lens = [torch.full((b,), n + i, dtype=torch.int32, device="cuda") for i in range(m)]
         u_i, u_d = caches["u"].clone(), caches["u"].clone()
