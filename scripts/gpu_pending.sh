@@ -10,7 +10,8 @@
 #   2. CASTLE's immediate against deferred decode step per layer (scripts/bench_castle_fold.py);
 #   3. decode steps at 125M, 8 x 4k: fox-pro, transformer-llama, castle (immediate and
 #      castle_fold_every=8) beside HF's compiled Llama, to compare with BENCHMARKS.md;
-#   4. DCP's fine-tuning step at context 1024 against the dense step, eager and compiled.
+#   4. DCP's fine-tuning step at context 1024 against the dense step, eager and compiled;
+#   5. 760M at 16k, ACP against the Transformer, with activation checkpointing.
 # Results go to $OUT (the device tool's folder) or ./gpu-pending.
 set -uo pipefail
 COMMIT="${1:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}"
@@ -38,4 +39,9 @@ timeout 120 $L bench decode --archs castle --castle-fold-every 8 --workloads 8x4
 echo "== 4. DCP fine-tuning step, context 1024"
 timeout 150 $L bench train --preset 125m --arch transformer-llama --seq-len 1024 --batch-size 8 \
     --micro-batch-size 8 --steps 6 --warmup 2 --variants transformer transformer-compile dcp dcp-compile \
-    --out-dir "$OUT/train-dcp" 2>&1 | tail -n 12
+    --commit "$COMMIT" --out-dir "$OUT/train-dcp" 2>&1 | tail -n 12
+
+echo "== 5. 760M at 16k with activation checkpointing (OOM without it, issue 16)"
+timeout 180 $L bench train --preset 760m --seq-len 16384 --batch-size 2 --micro-batch-size 1 --steps 3 \
+    --warmup 1 --variants acp transformer --activation-checkpointing --commit "$COMMIT" \
+    --out-dir "$OUT/train-760m-16k" 2>&1 | tail -n 8

@@ -82,3 +82,20 @@ def test_bench_train_refuses_bad_dcp_settings():
         TrainBenchConfig(dcp_gamma=-1.0)
     with pytest.raises(ValueError, match="dcp_alpha"):
         TrainBenchConfig(dcp_alpha=0.5)
+
+
+def test_bench_train_with_activation_checkpointing_takes_the_same_steps(tmp_path):
+    """Checkpointed blocks recompute their activations in the backward: the same losses
+    over two optimizer steps (the second one after an update), and the given commit kept."""
+    from lapse.bench.training import TrainBenchConfig, run
+
+    losses = {}
+    for ckpt in (False, True):
+        cfg = TrainBenchConfig(
+            preset="tiny", arch="fox-pro", seq_len=32, batch_size=2, micro_batch_size=1, steps=2, warmup=0,
+            variants=("dense",), activation_checkpointing=ckpt, commit="abc1234", out_dir=tmp_path / str(ckpt),
+        )
+        result = run(cfg)
+        assert result["commit"] == "abc1234"
+        losses[ckpt] = result["rows"][0]["loss"]
+    assert losses[True] == losses[False], losses

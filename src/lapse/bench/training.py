@@ -75,6 +75,13 @@ class TrainBenchConfig:
     """DCP's sparsity weight in the ``dcp`` steps."""
     dcp_r: int = 64
     """DCP's interaction dim in the ``dcp`` steps."""
+    activation_checkpointing: bool = False
+    """Recompute each block's activations in the backward (what ``lapse train
+    --activation-checkpointing`` does): less memory (760M at 16k fits), more FLOPs (MFU
+    still counts the model's FLOPs once)."""
+    commit: str | None = None
+    """The commit to record; ``None``: ``git rev-parse`` of the working directory (on a
+    machine that received a copy of the tree, pass the real one)."""
     lr: float = 1e-4
     """Learning rate of the timed steps (small: the weights barely move while timing)."""
     peak_tflops: float | None = None
@@ -107,7 +114,7 @@ def _commit() -> str:
 
 def run(cfg: TrainBenchConfig) -> dict:
     from lapse.data import WindowSampler, prepare_data
-    from lapse.models import Decoder, flops_per_token, optimizer_groups, preset
+    from lapse.models import Decoder, flops_per_token, optimizer_groups, prepare_blocks, preset
     from lapse.models.checkpoint import dcp_parameter_names, latest_checkpoint, load_weights, read_run
     from lapse.models.mfu import peak_tflops
     from lapse.ops.forgetting import set_value_checks
@@ -172,9 +179,8 @@ def run(cfg: TrainBenchConfig) -> dict:
             model = Decoder(replace(model_cfg, acp=name.startswith("acp"))).to(device)
             if folder is not None:
                 load_weights(folder, model)
-        if name.endswith("compile"):
-            for block in model.blocks:
-                block.compile()
+        prepare_blocks(model, activation_checkpointing=cfg.activation_checkpointing,
+                       compile=name.endswith("compile"))
         opt = torch.optim.AdamW(optimizer_groups(model, 0.1), lr=cfg.lr, betas=(0.9, 0.95), fused=cuda)
         states[name] = {"model": model, "opt": opt, "regularizer": regularizer, "times": [], "losses": []}
 
@@ -248,7 +254,7 @@ def run(cfg: TrainBenchConfig) -> dict:
         "torch": torch.__version__,
         "triton": _triton_version(),
         "python": platform.python_version(),
-        "commit": _commit(),
+        "commit": cfg.commit or _commit(),
         "date": time.strftime("%Y-%m-%d %H:%M"),
         "source": source,
         "model": asdict(model_cfg),

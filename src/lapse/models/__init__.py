@@ -4,7 +4,15 @@ the registry of kinds (SPEC section 2)."""
 from lapse.layers import Attention, RMSNorm, SwiGLU, kv_shift
 
 from .config import ARCH_ALIASES, ARCHS, CASTLE_ARCHS, PRESETS, ModelConfig, default_castle_window, preset
-from .decoder import Block, Decoder, flops_per_token, init_weights, optimizer_groups, param_count
+from .decoder import (
+    Block,
+    Decoder,
+    flops_per_token,
+    init_weights,
+    optimizer_groups,
+    param_count,
+    prepare_blocks,
+)
 from .registry import ATTENTION_KINDS, BLOCK_KINDS, attention_class, build_attention
 
 __all__ = [
@@ -28,5 +36,6 @@ __all__ = [
     "kv_shift",
     "optimizer_groups",
     "param_count",
+    "prepare_blocks",
     "preset",
 ]

@@ -192,6 +192,21 @@ class Decoder(nn.Module):
         return torch.stack([s.pruned_fraction.float().mean(0) for s in stats])  # [n_layers, H]
 
 
+def prepare_blocks(model: Decoder, *, activation_checkpointing: bool = False, compile: bool = False) -> None:
+    """Training set-up of each block, in place: activation checkpointing (the block's
+    activations recomputed in the backward instead of kept, ``torch.distributed``'s
+    composable ``checkpoint``), then ``torch.compile`` per block. The trainer and
+    ``lapse bench train`` share it."""
+    if activation_checkpointing:
+        from torch.distributed._composable import checkpoint
+
+        for block in model.blocks:
+            checkpoint(block)
+    if compile:
+        for block in model.blocks:
+            block.compile()
+
+
 def init_weights(model: nn.Module, std: float) -> None:
     """Every Linear and embedding weight ~ N(0, std), biases 0, norm gains 1 (SPEC section 2)."""
     for module in model.modules():

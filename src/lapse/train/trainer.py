@@ -42,7 +42,7 @@ from tqdm.auto import tqdm
 
 from lapse.data import PreparedData, WindowSampler
 from lapse.files import write_json_atomic
-from lapse.models import Decoder, flops_per_token, optimizer_groups, param_count
+from lapse.models import Decoder, flops_per_token, optimizer_groups, param_count, prepare_blocks
 from lapse.models.checkpoint import (
     CONFIG_FILE,
     CheckpointError,
@@ -463,14 +463,7 @@ def _model_and_optimizer(
         trained = {id(p) for layer in layers for p in layer.interaction_parameters()}
         for p in model.parameters():
             p.requires_grad_(id(p) in trained)
-    if cfg.activation_checkpointing:
-        from torch.distributed._composable import checkpoint
-
-        for block in model.blocks:
-            checkpoint(block)
-    if cfg.compile:
-        for block in model.blocks:
-            block.compile()
+    prepare_blocks(model, activation_checkpointing=cfg.activation_checkpointing, compile=cfg.compile)
     if world.device.type == "cuda":
         set_value_checks(False)  # the NaN/positive-gate check costs a host sync per layer
     wrapped = parallelize(
