@@ -20,18 +20,24 @@ from lapse.models import Decoder, preset
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--preset", default="125m")
-    ap.add_argument("--arch", default="fox-pro")
+    ap.add_argument("--arch", nargs="+", default=["fox-pro"])
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--prompt", type=int, default=4096)
     ap.add_argument("--steps", type=int, default=8)
+    ap.add_argument("--rows", type=int, default=12, help="kernels listed")
     args = ap.parse_args()
+    for arch in args.arch:
+        profile(args, arch)
+
+
+def profile(args, arch: str) -> None:
     torch.manual_seed(0)
-    cfg = preset(args.preset, args.arch, max_seq_len=args.prompt)
+    cfg = preset(args.preset, arch, max_seq_len=args.prompt)
     model = Decoder(cfg).cuda().to(torch.bfloat16).eval()
     store = DenseStore(cfg.n_layers, capacity=args.prompt + 2 * args.steps + 8)
     ids = torch.randint(0, cfg.vocab_size, (args.batch, args.prompt), device="cuda")
     step = compiled_decode_one_token(mode=None)
-    with torch.no_grad():
+    with torch.no_grad(), model.fused_projections(keep=True):
         tok = prefill(model, ids, store).argmax(-1, keepdim=True)
         for _ in range(3):
             tok = step(model, tok, store).argmax(-1, keepdim=True)
@@ -43,10 +49,10 @@ def main():
     ka = prof.key_averages()
     total = sum(e.self_device_time_total for e in ka) / args.steps / 1e3
     print(
-        f"{args.arch} {args.batch}x{args.prompt}: device time {total:.3f} ms per step, "
+        f"{arch} {args.batch}x{args.prompt}: device time {total:.3f} ms per step, "
         f"{sum(e.count for e in ka) / args.steps:.0f} kernels per step"
     )
-    print(ka.table(sort_by="self_device_time_total", row_limit=12, max_name_column_width=90))
+    print(ka.table(sort_by="self_device_time_total", row_limit=args.rows, max_name_column_width=90))
 
 
 if __name__ == "__main__":

@@ -184,16 +184,22 @@ class PagedStore(StoreBase):
         lengths = self.lengths[layer_idx]  # [B, H]
         slots = lengths[:, :, None].long() + torch.arange(t, device=k.device)  # [B, H, T]
         pages = self.page_table[layer_idx].long().gather(2, slots // s)  # [B, H, T]
-        offsets = slots % s  # [B, H, T]
-        self.k[layer_idx][pages, offsets] = k.transpose(1, 2)  # [B, H, T, D]
-        self.v[layer_idx][pages, offsets] = v.transpose(1, 2)
+        # each slot's row in the pools seen as [P * PS, ...]: one index_copy_ per pool (an
+        # index_put_ with two index tensors costs several times more per call on CPU)
+        rows = (pages * s + slots % s).flatten()  # [B * H * T]
+
+        def write(pool: Tensor, values: Tensor) -> None:  # values [B, H, T, ...]
+            flat = pool.view(-1, *pool.shape[2:])
+            flat.index_copy_(0, rows, values.reshape(-1, *pool.shape[2:]).to(pool.dtype))
+
+        write(self.k[layer_idx], k.transpose(1, 2))  # [B, H, T, D]
+        write(self.v[layer_idx], v.transpose(1, 2))
         pools = self.extras[layer_idx]
         for name, value in extras.items():
-            per_head = value.view(b, t, h, -1).transpose(1, 2)  # [B, H, T, G]: query heads by group
-            pools[name][pages, offsets] = per_head
-        pools["pos"][pages, offsets] = self._positions[:, None, :].expand(b, h, t).to(torch.int32)
+            write(pools[name], value.view(b, t, h, -1).transpose(1, 2))  # [B, H, T, G]: query heads by group
+        write(pools["pos"], self._positions[:, None, :].expand(b, h, t))
         if "score" in pools:
-            pools["score"][pages, offsets] = 0.0
+            pools["score"].view(-1).index_fill_(0, rows, 0.0)
         # a ragged prefill: the padding went into slots past each sequence's length (free)
         lengths.add_(t if self._new is None else self._new[:, None].int())
 
