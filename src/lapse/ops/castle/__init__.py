@@ -6,7 +6,8 @@ PyTorch), ``triton_fwd.py`` / ``triton_bwd.py`` / ``triton_ops.py`` (the blocked
 algorithm as a wavefront of Triton launches), ``parallel.py`` / ``triton_parallel.py``
 (the key-major schedule, every key block at once: its PyTorch mirror and its kernels),
 ``decode.py`` / ``decode_triton.py``
-(one token over a UQ-KV cache: the torch references and the fused Triton step), and here
+(one token over a UQ-KV cache: the torch references and the fused Triton step),
+``paged.py`` (one token over a paged per-kv-head UQ-KV store), and here
 the public function. ``README.md`` derives the block formulas.
 """
 
@@ -19,6 +20,7 @@ from ..backend import resolve_backend
 from .common import Problem, validate
 from .decode import castle_attention_decode, castle_decode_fold, castle_decode_step, castle_decode_update
 from .naive import naive_castle_parallel, naive_castle_recurrent
+from .paged import castle_paged_decode_step
 
 __all__ = [
     "castle_attention",
@@ -27,6 +29,7 @@ __all__ = [
     "castle_decode_step",
     "castle_decode_update",
     "castle_lookahead_keys",
+    "castle_paged_decode_step",
     "naive_castle_parallel",
     "naive_castle_recurrent",
 ]
