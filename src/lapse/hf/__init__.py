@@ -9,10 +9,12 @@ registers model type ``"lapse"`` with the Auto classes.
 eviction policy, for LLaMA-family Hugging Face models (through the ``"lapse_paged"``
 attention function it registers) and the lapse adapter alike; :func:`load_pretrained`
 loads a Hugging Face folder or a GGUF file (the optional ``lapse[hf]`` extra);
-:func:`add_dcp` puts Dynamic Context Pruning on such a model's attention layers.
+:func:`add_dcp` puts Dynamic Context Pruning on such a model's attention layers;
+:func:`decoder_from_hf` turns one into a lapse decoder (``lapse import``).
 """
 
 from .cache import LapseCache
+from .convert import NotRepresentable, decoder_from_hf, lapse_config, lapse_state_dict, load_for_import
 from .dcp import DCPProjections, add_dcp, dcp_modules
 from .evicting import ATTENTION, EvictingCache, register_attention, use_lapse_attention
 from .loading import load_pretrained, resolve_model_path
@@ -28,8 +30,13 @@ __all__ = [
     "LapseCache",
     "LapseConfig",
     "LapseForCausalLM",
+    "NotRepresentable",
     "add_dcp",
     "dcp_modules",
+    "decoder_from_hf",
+    "lapse_config",
+    "lapse_state_dict",
+    "load_for_import",
     "load_pretrained",
     "register",
     "register_attention",

@@ -73,6 +73,7 @@ class LapseConfig(PretrainedConfig):
     attn_head_dim: int | None = _DEFAULT.attn_head_dim
     mlp_ratio: float | None = _DEFAULT.mlp_ratio
     mlp_multiple_of: int = _DEFAULT.mlp_multiple_of
+    mlp_hidden_size: int | None = _DEFAULT.mlp_hidden_size
     rope_base: float = _DEFAULT.rope_base
     norm_eps: float = _DEFAULT.norm_eps
     qk_norm_eps: float = _DEFAULT.qk_norm_eps

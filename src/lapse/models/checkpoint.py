@@ -8,6 +8,9 @@ A run folder (written by ``lapse train``, see :mod:`lapse.train`) holds::
                          trainer_state.pt (optimizer state, progress, RNG) and
                          manifest.json (the size and SHA-256 of each of the two)
     tokenizer/           the tokenizer the model was trained with
+    imported.json        only in a folder ``lapse import`` wrote from a pretrained model
+                         (where it came from): a start for ``lapse train --init-from``,
+                         never resumed
 
 A checkpoint is *intact* when every file its manifest lists has the listed size and
 SHA-256 (checkpoints written before manifests existed are taken as they are).
@@ -38,6 +41,7 @@ from .config import ModelConfig
 
 CONFIG_FILE = "config.json"
 POINTER = "checkpoint.json"
+IMPORTED_FILE = "imported.json"
 WEIGHTS_FILE = "model.safetensors"
 TRAINER_STATE_FILE = "trainer_state.pt"
 MANIFEST_FILE = "manifest.json"
@@ -244,6 +248,7 @@ def load_weights(folder: str | Path, model: nn.Module, *, init_dcp: bool = False
 __all__ = [
     "CHECKPOINT_NAME",
     "CONFIG_FILE",
+    "IMPORTED_FILE",
     "MANIFEST_FILE",
     "MANIFEST_FORMAT",
     "POINTER",

@@ -120,6 +120,11 @@ class ModelConfig:
     mlp_multiple_of: int = 256
     """The SwiGLU hidden width is rounded up to a multiple of this (matmul-friendly sizes)."""
 
+    mlp_hidden_size: int | None = None
+    """The SwiGLU hidden width given outright, for weights made elsewhere (``lapse import``
+    takes a pretrained model's ``intermediate_size``); ``None``: from ``mlp_ratio`` and
+    ``mlp_multiple_of``. Read :attr:`mlp_hidden` for the width."""
+
     rope_base: float = 500000.0
     """RoPE base (theta) of the Transformer architectures; unused by FoX."""
 
@@ -214,6 +219,10 @@ class ModelConfig:
             raise ValueError(f"RoPE needs an even head dim, got d_model / n_heads = {self.head_dim}")
         if self.mlp_ratio is not None and not (self.mlp_ratio > 0 and math.isfinite(self.mlp_ratio)):
             raise ValueError(f"mlp_ratio must be a positive number or None, got {self.mlp_ratio!r}")
+        if self.mlp_hidden_size is not None and not _is_count(self.mlp_hidden_size):
+            raise ValueError(
+                f"mlp_hidden_size must be a positive integer or None, got {self.mlp_hidden_size!r}"
+            )
         for name in ("norm_eps", "qk_norm_eps", "acp_eps"):
             value = getattr(self, name)
             if not 0 < value < 1:
@@ -281,7 +290,10 @@ class ModelConfig:
 
     @property
     def mlp_hidden(self) -> int:
-        """SwiGLU hidden width: ``2/3 * ratio * d_model`` rounded up to ``mlp_multiple_of``."""
+        """SwiGLU hidden width: ``mlp_hidden_size`` when set, else ``2/3 * ratio * d_model``
+        rounded up to ``mlp_multiple_of``."""
+        if self.mlp_hidden_size is not None:
+            return self.mlp_hidden_size
         ratio = self.mlp_ratio if self.mlp_ratio is not None else BLOCK_KINDS[self.block].mlp_ratio
         hidden = int(2 * ratio * self.d_model / 3)
         return self.mlp_multiple_of * -(-hidden // self.mlp_multiple_of)

@@ -45,6 +45,7 @@ from lapse.files import write_json_atomic
 from lapse.models import Decoder, flops_per_token, optimizer_groups, param_count, prepare_blocks
 from lapse.models.checkpoint import (
     CONFIG_FILE,
+    IMPORTED_FILE,
     CheckpointError,
     checkpoint_folders,
     corpus_config_from_json,
@@ -101,6 +102,11 @@ def resume(run_dir: str | Path, **overrides) -> dict:
     if unknown:
         raise ValueError(f"resume cannot change {unknown}; it takes {', '.join(RESUME_FIELDS)}")
     run_dir = Path(run_dir)
+    if (run_dir / IMPORTED_FILE).exists():
+        raise ValueError(
+            f"{run_dir} holds an imported pretrained model, not a training run: fine-tune it with "
+            f"`lapse train PRESET --init-from {run_dir}`"
+        )
     cfg = config_from_json(read_run(run_dir).config)
     # a stop or a time limit belongs to the session that set it, not to the run
     session = {"run_dir": run_dir, "time_limit_minutes": None, "stop_at_step": None}
