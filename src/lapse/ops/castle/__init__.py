@@ -28,6 +28,7 @@ __all__ = [
     "castle_decode_fold",
     "castle_decode_step",
     "castle_decode_update",
+    "castle_key_scores",
     "castle_lookahead_keys",
     "castle_paged_decode_step",
     "naive_castle_parallel",
@@ -173,3 +174,39 @@ def castle_lookahead_keys(
     check_group("k_u", k_u, q_u.shape[2])
     return chunked_lookahead_keys(q_u, k_u, v_u, resolve_scale(scale, q_u.shape[-1]),
                                   check_window(window))
+
+
+def castle_key_scores(
+    q_c: Tensor,
+    k_c: Tensor,
+    q_u: Tensor,
+    k_u: Tensor,
+    v_u: Tensor,
+    *,
+    scale: float | None = None,
+    window: int | None = None,
+    alpha: float = 1.0,
+) -> Tensor:
+    """The accumulated attention of every key of a prompt, for H2O and A2SF (SPEC section
+    7): ``A(j) = sum_{i >= j} alpha^(T-1-i) a_ij`` per causal kv head, summed over its query
+    heads, with ``a_ij`` CASTLE's probabilities (:func:`castle_attention`: query ``i``'s
+    lookahead vectors ``u^i_j`` as of ``i``). What ``lapse.ops.attention_key_scores``
+    gives softmax and FoX models, here by the blocked PyTorch pass (one block row of
+    logits at a time: O(T^2 D) time, O(T D) memory beside it; no gradient).
+
+    Args:
+        q_c, q_u: ``[B, T, H, D]``; k_c: ``[B, T, HC, D]``; k_u, v_u: ``[B, T, HU, D]``;
+            ``HC`` and ``HU`` dividing ``H``; one float dtype.
+        scale, window: as in :func:`castle_attention`.
+        alpha: A2SF's forgetting factor in ``[0, 1]``; 1 is H2O.
+
+    Returns:
+        ``[B, T, HC]`` float32 (float64 for float64 inputs). ``sum_j A(j) = (H / HC)
+        sum_i alpha^(T-1-i)``.
+    """
+    from .chunked import chunked_key_scores
+
+    p = validate(q_c, k_c, k_c, q_u, k_u, v_u, scale, window, None, "torch")
+    if not 0 <= alpha <= 1:
+        raise ValueError(f"alpha must be in [0, 1], got {alpha!r}")
+    return chunked_key_scores(q_c, k_c, q_u, k_u, v_u, p.scale, p.window, float(alpha))

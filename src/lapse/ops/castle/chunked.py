@@ -151,3 +151,32 @@ def chunked_lookahead_keys(q_u, k_u, v_u, scale, window, chunk=CHUNK):
                                             * scale), 0.0)
         u[:, :, lo:b] += g @ vu[:, :, a:b]
     return u.transpose(1, 2)
+
+
+@torch.no_grad()
+def chunked_key_scores(q_c, k_c, q_u, k_u, v_u, scale, window, alpha, chunk=CHUNK):
+    """The accumulated attention of every key of a prompt (H2O, A2SF; SPEC section 7)
+    ``[B, T, HC]`` float32 (float64 for float64 inputs), ``HC`` the heads of ``k_c``:
+    ``A(j) = sum_{i >= j} alpha^(T-1-i) a_ij`` summed over each kv head's query heads,
+    ``a_ij`` the forward's probabilities (lookahead terms as of query ``i``), one block
+    row of logits at a time: O(T^2 D) time, O(T D + chunk T) memory."""
+    h, hc = q_c.shape[2], k_c.shape[2]
+    acc = torch.float64 if q_c.dtype == torch.float64 else torch.float32
+    qc, kc, qu, ku, vu = (x.repeat_interleave(h // x.shape[2], dim=2).transpose(1, 2).to(acc)
+                          for x in (q_c, k_c, q_u, k_u, v_u))  # each [B, H, T, D]
+    t_len = qc.shape[2]
+    # A2SF's weight of each query, in float64 logs (alpha = 0: only the last row counts)
+    weight = torch.tensor(alpha, dtype=torch.float64) ** torch.arange(t_len - 1, -1, -1, dtype=torch.float64)
+    weight = weight.to(device=qc.device, dtype=acc)  # [T]
+    u = torch.zeros_like(qu)
+    scores = qc.new_zeros(qc.shape[:3])  # [B, H, T]
+    for a in range(0, t_len, chunk):
+        b = min(a + chunk, t_len)
+        lo = 0 if window is None else max(0, a - window)
+        g, _, amat, _ = _block(qc, qu, ku, vu, a, b, lo, window, scale)
+        z, _ = _logits(qc[:, :, a:b], kc, u, g, amat, a, b, lo, scale)
+        p = torch.softmax(z, dim=-1)  # [B, H, n, b]
+        scores[:, :, :b] += (weight[a:b, None] * p).sum(-2)
+        u[:, :, lo:b] += g @ vu[:, :, a:b]
+    scores = scores.view(scores.shape[0], hc, h // hc, t_len).sum(2)  # [B, HC, T]
+    return scores.transpose(1, 2).to(torch.float64 if acc == torch.float64 else torch.float32)
