@@ -191,10 +191,13 @@ def test_ragged_generation_equals_each_prompt_alone():
         assert torch.equal(out[b, : len(p) + 8], generate(model, p[None], 8)[0]), b
 
 
-def test_paged_store_is_refused():
+def test_paged_store_prefill_equals_the_uncached_forward():
+    """The paged path (tests/generation/test_castle_paged.py) starts from the same prefill."""
     model = _model("castle")
-    with torch.no_grad(), pytest.raises(ValueError, match="DenseStore only"):
-        model(torch.randint(0, 128, (1, 5)), cache=PagedStore(model.config.n_layers, max_context=32))
+    ids = torch.randint(0, 128, (1, 5))
+    with torch.no_grad():
+        cached, _ = model(ids, cache=PagedStore(model.config.n_layers, max_context=32))
+        torch.testing.assert_close(cached, model(ids)[0], atol=0, rtol=0)
 
 
 @pytest.mark.parametrize(
@@ -259,3 +262,6 @@ def test_cli_train_eval_and_generate(tmp_path, capsys):
     assert result["models"][0]["arch"] == "castle-swl" and len(result["models"][0]["loss"]) == 32
     cli_main(["generate", str(run), "--prompt", "def f(", "--max-new-tokens", "6"])
     assert "tokens/s" in capsys.readouterr().out
+    cli_main(["generate", str(run), "--prompt", "def f(x):\n    return", "--max-new-tokens", "12",
+              "--policy", "window", "--window", "4", "--sinks", "1", "--every", "2"])
+    assert "of a dense cache (window" in capsys.readouterr().out.splitlines()[-1]

@@ -47,8 +47,9 @@ class Attention(nn.Module):
     """The kind rotates channel pairs (RoPE)."""
     supports_paged = True
     """The kind decodes over a :class:`~lapse.kv.PagedStore` (eviction policies); one whose
-    per-slot state changes after it is written (CASTLE's lookahead keys, DCP's
-    aliveness) decodes over a :class:`~lapse.kv.DenseStore` until it has its own."""
+    per-slot state changes after it is written needs its own paged step for that (CASTLE's
+    lookahead keys, DCP's aliveness have one) and decodes over a
+    :class:`~lapse.kv.DenseStore` until it has it."""
     needs_uniform_heads = False
     """Over a paged store, every kv head of a layer must hold the same slots (the kind
     splits layer-wide per-slot state across the heads' pages)."""

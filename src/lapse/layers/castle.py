@@ -46,9 +46,19 @@ query, in the model's dtype); ``k^U, v^U`` of a token are used once and not kept
   counter, and the generation loop (``lapse.generation``) needs no CASTLE case; the ring
   is allocated at the first, eager call (the prefill) and updated in place after.
 
-A :class:`~lapse.kv.PagedStore` is refused (``supports_paged = False``): a slot's ``u``
-changes after it is written, which the paged decode op and the eviction policies do not
-model.
+Decoding over a :class:`~lapse.kv.PagedStore` (eviction policies): the same two extras,
+per slot of each kv head's pages for the ``G`` query heads of its group (``u``
+``[P, PS, G * D]`` float32, ``q_u`` ``[P, PS, G * D]``), viewed as ``[P, PS, G, D]`` by
+:func:`~lapse.ops.castle.castle_paged_decode_step`, which updates the held slots' ``u``
+in place in their pages (under SWL those whose stored position is within ``W`` of the
+new token's) and attends over them. The prefill stores the prompt's ``U`` as above; when
+the store tracks scores (H2O, A2SF) it also records the prompt's key scores
+(:func:`~lapse.ops.castle.castle_key_scores`) and each step's probabilities. Eviction
+moves ``u`` and ``q_u`` with the keys (the store compacts every per-slot pool); an
+evicted slot takes no further updates, a kept one goes on accumulating as in a dense
+cache, so under a policy the outputs differ from full attention by more than the
+dropped keys. ``fold_every`` does not apply there: the paged step always runs the
+immediate update (the same outputs up to float32 summation order).
 
 Shapes: a trailing comment on each line that makes a new shape. Legend: B batch, T new
 tokens, C d_model, H query heads, K key/value heads, D head dim, S cache slots.
@@ -60,7 +70,13 @@ import torch
 from torch import Tensor, nn
 
 from lapse.kv import KVCache, LookaheadRing, PagedView
-from lapse.ops.castle import castle_attention, castle_decode_step, castle_lookahead_keys
+from lapse.ops.castle import (
+    castle_attention,
+    castle_decode_step,
+    castle_key_scores,
+    castle_lookahead_keys,
+    castle_paged_decode_step,
+)
 from lapse.ops.castle.common import check_window
 
 from .attention import Attention
@@ -80,11 +96,11 @@ class CastleAttention(Attention):
             torch reference).
         fold_every: ``None`` (each decode step adds the token into every held ``u_s``) or
             ``M >= 1``: the deferred update, ``u`` written back every ``M`` steps (module
-            doc). The same outputs up to float32 summation order.
+            doc), over a DenseStore only (a PagedStore runs the immediate update). The same
+            outputs up to float32 summation order.
     """
 
     needs_even_head_dim = True
-    supports_paged = False
     matrices_per_head = 7
     """``d_model x D`` weight matrices per query head: ``W^U_Q, W^U_K, W^U_V, W^C_Q,
     W^C_K, W^C_V`` and the head's rows of ``W_O`` (4 for softmax attention), so a
@@ -124,10 +140,7 @@ class CastleAttention(Attention):
         if cache is None:
             return self._full(q, k, v, q_u, k_u, v_u)
         if isinstance(cache.view(self.layer_idx), PagedView):
-            raise ValueError(
-                "CASTLE attention decodes over a DenseStore only: the lookahead vectors U of held "
-                "slots change with every new token, which a paged store does not support"
-            )
+            return self._attend_paged(q, k, v, q_u, k_u, v_u, cache)
         ring = None
         if self.fold_every is not None:
             ring = cache.state(self.layer_idx, LookaheadRing).ensure(k_u, self.fold_every)
@@ -149,6 +162,50 @@ class CastleAttention(Attention):
                 scale=self.scale, window=self.window, check_values=False, backend=backend, pending=ring,
             ))  # [B, H, D]
         return torch.stack(out, dim=1)  # [B, T, H, D]
+
+    def _attend_paged(self, q: Tensor, k: Tensor, v: Tensor, q_u: Tensor, k_u: Tensor, v_u: Tensor,
+                      cache: KVCache) -> Tensor:
+        """The prefill or one decode step over a :class:`~lapse.kv.PagedStore` (module doc);
+        the store refuses more than one token after the prompt."""
+        b, t, h, d = q_u.shape
+        if t > 1 and cache.length == 0:  # prefill
+            u = self._prompt_lookahead(q_u, k_u, v_u, cache)  # [B, T, H, D]
+            cache.append(self.layer_idx, k, v, u=u.flatten(2), q_u=q_u.flatten(2))
+            if cache.view(self.layer_idx).tracks_scores:
+                self._record_prompt_scores(q, k, q_u, k_u, v_u, cache)
+            return self._full(q, k, v, q_u, k_u, v_u)
+        acc = torch.float64 if q_u.dtype == torch.float64 else torch.float32
+        cache.append(self.layer_idx, k, v, u=q_u.new_zeros(b, t, h * d, dtype=acc), q_u=q_u.flatten(2))
+        view = cache.view(self.layer_idx)
+        pages, page_size = view.k.shape[:2]
+        group = (pages, page_size, h // self.n_kv_heads, d)  # [P, PS, G, D]: the pools as the op reads them
+        out = castle_paged_decode_step(
+            q[:, 0], k_u[:, 0], v_u[:, 0], view.k, view.v, view.extras["u"].view(group),
+            view.extras["q_u"].view(group), view.page_table, view.lengths, pos_pages=view.extras["pos"],
+            scale=self.scale, window=self.window, return_key_probs=view.tracks_scores, check_values=False,
+            backend="naive" if self.backend == "naive" else "auto",
+        )
+        if not view.tracks_scores:
+            return out[:, None]  # [B, 1, H, D]
+        o, probs = out
+        cache.record_scores(self.layer_idx, probs)  # [B, K, W]
+        return o[:, None]
+
+    def _record_prompt_scores(self, q: Tensor, k: Tensor, q_u: Tensor, k_u: Tensor, v_u: Tensor,
+                              cache: KVCache) -> None:
+        """The prompt's accumulated attention per key ``[B, T, K]`` (H2O, A2SF); in a ragged
+        prefill each prompt on its own (the padding after it adds no queries)."""
+        def scores(*xs):
+            return castle_key_scores(*(x.detach() for x in xs), scale=self.scale, window=self.window,
+                                     alpha=cache.score_decay)
+
+        if cache.new_lengths is None:
+            cache.record_prefill_scores(self.layer_idx, scores(q, k, q_u, k_u, v_u))
+            return
+        out = torch.zeros(*k.shape[:3], dtype=torch.float32, device=k.device)  # [B, T, K]
+        for b, n in enumerate(cache.new_lengths):
+            out[b, :n] = scores(*(x[b : b + 1, :n] for x in (q, k, q_u, k_u, v_u)))[0]
+        cache.record_prefill_scores(self.layer_idx, out)
 
     # torch.compile leaves the op eager, as forgetting attention's: its Triton path is a
     # Python loop of launches (the wavefront) that Inductor should not trace.
