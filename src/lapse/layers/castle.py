@@ -57,8 +57,9 @@ the store tracks scores (H2O, A2SF) it also records the prompt's key scores
 moves ``u`` and ``q_u`` with the keys (the store compacts every per-slot pool); an
 evicted slot takes no further updates, while a kept one was held at every step since its
 own and so holds the full ``u^t_s``: under a policy the outputs are full CASTLE's with
-the evicted keys masked out of the attention (``ops/castle/README.md``). ``fold_every`` does not apply there: the paged step always runs the
-immediate update (the same outputs up to float32 summation order).
+the evicted keys masked out of the attention (``ops/castle/README.md``). ``fold_every``
+does not apply there: the paged step always runs the immediate update (the same outputs
+up to float32 summation order).
 
 Shapes: a trailing comment on each line that makes a new shape. Legend: B batch, T new
 tokens, C d_model, H query heads, K key/value heads, D head dim, S cache slots.
