@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import shutil
 from pathlib import Path
 
 import pytest
@@ -140,8 +141,12 @@ def test_generate_command_prints_the_hf_models_greedy_text(imported, capsys):
 
 def test_dcp_finetune_from_the_imported_run(imported, tmp_path):
     """``lapse train --init-from RUN --model.attention dcp`` takes the imported run's
-    architecture (the explicit MLP width too) and tokenizer, and trains a few steps."""
-    hf, run = imported
+    architecture (the explicit MLP width too) and tokenizer, also from a moved folder, and
+    trains a few steps."""
+    run = shutil.copytree(imported[1], tmp_path / "moved")
+    config = json.loads((run / "config.json").read_text())
+    config["tokenizer"] = str(tmp_path / "old-place" / "tokenizer")  # as if the folder moved
+    (run / "config.json").write_text(json.dumps(config))
     corpus = tmp_path / "corpus.txt"
     corpus.write_text("the quick brown fox jumps over the lazy dog. def add(a, b): return a + b\n" * 200)
     main([
@@ -153,7 +158,7 @@ def test_dcp_finetune_from_the_imported_run(imported, tmp_path):
     ])
     saved = read_run(tmp_path / "dcp")
     assert saved.model.name == "dcp-llama" and saved.model.mlp_hidden == 96 and saved.model.rope_base == 1e4
-    assert saved.tokenizer == str(run.resolve() / "tokenizer")
+    assert saved.tokenizer == str(run / "tokenizer")
     losses = [r["loss"] for r in read_metrics(tmp_path / "dcp") if r["kind"] == "train"]
     assert len(losses) == 2 and all(torch.isfinite(torch.tensor(losses)))
     model, tokenizer = load_run_model(tmp_path / "dcp", torch.device("cpu"))

@@ -174,7 +174,10 @@ def with_init_model(cfg: TrainConfig) -> TrainConfig:
                 f"DCP is fine-tuned from softmax attention; {run} holds a {model.name} model"
             )
         model = replace(model, attention="dcp", dcp_r=cfg.model.dcp_r, dcp_beta_init=cfg.model.dcp_beta_init)
-    out = replace(cfg, model=model, tokenizer=saved.tokenizer)
+    tokenizer = saved.tokenizer
+    if tokenizer not in ("byte", "bpe") and not Path(tokenizer).exists() and (run / "tokenizer").is_dir():
+        tokenizer = str(run / "tokenizer")  # a run folder moved since (an imported one names its own)
+    out = replace(cfg, model=model, tokenizer=tokenizer)
     return with_run_tokenizer(out, run / "tokenizer")
 
 
