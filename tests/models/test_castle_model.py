@@ -192,7 +192,7 @@ def test_ragged_generation_equals_each_prompt_alone():
 
 
 def test_paged_store_prefill_equals_the_uncached_forward():
-    """The paged path (tests/generation/test_castle_paged.py) starts from the same prefill."""
+    """The paged path (tests/generation/test_castle_eviction.py) starts from the same prefill."""
     model = _model("castle")
     ids = torch.randint(0, 128, (1, 5))
     with torch.no_grad():
