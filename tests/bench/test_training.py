@@ -93,7 +93,8 @@ def test_bench_train_with_activation_checkpointing_takes_the_same_steps(tmp_path
     for ckpt in (False, True):
         cfg = TrainBenchConfig(
             preset="tiny", arch="fox-pro", seq_len=32, batch_size=2, micro_batch_size=1, steps=2, warmup=0,
-            variants=("dense",), activation_checkpointing=ckpt, commit="abc1234", out_dir=tmp_path / str(ckpt),
+            variants=("dense",), activation_checkpointing=ckpt, commit="abc1234",
+            out_dir=tmp_path / str(ckpt),
         )
         result = run(cfg)
         assert result["commit"] == "abc1234"
