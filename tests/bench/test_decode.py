@@ -139,3 +139,12 @@ def test_castle_fold_every_reaches_the_random_init_models():
     assert all(m.fold_every == 8 for m in layers)
     model_cfg, _ = _model(cfg, "transformer-llama", 64, torch.device("cpu"), torch.float32)
     assert model_cfg.attention == "softmax"
+
+
+def test_run_leaves_the_recompile_limit_as_it_was(tmp_path):
+    """The bench raises Dynamo's recompile limit for its own compiles only."""
+    config = torch._dynamo.config
+    before = config.recompile_limit
+    run(DecodeBenchConfig(preset="tiny", archs=("fox-pro",), workloads=("1x16",), providers=("lapse",),
+                          steps=1, warmup=0, device="cpu", out_dir=tmp_path))
+    assert config.recompile_limit == before

@@ -339,10 +339,17 @@ def _model(cfg: DecodeBenchConfig, arch: str, prompt: int, device, dtype) -> tup
 
 def run(cfg: DecodeBenchConfig) -> dict:
     """Times every (workload, arch, provider), writes ``results.json`` and ``results.md``
-    into ``cfg.out_dir``, prints the table and returns the results."""
+    into ``cfg.out_dir``, prints the table and returns the results. Dynamo's recompile
+    limit is raised to 64 for the call only (one compiled step per model and shape)."""
+    config = torch._dynamo.config
+    name = "recompile_limit" if hasattr(config, "recompile_limit") else "cache_size_limit"  # torch < 2.6
+    with config.patch(name, max(getattr(config, name), 64)):
+        return _run(cfg)
+
+
+def _run(cfg: DecodeBenchConfig) -> dict:
     device = torch.device(cfg.device)
     dtype = getattr(torch, cfg.dtype)
-    torch._dynamo.config.cache_size_limit = 64  # one compiled step per model and shape
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu"
     bandwidth = cfg.bandwidth or next((bw for key, bw in HBM_BANDWIDTH.items() if key in name), None)
     rows = []
