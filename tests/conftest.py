@@ -33,3 +33,32 @@ def one_thread():
     """A module runs on one thread: ``pytestmark = pytest.mark.usefixtures("one_thread")``."""
     with single_thread():
         yield
+
+
+def _compiled_step_matches_eager(model, ids, steps: int, *, reference=None, capacity: int | None = None,
+                                 atol: float = 2e-5):
+    """Prefills ``ids`` into two DenseStores, then runs ``steps`` greedy steps: the compiled
+    decode step (fullgraph, ``aot_eager``) on ``model`` against the eager step on
+    ``reference`` (default ``model``), each fed its own argmax; asserts the logits agree
+    within ``atol`` at every step. Returns ``(eager_store, compiled_store)``."""
+    from lapse.generation import compiled_decode_one_token, decode_one_token, prefill
+    from lapse.kv import DenseStore
+
+    reference = model if reference is None else reference
+    capacity = capacity or ids.shape[1] + steps + 1
+    n_layers = model.config.n_layers
+    eager, compiled = DenseStore(n_layers, capacity=capacity), DenseStore(n_layers, capacity=capacity)
+    step = compiled_decode_one_token(mode=None, backend="aot_eager")
+    token_e = prefill(reference, ids, eager).argmax(-1, keepdim=True)
+    token_c = prefill(model, ids, compiled).argmax(-1, keepdim=True)
+    for _ in range(steps):
+        logits_e, logits_c = decode_one_token(reference, token_e, eager), step(model, token_c, compiled)
+        torch.testing.assert_close(logits_c, logits_e, atol=atol, rtol=0)
+        token_e, token_c = logits_e.argmax(-1, keepdim=True), logits_c.argmax(-1, keepdim=True)
+    return eager, compiled
+
+
+@pytest.fixture
+def compiled_step_matches_eager():
+    """:func:`_compiled_step_matches_eager`, for the decode-step tests of every kind."""
+    return _compiled_step_matches_eager

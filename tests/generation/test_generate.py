@@ -124,20 +124,13 @@ def test_cache_contents(arch):
 
 
 @pytest.mark.parametrize("arch", ARCHS)
-def test_compiled_decode_step_equals_eager(arch):
+def test_compiled_decode_step_equals_eager(arch, compiled_step_matches_eager):
     """The decode step traces whole (``fullgraph=True``, no graph break) and computes what
     the eager step does. ``aot_eager``: the trace without code generation, so the test
     runs on any CPU in seconds; the GPU test below compiles with CUDA graphs."""
     model = _model(arch, n_kv_heads=2)
     ids = torch.randint(0, model.config.vocab_size, (2, 6))
-    eager, compiled = DenseStore(2, capacity=12), DenseStore(2, capacity=12)
-    step = compiled_decode_one_token(mode=None, backend="aot_eager")
-    token_e = prefill(model, ids, eager).argmax(-1, keepdim=True)
-    token_c = prefill(model, ids, compiled).argmax(-1, keepdim=True)
-    for _ in range(5):
-        logits_e, logits_c = decode_one_token(model, token_e, eager), step(model, token_c, compiled)
-        torch.testing.assert_close(logits_c, logits_e, atol=ATOL32, rtol=0)
-        token_e, token_c = logits_e.argmax(-1, keepdim=True), logits_c.argmax(-1, keepdim=True)
+    eager, compiled = compiled_step_matches_eager(model, ids, 5, capacity=12, atol=ATOL32)
     assert compiled.seqlens.tolist() == eager.seqlens.tolist() == [11, 11] and compiled.length == 11
 
 

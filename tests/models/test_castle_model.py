@@ -15,8 +15,8 @@ import pytest
 import torch
 
 from lapse.cli import main as cli_main
-from lapse.generation import compiled_decode_one_token, decode_one_token, generate, prefill
-from lapse.kv import DenseStore, PagedStore
+from lapse.generation import generate
+from lapse.kv import PagedStore
 from lapse.layers import CastleAttention
 from lapse.models import (
     ATTENTION_KINDS,
@@ -116,7 +116,7 @@ def test_cached_generation_equals_recomputation(case, prompt):
 @pytest.mark.filterwarnings("ignore::DeprecationWarning")
 @pytest.mark.parametrize("case, backend", [("castle-gqa", "torch"), ("swl", "torch"), ("castle", "triton"),
                                            ("swl-gqa", "triton")])
-def test_compiled_step_equals_eager(case, backend):
+def test_compiled_step_equals_eager(case, backend, compiled_step_matches_eager):
     """The compiled step (fullgraph, ``aot_eager``) equals the torch model's eager step;
     ``triton``: it calls the fused decode kernel (the custom op lapse::castle_decode,
     under the interpreter) and leaves the same U in the store."""
@@ -126,14 +126,8 @@ def test_compiled_step_equals_eager(case, backend):
     model = _model(arch, attn_backend=backend, **overrides)
     reference = _model(arch, attn_backend="torch", **overrides)
     ids = torch.randint(0, model.config.vocab_size, (2, 6))
-    eager, compiled = DenseStore(2, capacity=12), DenseStore(2, capacity=12)
-    step = compiled_decode_one_token(mode=None, backend="aot_eager")
-    token_e = prefill(reference, ids, eager).argmax(-1, keepdim=True)
-    token_c = prefill(model, ids, compiled).argmax(-1, keepdim=True)
-    for _ in range(5):
-        logits_e, logits_c = decode_one_token(reference, token_e, eager), step(model, token_c, compiled)
-        torch.testing.assert_close(logits_c, logits_e, atol=ATOL32, rtol=0)
-        token_e, token_c = logits_e.argmax(-1, keepdim=True), logits_c.argmax(-1, keepdim=True)
+    eager, compiled = compiled_step_matches_eager(model, ids, 5, reference=reference, capacity=12,
+                                                  atol=ATOL32)
     assert compiled.seqlens.tolist() == eager.seqlens.tolist() == [11, 11]
     torch.testing.assert_close(compiled.view(0).extras["u"][:, :11], eager.view(0).extras["u"][:, :11],
                                atol=ATOL32, rtol=0)
@@ -160,7 +154,7 @@ def test_deferred_update_generates_like_the_immediate_one(case):
 
 @pytest.mark.filterwarnings("ignore::DeprecationWarning")
 @pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="CPU tensors need TRITON_INTERPRET=1")
-def test_deferred_compiled_step_equals_eager():
+def test_deferred_compiled_step_equals_eager(compiled_step_matches_eager):
     """castle_fold_every=3 with the kernel (the custom op lapse::castle_decode_deferred,
     under the interpreter): the compiled step (fullgraph, ``aot_eager``) gives the
     immediate torch model's logits across two folds."""
@@ -168,14 +162,8 @@ def test_deferred_compiled_step_equals_eager():
     model = _model(arch, attn_backend="triton", castle_fold_every=3, **overrides)
     reference = _model(arch, attn_backend="torch", **overrides)
     ids = torch.randint(0, model.config.vocab_size, (2, 6))
-    eager, compiled = DenseStore(2, capacity=14), DenseStore(2, capacity=14)
-    step = compiled_decode_one_token(mode=None, backend="aot_eager")
-    token_e = prefill(reference, ids, eager).argmax(-1, keepdim=True)
-    token_c = prefill(model, ids, compiled).argmax(-1, keepdim=True)
-    for _ in range(7):
-        logits_e, logits_c = decode_one_token(reference, token_e, eager), step(model, token_c, compiled)
-        torch.testing.assert_close(logits_c, logits_e, atol=ATOL32, rtol=0)
-        token_e, token_c = logits_e.argmax(-1, keepdim=True), logits_c.argmax(-1, keepdim=True)
+    eager, compiled = compiled_step_matches_eager(model, ids, 7, reference=reference, capacity=14,
+                                                  atol=ATOL32)
     assert compiled.seqlens.tolist() == eager.seqlens.tolist() == [13, 13]
 
 

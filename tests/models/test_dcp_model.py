@@ -14,8 +14,7 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from lapse.generation import compiled_decode_one_token, decode_one_token, generate, prefill
-from lapse.kv import DenseStore
+from lapse.generation import generate
 from lapse.layers import DCPAttention
 from lapse.models import ATTENTION_KINDS, Decoder, ModelConfig, preset
 from lapse.models.checkpoint import dcp_parameter_names, load_weights
@@ -91,18 +90,11 @@ def test_ragged_prompts_equal_each_alone():
 
 
 @pytest.mark.parametrize("block", ["llama", "pro"])
-def test_compiled_decode_step_equals_eager(block):
+def test_compiled_decode_step_equals_eager(block, compiled_step_matches_eager):
     """The DCP decode step (in-place keep flags over every slot) traces whole."""
     model = _model(block, n_kv_heads=2)
     ids = torch.randint(0, model.config.vocab_size, (2, 6))
-    eager, compiled = DenseStore(2, capacity=12), DenseStore(2, capacity=12)
-    step = compiled_decode_one_token(mode=None, backend="aot_eager")
-    token_e = prefill(model, ids, eager).argmax(-1, keepdim=True)
-    token_c = prefill(model, ids, compiled).argmax(-1, keepdim=True)
-    for _ in range(5):
-        logits_e, logits_c = decode_one_token(model, token_e, eager), step(model, token_c, compiled)
-        torch.testing.assert_close(logits_c, logits_e, atol=ATOL32, rtol=0)
-        token_e, token_c = logits_e.argmax(-1, keepdim=True), logits_c.argmax(-1, keepdim=True)
+    eager, compiled = compiled_step_matches_eager(model, ids, 5, capacity=12, atol=ATOL32)
     for i in range(2):
         assert torch.equal(compiled.extras[i]["log_keep"][:, :11], eager.extras[i]["log_keep"][:, :11])
 
