@@ -90,9 +90,8 @@ def _paged_decode_torch(
     compiled code; elsewhere the whole table, so no host sync), with one ``index_select``
     per pool; only ``v`` is zeroed past each length (a key or ``c`` there makes a garbage
     logit that the ``-inf`` fill replaces, while ``0 * NaN`` in ``p @ v`` would stay NaN);
-    batched ``matmul`` instead of ``einsum``, and plain softmax without the probabilities
-    in one SDPA call with a mask (its keys zeroed past the lengths too). Same outputs as
-    :func:`_paged_decode_naive`, ``key_probs`` padded with zeros to the table's ``L``."""
+    batched ``matmul`` instead of ``einsum``. Same outputs as :func:`_paged_decode_naive`,
+    ``key_probs`` padded with zeros to the table's ``L``."""
     b, hq, d = q.shape
     _, h, max_pages = page_table.shape
     page_size = k_pages.shape[1]
@@ -107,27 +106,17 @@ def _paged_decode_torch(
     used = torch.arange(mp, device=q.device) < n_pages[..., None]  # [B, H, mp]
     pages = torch.where(used, page_table[..., :mp], 0).long().flatten()  # [B * H * mp]
     past = torch.arange(n_slots, device=q.device) >= n[..., None]  # [B, H, L']
-    k = k_pages.index_select(0, pages).view(b, h, n_slots, d)  # [B, H, L', D], copies:
-    v = v_pages.index_select(0, pages).view(b, h, n_slots, d)  # zeroed in place
-    fused = c_pages is None and not return_key_probs  # plain softmax, one SDPA call
-    # zero the slots past the lengths: v always, k too for SDPA (whose mask is added to the
-    # logits, so a NaN key there would stay NaN)
+    k = k_pages.index_select(0, pages).view(b, h, n_slots, d).to(acc)  # [B, H, L', D]
+    v = v_pages.index_select(0, pages).view(b, h, n_slots, d)  # a copy: zeroed in place
     if host:  # the rows past the lengths only (a broadcast masked_fill costs 10x more on CPU)
-        rows = past.flatten().nonzero().squeeze(1)
-        v.view(-1, d).index_fill_(0, rows, 0)
-        if fused:
-            k.view(-1, d).index_fill_(0, rows, 0)
+        v.view(-1, d).index_fill_(0, past.flatten().nonzero().squeeze(1), 0)
     else:
         v = v.masked_fill(past[..., None], 0)
-        if fused:
-            k = k.masked_fill(past[..., None], 0)
-    k, v = k.to(acc), v.to(acc)  # [B, H, L', D]
+    v = v.to(acc)  # [B, H, L', D]
+    # One path with and without the probabilities (an SDPA call for the latter rounds
+    # differently: a Dense policy would then not give exactly the dense store's logits when
+    # another run tracks scores).
     q_g = q.view(b, h, g, d).to(acc)  # [B, H, G, D]
-    if fused:
-        o = torch.nn.functional.scaled_dot_product_attention(
-            q_g, k, v, attn_mask=~past[:, :, None, :], scale=scale
-        )  # [B, H, G, D]
-        return o.reshape(b, hq, d).to(q.dtype), None
     logits = torch.matmul(q_g, k.transpose(2, 3)) * scale  # [B, H, G, L']
     if c_pages is not None:
         c_k = c_pages.index_select(0, pages).view(b, h, n_slots, g)  # [B, H, L', G], c's dtype
