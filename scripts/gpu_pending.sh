@@ -11,7 +11,8 @@
 #   3. decode steps at 125M, 8 x 4k: fox-pro, transformer-llama, castle (immediate and
 #      castle_fold_every=8) beside HF's compiled Llama, to compare with BENCHMARKS.md;
 #   4. DCP's fine-tuning step at context 1024 against the dense step, eager and compiled;
-#   5. 760M at 16k, ACP against the Transformer, with activation checkpointing.
+#   5. 760M at 16k, ACP against the Transformer, with activation checkpointing;
+#   6. DCP's eviction pass at 64 x 1920, compiled and eager, with a profile.
 # Results go to $OUT (the device tool's folder) or ./gpu-pending.
 set -uo pipefail
 COMMIT="${1:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}"
@@ -45,3 +46,9 @@ echo "== 5. 760M at 16k with activation checkpointing (OOM without it, issue 16)
 timeout 180 $L bench train --preset 760m --seq-len 16384 --batch-size 2 --micro-batch-size 1 --steps 3 \
     --warmup 1 --variants acp transformer --activation-checkpointing --commit "$COMMIT" \
     --out-dir "$OUT/train-760m-16k" 2>&1 | tail -n 8
+
+echo "== 6. DCP's eviction pass at 64 x 1920 (25 ms per pass in the last GPU bench; where does it go?)"
+timeout 120 python3 scripts/profile_evict.py --preset gpu-20m --arch transformer-llama --attention dcp \
+    --policy dcp --batch 64 --prompt 1920 --passes 6 --compile 2>&1 | tail -n 8 | tee "$OUT/evict-dcp-compiled.txt"
+timeout 120 python3 scripts/profile_evict.py --preset gpu-20m --arch transformer-llama --attention dcp \
+    --policy dcp --batch 64 --prompt 1920 --passes 4 2>&1 | tail -n 40 | tee "$OUT/evict-dcp-eager.txt"

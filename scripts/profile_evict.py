@@ -4,6 +4,8 @@ shapes, random init, a prompt prefilled into a paged store under a policy, then 
 under the PyTorch profiler (top CPU and CUDA operators).
 
     python scripts/profile_evict.py --preset 125m --batch 4 --prompt 32768 --policy acp
+    python scripts/profile_evict.py --preset gpu-20m --arch transformer-llama --attention dcp \
+        --policy dcp --batch 64 --prompt 1920 --compile
 """
 
 from __future__ import annotations
@@ -29,6 +31,9 @@ def main():
     ap.add_argument("--batch", type=int, default=4)
     ap.add_argument("--prompt", type=int, default=32768)
     ap.add_argument("--policy", default="acp")
+    ap.add_argument("--attention", default=None, help="override the attention kind (e.g. dcp)")
+    ap.add_argument("--dcp-beta-init", type=float, default=-0.5,
+                    help="with --attention dcp: beta at init (below 0: a random model drops)")
     ap.add_argument("--passes", type=int, default=5)
     ap.add_argument(
         "--compile", action="store_true", help="each layer's pass compiled (PagedStore.apply_policy)"
@@ -36,7 +41,10 @@ def main():
     args = ap.parse_args()
     dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     torch.manual_seed(0)
-    cfg = preset(args.preset, args.arch, max_seq_len=args.prompt)
+    overrides = {} if args.attention is None else {"attention": args.attention}
+    if args.attention == "dcp":
+        overrides["dcp_beta_init"] = args.dcp_beta_init
+    cfg = preset(args.preset, args.arch, max_seq_len=args.prompt, **overrides)
     model = Decoder(cfg).to(dev, torch.bfloat16 if dev.type == "cuda" else torch.float32).eval()
     policy = POLICIES[args.policy]()
     store = paged_store_for(model, args.batch, args.prompt, 256, policy)
@@ -71,7 +79,7 @@ def main():
         phases["keep"] += t2 - t1
         phases["evict"] += t3 - t2
     print("phases (ms, all layers):", {k: round(1e3 * v, 2) for k, v in phases.items()})
-    widths = [store._slots(i)[0].shape[-1] for i in range(cfg.n_layers)]
+    widths = [store._meta(i)[0] for i in range(cfg.n_layers)]
     print("snapshot widths per layer:", widths)
     acts = [torch.profiler.ProfilerActivity.CPU] + (
         [torch.profiler.ProfilerActivity.CUDA] if dev.type == "cuda" else []
