@@ -430,3 +430,26 @@ def test_compiled_generation_with_eviction_equals_eager_on_cuda(policy):
     runs = [generate(model, ids, 24, policy=policy, compile=c, return_logits=True) for c in (False, True)]
     assert torch.equal(runs[0][0], runs[1][0])
     torch.testing.assert_close(runs[0][1], runs[1][1], atol=ATOL32, rtol=0)
+
+
+def test_a_pass_gathers_only_the_extras_its_policy_reads():
+    """``snapshot_extras``: DCPDrop's pass sees the drop flags, not the interaction keys;
+    other policies see none of a method's per-slot pools."""
+    from lapse.generation import DCPDrop
+    from lapse.kv import PagedStore
+
+    store = PagedStore(1, max_context=64, page_size=16)
+    k = torch.randn(2, 5, 2, 8)
+    store.begin(2, 5, k.device)
+    store.append(0, k, k, drop=torch.zeros(2, 5, 2), kint=torch.randn(2, 5, 8))  # [B, T, H * G]
+    store.advance()
+    seen = []
+
+    def keep(snap):
+        seen.append(sorted(snap.extras))
+        return snap.valid
+
+    store.apply_policy(0, keep, extras=DCPDrop.snapshot_extras)
+    store.apply_policy(0, keep, extras=H2O.snapshot_extras)
+    store.apply_policy(0, keep)
+    assert seen == [["drop"], [], ["drop", "kint"]]

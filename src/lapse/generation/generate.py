@@ -152,7 +152,8 @@ def evict(
     if compile is None:
         compile = store.k[0] is not None and store.k[0].is_cuda
     for i in range(len(model.blocks)):
-        store.apply_policy(i, policy.keep, bounds[i], compile=compile, whole_pages=policy.whole_pages)
+        store.apply_policy(i, policy.keep, bounds[i], compile=compile, whole_pages=policy.whole_pages,
+                           extras=policy.snapshot_extras)
     store.settle()
 
 

@@ -292,7 +292,8 @@ class EvictingCache(Cache):
         bounds = self._bounds or [None] * store.n_layers
         for i in range(store.n_layers):
             store.apply_policy(
-                i, self.policy.keep, bounds[i], compile=compile, whole_pages=self.policy.whole_pages
+                i, self.policy.keep, bounds[i], compile=compile, whole_pages=self.policy.whole_pages,
+                extras=self.policy.snapshot_extras,
             )
         store.settle()
 

@@ -277,6 +277,7 @@ class PagedStore(StoreBase):
         bound: Tensor | None = None,
         compile: bool | str = False,
         whole_pages: bool = False,
+        extras: tuple[str, ...] | None = None,
     ) -> None:
         """:meth:`snapshot`, ``keep_fn`` (a policy's ``keep``) and :meth:`evict` as one pure
         function of the layer's tensors; with ``compile``, that function compiled by
@@ -284,9 +285,10 @@ class PagedStore(StoreBase):
         which fuses the ~80 small kernels of a pass into a few (the pass is bound by their
         launches, ``scripts/profile_evict.py``); a string names the ``torch.compile`` backend
         (``"aot_eager"``: the trace without code generation, for tests on CPU).
-        ``whole_pages`` as in :meth:`evict`."""
+        ``whole_pages`` as in :meth:`evict`; ``extras``: the per-slot pools ``keep_fn`` reads
+        from the snapshot's ``extras`` (a policy's ``snapshot_extras``; ``None``: all)."""
         fn = _compiled_pass("inductor" if compile is True else compile) if compile else _pass
-        front = fn(self._tensors(layer_idx), *self._meta(layer_idx), keep_fn, bound, whole_pages)
+        front = fn(self._tensors(layer_idx), *self._meta(layer_idx), keep_fn, bound, whole_pages, extras)
         self._pending[layer_idx] = front
 
     def settle(self) -> None:
@@ -469,6 +471,7 @@ def _snapshot(
     prompt_len: int,
     max_context: int,
     slots: tuple[Tensor, Tensor, Tensor] | None = None,
+    extras: tuple[str, ...] | None = None,
 ) -> LayerSnapshot:
     pages, offsets, valid = _slots(t, width, page_size) if slots is None else slots
     pools = t.extras
@@ -478,7 +481,11 @@ def _snapshot(
     )
     c = pools["c"][pages, offsets] if "c" in pools else None  # [B, H, W, G]
     c_now = None if t.c_now is None else t.c_now.view(*valid.shape[:2], -1)  # [B, H, G]
-    others = {name: pool[pages, offsets] for name, pool in pools.items() if name not in _SNAPSHOT_POOLS}
+    others = {
+        name: pool[pages, offsets]
+        for name, pool in pools.items()
+        if name not in _SNAPSHOT_POOLS and (extras is None or name in extras)
+    }
     return LayerSnapshot(
         layer_idx,
         valid,
@@ -553,9 +560,10 @@ def _pass(
     keep_fn: Callable[[LayerSnapshot], Tensor],
     bound: Tensor | None,
     whole_pages: bool = False,
+    extras: tuple[str, ...] | None = None,
 ) -> Tensor:
     slots = _slots(t, width, page_size)
-    snap = _snapshot(t, width, page_size, layer_idx, prompt_len, max_context, slots)
+    snap = _snapshot(t, width, page_size, layer_idx, prompt_len, max_context, slots, extras)
     snap.bound = bound
     evict = _drop_leading_pages if whole_pages else _compact
     return evict(t, slots, keep_fn(snap), page_size)

@@ -28,6 +28,11 @@ class Policy:
     is harmless: the store drops whole leading pages without moving any token
     (:meth:`lapse.kv.PagedStore.evict`)."""
 
+    snapshot_extras = ()
+    """The per-slot pools besides positions, scores and ``c`` that :meth:`keep` reads from
+    ``snap.extras`` (e.g. DCP's ``drop``): only these are gathered for a pass, not a
+    method's large per-slot state (DCP's interaction keys, CASTLE's ``u``)."""
+
     def __post_init__(self) -> None:
         if not isinstance(self.every, int) or self.every < 1:
             raise ValueError(f"every must be a positive integer, got {self.every!r}")

@@ -21,6 +21,7 @@ class DCPDrop(Policy):
     """
 
     every: int = 1
+    snapshot_extras = ("drop",)
 
     def check(self, model: nn.Module) -> None:
         for i, block in enumerate(model.blocks):
