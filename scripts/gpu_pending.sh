@@ -11,7 +11,8 @@
 #      deferred lookahead decode, DCP compiled with alpha as a tensor, the paged decode op;
 #   2. CASTLE's immediate against deferred decode step per layer (scripts/bench_castle_fold.py);
 #   3. decode steps at 125M, 8 x 4k: fox-pro, transformer-llama, castle (immediate and
-#      castle_fold_every=8) beside HF's compiled Llama, to compare with BENCHMARKS.md;
+#      castle_fold_every=8) beside HF's compiled Llama, to compare with BENCHMARKS.md, and
+#      a kernel profile of the fox-pro and transformer-llama steps;
 #   4. DCP's fine-tuning step at context 1024 against the dense step, eager and compiled;
 #   5. 760M at 16k, ACP against the Transformer, with activation checkpointing;
 #   6. DCP's eviction pass at 64 x 1920, compiled (part 1) and eager with a profile (part 3).
@@ -46,6 +47,10 @@ timeout 200 $L bench decode --archs fox-pro transformer-llama castle --workloads
     --out-dir "$OUT/decode" 2>&1 | tail -n 12
 timeout 120 $L bench decode --archs castle --castle-fold-every 8 --workloads 8x4096 \
     --providers lapse-compile --steps 32 --commit "$COMMIT" --out-dir "$OUT/decode-fold8" 2>&1 | tail -n 6
+
+echo "== 3b. where the 8 x 4k decode step's GPU time goes (the FoX (Pro) step misses 2x the limit there)"
+timeout 120 python3 scripts/profile_decode.py --arch fox-pro transformer-llama --rows 40 2>&1 \
+    | grep -v -i warn | cut -c1-170 | tee "$OUT/profile_decode.txt" | tail -n 100
 
 echo "== 4. DCP fine-tuning step, context 1024"
 timeout 150 $L bench train --preset 125m --arch transformer-llama --seq-len 1024 --batch-size 8 \
