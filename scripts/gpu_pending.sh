@@ -42,14 +42,14 @@ fi
 
 if [[ "$PART" == 2 ]]; then
 echo "== 3. decode steps, 8 x 4k"
-timeout 200 $L bench decode --archs fox-pro transformer-llama castle --workloads 8x4096 \
+timeout 170 $L bench decode --archs fox-pro transformer-llama castle --workloads 8x4096 \
     --providers lapse-compile hf-llama-compile --steps 32 --commit "$COMMIT" \
     --out-dir "$OUT/decode" 2>&1 | tail -n 12
-timeout 120 $L bench decode --archs castle --castle-fold-every 8 --workloads 8x4096 \
+timeout 100 $L bench decode --archs castle --castle-fold-every 8 --workloads 8x4096 \
     --providers lapse-compile --steps 32 --commit "$COMMIT" --out-dir "$OUT/decode-fold8" 2>&1 | tail -n 6
 
 echo "== 3b. where the 8 x 4k decode step's GPU time goes (the FoX (Pro) step misses 2x the limit there)"
-timeout 120 python3 scripts/profile_decode.py --arch fox-pro transformer-llama --rows 40 2>&1 \
+timeout 90 python3 scripts/profile_decode.py --arch fox-pro transformer-llama --rows 40 2>&1 \
     | grep -v -i warn | cut -c1-170 | tee "$OUT/profile_decode.txt" | tail -n 100
 
 echo "== 4. DCP fine-tuning step, context 1024"
