@@ -203,14 +203,15 @@ def test_ragged_batch_equals_each_prompt_alone():
         assert torch.equal(batch[b, -(n + 16) :], alone[0])
 
 
-@pytest.mark.parametrize("arch", ["fox-pro", "transformer-llama"])
+@pytest.mark.parametrize("arch", ["fox-pro", "transformer-llama", "castle", "castle-swl"])
 def test_lapse_adapter_equals_lapse_generate_under_policies(arch):
     torch.manual_seed(0)
     model = LapseForCausalLM(
         LapseConfig.from_model_config(preset("tiny", arch, init_std=0.1, n_kv_heads=2))
     ).eval()
     ids = torch.randint(0, model.config.vocab_size, (2, 20))
-    policies = [Dense(), H2O(budget=8, recent=2), A2SF(budget=0.5, recent=2, alpha=0.5, every=3)]
+    policies = [Dense(), H2O(budget=8, recent=2), A2SF(budget=0.5, recent=2, alpha=0.5, every=3),
+                SinkWindow(sinks=2, window=6, every=2)]
     if arch == "fox-pro":
         policies.append(ACPBoundary(eps=1e-3, every=4))
     for policy in policies:
