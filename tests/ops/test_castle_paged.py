@@ -17,19 +17,37 @@ float64 reference may be at most 2x the dense step's error in the same dtype, pl
 floor of 1e-6. Measured (o, u): float64 3e-16, 1e-16; float32 1.3-1.6e-7 against the
 dense step's 1.3-1.5e-7, u 7-8e-8 against 5-7e-8; bfloat16 inputs with a float32 ``u``
 3.4-3.8e-3, the dense step's to 1e-8.
+
+The Triton kernel (interpreter on CPU) runs the same steps, also with several splits
+and without key probabilities: in float32 it equals the naive and torch backends up to
+the order of sums (o, key_probs within 4e-7, u within 8e-8 after every step); against
+float64 its error may be at most 2x the torch path's in the same dtype (u float32) plus
+a floor (1e-7 float32, 1e-5 float16, 1e-4 bfloat16; u 1e-7). Measured (o; key_probs and
+u equal the torch path's to two digits): float32 1.5-1.8e-7 against 1.3-3.3e-7, float16
+4.4-4.7e-4 against the same, bfloat16 4.5-5.2e-3 against 3.4-4.0e-3 (1.3x: only the
+rounding of o to bfloat16 differs, under the interpreter).
 """
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import pytest
 import torch
 import torch.nn.functional as F
+from torch._dynamo.testing import CompileCounterWithBackend
 
-from lapse.ops.castle import castle_attention_decode, castle_decode_step, castle_paged_decode_step
+from lapse.ops.castle import (
+    castle_attention_decode,
+    castle_decode_step,
+    castle_paged_decode_step,
+    paged_triton,
+)
 
 pytestmark = pytest.mark.usefixtures("one_thread")
+needs_interpreter = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",
+                                       reason="CPU tensors need TRITON_INTERPRET=1")
 
 NAN = float("nan")
 SCALE = 0.35
@@ -133,34 +151,37 @@ def write(store: dict, x: dict, bi: int, hi: int, slots: slice, with_u: bool) ->
     store["u_pages"][page, off] = x["u"][bi, hi, slots].to(store["u_pages"].dtype) if with_u else NAN
 
 
-def run_paged(case: Case, x: dict, dtype, u_dtype, backend: str):
-    """Outputs ``[steps, B, HQ, D]``, key probabilities ``[steps, B, H, L]`` and each
-    head's held ``u`` after the last step (float64), checking after every step that no
-    slot past a length was written."""
+def run_paged(case: Case, x: dict, dtype, u_dtype, backend: str, num_splits: int | None = None,
+              key_probs: bool = True):
+    """Outputs ``[steps, B, HQ, D]``, key probabilities ``[steps, B, H, L]`` (None without
+    ``key_probs``) and each head's held ``u`` after every step (``[step][b][h]``, float64),
+    checking after every step that no slot past a length was written."""
     store = make_store(case, x, dtype, u_dtype)
-    outs, probs = [], []
+    outs, probs, u_steps = [], [], []
     for s in range(case.steps):
         for bi in range(len(case.lens)):
             for hi in range(case.h):
                 n = int(store["lengths"][bi, hi])
                 write(store, x, bi, hi, slice(n, n + 1), with_u=False)  # the new token, u = NaN
         store["lengths"] += 1
-        o, p = castle_paged_decode_step(
+        out = castle_paged_decode_step(
             x["q_c"][s].to(dtype), x["k_u"][s].to(dtype), x["v_u"][s].to(dtype), store["k_pages"],
             store["v_pages"], store["u_pages"], store["qu_pages"], store["page_table"], store["lengths"],
-            pos_pages=store["pos_pages"], scale=SCALE, window=case.window, return_key_probs=True,
-            backend=backend,
+            pos_pages=store["pos_pages"], scale=SCALE, window=case.window, return_key_probs=key_probs,
+            num_splits=num_splits, backend=backend,
         )
+        o, p = out if key_probs else (out, None)
         outs.append(o.double())
-        probs.append(p.double())
+        if key_probs:
+            probs.append(p.double())
         held = torch.zeros(store["k_pages"].shape[:2], dtype=torch.bool)
         for bi in range(len(case.lens)):
             for hi in range(case.h):
                 held[rows_of(store, bi, hi, slice(0, int(store["lengths"][bi, hi])))] = True
         assert torch.isnan(store["u_pages"][~held]).all(), "a slot no head holds was written"
-    u_end = [[store["u_pages"][rows_of(store, bi, hi, slice(0, int(store["lengths"][bi, hi])))].double()
-              for hi in range(case.h)] for bi in range(len(case.lens))]
-    return torch.stack(outs), torch.stack(probs), u_end
+        u_steps.append([[store["u_pages"][rows_of(store, bi, hi, slice(0, int(store["lengths"][bi, hi])))]
+                         .double() for hi in range(case.h)] for bi in range(len(case.lens))])
+    return torch.stack(outs), (torch.stack(probs) if key_probs else None), u_steps
 
 
 def run_reference(case: Case, x: dict, dtype, u_dtype):
@@ -172,7 +193,7 @@ def run_reference(case: Case, x: dict, dtype, u_dtype):
     width = max(-(-(n + case.steps) // case.page_size) for row in case.lens for n in row) + 1
     outs = torch.zeros(case.steps, b, case.hq, d, dtype=torch.float64)
     probs = torch.zeros(case.steps, b, h, width * case.page_size, dtype=torch.float64)
-    u_end = [[None] * h for _ in range(b)]
+    u_steps = [[[None] * h for _ in range(b)] for _ in range(case.steps)]
     for bi in range(b):
         for hi in range(h):
             heads = slice(hi * grp, (hi + 1) * grp)
@@ -209,16 +230,21 @@ def run_reference(case: Case, x: dict, dtype, u_dtype):
                 logits = (qc @ kc[0, :n, 0].double().T * SCALE
                           - F.silu(torch.einsum("gd,ngd->gn", qc, u[0, :n].double()) * SCALE))
                 probs[s, bi, hi, :n] = torch.softmax(logits, -1).sum(0)
-            u_end[bi][hi] = u[0, : n0 + case.steps].double()
-    return outs, probs, u_end
+                u_steps[s][bi][hi] = u[0, :n].double().clone()  # u is updated in place
+    return outs, probs, u_steps
 
 
 def rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a - b).norm() / b.norm().clamp_min(1e-30))
 
 
+def _flat(u) -> torch.Tensor:
+    """Every held ``u`` of nested ``[step][b][h]`` (or ``[b][h]``) lists, flattened."""
+    return torch.cat([_flat(x) for x in u]) if isinstance(u, list) else u.flatten()
+
+
 def u_rel(a, b) -> float:
-    return rel(torch.cat([x for row in a for x in row]), torch.cat([x for row in b for x in row]))
+    return rel(_flat(a), _flat(b))
 
 
 @pytest.mark.parametrize("backend", ["naive", "torch"])
@@ -288,8 +314,6 @@ def test_errors():
     args, store = _one_step_args(case)
     with pytest.raises(ValueError, match="pos_pages"):
         castle_paged_decode_step(*args, window=3)
-    with pytest.raises(ValueError, match="no Triton kernel"):
-        castle_paged_decode_step(*args, backend="triton")
     with pytest.raises(TypeError, match="u_pages must be float32 or float64"):
         castle_paged_decode_step(*args[:5], args[5].half(), *args[6:])
     with pytest.raises(ValueError, match="u_pages must be"):
@@ -304,3 +328,137 @@ def test_errors():
         castle_paged_decode_step(*args[:7], table, args[8])
     with pytest.raises(ValueError, match="k_u"):
         castle_paged_decode_step(args[0], args[1][:, :1].expand(-1, 3, -1), *args[2:])
+
+
+# The Triton kernel (interpreter on CPU). Beside CASES, a case whose heads are long enough
+# for several non-empty splits (G = 4: tiles of 16 slots), with an SWL window over gaps.
+LONG = Case(hq=8, h=2, hu=4, d=40, lens=((100, 1), (64, 130)), window=50, gaps=True, steps=3)
+TRITON_CASES = [*CASES, LONG]
+
+
+def _per_step_u_rel(a, b) -> float:
+    """The largest relative error of the held ``u`` over the steps."""
+    return max(u_rel(x, y) for x, y in zip(a, b, strict=True))
+
+
+@needs_interpreter
+@pytest.mark.parametrize("num_splits", [None, 3], ids=["splits-auto", "splits3"])
+@pytest.mark.parametrize("case", TRITON_CASES, ids=lambda c: c.id)
+def test_triton_equals_naive_and_torch(case, num_splits):
+    """float32, step after step: ``o``, ``key_probs`` and the ``u`` left in the pages after
+    every step agree with both other backends up to the order of sums (measured: o and
+    key_probs within 3e-7, u within 1e-7)."""
+    x = make_problem(case)
+    f32 = torch.float32
+    o, p, u = run_paged(case, x, f32, f32, "triton", num_splits)
+    assert not torch.isnan(o).any() and not torch.isnan(p).any()
+    for backend in ("naive", "torch"):
+        o_ref, p_ref, u_ref = run_paged(case, x, f32, f32, backend)
+        assert rel(o, o_ref) < 2e-6
+        assert rel(p, p_ref) < 2e-6
+        assert _per_step_u_rel(u, u_ref) < 5e-7
+    lens = torch.tensor(case.lens) + case.steps
+    torch.testing.assert_close(p[-1].sum(-1), torch.full(lens.shape, float(case.hq // case.h),
+                                                         dtype=torch.float64), rtol=1e-5, atol=1e-5)
+
+
+@needs_interpreter
+@pytest.mark.parametrize("num_splits", [1, 4])
+def test_triton_without_key_probs(num_splits):
+    """The same ``o`` and ``u`` without the probability pass (the logits not kept)."""
+    x = make_problem(LONG)
+    o, p, u = run_paged(LONG, x, torch.float32, torch.float32, "triton", num_splits)
+    o_np, p_np, u_np = run_paged(LONG, x, torch.float32, torch.float32, "triton", num_splits,
+                                 key_probs=False)
+    assert p_np is None
+    assert torch.equal(o_np, o)
+    assert _per_step_u_rel(u_np, u) == 0.0
+
+
+# floors where the baseline is itself at the rounding of the dtype: o is rounded to it
+TRITON_LOW = [(torch.float32, 1e-7), (torch.float16, 1e-5), (torch.bfloat16, 1e-4)]
+
+
+@needs_interpreter
+@pytest.mark.parametrize("num_splits", [None, 3], ids=["splits-auto", "splits3"])
+@pytest.mark.parametrize("dtype, floor", TRITON_LOW, ids=["fp32", "fp16-u32", "bf16-u32"])
+@pytest.mark.parametrize("case", [CASES[0], CASES[3], LONG], ids=lambda c: c.id)
+def test_triton_within_twice_the_torch_error(case, dtype, floor, num_splits):
+    """Against the float64 reference, the kernel's error is at most 2x the torch path's in
+    the same dtype (u float32) plus a floor: o, key_probs, and u after every step."""
+    x = make_problem(case)
+    o64, p64, u64 = run_reference(case, x, torch.float64, torch.float64)
+    o_base, p_base, u_base = run_paged(case, x, dtype, torch.float32, "torch")
+    o, p, u = run_paged(case, x, dtype, torch.float32, "triton", num_splits)
+    assert rel(o, o64) <= 2 * rel(o_base, o64) + floor
+    assert rel(p, p64[..., : p.shape[-1]]) <= 2 * rel(p_base, p64[..., : p.shape[-1]]) + floor
+    for step in range(case.steps):
+        err, err_base = u_rel(u[step], u64[step]), u_rel(u_base[step], u64[step])
+        assert err <= 2 * err_base + 1e-7, f"step {step}: u {err:.2e} > 2 x {err_base:.2e}"
+
+
+@needs_interpreter
+@pytest.mark.parametrize("num_splits", [1, 3])
+def test_triton_launch_writes_every_output(num_splits):
+    """Outputs, split workspace and the logit scratch poisoned with NaN: every element of
+    ``o``, ``lse`` and ``key_probs`` must be written, and nothing past a length read."""
+    case = LONG
+    args, store = _one_step_args(case)
+    q_c, k_u, v_u, k_pages, v_pages, u_pages, qu_pages, table, lengths = args
+    kw = dict(pos_pages=store["pos_pages"], scale=SCALE, window=case.window, return_key_probs=True)
+    o_ref, p_ref = castle_paged_decode_step(*args[:5], u_pages.clone(), *args[6:], backend="torch", **kw)
+    b, hq, d = q_c.shape
+    h, n_slots = case.h, table.shape[-1] * case.page_size
+    o, lse, probs = torch.full((b, hq, d), NAN), torch.full((b, hq), NAN), torch.full((b, h, n_slots), NAN)
+    workspace = (torch.full((b, hq, num_splits, d), NAN), torch.full((b, hq, num_splits), NAN),
+                 torch.full((b, hq, num_splits), NAN), torch.full((b, h, hq // h, n_slots), NAN))
+    paged_triton.launch_castle_paged_decode(q_c, k_u, v_u, k_pages, v_pages, u_pages.clone(), qu_pages,
+                                            store["pos_pages"], table, lengths, SCALE, case.window, o, lse,
+                                            probs, num_splits, workspace)
+    assert not torch.isnan(lse).any()
+    assert rel(o, o_ref) < 2e-6 and rel(probs, p_ref) < 2e-6
+
+
+@needs_interpreter
+def test_triton_compiles_fullgraph_through_the_custom_op(monkeypatch):
+    """One graph (aot_eager, fullgraph, no host read) that calls the kernel once through
+    ``lapse::castle_paged_decode`` and mutates ``u_pages`` as the eager call does."""
+    case = CASES[3]
+    args, store = _one_step_args(case)
+    kw = dict(pos_pages=store["pos_pages"], scale=SCALE, window=case.window, return_key_probs=True,
+              check_values=False, num_splits=2, backend="triton")
+    eager_u = store["u_pages"].clone()
+    o, p = castle_paged_decode_step(*args[:5], eager_u, *args[6:], **kw)
+    launches = []
+    launch = paged_triton.launch_castle_paged_decode
+    monkeypatch.setattr(paged_triton, "launch_castle_paged_decode",
+                        lambda *a, **k: launches.append(1) or launch(*a, **k))
+    counter = CompileCounterWithBackend("aot_eager")
+    step = torch.compile(castle_paged_decode_step, backend=counter, fullgraph=True)
+    o_c, p_c = step(*args, **kw)
+    assert counter.frame_count == 1 and len(launches) == 1
+    torch.testing.assert_close(o_c, o, rtol=0, atol=0)
+    torch.testing.assert_close(p_c, p, rtol=0, atol=0)
+    torch.testing.assert_close(store["u_pages"], eager_u, rtol=0, atol=0, equal_nan=True)
+
+
+@needs_interpreter
+def test_triton_errors():
+    case = Case(window=3)
+    args, store = _one_step_args(case)
+    kw = dict(pos_pages=store["pos_pages"], window=3, backend="triton")
+    with pytest.raises(TypeError, match="float32 u_pages"):
+        castle_paged_decode_step(*args[:5], args[5].double(), *args[6:], **kw)
+    with pytest.raises(TypeError, match="float16, bfloat16 or float32"):
+        castle_paged_decode_step(args[0].double(), *args[1:], **kw)
+    with pytest.raises(TypeError, match="qu_pages float64"):
+        castle_paged_decode_step(*args[:6], args[6].double(), *args[7:], **kw)
+    for bad in (0, 129, 2.0, True):
+        with pytest.raises(ValueError, match="num_splits"):
+            castle_paged_decode_step(*args, num_splits=bad, **kw)
+    b, d = args[0].shape[0], 264
+    big = (torch.zeros(b, case.hq, d), torch.zeros(b, case.hu, d), torch.zeros(b, case.hu, d),
+           torch.zeros(4, 16, d), torch.zeros(4, 16, d), torch.zeros(4, 16, case.hq // case.h, d),
+           torch.zeros(4, 16, case.hq // case.h, d), args[7].clamp(0, 3), torch.ones_like(args[8]))
+    with pytest.raises(ValueError, match="head_dim up to 256"):
+        castle_paged_decode_step(*big, backend="triton")

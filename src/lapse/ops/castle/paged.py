@@ -14,8 +14,9 @@ attention. Slots that eviction dropped take no further updates; the ones kept go
 accumulating exactly as in a dense cache.
 
 The file reads: the plain reference (``naive``), the gathered torch path (``torch``, what
-CPUs run), the checks, the public function. There is no Triton kernel yet (``auto`` is
-the torch path on every device).
+CPUs run), the checks, the public function. The Triton path (one split-K kernel that
+updates and attends in a single pass over the pages) is in ``paged_triton.py``; ``auto``
+runs it on CUDA and the torch path elsewhere.
 
 Legend: B batch, H kv heads, HQ query heads, G = HQ // H, HU lookahead kv heads, D head
 dim, P pages in the pool, PS page size, MP pages per head in the table, L = MP * PS.
@@ -27,12 +28,14 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from ..backend import check_backend
+from ..backend import BACKENDS, check_backend, resolve_backend
 from ..forgetting.common import _shape, check_devices, check_float_dtype, check_tensors, resolve_scale
+from ..forgetting.decode_triton import MAX_SPLITS
 from ..forgetting.paged import MIN_PAGE_SIZE
 from .common import check_window
+from .paged_triton import triton_castle_paged_decode
 
-PAGED_BACKENDS = ("auto", "torch", "naive")
+PAGED_BACKENDS = BACKENDS
 
 
 def _per_query_head(x: Tensor, hq: int) -> Tensor:
@@ -150,9 +153,9 @@ def _paged_step_torch(q_c, k_u, v_u, k_pages, v_pages, u_pages, qu_pages, pos_pa
 
 
 def _validate(q_c, k_u, v_u, k_pages, v_pages, u_pages, qu_pages, pos_pages, page_table, lengths,
-              scale, window, check_values, backend) -> tuple[float, int | None]:
-    """Checks every argument (values only with ``check_values``); returns the scale and
-    the window."""
+              scale, window, num_splits, check_values, backend) -> tuple[float, int | None, str]:
+    """Checks every argument (values only with ``check_values``); returns the scale, the
+    window and the backend to run (``auto`` resolved)."""
     tensors = dict(q_c=q_c, k_u=k_u, v_u=v_u, k_pages=k_pages, v_pages=v_pages, u_pages=u_pages,
                    qu_pages=qu_pages, page_table=page_table, lengths=lengths)
     window = check_window(window)
@@ -162,8 +165,6 @@ def _validate(q_c, k_u, v_u, k_pages, v_pages, u_pages, qu_pages, pos_pages, pag
         tensors["pos_pages"] = pos_pages
     check_tensors(**tensors)
     check_devices(q_c, **{n: x for n, x in tensors.items() if n != "q_c"})
-    if backend == "triton":
-        raise ValueError("castle_paged_decode_step has no Triton kernel yet: use backend 'torch' or 'auto'")
     check_backend(backend, PAGED_BACKENDS)
     if q_c.dim() != 3:
         raise ValueError(f"q_c must be [batch, query_heads, head_dim], got {_shape(q_c)}")
@@ -205,6 +206,9 @@ def _validate(q_c, k_u, v_u, k_pages, v_pages, u_pages, qu_pages, pos_pages, pag
     if pos_pages is not None and (pos_pages.dtype != torch.int32 or tuple(pos_pages.shape) != (n_pages, ps)):
         raise ValueError(f"pos_pages must be int32 [pages, page_size] = {(n_pages, ps)}, "
                          f"got {_shape(pos_pages)}")
+    backend = resolve_backend(backend, q_c, PAGED_BACKENDS)
+    if backend == "triton":
+        _validate_triton(k_u, k_pages, u_pages, qu_pages, d, num_splits)
     if check_values:
         n_slots = max_pages * ps
         if bool(((lengths < 1) | (lengths > n_slots)).any()):
@@ -213,7 +217,23 @@ def _validate(q_c, k_u, v_u, k_pages, v_pages, u_pages, qu_pages, pos_pages, pag
         used = torch.arange(max_pages, device=lengths.device) < ((lengths.long() + ps - 1) // ps)[..., None]
         if bool((used & ((page_table < 0) | (page_table >= n_pages))).any()):
             raise ValueError(f"page_table must hold page ids in [0, pages = {n_pages}) for the pages in use")
-    return resolve_scale(scale, d), window
+    return resolve_scale(scale, d), window, backend
+
+
+def _validate_triton(k_u, k_pages, u_pages, qu_pages, d, num_splits) -> None:
+    """What the kernel adds to the checks: 16- or 32-bit inputs, a float32 ``u``,
+    ``D <= 256``, a valid ``num_splits``."""
+    for name, x in (("k_u", k_u), ("k_pages", k_pages), ("qu_pages", qu_pages)):
+        if x.dtype == torch.float64:
+            raise TypeError(f"backend='triton' takes float16, bfloat16 or float32, got {name} float64")
+    if u_pages.dtype != torch.float32:
+        raise TypeError(f"backend='triton' takes a float32 u_pages, got {u_pages.dtype}")
+    if d > 256:
+        raise ValueError(f"backend='triton' takes head_dim up to 256, got {d}")
+    if num_splits is not None and not (
+        isinstance(num_splits, int) and not isinstance(num_splits, bool) and 1 <= num_splits <= MAX_SPLITS
+    ):
+        raise ValueError(f"num_splits must be an int in [1, {MAX_SPLITS}], got {num_splits!r}")
 
 
 def castle_paged_decode_step(
@@ -231,6 +251,7 @@ def castle_paged_decode_step(
     scale: float | None = None,
     window: int | None = None,
     return_key_probs: bool = False,
+    num_splits: int | None = None,
     check_values: bool = True,
     backend: str = "auto",
 ):
@@ -268,10 +289,14 @@ def castle_paged_decode_step(
         scale: ``1 / sqrt(D)`` by default. window: ``None`` (CASTLE) or ``W >= 1`` (SWL).
         return_key_probs: also return each slot's attention probability summed over the
             ``G`` query heads of its kv head (H2O/A2SF, SPEC section 7).
+        num_splits: Triton only, how many splits share each head's slots; by default
+            chosen from ``MP * PS`` and ``B * H`` (shapes only) to fill the GPU.
         check_values: check ``lengths`` and the page ids in use (one host read); pass
             False inside a compiled or captured step.
-        backend: ``"auto"`` (the torch path), ``"torch"`` (gathered, vectorised, fixed
-            shapes under ``torch.compile``) or ``"naive"`` (the per-head reference).
+        backend: ``"auto"`` (Triton on CUDA, else torch), ``"triton"`` (one split-K kernel
+            that reads each held slot once and updates ``u`` in its page; 16- or 32-bit
+            inputs, float32 ``u_pages``, ``D <= 256``), ``"torch"`` (gathered, vectorised,
+            fixed shapes under ``torch.compile``) or ``"naive"`` (the per-head reference).
 
     Slots that no head's length covers are never read and may hold anything (NaN
     included); only held slots are written. An inference op: no gradient through ``u``.
@@ -294,10 +319,16 @@ def castle_paged_decode_step(
         ...                          table, lengths).shape
         torch.Size([1, 4, 8])
     """
-    scale, window = _validate(q_c, k_u, v_u, k_pages, v_pages, u_pages, qu_pages, pos_pages, page_table,
-                              lengths, scale, window, check_values, backend)
-    path = _paged_step_naive if backend == "naive" else _paged_step_torch
+    scale, window, backend = _validate(q_c, k_u, v_u, k_pages, v_pages, u_pages, qu_pages, pos_pages,
+                                       page_table, lengths, scale, window, num_splits, check_values,
+                                       backend)
     with torch.no_grad():
-        o, key_probs = path(q_c, k_u, v_u, k_pages, v_pages, u_pages, qu_pages, pos_pages, page_table,
-                            lengths, scale, window, return_key_probs)
+        if backend == "triton":
+            o, key_probs = triton_castle_paged_decode(
+                q_c, k_u, v_u, k_pages, v_pages, u_pages, qu_pages, pos_pages if window is not None else None,
+                page_table, lengths, scale, window, return_key_probs, num_splits)
+        else:
+            path = _paged_step_naive if backend == "naive" else _paged_step_torch
+            o, key_probs = path(q_c, k_u, v_u, k_pages, v_pages, u_pages, qu_pages, pos_pages, page_table,
+                                lengths, scale, window, return_key_probs)
     return (o, key_probs) if return_key_probs else o
