@@ -8,7 +8,8 @@
 # `git rev-parse --short HEAD`, which the device's copy of the tree does not know).
 #   1. the GPU tests of the paths changed since they last ran on a GPU: the decode step
 #      (fused projections that follow the weights, the scoped recompile limit), CASTLE's
-#      deferred lookahead decode, DCP compiled with alpha as a tensor, the paged decode op;
+#      deferred lookahead decode, DCP compiled with alpha as a tensor, the paged decode op,
+#      CASTLE's paged decode kernel (against the torch path, and under reduce-overhead);
 #   2. CASTLE's immediate against deferred decode step per layer (scripts/bench_castle_fold.py);
 #   3. decode steps at 125M, 8 x 4k: fox-pro, transformer-llama, castle (immediate and
 #      castle_fold_every=8) beside HF's compiled Llama, to compare with BENCHMARKS.md, and
@@ -30,6 +31,7 @@ if [[ "$PART" == 1 ]]; then
 echo "== 1. GPU tests"
 timeout 240 python3 -m pytest -m gpu -q -s -p no:cacheprovider \
     tests/generation tests/ops/test_forgetting_paged.py tests/ops/test_castle_decode_fold_gpu.py \
+    tests/ops/test_castle_paged_gpu.py \
     tests/layers/test_dcp_layer.py 2>&1 | tail -n 40 | tee "$OUT/tests.txt"
 
 echo "== 2. CASTLE deferred decode, per layer"

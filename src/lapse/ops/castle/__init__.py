@@ -7,7 +7,8 @@ algorithm as a wavefront of Triton launches), ``parallel.py`` / ``triton_paralle
 (the key-major schedule, every key block at once: its PyTorch mirror and its kernels),
 ``decode.py`` / ``decode_triton.py``
 (one token over a UQ-KV cache: the torch references and the fused Triton step),
-``paged.py`` (one token over a paged per-kv-head UQ-KV store), and here
+``paged.py`` / ``paged_triton.py`` (one token over a paged per-kv-head UQ-KV store: the
+torch references and the split-K kernel through the page table), and here
 the public function. ``README.md`` derives the block formulas.
 """
 
