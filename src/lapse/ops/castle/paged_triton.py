@@ -47,12 +47,11 @@ from ..backend import LOG2E_TL, tl, triton, triton_jit
 from ..forgetting.decode_triton import (
     _PIPELINE_STAGES,
     _choose_num_splits,
-    _combine_splits,
     _resident_programs,
     _split_workspace,
     _store_split_result,
 )
-from ..forgetting.paged_triton import _BLOCK_PROBS, _paged_key_probs_kernel
+from ..forgetting.paged_triton import finish_paged_decode
 from ..splits import split_program, split_range
 
 # Elements of one [BG, BN, BD] tile: as in decode_triton.py, 2048 float32 keep a
@@ -316,22 +315,8 @@ def launch_castle_paged_decode(
         RETURN_PROBS=return_probs,
         **options,
     )
-    _combine_splits(acc_part, m_part, l_part, o, lse, num_splits, options["BD"])
-    if return_probs:
-        _paged_key_probs_kernel[(triton.cdiv(n_slots, _BLOCK_PROBS), b * h)](
-            s_part,
-            lse,
-            lengths,
-            key_probs,
-            n_slots,
-            lengths.stride(0),
-            lengths.stride(1),
-            H=h,
-            GROUP=group,
-            BG=triton.next_power_of_2(group),
-            BL=_BLOCK_PROBS,
-            num_warps=4,
-        )
+    finish_paged_decode(acc_part, m_part, l_part, s_part, o, lse, lengths, key_probs, num_splits,
+                        options["BD"], group, return_probs)
 
 
 @torch.library.custom_op("lapse::castle_paged_decode", mutates_args=("u_pages",))

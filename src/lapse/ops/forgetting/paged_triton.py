@@ -253,8 +253,31 @@ def launch_paged_decode(
         RETURN_PROBS=return_probs,
         **options,
     )
-    _combine_splits(acc_part, m_part, l_part, o, lse, num_splits, options["BD"])
+    finish_paged_decode(acc_part, m_part, l_part, s_part, o, lse, lengths, key_probs, num_splits,
+                        options["BD"], group, return_probs)
+
+
+def finish_paged_decode(
+    acc_part: Tensor,
+    m_part: Tensor,
+    l_part: Tensor,
+    s_part: Tensor,
+    o: Tensor,
+    lse: Tensor,
+    lengths: Tensor,
+    key_probs: Tensor | None,
+    num_splits: int,
+    block_d: int,
+    group: int,
+    return_probs: bool,
+) -> None:
+    """After a paged split-K pass (FoX's here, CASTLE's in ``ops/castle``): the splits
+    combined into ``o`` and ``lse``, then, with ``return_probs``, each slot's probability
+    summed over the group, from the split pass's scaled scores ``s_part`` and the final
+    log-sum-exp."""
+    _combine_splits(acc_part, m_part, l_part, o, lse, num_splits, block_d)
     if return_probs:
+        b, h, n_slots = key_probs.shape
         _paged_key_probs_kernel[(triton.cdiv(n_slots, _BLOCK_PROBS), b * h)](
             s_part,
             lse,
