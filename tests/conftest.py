@@ -62,3 +62,33 @@ def _compiled_step_matches_eager(model, ids, steps: int, *, reference=None, capa
 def compiled_step_matches_eager():
     """:func:`_compiled_step_matches_eager`, for the decode-step tests of every kind."""
     return _compiled_step_matches_eager
+
+
+def _compiled_paged_steps_match_eager(model, ids, policy, steps: int, *, atol: float = 2e-5) -> None:
+    """``steps`` greedy steps over a PagedStore under ``policy`` (its passes between steps,
+    outside the step): the compiled decode step (fullgraph, ``aot_eager``) gives the eager
+    step's logits within ``atol``."""
+    from lapse.generation import compiled_decode_one_token, decode_one_token, evict, paged_store_for, prefill
+
+    batch, prompt = ids.shape
+    compiled = compiled_decode_one_token(mode=None, backend="aot_eager")
+    runs = []
+    for step in (decode_one_token, compiled):
+        store = paged_store_for(model, batch, prompt, steps + 1, policy)
+        token = prefill(model, ids, store).argmax(-1, keepdim=True)
+        out = []
+        for i in range(steps):
+            if i % policy.every == 0:
+                evict(model, store, policy)
+                store.reserve(policy.every)
+            logits = step(model, token, store)
+            out.append(logits)
+            token = logits.argmax(-1, keepdim=True)
+        runs.append(torch.stack(out, 1))
+    torch.testing.assert_close(runs[1], runs[0], atol=atol, rtol=0)
+
+
+@pytest.fixture
+def compiled_paged_steps_match_eager():
+    """:func:`_compiled_paged_steps_match_eager`, for the paged decode tests of every kind."""
+    return _compiled_paged_steps_match_eager

@@ -28,7 +28,6 @@ from lapse.generation import (
     DCPDrop,
     Dense,
     SinkWindow,
-    compiled_decode_one_token,
     decode_one_token,
     evict,
     generate,
@@ -165,26 +164,11 @@ def test_acp_and_dcp_policies_refuse_castle():
 
 
 @pytest.mark.parametrize("name", ["castle-gqa", "swl"])
-def test_compiled_paged_step_equals_eager(name):
+def test_compiled_paged_step_equals_eager(name, compiled_paged_steps_match_eager):
     """The paged CASTLE step traces whole (fullgraph), eviction between steps."""
     model = _model(name)
-    ids = _ids(model, 2, 16)
-    policy = SinkWindow(sinks=2, window=8, every=4)
-    compiled = compiled_decode_one_token(mode=None, backend="aot_eager")
-    runs = []
-    for step in (decode_one_token, compiled):
-        store = paged_store_for(model, 2, 16, 12, policy)
-        token = prefill(model, ids, store).argmax(-1, keepdim=True)
-        out = []
-        for i in range(11):
-            if i % policy.every == 0:
-                evict(model, store, policy)
-                store.reserve(policy.every)
-            logits = step(model, token, store)
-            out.append(logits)
-            token = logits.argmax(-1, keepdim=True)
-        runs.append(torch.stack(out, 1))
-    torch.testing.assert_close(runs[1], runs[0], atol=ATOL32, rtol=0)
+    compiled_paged_steps_match_eager(model, _ids(model, 2, 16), SinkWindow(sinks=2, window=8, every=4), 11,
+                                     atol=ATOL32)
 
 
 def test_fold_every_runs_the_immediate_update_over_the_paged_store():

@@ -165,29 +165,12 @@ def test_policy_errors_are_one_clear_line():
 
 
 @pytest.mark.parametrize("arch", ["fox-pro", "transformer-llama"])
-def test_compiled_step_over_the_paged_store_equals_eager(arch):
+def test_compiled_step_over_the_paged_store_equals_eager(arch, compiled_paged_steps_match_eager):
     """The paged decode step traces whole (fullgraph); eviction and page grants run between
     steps, outside it, and the compiled step keeps computing what the eager one does."""
-    from lapse.generation import compiled_decode_one_token, decode_one_token, evict
-
     model = _model(arch)
     ids = torch.randint(0, model.config.vocab_size, (2, 24))
-    policy = SinkWindow(sinks=2, window=12, every=4)
-    compiled = compiled_decode_one_token(mode=None, backend="aot_eager")
-    runs = []
-    for step in (decode_one_token, compiled):
-        store = paged_store_for(model, 2, 24, 16, policy)
-        token = prefill(model, ids, store).argmax(-1, keepdim=True)
-        out = []
-        for i in range(15):
-            if i % policy.every == 0:
-                evict(model, store, policy)
-                store.reserve(policy.every)
-            logits = step(model, token, store)
-            out.append(logits)
-            token = logits.argmax(-1, keepdim=True)
-        runs.append(torch.stack(out, 1))
-    torch.testing.assert_close(runs[1], runs[0], atol=ATOL32, rtol=0)
+    compiled_paged_steps_match_eager(model, ids, SinkWindow(sinks=2, window=12, every=4), 15, atol=ATOL32)
 
 
 def test_sink_window_equals_full_attention_with_the_matching_mask():
