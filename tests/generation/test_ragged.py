@@ -56,8 +56,9 @@ def test_ragged_batch_equals_each_prompt_alone_dense_store(arch):
         ("transformer-pro", H2O(budget=5, recent=2, sinks=1)),
         ("fox-llama", A2SF(budget=0.5, recent=2, alpha=0.8)),  # a share: each prompt its own budget
         ("fox-pro", ACPBoundary(every=3)),
+        ("castle-swl", H2O(budget=5, recent=2, sinks=1)),  # CASTLE's own prompt scores
     ],
-    ids=["dense", "window", "h2o", "a2sf-share", "acp"],
+    ids=["dense", "window", "h2o", "a2sf-share", "acp", "castle-h2o"],
 )
 def test_ragged_batch_equals_each_prompt_alone_paged_store(arch, policy):
     model = _model(arch, acp=True) if isinstance(policy, ACPBoundary) else _model(arch)

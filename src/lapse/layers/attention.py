@@ -208,21 +208,26 @@ class Attention(nn.Module):
         computes it). In a ragged prefill each prompt is scored on its own (the padding
         after it must not add its queries' attention, and A2SF's weights count from
         each prompt's last token)."""
-        def scores_of(q, k, log_fgate, lse):
+        def scores_of(rows: slice, n: int | None) -> Tensor:
             return attention_key_scores(
-                q, k, log_fgate=log_fgate, lse=lse, scale=self.scale, alpha=cache.score_decay
+                q[rows, :n], k[rows, :n],
+                log_fgate=None if log_fgate is None else log_fgate[rows, :n],
+                lse=None if lse is None else lse[rows, :, :n],
+                scale=self.scale, alpha=cache.score_decay,
             )
 
+        self._record_per_prompt(cache, k, scores_of)
+
+    def _record_per_prompt(self, cache: KVCache, k: Tensor, scores_of) -> None:
+        """Records ``scores_of(rows, n)`` (the key scores ``[b, n, K]`` of the batch rows
+        ``rows`` over their first ``n`` tokens; ``n`` ``None``: all) as the prompt's: of the
+        whole batch at once, or, in a ragged prefill, of each prompt on its own tokens."""
         if cache.new_lengths is None:
-            scores = scores_of(q, k, log_fgate, lse)  # [B, T, K]
+            scores = scores_of(slice(None), None)  # [B, T, K]
         else:
             scores = torch.zeros(*k.shape[:3], dtype=torch.float32, device=k.device)  # [B, T, K]
             for b, n in enumerate(cache.new_lengths):
-                scores[b, :n] = scores_of(
-                    q[b : b + 1, :n], k[b : b + 1, :n],
-                    None if log_fgate is None else log_fgate[b : b + 1, :n],
-                    None if lse is None else lse[b : b + 1, :, :n],
-                )[0]
+                scores[b, :n] = scores_of(slice(b, b + 1), n)[0]
         cache.record_prefill_scores(self.layer_idx, scores)
 
     @torch.no_grad()

@@ -196,17 +196,11 @@ class CastleAttention(Attention):
                               cache: KVCache) -> None:
         """The prompt's accumulated attention per key ``[B, T, K]`` (H2O, A2SF); in a ragged
         prefill each prompt on its own (the padding after it adds no queries)."""
-        def scores(*xs):
-            return castle_key_scores(*(x.detach() for x in xs), scale=self.scale, window=self.window,
-                                     alpha=cache.score_decay)
+        def scores_of(rows: slice, n: int | None) -> Tensor:
+            return castle_key_scores(*(x[rows, :n].detach() for x in (q, k, q_u, k_u, v_u)),
+                                     scale=self.scale, window=self.window, alpha=cache.score_decay)
 
-        if cache.new_lengths is None:
-            cache.record_prefill_scores(self.layer_idx, scores(q, k, q_u, k_u, v_u))
-            return
-        out = torch.zeros(*k.shape[:3], dtype=torch.float32, device=k.device)  # [B, T, K]
-        for b, n in enumerate(cache.new_lengths):
-            out[b, :n] = scores(*(x[b : b + 1, :n] for x in (q, k, q_u, k_u, v_u)))[0]
-        cache.record_prefill_scores(self.layer_idx, out)
+        self._record_per_prompt(cache, k, scores_of)
 
     # torch.compile leaves the op eager, as forgetting attention's: its Triton path is a
     # Python loop of launches (the wavefront) that Inductor should not trace.
