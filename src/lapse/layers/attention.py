@@ -150,10 +150,7 @@ class Attention(nn.Module):
         ``_project`` calls it in eager steps; a compiled step cannot (reading a weight's
         address breaks the graph), so :func:`lapse.generation.compiled_decode_one_token`
         calls it through :meth:`lapse.models.Decoder.refresh_fused_projections` first."""
-        w = self.fused_in_proj
-        if w is not None and (fresh := self._fused.current()) is not w:
-            self.fused_in_proj = w = fresh  # a module's __setattr__ costs microseconds: only on a change
-        return w
+        return self._fused.refresh(self, "fused_in_proj")
 
     def _fused_linears(self) -> list[nn.Linear]:
         linears = [self.q_proj, self.k_proj, self.v_proj]

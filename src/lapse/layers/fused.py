@@ -83,3 +83,13 @@ class FusedWeights:
 
     def free(self) -> None:
         self.weight, self._linears, self._stamps = None, [], []
+
+    def refresh(self, module: nn.Module, name: str) -> Tensor | None:
+        """``module``'s buffer ``name`` that exposes :attr:`weight` (``None`` when not
+        fusing), set to the snapshot taken again first if a source weight changed since
+        (:meth:`current`); a module's ``__setattr__`` costs microseconds, so only then."""
+        w = module._buffers[name]
+        if w is not None and (fresh := self.current()) is not w:
+            setattr(module, name, fresh)
+            w = fresh
+        return w

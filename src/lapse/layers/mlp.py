@@ -43,7 +43,4 @@ class SwiGLU(nn.Module):
 
     def refresh_fused(self) -> Tensor | None:
         """As :meth:`lapse.layers.Attention.refresh_fused`."""
-        w = self.fused_gate_up
-        if w is not None and (fresh := self._fused.current()) is not w:
-            self.fused_gate_up = w = fresh  # a module's __setattr__ costs microseconds: only on a change
-        return w
+        return self._fused.refresh(self, "fused_gate_up")
