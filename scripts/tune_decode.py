@@ -34,7 +34,7 @@ def _bench(fn) -> float:
     return 1e3 * triton.testing.do_bench_cudagraph(fn, rep=50, return_mode="median")
 
 
-def _case(b: int, t: int, h: int, d: int, bias: bool, layout: str):
+def _case(b: int, t: int, h: int, d: int, bias: bool, layout: str, c_layout: str = "bsh"):
     torch.manual_seed(0)
     s = t + 64  # the store's capacity: the prompt plus room for steps
     if layout == "bshd":  # the DenseStore's layout
@@ -44,6 +44,8 @@ def _case(b: int, t: int, h: int, d: int, bias: bool, layout: str):
         k = torch.randn(b, h, s, d, device="cuda", dtype=torch.bfloat16).transpose(1, 2)
         v = torch.randn(b, h, s, d, device="cuda", dtype=torch.bfloat16).transpose(1, 2)
     c = (-0.01 * torch.rand(b, s, h, device="cuda", dtype=torch.float64)).cumsum(1) if bias else None
+    if c is not None and c_layout == "bhs":  # slots innermost (the DenseStore keeps bsh)
+        c = c.transpose(1, 2).contiguous().transpose(1, 2)
     q = torch.randn(b, h, d, device="cuda", dtype=torch.bfloat16)
     seqlens = torch.full((b,), t, device="cuda", dtype=torch.int32)
     return q, k, v, c, seqlens
@@ -56,9 +58,10 @@ def _kernel_bytes(b, t, h, d, bias) -> int:
 def tune_kernel(shapes, args) -> list[dict]:
     rows = []
     grid = list(itertools.product(args.block_n, args.warps, args.stages))
-    for (b, t), bias in itertools.product(shapes, (True, False)):
+    cases = [(True, cl) for cl in args.c_layouts] + [(False, "-")]
+    for (b, t), (bias, c_layout) in itertools.product(shapes, cases):
         h, d = 12, 64
-        q, k, v, c, seqlens = _case(b, t, h, d, bias, "bshd")
+        q, k, v, c, seqlens = _case(b, t, h, d, bias, "bshd", c_layout)
         o = torch.empty_like(q)
         lse = torch.empty(b, h, device="cuda", dtype=torch.float32)
         launch_decode(q, k, v, c, seqlens, None, d**-0.5, o, lse)
@@ -67,7 +70,8 @@ def tune_kernel(shapes, args) -> list[dict]:
         default_splits, _ = _split_launch(q, 1, k.shape[1], b * h, None)
 
         def record(name, cfg, splits, layout, us, err):
-            row = dict(batch=b, prompt=t, bias=bias, variant=name, config=cfg, num_splits=splits,
+            row = dict(batch=b, prompt=t, bias=bias, c_layout=c_layout, variant=name, config=cfg,
+                       num_splits=splits,
                        layout=layout, us=round(us, 2), tb_s=round(nbytes / us / 1e6, 3),
                        hbm_share=round(nbytes / us / 1e6 / (HBM / 1e12), 3), max_err=err)
             rows.append(row)
@@ -89,7 +93,7 @@ def tune_kernel(shapes, args) -> list[dict]:
                     continue
                 record("lapse", cfg, splits, "bshd", us, err)
         # the default configuration in the heads-outermost layout
-        q2, k2, v2, c2, _ = _case(b, t, h, d, bias, "bhsd")
+        q2, k2, v2, c2, _ = _case(b, t, h, d, bias, "bhsd", c_layout)
         fn = lambda: launch_decode(q2, k2, v2, c2, seqlens, None, d**-0.5, o, lse)
         fn()
         record("lapse-default", {}, default_splits, "bhsd", _bench(fn), None)
@@ -136,6 +140,8 @@ def main():
     ap.add_argument("--stages", nargs="+", type=int, default=[2, 3, 4])
     ap.add_argument("--split-mults", nargs="+", type=float, default=[1.0])
     ap.add_argument("--gemm-rows", nargs="+", type=int, default=[1, 8, 32])
+    ap.add_argument("--c-layouts", nargs="+", default=["bsh"], choices=["bhs", "bsh"],
+                    help="c's memory: bsh (heads innermost, the DenseStore's), bhs (slots innermost)")
     ap.add_argument("--out", default="tune_decode.json")
     args = ap.parse_args()
     shapes = [tuple(int(x) for x in s.split("x")) for s in args.shapes]

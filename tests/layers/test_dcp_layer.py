@@ -280,7 +280,8 @@ def _train_step(forward, layer: DCPAttention, x: torch.Tensor, alpha: float):
     x = x.detach().requires_grad_()
     out = forward(x)
     log_i, dropped = layer.take_log_mask(), layer.last_stats.dropped
-    loss = (out * torch.linspace(-1, 1, out.numel(), dtype=out.dtype).view(out.shape)).sum()
+    weights = torch.linspace(-1, 1, out.numel(), dtype=out.dtype, device=out.device)
+    loss = (out * weights.view(out.shape)).sum()
     grads = torch.autograd.grad(loss + dcp_sparsity_loss(log_i), [x, *layer.parameters()])
     return out.detach(), log_i.detach(), dropped, grads
 

@@ -186,11 +186,13 @@ class KernelCase:
     case: Case
     dtype: torch.dtype
     num_splits: int | None  # None: the launcher's choice
+    slot_innermost_c: bool = False  # c as the DenseStore keeps it: [B, HQ, S] memory
 
     @property
     def id(self) -> str:
         dt = {torch.float32: "fp32", torch.float16: "fp16"}[self.dtype]
-        return f"{self.case.id}-{dt}-split{self.num_splits or 'auto'}"
+        layout = "-c_bhs" if self.slot_innermost_c else ""
+        return f"{self.case.id}-{dt}-split{self.num_splits or 'auto'}{layout}"
 
 
 KERNEL_CASES = [
@@ -204,6 +206,8 @@ KERNEL_CASES = [
     KernelCase(Case(d=64, window=True), torch.float16, 1),
     KernelCase(Case(d=48, window=True, dead=True), torch.float16, 5),
     KernelCase(Case(hq=2, h=2, d=64, lens=(1, 63, 600), capacity=640), torch.float16, None),
+    KernelCase(Case(hq=3, h=3, d=64, window=True, dead=True), torch.float16, 3, True),
+    KernelCase(Case(hq=4, h=2, d=48, window=True), torch.float32, 2, True),
 ]
 
 
@@ -212,6 +216,8 @@ KERNEL_CASES = [
 def test_triton_kernel_matches_reference(kc):
     case = kc.case
     x = make_cache(case, kc.dtype)
+    if kc.slot_innermost_c:
+        x["c_cache"] = x["c_cache"].transpose(1, 2).contiguous().transpose(1, 2)
     b, hq, d = x["q"].shape
     scale = d**-0.5
     num_splits = kc.num_splits

@@ -29,11 +29,12 @@ _MIN_KEYS_PER_SPLIT = 256
 MAX_SPLITS = 128
 # Tiles kept in flight per program by Triton's software pipelining (its default on Hopper).
 _PIPELINE_STAGES = 3
-# Launch options of the dense split kernel at D <= 64, with the FoX bias and without:
-# the best on average over B x prompt in {1, 8, 32} x 4k, 4 x 16k and 2 x 32k of 27 tiles x
-# warps x stages, on an H100 (scripts/tune_decode.py; docs/bench/decode/h100-tune-decode-*.json):
-# 3-8% faster than BN 64, 4 warps, 3 stages. The bias's strided float64 loads favour small
-# tiles; plain softmax streams best in large ones.
+# Launch options of the dense split kernel at D <= 64, by whether a [BG, BN] tile of the FoX
+# bias is computed (bias with GQA; without GQA the bias is a [BN] vector): the best on average
+# over B x prompt in {1, 8, 32} x 4k, 4 x 16k and 2 x 32k of tiles x warps x stages, on an H100
+# (scripts/tune_decode.py; docs/bench/decode/h100-tune-decode-*.json). The [BG, BN] bias tile's
+# float64 work favours small tiles; plain softmax and the vector bias stream best in large
+# ones (bias, 8 x 4k: 37.9 us per layer, against 44.2 us when it was a padded [16, BN] tile).
 _DENSE_TUNED = {
     True: dict(BN=32, num_warps=2, num_stages=3),
     False: dict(BN=128, num_warps=4, num_stages=4),
@@ -165,8 +166,11 @@ def _decode_split_kernel(
     b_q = tl.load(p_q, mask=m_g[:, None] & m_d[None, :], other=0.0)  # [BG, BD]
     if HAS_BIAS:
         # c_t in the cache's dtype: the difference is taken before any rounding to float32.
-        p_ct = c + i_b * stride_cb + (n - 1) * stride_cs + o_hq * stride_ch
-        b_ct = tl.load(p_ct, mask=m_g, other=0.0)  # [BG]
+        if GROUP == 1:  # one real row of BG: c as a [BN] vector, not a padded [BG, BN] tile
+            b_ct = tl.load(c + i_b * stride_cb + (n - 1) * stride_cs + i_h * stride_ch)  # []
+        else:
+            p_ct = c + i_b * stride_cb + (n - 1) * stride_cs + o_hq * stride_ch
+            b_ct = tl.load(p_ct, mask=m_g, other=0.0)  # [BG]
 
     b_m = tl.full([BG], float("-inf"), dtype=tl.float32)
     b_l = tl.zeros([BG], dtype=tl.float32)
@@ -183,10 +187,14 @@ def _decode_split_kernel(
             m_gj = m_gj & (o_j[None, :] >= b_ws[:, None])
         b_s = tl.dot(b_q, tl.trans(b_k), input_precision=DOT_PRECISION)  # [BG, BN]
         b_s = b_s * scale_log2
-        if HAS_BIAS:
-            p_c = c + i_b * stride_cb + o_j[None, :] * stride_cs + o_hq[:, None] * stride_ch
-            b_c = tl.load(p_c, mask=m_gj, other=0.0)  # [BG, BN]
-            b_s += (b_ct[:, None] - b_c).to(tl.float32) * LOG2E_TL  # the FoX bias
+        if HAS_BIAS:  # the FoX bias
+            if GROUP == 1:  # [start, end) begins at or after this row's window start
+                b_c = tl.load(c + i_b * stride_cb + i_h * stride_ch + o_j * stride_cs, mask=m_j, other=0.0)
+                b_s += ((b_ct - b_c).to(tl.float32) * LOG2E_TL)[None, :]  # [BN]
+            else:
+                p_c = c + i_b * stride_cb + o_j[None, :] * stride_cs + o_hq[:, None] * stride_ch
+                b_c = tl.load(p_c, mask=m_gj, other=0.0)  # [BG, BN]
+                b_s += (b_ct[:, None] - b_c).to(tl.float32) * LOG2E_TL
         b_s = tl.where(m_gj, b_s, float("-inf"))
         b_m, b_l, b_acc = _online_softmax_update(b_s, b_v, b_m, b_l, b_acc, DOT_PRECISION)
 
@@ -363,7 +371,7 @@ def launch_decode(
         t if t.stride(-1) == 1 else t.contiguous() for t in (q, k_cache, v_cache)
     )
     if config is None and d <= 64 and q.element_size() == 2:  # measured in bf16
-        config = _DENSE_TUNED[c_cache is not None]
+        config = _DENSE_TUNED[c_cache is not None and group > 1]
     num_splits, options = _split_launch(q, group, s, b * h, num_splits, config)
     acc_part, m_part, l_part = _split_workspace(q, num_splits) if workspace is None else workspace
     ws = window_start if window_start is not None else cache_seqlens  # unread placeholder
