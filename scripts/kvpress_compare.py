@@ -307,6 +307,8 @@ def run_kvpress(args) -> None:
         )
         return float(sum(k.numel() * k.element_size() + v.numel() * v.element_size() for k, v in pairs))
 
+    # past_key_values=: kvpress pins transformers < 5.3, before 5.24 renamed it cache=; this side
+    # imports nothing of lapse (not installed in its venv), so not lapse.hf.compat's CACHE_ARG either
     @torch.no_grad()
     def run(model, press, steps: int) -> tuple[float, float, float, float]:
         cache = DynamicCache()

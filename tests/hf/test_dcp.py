@@ -17,7 +17,7 @@ pytest.importorskip("transformers")
 from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM  # noqa: E402
 
 from lapse.generation import H2O, DCPDrop, Dense  # noqa: E402
-from lapse.hf import EvictingCache, add_dcp, dcp_modules  # noqa: E402
+from lapse.hf import CACHE_ARG, EvictingCache, add_dcp, dcp_modules  # noqa: E402
 from lapse.ops.dcp import dcp_sparsity_loss  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -111,7 +111,7 @@ def test_generation_through_the_store_drops_and_equals_masked_full_attention():
     ids = _ids(t=20)
     expected = _reference_generate(ours, ids, 12)
     cache = EvictingCache(DCPDrop(every=1), model=ours, max_context=64)
-    got = ours.generate(ids, past_key_values=cache, max_new_tokens=12, do_sample=False, pad_token_id=0)
+    got = ours.generate(ids, **{CACHE_ARG: cache}, max_new_tokens=12, do_sample=False, pad_token_id=0)
     assert torch.equal(got, expected)
     held = [int(n.max()) for n in cache.store.lengths]
     assert max(held) < got.shape[1] - 1  # tokens were dropped and their slots freed
@@ -125,10 +125,10 @@ def test_left_padded_batch_through_the_store_equals_each_prompt_alone():
     mask = (torch.arange(t) >= t - torch.tensor(lengths)[:, None]).long()
     ids = ids.masked_fill(mask == 0, 0)
     kw = {"max_new_tokens": 8, "do_sample": False, "pad_token_id": 0}
-    got = ours.generate(ids, attention_mask=mask, past_key_values=EvictingCache(DCPDrop(), model=ours), **kw)
+    got = ours.generate(ids, attention_mask=mask, **{CACHE_ARG: EvictingCache(DCPDrop(), model=ours)}, **kw)
     for b, n in enumerate(lengths):
         cache = EvictingCache(DCPDrop(), model=ours)
-        alone = ours.generate(ids[b : b + 1, t - n :], past_key_values=cache, **kw)
+        alone = ours.generate(ids[b : b + 1, t - n :], **{CACHE_ARG: cache}, **kw)
         assert torch.equal(got[b, t:], alone[0, n:])
 
 

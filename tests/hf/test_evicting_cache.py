@@ -24,7 +24,7 @@ from transformers import (  # noqa: E402  # noqa: E402
 )
 
 from lapse.generation import A2SF, H2O, ACPBoundary, Dense, SinkWindow, generate  # noqa: E402
-from lapse.hf import ATTENTION, EvictingCache, LapseConfig, LapseForCausalLM  # noqa: E402
+from lapse.hf import ATTENTION, CACHE_ARG, EvictingCache, LapseConfig, LapseForCausalLM  # noqa: E402
 from lapse.models import preset  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -92,10 +92,10 @@ class Watched(EvictingCache):
 def test_dense_equals_dynamic_cache_with_left_padding(family):
     ref, ours = _pair(family)
     ids, mask = _padded_batch()
-    expected = ref.generate(ids, attention_mask=mask, past_key_values=DynamicCache(), **GREEDY)
+    expected = ref.generate(ids, attention_mask=mask, **{CACHE_ARG: DynamicCache()}, **GREEDY)
     cache = EvictingCache(Dense(), model=ours, max_context=64)
     assert ours.config._attn_implementation == ATTENTION
-    got = ours.generate(ids, attention_mask=mask, past_key_values=cache, **GREEDY)
+    got = ours.generate(ids, attention_mask=mask, **{CACHE_ARG: cache}, **GREEDY)
     assert torch.equal(got, expected)
     assert cache.get_seq_length() == ids.shape[1] + GREEDY["max_new_tokens"] - 1
     assert cache.store.lengths[0][:, 0].tolist() == [n + 15 for n in (12, 7, 10)]  # no padding held
@@ -120,7 +120,7 @@ def test_budget_never_reached_equals_dense(policy):
     ids, mask = _padded_batch()
     expected = ref.generate(ids, attention_mask=mask, **GREEDY)
     got = ours.generate(
-        ids, attention_mask=mask, past_key_values=EvictingCache(policy, model=ours, max_context=64), **GREEDY
+        ids, attention_mask=mask, **{CACHE_ARG: EvictingCache(policy, model=ours, max_context=64)}, **GREEDY
     )
     assert torch.equal(got, expected)
 
@@ -138,7 +138,7 @@ def test_h2o_a2sf_never_exceed_the_budget(policy):
     _, ours = _pair()
     ids, mask = _padded_batch()
     cache = Watched(policy, model=ours)
-    out = ours.generate(ids, attention_mask=mask, past_key_values=cache, **GREEDY)
+    out = ours.generate(ids, attention_mask=mask, **{CACHE_ARG: cache}, **GREEDY)
     assert out.shape == (3, 12 + 16)
     budget = policy.tokens(12)  # a share of the longest prompt at most
     assert len(cache.after_evictions) == -(-15 // policy.every)
@@ -155,11 +155,11 @@ def test_sampling_runs_under_a_policy_and_dense_samples_as_dynamic_cache():
     expected = ref.generate(ids, attention_mask=mask, **sample)
     torch.manual_seed(3)
     got = ours.generate(
-        ids, attention_mask=mask, past_key_values=EvictingCache(Dense(), model=ours), **sample
+        ids, attention_mask=mask, **{CACHE_ARG: EvictingCache(Dense(), model=ours)}, **sample
     )
     assert torch.equal(got, expected)
     cache = Watched(H2O(budget=6, recent=2), model=ours)
-    out = ours.generate(ids, attention_mask=mask, past_key_values=cache, **sample)
+    out = ours.generate(ids, attention_mask=mask, **{CACHE_ARG: cache}, **sample)
     assert out.shape == (3, 24) and max(cache.after_evictions) <= 6
 
 
@@ -170,11 +170,11 @@ def test_sink_window_equals_decoding_under_the_matching_mask():
     s, w, new = 2, 5, 14
     ids = torch.randint(1, VOCAB, (2, 11), generator=torch.Generator().manual_seed(2))
     got = ours.generate(
-        ids, past_key_values=EvictingCache(SinkWindow(sinks=s, window=w, every=1), model=ours), **GREEDY
+        ids, **{CACHE_ARG: EvictingCache(SinkWindow(sinks=s, window=w, every=1), model=ours)}, **GREEDY
     )
     cache, tokens = DynamicCache(), [ids]
     with torch.no_grad():
-        logits = ref(ids, past_key_values=cache).logits[:, -1]
+        logits = ref(ids, **{CACHE_ARG: cache}).logits[:, -1]
         for _ in range(new - 1):
             tokens.append(logits.argmax(-1, keepdim=True))
             p = cache.get_seq_length()
@@ -182,7 +182,7 @@ def test_sink_window_equals_decoding_under_the_matching_mask():
             visible = (keys < s) | (keys >= p - w)  # [p + 1]
             mask = visible.expand(2, 1, 1, p + 1)
             logits = ref(
-                tokens[-1], past_key_values=cache, attention_mask=mask, position_ids=torch.full((2, 1), p)
+                tokens[-1], **{CACHE_ARG: cache}, attention_mask=mask, position_ids=torch.full((2, 1), p)
             ).logits[:, -1]
         tokens.append(logits.argmax(-1, keepdim=True))
     assert torch.equal(got[:, : 11 + new], torch.cat(tokens, 1))
@@ -194,11 +194,11 @@ def test_ragged_batch_equals_each_prompt_alone():
     ids, mask = _padded_batch(lengths)
     policy = A2SF(budget=0.5, recent=2, alpha=0.9, every=2)  # a share: each prompt's own budget
     batch = ours.generate(
-        ids, attention_mask=mask, past_key_values=EvictingCache(policy, model=ours), **GREEDY
+        ids, attention_mask=mask, **{CACHE_ARG: EvictingCache(policy, model=ours)}, **GREEDY
     )
     for b, n in enumerate(lengths):
         alone = ours.generate(
-            ids[b : b + 1, -n:], past_key_values=EvictingCache(policy, model=ours), **GREEDY
+            ids[b : b + 1, -n:], **{CACHE_ARG: EvictingCache(policy, model=ours)}, **GREEDY
         )
         assert torch.equal(batch[b, -(n + 16) :], alone[0])
 
@@ -216,7 +216,7 @@ def test_lapse_adapter_equals_lapse_generate_under_policies(arch):
         policies.append(ACPBoundary(eps=1e-3, every=4))
     for policy in policies:
         out = model.generate(
-            ids, past_key_values=EvictingCache(policy, model=model), max_new_tokens=12, do_sample=False
+            ids, **{CACHE_ARG: EvictingCache(policy, model=model)}, max_new_tokens=12, do_sample=False
         )
         assert torch.equal(out, generate(model.model, ids, 12, policy=policy)), policy
     mask = torch.ones_like(ids)
@@ -225,7 +225,7 @@ def test_lapse_adapter_equals_lapse_generate_under_policies(arch):
     out = model.generate(
         ids,
         attention_mask=mask,
-        past_key_values=EvictingCache(policy, model=model),
+        **{CACHE_ARG: EvictingCache(policy, model=model)},
         max_new_tokens=10,
         do_sample=False,
     )
@@ -246,19 +246,19 @@ def test_bad_input():
     with pytest.raises(ValueError, match="max_context"):
         EvictingCache(Dense(), max_context=0)
     with pytest.raises(RuntimeError, match="did not go through 'lapse_paged'"):
-        ref.generate(ids, attention_mask=mask, past_key_values=EvictingCache(Dense()), **GREEDY)
+        ref.generate(ids, attention_mask=mask, **{CACHE_ARG: EvictingCache(Dense())}, **GREEDY)
     with pytest.raises(ValueError, match="leaves no room"):
         ours.generate(
             ids,
             attention_mask=mask,
-            past_key_values=EvictingCache(Dense(), model=ours, max_context=12),
+            **{CACHE_ARG: EvictingCache(Dense(), model=ours, max_context=12)},
             **GREEDY,
         )
     with pytest.raises(NotImplementedError, match="beam search"):
         ours.generate(
             ids,
             attention_mask=mask,
-            past_key_values=EvictingCache(Dense(), model=ours),
+            **{CACHE_ARG: EvictingCache(Dense(), model=ours)},
             num_beams=2,
             max_new_tokens=4,
             pad_token_id=0,
@@ -267,7 +267,7 @@ def test_bad_input():
     sliding.config.sliding_window = 16
     with pytest.raises(ValueError, match="sliding window of 16"):
         sliding.generate(
-            ids, attention_mask=mask, past_key_values=EvictingCache(Dense(), model=sliding), **GREEDY
+            ids, attention_mask=mask, **{CACHE_ARG: EvictingCache(Dense(), model=sliding)}, **GREEDY
         )
     from transformers import GPT2Config, GPT2LMHeadModel
 
@@ -285,9 +285,9 @@ def test_dense_equals_dynamic_cache_on_cuda():
     ids, mask = (x.cuda() for x in _padded_batch())
     expected = ref.generate(ids, attention_mask=mask, **GREEDY)
     got = ours.generate(
-        ids, attention_mask=mask, past_key_values=EvictingCache(Dense(), model=ours), **GREEDY
+        ids, attention_mask=mask, **{CACHE_ARG: EvictingCache(Dense(), model=ours)}, **GREEDY
     )
     assert torch.equal(got, expected)
     cache = Watched(H2O(budget=6, recent=2), model=ours)
-    ours.generate(ids, attention_mask=mask, past_key_values=cache, **GREEDY)
+    ours.generate(ids, attention_mask=mask, **{CACHE_ARG: cache}, **GREEDY)
     assert max(cache.after_evictions) <= 6

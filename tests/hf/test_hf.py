@@ -20,7 +20,7 @@ pytest.importorskip("transformers")
 from transformers import AutoConfig, AutoModelForCausalLM  # noqa: E402
 
 from lapse.generation import generate  # noqa: E402
-from lapse.hf import LapseCache, LapseConfig, LapseForCausalLM  # noqa: E402
+from lapse.hf import CACHE_ARG, LapseCache, LapseConfig, LapseForCausalLM, output_cache  # noqa: E402
 from lapse.models import ARCHS, PRESETS, ModelConfig, preset  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -87,15 +87,35 @@ def test_forward_cache_and_loss():
     model = _hf_model("transformer-pro")
     ids = torch.randint(0, model.config.vocab_size, (2, 9))
     out = model(ids, labels=ids)
-    assert isinstance(out.past_key_values, LapseCache) and out.past_key_values.length == 9
+    assert isinstance(output_cache(out), LapseCache) and output_cache(out).length == 9
     # Hugging Face labels are unshifted: position t predicts labels[:, t + 1]
     expected = F.cross_entropy(out.logits[:, :-1].flatten(0, 1), ids[:, 1:].flatten())
     torch.testing.assert_close(out.loss, expected)
     step = model(ids[:, :6])
-    step = model(ids[:, 6:], past_key_values=step.past_key_values)
+    step = model(ids[:, 6:], **{CACHE_ARG: output_cache(step)})
     torch.testing.assert_close(step.logits, out.logits[:, 6:], atol=2e-5, rtol=0)
-    assert model(ids, use_cache=False).past_key_values is None
+    assert output_cache(model(ids, use_cache=False)) is None
     assert isinstance(model(ids, return_dict=False), tuple)
+
+
+def test_forward_takes_the_cache_under_either_name():
+    """``cache`` (transformers >= 5.24) and ``past_key_values`` (before) are one argument:
+    either continues the cache, both as one cache are fine, two different caches raise."""
+    model = _hf_model("transformer-llama")
+    ids = torch.randint(0, model.config.vocab_size, (2, 9))
+    whole = model(ids).logits
+    for name in ("cache", "past_key_values"):
+        cache = output_cache(model(ids[:, :6]))
+        step = model(ids[:, 6:], **{name: cache})
+        assert output_cache(step) is cache and cache.length == 9
+        torch.testing.assert_close(step.logits, whole[:, 6:], atol=2e-5, rtol=0)
+    cache = output_cache(model(ids[:, :6]))
+    both = model(ids[:, 6:], cache=cache, past_key_values=cache).logits  # one cache under both names
+    torch.testing.assert_close(both, whole[:, 6:], atol=2e-5, rtol=0)
+    with pytest.raises(ValueError, match="two different caches"):
+        model(ids[:, 6:], cache=cache, past_key_values=LapseCache(model.config.n_layers))
+    with pytest.raises(TypeError, match="must be a lapse.hf.LapseCache"):
+        model.prepare_inputs_for_generation(ids, past_key_values=object())
 
 
 @pytest.mark.parametrize("arch", ARCHS)
@@ -143,7 +163,7 @@ def test_unsupported_inputs_raise():
         model(
             ids[:, :2],
             attention_mask=torch.cat([torch.ones_like(ids), torch.tensor([[1, 0], [1, 1]])], 1),
-            past_key_values=out.past_key_values,
+            **{CACHE_ARG: output_cache(out)},
         )
     with pytest.raises(ValueError, match="inputs_embeds"):
         model(inputs_embeds=torch.zeros(2, 6, 64))

@@ -17,7 +17,7 @@ from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM, PreTrained
 
 from lapse.cli import main  # noqa: E402
 from lapse.generation import H2O, Dense  # noqa: E402
-from lapse.hf import ATTENTION, EvictingCache, load_pretrained, resolve_model_path  # noqa: E402
+from lapse.hf import ATTENTION, CACHE_ARG, EvictingCache, load_pretrained, resolve_model_path  # noqa: E402
 from lapse.hf import loading as loading_module  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -68,7 +68,7 @@ def test_load_pretrained_folder_is_switched_to_lapse_attention(llama_folder):
     assert model.config._attn_implementation == ATTENTION and not model.training
     ids = tokenizer("the quick brown fox", return_tensors="pt").input_ids
     cache = EvictingCache(H2O(budget=4, recent=2), model=model)
-    out = model.generate(ids, past_key_values=cache, max_new_tokens=8, min_new_tokens=8, do_sample=False)
+    out = model.generate(ids, **{CACHE_ARG: cache}, max_new_tokens=8, min_new_tokens=8, do_sample=False)
     assert out.shape == (1, ids.shape[1] + 8)
     assert max(int(n.max()) for n in cache.store.lengths) <= 4 + 1
 
@@ -186,10 +186,10 @@ def test_smollm2_from_gguf_generates_under_h2o_and_dense_equals_dynamic_cache():
         messages, add_generation_prompt=True, return_tensors="pt", return_dict=True
     )["input_ids"]
     greedy = {"max_new_tokens": 8, "do_sample": False}
-    expected = model.generate(ids, past_key_values=DynamicCache(), **greedy)  # lapse_paged alone: SDPA
-    dense = model.generate(ids, past_key_values=EvictingCache(Dense(), model=model, max_context=64), **greedy)
+    expected = model.generate(ids, **{CACHE_ARG: DynamicCache()}, **greedy)  # lapse_paged alone: SDPA
+    dense = model.generate(ids, **{CACHE_ARG: EvictingCache(Dense(), model=model, max_context=64)}, **greedy)
     assert torch.equal(dense, expected)
     assert "Paris" in tokenizer.decode(dense[0, ids.shape[1] :])
     cache = EvictingCache(H2O(budget=16, recent=4), model=model)
-    model.generate(ids, past_key_values=cache, **greedy)
+    model.generate(ids, **{CACHE_ARG: cache}, **greedy)
     assert max(int(n.max()) for n in cache.store.lengths) <= 16 + 1

@@ -242,6 +242,8 @@ def time_hf_llama(
     or (``compile=False``) its default DynamicCache, eager."""
     from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM, StaticCache
 
+    from lapse.hf import CACHE_ARG
+
     capacity = prompt + cfg.warmup + cfg.steps + 1
     hf_cfg = LlamaConfig(
         vocab_size=model_cfg.vocab_size,
@@ -260,8 +262,8 @@ def time_hf_llama(
     ids = torch.randint(0, model_cfg.vocab_size, (batch, prompt), device=device)
     out = model(
         ids,
-        past_key_values=cache,
         cache_position=torch.arange(prompt, device=device),
+        **{CACHE_ARG: cache},
         use_cache=True,
         logits_to_keep=1,
     )
@@ -273,8 +275,8 @@ def time_hf_llama(
             tok,
             position_ids=pos[None].expand(tok.shape[0], 1),
             cache_position=pos,
-            past_key_values=cache,
             use_cache=True,
+            **{CACHE_ARG: cache},
         ).logits[:, -1]
 
     compiled = torch.compile(hf_step, mode="reduce-overhead", fullgraph=True) if compile else hf_step

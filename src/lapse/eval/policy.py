@@ -53,7 +53,7 @@ from lapse.eval.common import eval_windows
 from lapse.eval.lm import EvalLM, HfOptions, as_causal_lm, load_lm, text_windows
 from lapse.files import save_figure, write_text_atomic
 from lapse.generation import Dense, Policy, PolicyName, PolicyOptions
-from lapse.hf import EvictingCache
+from lapse.hf import CACHE_ARG, EvictingCache
 from lapse.kv import LayerSnapshot
 
 
@@ -195,7 +195,7 @@ def policy_cache(lm: nn.Module, policy: Policy, total: int, chunk: int = 1) -> E
 def next_logits(lm: nn.Module, ids: Tensor, cache: EvictingCache) -> Tensor:
     """One forward of ``ids`` ``[B, T]`` through ``cache``; the last position's logits
     ``[B, V]`` in float32."""
-    return lm(input_ids=ids, past_key_values=cache, use_cache=True, logits_to_keep=1).logits[:, -1].float()
+    return lm(input_ids=ids, **{CACHE_ARG: cache}, use_cache=True, logits_to_keep=1).logits[:, -1].float()
 
 
 @torch.no_grad()

@@ -2,8 +2,12 @@
 
 :class:`LapseConfig` and :class:`LapseForCausalLM` wrap a lapse decoder as a
 ``transformers`` causal LM (``save_pretrained``, ``from_pretrained``, the Auto classes,
-``generate``); :class:`LapseCache` is its ``past_key_values``. Importing this package
-registers model type ``"lapse"`` with the Auto classes.
+``generate``); :class:`LapseCache` is its cache. Importing this package registers model
+type ``"lapse"`` with the Auto classes.
+
+:data:`CACHE_ARG` is the keyword under which the installed ``transformers`` takes a cache
+(``cache`` since 5.24, ``past_key_values`` before) and :func:`output_cache` reads it back
+from an output (:mod:`lapse.hf.compat`): ``model.generate(ids, **{CACHE_ARG: cache})``.
 
 :class:`EvictingCache` is a ``transformers`` cache backed by a lapse paged store under an
 eviction policy, for LLaMA-family Hugging Face models (through the ``"lapse_paged"``
@@ -14,6 +18,7 @@ loads a Hugging Face folder or a GGUF file (the optional ``lapse[hf]`` extra);
 """
 
 from .cache import LapseCache
+from .compat import CACHE_ARG, output_cache
 from .convert import NotRepresentable, decoder_from_hf, lapse_config, lapse_state_dict, load_for_import
 from .dcp import DCPProjections, add_dcp, dcp_modules
 from .evicting import ATTENTION, EvictingCache, register_attention, use_lapse_attention
@@ -25,6 +30,7 @@ register_attention()
 
 __all__ = [
     "ATTENTION",
+    "CACHE_ARG",
     "DCPProjections",
     "EvictingCache",
     "LapseCache",
@@ -38,6 +44,7 @@ __all__ = [
     "lapse_state_dict",
     "load_for_import",
     "load_pretrained",
+    "output_cache",
     "register",
     "register_attention",
     "resolve_model_path",

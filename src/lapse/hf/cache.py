@@ -1,4 +1,5 @@
-"""The lapse store as the ``past_key_values`` of Hugging Face's ``generate``."""
+"""The lapse store as the cache of Hugging Face's ``generate`` (its ``cache=``, transformers
+>= 5.24; ``past_key_values=`` before)."""
 
 from __future__ import annotations
 

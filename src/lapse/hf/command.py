@@ -18,6 +18,7 @@ from transformers import TextStreamer
 from lapse.files import write_text_atomic
 from lapse.generation.command import GenerateConfig, print_summary, read_prompts
 
+from .compat import CACHE_ARG
 from .evicting import EvictingCache
 from .loading import load_pretrained
 
@@ -70,7 +71,7 @@ def run_generate_hf(cfg: GenerateConfig) -> dict:
         out = model.generate(
             ids.to(device),
             attention_mask=mask.to(device),
-            past_key_values=cache,
+            **{CACHE_ARG: cache},
             max_new_tokens=cfg.max_new_tokens,
             pad_token_id=pad,
             streamer=streamer,

@@ -12,7 +12,7 @@ DCPInteraction`, shared, not copied)::
     model.train(); layer.dcp.alpha = 4.0    # training: the alpha-sigmoid mask, as a bias
     loss = model(ids, labels=ids).loss + gamma * mean(dcp_sparsity_loss(...))   # keep_log_mask
     model.eval()                            # inference: the step mask 1[z > 0]
-    model.generate(ids, past_key_values=EvictingCache(DCPDrop(), model=model))  # drops for good
+    model.generate(ids, cache=EvictingCache(DCPDrop(), model=model))  # drops for good (cache=: 5.24+)
 
 A forward without an :class:`~lapse.hf.EvictingCache` (training, scoring) computes ``log
 I`` over its tokens (alpha-sigmoid in training mode, the step in eval mode; padding keys

@@ -1,17 +1,19 @@
 """Eviction on Hugging Face models: a ``transformers`` cache backed by a lapse paged store.
 
-``EvictingCache(policy)`` is the ``past_key_values`` of ``model.generate`` for LLaMA-family
-models (LLaMA, SmolLM2, Mistral, Qwen2/3: grouped-query attention, RoPE applied by the
-model before its cache) and for lapse's own adapter (:class:`~lapse.hf.LapseForCausalLM`).
+``EvictingCache(policy)`` is the cache of ``model.generate`` for LLaMA-family models
+(LLaMA, SmolLM2, Mistral, Qwen2/3: grouped-query attention, RoPE applied by the model
+before its cache) and for lapse's own adapter (:class:`~lapse.hf.LapseForCausalLM`),
+passed as ``cache=`` (transformers >= 5.24; ``past_key_values=`` before:
+:data:`lapse.hf.CACHE_ARG` is the installed name).
 The keys and values go into a :class:`~lapse.kv.PagedStore`, and an eviction policy of
 :mod:`lapse.generation.policies` cuts it, as :func:`lapse.generation.generate` does::
 
     model = AutoModelForCausalLM.from_pretrained(...)
     cache = EvictingCache(H2O(budget=64, recent=16), model=model)  # installs "lapse_paged"
-    out = model.generate(ids, attention_mask=mask, past_key_values=cache, max_new_tokens=32)
+    out = model.generate(ids, attention_mask=mask, cache=cache, max_new_tokens=32)
 
 How a Hugging Face attention layer reaches the store: the layer calls
-``past_key_values.update(k, v, layer_idx)`` and then the attention function of
+``cache.update(k, v, layer_idx)`` and then the attention function of
 ``config._attn_implementation``. This module registers one, ``"lapse_paged"``
 (:func:`register_attention`, with SDPA's mask function); ``EvictingCache(..., model=m)``
 switches ``m`` to it (:func:`use_lapse_attention`; or load the model with

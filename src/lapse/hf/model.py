@@ -11,7 +11,8 @@ the Auto classes. ``lapse.hf`` is the only package that imports ``transformers``
   ``labels`` follow the Hugging Face convention (unshifted: the loss of position ``t``
   is on ``labels[:, t + 1]``), unlike ``Decoder``, whose labels are already shifted.
   The cache is a lapse store (:class:`~lapse.hf.LapseCache`, a ``DenseStore`` that
-  answers ``generate``'s questions), passed around as ``past_key_values``: the model
+  answers ``generate``'s questions), passed around as ``cache`` (transformers >= 5.24;
+  ``past_key_values`` before: the forward takes either, :mod:`lapse.hf.compat`): the model
   makes it on the first call with ``use_cache``, so ``generate()`` never makes a
   ``DynamicCache`` (``_supports_default_dynamic_cache`` returns False, the route
   transformers keeps for models with their own cache).
@@ -41,6 +42,7 @@ from transformers.modeling_outputs import CausalLMOutputWithPast
 from lapse.models import Decoder, ModelConfig, RMSNorm
 
 from .cache import LapseCache
+from .compat import CACHE_ARG, CACHE_NAMES, either_cache
 from .evicting import EvictingCache
 from .padding import padding_runs, roll_rows
 
@@ -53,7 +55,7 @@ class LapseConfig(PretrainedConfig):
     ``transformers`` names (``hidden_size``, ``num_hidden_layers``, ...) are aliases."""
 
     model_type = "lapse"
-    keys_to_ignore_at_inference = ["past_key_values"]
+    keys_to_ignore_at_inference = list(CACHE_NAMES)  # the output's cache, under either transformers' name
     attribute_map = {
         "hidden_size": "d_model",
         "num_hidden_layers": "n_layers",
@@ -118,7 +120,7 @@ class LapseForCausalLM(PreTrainedModel, GenerationMixin):
 
     config_class = LapseConfig
     _no_split_modules = ["Block"]
-    _skip_keys_device_placement = ["past_key_values"]
+    _skip_keys_device_placement = list(CACHE_NAMES)  # the forward takes the cache under either name
     # The lapse cache is not a transformers Cache: the forward makes it (see the module doc).
     _is_stateful = True  # refuses assisted generation, which would need to crop the cache
 
@@ -166,38 +168,43 @@ class LapseForCausalLM(PreTrainedModel, GenerationMixin):
         self,
         input_ids: Tensor | None = None,
         attention_mask: Tensor | None = None,
-        past_key_values: LapseCache | EvictingCache | None = None,
+        cache: LapseCache | EvictingCache | None = None,
         labels: Tensor | None = None,
         use_cache: bool | None = None,
         return_dict: bool | None = None,
+        past_key_values: LapseCache | EvictingCache | None = None,
         **kwargs,
     ) -> CausalLMOutputWithPast | tuple:
-        """Logits ``[B, T, V]`` for ``input_ids`` ``[B, T]``, continuing ``past_key_values``.
+        """Logits ``[B, T, V]`` for ``input_ids`` ``[B, T]``, continuing ``cache``.
 
         Args:
             input_ids: ``[B, T]`` token ids (required: ``inputs_embeds`` is not supported).
             attention_mask: optional ``[B, past + T]``; zeros mark padding (left or right,
                 see the module doc).
-            past_key_values: a :class:`~lapse.hf.LapseCache` from an earlier call,
-                which this call appends to; ``None`` starts a new one when ``use_cache``;
-                or an :class:`~lapse.hf.EvictingCache` (a paged store under an eviction
-                policy).
+            cache: a :class:`~lapse.hf.LapseCache` from an earlier call, which this call
+                appends to; ``None`` starts a new one when ``use_cache``; or an
+                :class:`~lapse.hf.EvictingCache` (a paged store under an eviction policy).
             labels: ``[B, T]`` unshifted targets (``labels[:, t + 1]`` is the target of
                 position ``t``), ``-100`` left out: the mean cross-entropy is ``loss``.
-            use_cache: return the cache as ``past_key_values`` (``config.use_cache`` by
-                default).
+            use_cache: return the cache, as the output's ``cache`` (transformers >= 5.24;
+                ``past_key_values`` before: :func:`lapse.hf.compat.output_cache` reads
+                either), ``config.use_cache`` by default.
             return_dict: ``False`` returns a tuple.
+            past_key_values: ``cache`` under its name before transformers 5.24 (what
+                ``generate`` passes there); giving both as two different caches raises
+                ``ValueError``.
             kwargs: other ``generate`` inputs, ignored.
         """
         if input_ids is None:
             raise ValueError("LapseForCausalLM needs input_ids (inputs_embeds is not supported)")
         if kwargs.get("inputs_embeds") is not None:
             raise ValueError("LapseForCausalLM does not take inputs_embeds; pass input_ids")
+        cache = either_cache(cache, past_key_values)
         use_cache = self.config.use_cache if use_cache is None else use_cache
-        if past_key_values is None and use_cache:
-            past_key_values = LapseCache(self.config.n_layers)
-        evicting = isinstance(past_key_values, EvictingCache)
-        fresh = past_key_values is None or past_key_values.get_seq_length() == 0
+        if cache is None and use_cache:
+            cache = LapseCache(self.config.n_layers)
+        evicting = isinstance(cache, EvictingCache)
+        fresh = cache is None or cache.get_seq_length() == 0
         start, lengths = padding_runs(attention_mask, input_ids.shape[1], fresh)
         shifted = None
         if labels is not None:
@@ -209,28 +216,30 @@ class LapseForCausalLM(PreTrainedModel, GenerationMixin):
                 shifted = shifted.masked_fill(
                     torch.arange(shifted.shape[1], device=shifted.device) >= lengths[:, None], -100
                 )
-        cache = past_key_values
+        store = cache
         if evicting:  # its paged store, evicted on the policy's schedule before this forward
-            cache = past_key_values.lapse_store(self, *input_ids.shape)
-        logits, loss = self.model(input_ids, shifted, cache=cache, lengths=lengths)  # [B, T, V]
+            store = cache.lapse_store(self, *input_ids.shape)
+        logits, loss = self.model(input_ids, shifted, cache=store, lengths=lengths)  # [B, T, V]
         if evicting:
-            past_key_values.end_forward(input_ids.shape[1])
+            cache.end_forward(input_ids.shape[1])
         if start is not None:
             logits = roll_rows(logits, -start)  # back where the tokens were
-        out = CausalLMOutputWithPast(
-            loss=loss, logits=logits, past_key_values=past_key_values if use_cache else None
-        )
+        out = CausalLMOutputWithPast(loss=loss, logits=logits, **{CACHE_ARG: cache if use_cache else None})
         return out if return_dict is not False else out.to_tuple()
 
-    def prepare_inputs_for_generation(self, input_ids: Tensor, past_key_values=None, **kwargs) -> dict:
+    def prepare_inputs_for_generation(
+        self, input_ids: Tensor, *args, cache=None, past_key_values=None, **kwargs
+    ) -> dict:
         """``transformers``' own preparation (it slices ``input_ids`` to the new tokens when
-        a cache is passed), after checking that a given cache is a lapse one."""
-        if past_key_values is not None and not isinstance(past_key_values, (LapseCache, EvictingCache)):
+        a cache is passed), after checking that a given cache (under either name, see
+        :meth:`forward`) is a lapse one; it gets the cache under the installed name."""
+        cache = either_cache(cache, past_key_values)
+        if cache is not None and not isinstance(cache, (LapseCache, EvictingCache)):
             raise TypeError(
-                "past_key_values must be a lapse.hf.LapseCache or EvictingCache, got "
-                f"{type(past_key_values).__name__}"
+                f"the cache ({CACHE_ARG}=) must be a lapse.hf.LapseCache or EvictingCache, got "
+                f"{type(cache).__name__}"
             )
-        return super().prepare_inputs_for_generation(input_ids, past_key_values=past_key_values, **kwargs)
+        return super().prepare_inputs_for_generation(input_ids, *args, **{CACHE_ARG: cache}, **kwargs)
 
 
 def register() -> None:
