@@ -25,6 +25,8 @@ def main():
     ap.add_argument("--prompt", type=int, default=4096)
     ap.add_argument("--steps", type=int, default=8)
     ap.add_argument("--rows", type=int, default=12, help="kernels listed")
+    ap.add_argument("--sequence", type=int, default=0,
+                    help="also list the first N kernels of one step in launch order (name, us)")
     args = ap.parse_args()
     for arch in args.arch:
         profile(args, arch)
@@ -53,6 +55,13 @@ def profile(args, arch: str) -> None:
         f"{sum(e.count for e in ka) / args.steps:.0f} kernels per step"
     )
     print(ka.table(sort_by="self_device_time_total", row_limit=args.rows, max_name_column_width=90))
+    if args.sequence:
+        kernels = sorted((e for e in prof.events() if e.device_type.name == "CUDA"),
+                         key=lambda e: e.time_range.start)
+        per_step = len(kernels) // args.steps
+        print(f"the first {args.sequence} of a step's {per_step} kernels, in order (us):")
+        for e in kernels[per_step:per_step + args.sequence]:  # the second profiled step
+            print(f"  {e.time_range.elapsed_us():7.2f}  {e.name[:150]}")
 
 
 if __name__ == "__main__":

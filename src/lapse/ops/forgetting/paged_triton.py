@@ -106,7 +106,10 @@ def _paged_split_kernel(
     b_q = tl.load(p_q, mask=m_g[:, None] & m_d[None, :], other=0.0)  # [BG, BD]
     if USE_BIAS:
         # c_t in c's dtype: the difference is taken before any rounding to float32.
-        b_ct = tl.load(c_query + i_b * stride_cqb + o_hq * stride_cqh, mask=m_g, other=0.0)  # [BG]
+        if GROUP == 1:  # one real row of BG: c as a [BN] vector (as in decode_triton.py)
+            b_ct = tl.load(c_query + i_b * stride_cqb + i_h * stride_cqh)  # []
+        else:
+            b_ct = tl.load(c_query + i_b * stride_cqb + o_hq * stride_cqh, mask=m_g, other=0.0)  # [BG]
     p_table = page_table + i_b * stride_tb + i_h * stride_th
     o_srow = (i_bh * GROUP + o_g) * n_slots  # [BG] rows of s_part [B, H, GROUP, L]
 
@@ -126,10 +129,14 @@ def _paged_split_kernel(
         m_gj = m_g[:, None] & m_j[None, :]  # [BG, BN]
         b_s = tl.dot(b_q, tl.trans(b_k), input_precision=DOT_PRECISION) * scale_log2  # [BG, BN]
         if USE_BIAS:
-            p_c = (c_pages + b_page[None, :] * stride_cp + o_off[None, :] * stride_cs
-                   + o_g[:, None] * stride_cg)
-            b_c = tl.load(p_c, mask=m_gj, other=0.0)  # [BG, BN]
-            b_s = b_s + (b_ct[:, None] - b_c).to(tl.float32) * LOG2E_TL
+            if GROUP == 1:
+                b_c = tl.load(c_pages + b_page * stride_cp + o_off * stride_cs, mask=m_j, other=0.0)
+                b_s = b_s + ((b_ct - b_c).to(tl.float32) * LOG2E_TL)[None, :]  # [BN]
+            else:
+                p_c = (c_pages + b_page[None, :] * stride_cp + o_off[None, :] * stride_cs
+                       + o_g[:, None] * stride_cg)
+                b_c = tl.load(p_c, mask=m_gj, other=0.0)  # [BG, BN]
+                b_s = b_s + (b_ct[:, None] - b_c).to(tl.float32) * LOG2E_TL
         b_s = tl.where(m_gj, b_s, float("-inf"))
         if RETURN_PROBS:
             tl.store(s_part + o_srow[:, None] + o_j[None, :], b_s, mask=m_gj)

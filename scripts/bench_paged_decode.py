@@ -1,0 +1,82 @@
+"""Times one layer of the paged decode op against the dense one on the GPU (issue 12): the
+same keys (125M heads: 12 of 64, bf16, no GQA), FoX bias and plain softmax, the paged
+store's pages scattered at random, under CUDA-graph replay; reports us per call and the
+share of HBM bandwidth (K, V and ``c`` of the held slots, read once).
+
+    python scripts/bench_paged_decode.py --shapes 8x4096 4x16384 --out paged.json
+"""
+
+# ruff: noqa: B023 (each closure over loop variables is timed inside its own iteration)
+from __future__ import annotations
+
+import argparse
+import json
+
+import torch
+import triton.testing
+
+from lapse.ops.forgetting import forgetting_attention_decode
+from lapse.ops.forgetting.paged import forgetting_attention_paged_decode
+
+HBM = 3.35e12  # H100 SXM bytes/s
+
+
+def _bench(fn) -> float:
+    return 1e3 * triton.testing.do_bench_cudagraph(fn, rep=50, return_mode="median")
+
+
+def case(b: int, t: int, h: int = 12, d: int = 64, ps: int = 16, fox: bool = True, dev: str = "cuda",
+         timed: bool = True) -> dict:
+    torch.manual_seed(0)
+    dt = torch.bfloat16 if dev == "cuda" else torch.float32
+    k = torch.randn(b, t, h, d, device=dev, dtype=dt)
+    v = torch.randn(b, t, h, d, device=dev, dtype=dt)
+    c = (-0.01 * torch.rand(b, t, h, device=dev, dtype=torch.float64)).cumsum(1) if fox else None
+    q = torch.randn(b, h, d, device=dev, dtype=dt)
+    seqlens = torch.full((b,), t, device=dev, dtype=torch.int32)
+    mp = t // ps
+    n_pages = b * h * mp
+    perm = torch.randperm(n_pages, device=dev)
+    page_table = perm.view(b, h, mp).to(torch.int32)
+    # pool[page_table[b, h, i]] = the i-th page of (b, h)
+    k_pages = torch.empty(n_pages, ps, d, device=dev, dtype=dt)
+    v_pages = torch.empty_like(k_pages)
+    k_pages[page_table.long().flatten()] = k.view(b, mp, ps, h, d).permute(0, 3, 1, 2, 4).reshape(-1, ps, d)
+    v_pages[page_table.long().flatten()] = v.view(b, mp, ps, h, d).permute(0, 3, 1, 2, 4).reshape(-1, ps, d)
+    c_pages = c_query = None
+    if fox:
+        c_pages = torch.empty(n_pages, ps, 1, device=dev, dtype=torch.float64)
+        c_pages[page_table.long().flatten()] = c.view(b, mp, ps, h).permute(0, 3, 1, 2).reshape(-1, ps, 1)
+        c_query = c[:, -1]  # [B, H]
+    lengths = torch.full((b, h), t, device=dev, dtype=torch.int32)
+    dense = lambda: forgetting_attention_decode(q, k, v, c, seqlens, check_values=False)
+    paged = lambda: forgetting_attention_paged_decode(q, k_pages, v_pages, page_table, lengths,
+                                                      c_pages=c_pages, c_query=c_query,
+                                                      check_values=False)
+    err = (dense().float() - paged().float()).abs().max().item()
+    nbytes = b * t * h * (2 * d * 2 + (8 if fox else 0))
+    row = dict(batch=b, prompt=t, fox=fox, max_err=err)
+    for name, fn in (("dense", dense), ("paged", paged)) if timed else ():
+        us = _bench(fn)
+        row[f"{name}_us"] = round(us, 2)
+        row[f"{name}_hbm"] = round(nbytes / us / 1e6 / (HBM / 1e12), 3)
+    return row
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--shapes", nargs="+", default=["8x4096", "4x16384", "1x4096"])
+    ap.add_argument("--out", default="paged_decode.json")
+    args = ap.parse_args()
+    rows = []
+    for shape in args.shapes:
+        b, t = (int(x) for x in shape.split("x"))
+        for fox in (True, False):
+            rows.append(case(b, t, fox=fox))
+            print(json.dumps(rows[-1]), flush=True)
+    with open(args.out, "w") as f:
+        json.dump(dict(device=torch.cuda.get_device_name(), torch=torch.__version__, rows=rows), f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
