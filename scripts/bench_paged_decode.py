@@ -17,6 +17,7 @@ import triton.testing
 
 from lapse.ops.forgetting import forgetting_attention_decode
 from lapse.ops.forgetting.paged import forgetting_attention_paged_decode
+from lapse.ops.forgetting.paged_triton import launch_paged_decode
 
 HBM = 3.35e12  # H100 SXM bytes/s
 
@@ -26,7 +27,7 @@ def _bench(fn) -> float:
 
 
 def case(b: int, t: int, h: int = 12, d: int = 64, ps: int = 16, fox: bool = True, dev: str = "cuda",
-         timed: bool = True) -> dict:
+         timed: bool = True, configs: tuple[dict, ...] = ()) -> dict:
     torch.manual_seed(0)
     dt = torch.bfloat16 if dev == "cuda" else torch.float32
     k = torch.randn(b, t, h, d, device=dev, dtype=dt)
@@ -60,6 +61,14 @@ def case(b: int, t: int, h: int = 12, d: int = 64, ps: int = 16, fox: bool = Tru
         us = _bench(fn)
         row[f"{name}_us"] = round(us, 2)
         row[f"{name}_hbm"] = round(nbytes / us / 1e6 / (HBM / 1e12), 3)
+    o = torch.empty_like(q)
+    lse = torch.empty(b, h, device=dev, dtype=torch.float32)
+    for cfg in configs if timed else ():  # the paged split kernel's launch options
+        launch = lambda: launch_paged_decode(q, k_pages, v_pages, page_table, lengths, c_pages,
+                                             c_query, d**-0.5, o, lse, config=cfg)
+        launch()
+        err = (o.float() - dense().float()).abs().max().item()
+        row.setdefault("configs", []).append(dict(cfg, us=round(_bench(launch), 2), max_err=err))
     return row
 
 
@@ -67,12 +76,16 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--shapes", nargs="+", default=["8x4096", "4x16384", "1x4096"])
     ap.add_argument("--out", default="paged_decode.json")
+    ap.add_argument("--configs", action="store_true",
+                    help="also time the paged kernel over BN x warps x stages")
     args = ap.parse_args()
     rows = []
     for shape in args.shapes:
         b, t = (int(x) for x in shape.split("x"))
         for fox in (True, False):
-            rows.append(case(b, t, fox=fox))
+            grid = [dict(BN=bn, num_warps=w, num_stages=st) for bn in (32, 64, 128) for w in (2, 4, 8)
+                    for st in (2, 3, 4)] if args.configs else []
+            rows.append(case(b, t, fox=fox, configs=tuple(grid)))
             print(json.dumps(rows[-1]), flush=True)
     with open(args.out, "w") as f:
         json.dump(dict(device=torch.cuda.get_device_name(), torch=torch.__version__, rows=rows), f, indent=1)
