@@ -207,6 +207,8 @@ KERNEL_CASES = [
     KernelCase(Case(d=48, window=True, dead=True), torch.float16, 5),
     KernelCase(Case(hq=2, h=2, d=64, lens=(1, 63, 600), capacity=640), torch.float16, None),
     KernelCase(Case(hq=3, h=3, d=64, window=True, dead=True), torch.float16, 3, True),
+    # one split over several BN-128 tiles after a window start
+    KernelCase(Case(hq=3, h=3, d=64, window=True, lens=(1, 300, 600), capacity=640), torch.float16, 1),
     KernelCase(Case(hq=4, h=2, d=48, window=True), torch.float32, 2, True),
 ]
 

@@ -275,6 +275,8 @@ KERNEL_CASES = [
     KernelCase(Case(hq=4, h=4, fox=False, lens=((77, 2, 128, 33),)), torch.float16, 4),
     # one query head per kv head with the FoX bias (its [BN] vector path), several splits
     KernelCase(Case(hq=3, h=3, lens=((1, 16, 128), (77, 2, 33))), torch.float32, 3),
+    # the same in fp16 at D 64: the tuned launch options (BN 128) over several splits
+    KernelCase(Case(hq=3, h=3, d=64, lens=((1, 16, 128), (77, 2, 128)), max_pages=16), torch.float16, 2),
     # pages larger than a key tile
     KernelCase(Case(hq=6, h=2, lens=((3, 256), (128, 1)), page_size=128, max_pages=2),
                torch.float32, 2),
