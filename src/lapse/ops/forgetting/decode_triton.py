@@ -57,6 +57,16 @@ def _online_softmax_update(b_s, b_v, b_m, b_l, b_acc, DOT_PRECISION: tl.constexp
 
 
 @triton_jit
+def _add_fox_bias(b_s, b_ct, b_c, VECTOR: tl.constexpr):
+    """Base-2 logits ``b_s`` [BG, BN] plus the FoX bias ``c_t - c_j`` (taken in ``c``'s
+    dtype, then rounded): ``VECTOR`` (one query head per kv head) ``b_ct`` [] and ``b_c``
+    [BN], the same for every padded row; else ``b_ct`` [BG] and ``b_c`` [BG, BN]."""
+    if VECTOR:
+        return b_s + ((b_ct - b_c).to(tl.float32) * LOG2E_TL)[None, :]
+    return b_s + (b_ct[:, None] - b_c).to(tl.float32) * LOG2E_TL
+
+
+@triton_jit
 def _store_split_result(
     b_acc,
     b_m,
@@ -190,11 +200,10 @@ def _decode_split_kernel(
         if HAS_BIAS:  # the FoX bias
             if GROUP == 1:  # [start, end) begins at or after this row's window start
                 b_c = tl.load(c + i_b * stride_cb + i_h * stride_ch + o_j * stride_cs, mask=m_j, other=0.0)
-                b_s += ((b_ct - b_c).to(tl.float32) * LOG2E_TL)[None, :]  # [BN]
             else:
                 p_c = c + i_b * stride_cb + o_j[None, :] * stride_cs + o_hq[:, None] * stride_ch
                 b_c = tl.load(p_c, mask=m_gj, other=0.0)  # [BG, BN]
-                b_s += (b_ct[:, None] - b_c).to(tl.float32) * LOG2E_TL
+            b_s = _add_fox_bias(b_s, b_ct, b_c, GROUP == 1)
         b_s = tl.where(m_gj, b_s, float("-inf"))
         b_m, b_l, b_acc = _online_softmax_update(b_s, b_v, b_m, b_l, b_acc, DOT_PRECISION)
 

@@ -29,6 +29,7 @@ from torch import Tensor
 
 from ..backend import LOG2E, LOG2E_TL, tl, triton, triton_jit
 from .decode_triton import (
+    _add_fox_bias,
     _combine_splits,
     _online_softmax_update,
     _split_launch,
@@ -139,14 +140,13 @@ def _paged_split_kernel(
         m_gj = m_g[:, None] & m_j[None, :]  # [BG, BN]
         b_s = tl.dot(b_q, tl.trans(b_k), input_precision=DOT_PRECISION) * scale_log2  # [BG, BN]
         if USE_BIAS:
-            if GROUP == 1:
+            if GROUP == 1:  # [BN]
                 b_c = tl.load(c_pages + b_page * stride_cp + o_off * stride_cs, mask=m_j, other=0.0)
-                b_s = b_s + ((b_ct - b_c).to(tl.float32) * LOG2E_TL)[None, :]  # [BN]
             else:
                 p_c = (c_pages + b_page[None, :] * stride_cp + o_off[None, :] * stride_cs
                        + o_g[:, None] * stride_cg)
                 b_c = tl.load(p_c, mask=m_gj, other=0.0)  # [BG, BN]
-                b_s = b_s + (b_ct[:, None] - b_c).to(tl.float32) * LOG2E_TL
+            b_s = _add_fox_bias(b_s, b_ct, b_c, GROUP == 1)
         b_s = tl.where(m_gj, b_s, float("-inf"))
         if RETURN_PROBS:
             tl.store(s_part + o_srow[:, None] + o_j[None, :], b_s, mask=m_gj)
