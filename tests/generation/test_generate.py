@@ -424,3 +424,15 @@ def test_fused_projections_after_inference_mode_and_a_failed_entry():
     finally:
         type(model.blocks[0].mlp).fuse_projections = original
     assert all(b.attn.fused_in_proj is None and b.mlp.fused_gate_up is None for b in model.blocks)
+
+
+def test_compiled_step_serves_models_of_different_head_dims(compiled_step_matches_eager):
+    """Two models whose layers have different scales (head dims 16 and 64) compiled in one
+    process: without ``specialize_float`` Dynamo turned the changed float into a symbolic
+    input on the second compile, and the op's scale check failed to trace (found on the
+    GPU, where the tests run in one process)."""
+    for name in ("tiny", "small"):
+        torch.manual_seed(0)
+        model = Decoder(preset(name, "fox-llama", init_std=0.1)).eval()
+        ids = torch.randint(0, model.config.vocab_size, (2, 5))
+        compiled_step_matches_eager(model, ids, 2, atol=ATOL32)

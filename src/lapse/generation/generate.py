@@ -60,7 +60,8 @@ def compiled_decode_one_token(
     store's buffers must not be reallocated between steps (give the store its capacity).
     ``backend="aot_eager"`` checks the trace without code generation (tests on CPU).
 
-    Each call runs under ``torch._dynamo.config.patch``, which raises Dynamo's recompile
+    Each call runs under ``torch._dynamo.config.patch``, which keeps Python floats constant
+    (``specialize_float``: models of different head dims in one process), and raises Dynamo's recompile
     limit to at least ``DECODE_RECOMPILE_LIMIT`` for the compiles of this call only: every
     model kind, batch and store shape is one more compiled entry of the same function
     (entries of every (mode, backend) count together), and with ``fullgraph=True`` the
@@ -83,7 +84,11 @@ def compiled_decode_one_token(
         refresh = getattr(model, "refresh_fused_projections", None)  # None: a hand-written model
         if refresh is not None:
             refresh()
-        with config.patch(name, max(getattr(config, name), DECODE_RECOMPILE_LIMIT)):
+        # specialize_float: Python floats of the model (a layer's scale, norm eps) stay
+        # constants. Else Dynamo makes a float that changed between two compiles (models of
+        # another head dim) a symbolic input, which the ops' scalar checks cannot read.
+        limit = max(getattr(config, name), DECODE_RECOMPILE_LIMIT)
+        with config.patch({name: limit, "specialize_float": True}):
             return compiled(model, token, cache)
 
     return step

@@ -71,6 +71,12 @@ class StoreBase:
             return x[:, -1]
         return x[torch.arange(x.shape[0], device=x.device), self._new.to(x.device) - 1]
 
+    def write_targets(self, layer_idx: int, k: Tensor, v: Tensor, **extras: Tensor):
+        """The buffers and slots a fused one-token kernel may write the new token into
+        itself (:meth:`lapse.kv.DenseStore.write_targets`), or ``None``: this store has
+        none (pages are found through a table), and the layer appends as usual."""
+        return None
+
     def _make_room(self, t: int) -> None:
         """Outside compiled code, before ``t`` new tokens: checks and allocation of the store."""
 

@@ -58,6 +58,22 @@ class DenseStore(StoreBase):
     def view(self, layer_idx: int) -> KVView:
         return KVView(self.k[layer_idx], self.v[layer_idx], self.extras[layer_idx], self._after)
 
+    def write_targets(
+        self, layer_idx: int, k: Tensor, v: Tensor, **extras: Tensor
+    ) -> tuple[Tensor, Tensor, dict[str, Tensor], Tensor]:
+        """Where :meth:`append` of one new token per sequence (``k, v`` ``[B, 1, K, D]``,
+        ``extras`` ``[B, 1, ...]``, here only their shapes and dtypes count) would write:
+        the layer's ``k`` and ``v`` buffers ``[B, S, K, D]``, its extras by name, and each
+        sequence's slot ``[B]`` (int64). For a fused kernel that computes the new token's
+        keys and writes them itself (:func:`lapse.ops.forgetting.forgetting_decode_input`);
+        it must write every buffer, as :meth:`append` would. Checks and allocates as
+        :meth:`append` does (outside compiled code)."""
+        if not torch.compiler.is_compiling():
+            if k.shape[1] != 1:
+                raise ValueError(f"write_targets serves one new token per sequence, got {k.shape[1]}")
+            self._allocate(layer_idx, k, v, extras)
+        return self.k[layer_idx], self.v[layer_idx], self.extras[layer_idx], self._positions[:, 0]
+
     def reorder(self, index: Tensor) -> None:
         def moved(x: Tensor) -> Tensor:
             y = x.index_select(0, index.to(x.device))

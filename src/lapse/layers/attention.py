@@ -96,6 +96,10 @@ class Attention(nn.Module):
         b, t, _ = x.shape
         h, d = self.n_heads, self.head_dim
         q, key, val, gate = self._project(x)
+        if cache is not None and t == 1:
+            fused = self._fused_step(q, key, val, gate, x, cache)
+            if fused is not None:
+                return self.o_proj(fused.reshape(b, t, h * d))  # [B, 1, C]
         if self.k_shift is not None:
             key, val = self._shift(key, val, x, cache)
         if self.q_norm is not None:
@@ -104,6 +108,16 @@ class Attention(nn.Module):
         if gate is not None:
             return self.o_proj(self.o_norm(o).reshape(b, t, h * d) * torch.sigmoid(gate))
         return self.o_proj(o.reshape(b, t, h * d))  # [B, T, C]
+
+    def _fused_step(
+        self, q: Tensor, k: Tensor, v: Tensor, gate: Tensor | None, x: Tensor, cache: KVCache
+    ) -> Tensor | None:
+        """A kind's one-token step from the raw projections (``q`` ``[B, 1, H, D]``, ``k``,
+        ``v`` ``[B, 1, K, D]``, the output gate's logits ``[B, 1, H * D]`` or ``None``) to
+        the input of ``o_proj`` ``[B, 1, H, D]`` (output norm and gate applied), in fewer
+        kernels than the separate steps; ``None`` where the kind has no such step or cannot
+        take it here (the separate steps run)."""
+        return None
 
     def _project(self, x: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor | None]:
         """q ``[B, T, H, D]``, k, v ``[B, T, K, D]`` and the output gate's logits

@@ -8,8 +8,15 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from lapse.kv import GateState, KVCache, PagedView
-from lapse.ops.forgetting import cumulative_log_gates, forgetting_attention, forgetting_attention_cached
+from lapse.kv import GateState, KVCache, PagedView, ShiftState
+from lapse.ops.backend import triton_usable
+from lapse.ops.forgetting import (
+    cumulative_log_gates,
+    forgetting_attention,
+    forgetting_attention_cached,
+    forgetting_attention_decode,
+    forgetting_decode_input,
+)
 
 from .attention import Attention
 from .norm import gate_linear
@@ -69,6 +76,51 @@ class ForgettingAttention(Attention):
             q, view.k, view.v, view.extras["c"], view.seqlens,
             scale=self.scale, backend=backend, check_values=False,
         )  # [B, T, H, D]
+
+    def _fused_step(
+        self, q: Tensor, k: Tensor, v: Tensor, gate: Tensor | None, x: Tensor, cache: KVCache
+    ) -> Tensor | None:
+        """A one-token step over a store that lets a kernel write its slots (a dense one)
+        with the Triton backend and no autograd: the forget gate, ``c_t``, the KV-shift,
+        the QK-norm and the cache writes in one kernel
+        (:func:`~lapse.ops.forgetting.forgetting_decode_input`), then the split-K decode
+        kernel with the output norm and gate in its epilogue. The same function as the
+        separate steps (tests hold them together); six kernels fewer per FoX (Pro) layer
+        in a compiled step (``BENCHMARKS.md``)."""
+        triton = self.backend == "triton" or (self.backend == "auto" and x.is_cuda)
+        if torch.is_grad_enabled() or x.dtype == torch.float64 or not (triton and triton_usable(x)):
+            return None
+        b, _, h, _ = q.shape
+        c_last = cache.state(self.layer_idx, GateState).ensure(b, h, x.device)  # [B, H] float64
+        targets = cache.write_targets(self.layer_idx, k, v, c=c_last[:, None]) \
+            if hasattr(cache, "write_targets") else None
+        if targets is None:
+            return None
+        k_buf, v_buf, extras, slot = targets
+        k_prev = v_prev = None
+        if self.k_shift is not None:
+            k_prev, v_prev = cache.state(self.layer_idx, ShiftState).ensure(k, v)
+        norm = self.q_norm is not None
+        q = forgetting_decode_input(
+            x[:, 0], q[:, 0], k[:, 0], v[:, 0],
+            fgate_weight=self.fgate.weight, fgate_bias=self.fgate.bias,
+            k_shift_weight=self.k_shift.weight if k_prev is not None else None,
+            v_shift_weight=self.v_shift.weight if k_prev is not None else None,
+            q_norm_weight=self.q_norm.weight if norm else None,
+            k_norm_weight=self.k_norm.weight if norm else None,
+            eps=self.q_norm.eps if norm else 0.0,
+            c_last=c_last, k_prev=k_prev, v_prev=v_prev,
+            k_cache=k_buf, v_cache=v_buf, c_cache=extras["c"], slot=slot, backend="triton",
+        )  # [B, H, D]
+        view = cache.view(self.layer_idx)
+        gated = {}
+        if gate is not None:
+            gated = dict(out_norm_weight=self.o_norm.weight, out_gate=gate.view(q.shape),
+                         out_norm_eps=self.o_norm.eps)
+        return forgetting_attention_decode(
+            q, view.k, view.v, view.extras["c"], view.seqlens,
+            scale=self.scale, backend="triton", check_values=False, **gated,
+        )[:, None]  # [B, 1, H, D]
 
     # torch.compile leaves the op eager: Inductor re-compiles user Triton kernels itself and
     # fails on the nested @triton.jit helpers of the forward kernel (Triton 3.6, torch 2.11).

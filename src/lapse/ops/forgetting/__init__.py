@@ -27,6 +27,7 @@ from .common import (
     validate,
 )
 from .decode import forgetting_attention_cached, forgetting_attention_decode
+from .decode_input import forgetting_decode_input
 from .naive import naive_forgetting_attention
 from .paged import forgetting_attention_paged_decode
 
@@ -39,6 +40,7 @@ __all__ = [
     "forgetting_attention_cached",
     "forgetting_attention_decode",
     "forgetting_attention_paged_decode",
+    "forgetting_decode_input",
     "naive_forgetting_attention",
     "set_value_checks",
 ]

@@ -75,6 +75,15 @@ def _decode_torch(
     return o.to(q.dtype), lse.float()
 
 
+def _gated_output_torch(o: Tensor, weight: Tensor, gate: Tensor, eps: float) -> Tensor:
+    """``RMSNorm_head(o) * sigmoid(gate)`` as the unfused Pro layer computes it: the norm in
+    float32 (``lapse.layers.RMSNorm``), rounded to ``o``'s dtype, times the gate's sigmoid
+    in ``gate``'s dtype."""
+    of = o.to(torch.promote_types(o.dtype, torch.float32))
+    y = (of * torch.rsqrt(of.pow(2).mean(-1, keepdim=True) + eps) * weight).to(o.dtype)
+    return y * torch.sigmoid(gate)
+
+
 def _cached_torch(
     q: Tensor,
     k_cache: Tensor,
@@ -198,6 +207,28 @@ def _validate(
     return scale
 
 
+def _check_out_gate(
+    q: Tensor, weight: Tensor | None, gate: Tensor | None, eps: float
+) -> tuple[Tensor, Tensor, float] | None:
+    """``(weight, gate, eps)`` of the output side once checked, ``None`` without one."""
+    if weight is None and gate is None:
+        return None
+    if weight is None or gate is None:
+        raise ValueError("out_norm_weight and out_gate come together (the output norm and gate) or not at all")
+    b, hq, d = q.shape
+    if tuple(weight.shape) != (hq, d) or tuple(gate.shape) != (b, hq, d):
+        raise ValueError(
+            f"out_norm_weight must be [query_heads, head_dim] = {(hq, d)} and out_gate "
+            f"[batch, query_heads, head_dim] = {(b, hq, d)}, got {_shape(weight)} and {_shape(gate)}"
+        )
+    if gate.dtype != q.dtype or gate.stride(-1) != 1:
+        raise ValueError(f"out_gate must be {q.dtype} with a unit stride in its last dim, got {gate.dtype}, "
+                         f"strides {gate.stride()}")
+    if weight.device != q.device or gate.device != q.device:
+        raise ValueError(f"out_norm_weight and out_gate must be on {q.device}")
+    return weight, gate, float(eps)
+
+
 def _decode(
     q: Tensor,
     k_cache: Tensor,
@@ -208,13 +239,16 @@ def _decode(
     scale: float,
     num_splits: int | None,
     backend: str,
+    out_gate: tuple[Tensor, Tensor, float] | None = None,
 ) -> tuple[Tensor, Tensor]:
-    """``(o [B, HQ, D], lse [B, HQ])`` on a resolved backend, inputs already checked."""
+    """``(o [B, HQ, D], lse [B, HQ])`` on a resolved backend, inputs already checked;
+    ``out_gate`` ``(weight, gate, eps)``: ``o`` normed and gated."""
     if backend == "triton":
         with torch.no_grad():  # an inference op: no gradient through the kernels
             return triton_decode(q, k_cache, v_cache, c_cache, cache_seqlens, window_start,
-                                 scale, num_splits)
-    return _decode_torch(q, k_cache, v_cache, c_cache, cache_seqlens, window_start, scale)
+                                 scale, num_splits, *(out_gate or (None, None, 0.0)))
+    o, lse = _decode_torch(q, k_cache, v_cache, c_cache, cache_seqlens, window_start, scale)
+    return (o, lse) if out_gate is None else (_gated_output_torch(o, *out_gate), lse)
 
 
 def forgetting_attention_decode(
@@ -231,6 +265,9 @@ def forgetting_attention_decode(
     num_splits: int | None = None,
     check_values: bool = True,
     backend: str = "auto",
+    out_norm_weight: Tensor | None = None,
+    out_gate: Tensor | None = None,
+    out_norm_eps: float = 1e-6,
 ):
     """Attention of one new token per sequence over its cache, with the forget-gate bias.
 
@@ -270,21 +307,28 @@ def forgetting_attention_decode(
             host-device sync); pass False inside a captured or compiled decode step.
         backend: ``"auto"`` (Triton on CUDA, else torch), ``"triton"`` or ``"torch"``
             (the plain reference, any device).
+        out_norm_weight, out_gate, out_norm_eps: the Pro block's output side, applied to
+            the attention output before it is written (the kernel's epilogue, no pass of
+            its own): ``RMSNorm_head(o) * sigmoid(out_gate)`` with gains ``out_norm_weight``
+            ``[HQ, D]`` and gate logits ``out_gate`` ``[B, HQ, D]`` in ``q``'s dtype (SPEC
+            section 2); both or neither.
 
     Returns:
         ``o`` ``[B, HQ, D]`` in ``q``'s dtype (``out`` if given), or ``(o, lse)`` with
-        ``return_lse``. An inference op: the Triton path records no gradient.
+        ``return_lse`` (``lse`` of the attention, before any output gate). An inference
+        op: the Triton path records no gradient.
     """
     scale = _validate(q, k_cache, v_cache, c_cache, cache_seqlens, window_start=window_start,
                       out=out, scale=scale, backend=backend, check_values=check_values,
                       new_tokens=False)
+    gated = _check_out_gate(q, out_norm_weight, out_gate, out_norm_eps)
     backend = resolve_backend(backend, q, DECODE_BACKENDS)
     if backend == "triton" and num_splits is not None and not (
         isinstance(num_splits, int) and 1 <= num_splits <= MAX_SPLITS
     ):
         raise ValueError(f"num_splits must be an int in [1, {MAX_SPLITS}], got {num_splits!r}")
     o, lse = _decode(q, k_cache, v_cache, c_cache, cache_seqlens, window_start, scale,
-                     num_splits if backend == "triton" else None, backend)
+                     num_splits if backend == "triton" else None, backend, gated)
     if out is not None:
         o = out.copy_(o)
     return (o, lse) if return_lse else o

@@ -67,6 +67,28 @@ def _add_fox_bias(b_s, b_ct, b_c, VECTOR: tl.constexpr):
 
 
 @triton_jit
+def _rms_norm_rows(b_x, b_w, m_d, eps, D: tl.constexpr):
+    """``x / sqrt(mean(x^2) + eps) * w`` over the last axis of float32 ``b_x`` (``D`` real
+    columns, ``m_d`` their mask; padding columns read as zero)."""
+    b_x = tl.where(m_d, b_x, 0.0)
+    b_ms = tl.sum(b_x * b_x, axis=-1, keep_dims=True) / D
+    return b_x * tl.rsqrt(b_ms + eps) * b_w
+
+
+@triton_jit
+def _gated_output(b_o, o, p_w, p_g, m_od, m_d, eps, D: tl.constexpr):
+    """The Pro block's output side on the attention output ``b_o`` (float32, rows of
+    ``D``): ``RMSNorm_head(o) * sigmoid(g)`` (SPEC section 2), rounded to ``o``'s dtype
+    where the unfused layer rounds (the attention output, the norm, the gate)."""
+    dtype = o.dtype.element_ty
+    b_o = b_o.to(dtype).to(tl.float32)
+    b_w = tl.load(p_w, mask=m_od, other=0.0).to(tl.float32)
+    b_y = _rms_norm_rows(b_o, b_w, m_d, eps, D).to(dtype).to(tl.float32)
+    b_g = tl.sigmoid(tl.load(p_g, mask=m_od, other=0.0).to(tl.float32)).to(dtype).to(tl.float32)
+    return (b_y * b_g).to(dtype)
+
+
+@triton_jit
 def _store_split_result(
     b_acc,
     b_m,
@@ -120,6 +142,9 @@ def _decode_split_kernel(
     l_part,
     o,
     lse,
+    out_w,
+    out_g,
+    out_eps,
     scale_log2,
     num_splits,
     stride_qb,
@@ -137,6 +162,8 @@ def _decode_split_kernel(
     stride_wh,
     stride_ob,
     stride_oh,
+    stride_gb,
+    stride_gh,
     H: tl.constexpr,
     GROUP: tl.constexpr,
     D: tl.constexpr,
@@ -147,6 +174,7 @@ def _decode_split_kernel(
     USE_WINDOW: tl.constexpr,
     IS_SINGLE_SPLIT: tl.constexpr,
     HAS_BIAS: tl.constexpr,
+    OUT_GATE: tl.constexpr,
 ):
     i_s = tl.program_id(0).to(tl.int64)
     i_bh = tl.program_id(1).to(tl.int64)
@@ -207,8 +235,17 @@ def _decode_split_kernel(
         b_s = tl.where(m_gj, b_s, float("-inf"))
         b_m, b_l, b_acc = _online_softmax_update(b_s, b_v, b_m, b_l, b_acc, DOT_PRECISION)
 
-    _store_split_result(b_acc, b_m, b_l, o, lse, acc_part, m_part, l_part, i_b, i_s, o_hq, o_d,
-                        m_g, m_d, num_splits, stride_ob, stride_oh, H * GROUP, D, IS_SINGLE_SPLIT)
+    if OUT_GATE and IS_SINGLE_SPLIT:  # the output norm and gate in the epilogue
+        m_gd = m_g[:, None] & m_d[None, :]
+        b_l_safe = tl.where(m_g, b_l, 1.0)
+        p_w = out_w + o_hq[:, None] * D + o_d[None, :]
+        p_g = out_g + i_b * stride_gb + o_hq[:, None] * stride_gh + o_d[None, :]
+        b_o = _gated_output(b_acc / b_l_safe[:, None], o, p_w, p_g, m_gd, m_d[None, :], out_eps, D)
+        tl.store(o + i_b * stride_ob + o_hq[:, None] * stride_oh + o_d[None, :], b_o, mask=m_gd)
+        tl.store(lse + i_b * H * GROUP + o_hq, (b_m + tl.log2(b_l_safe)) * LN2_TL, mask=m_g)
+    else:
+        _store_split_result(b_acc, b_m, b_l, o, lse, acc_part, m_part, l_part, i_b, i_s, o_hq, o_d,
+                            m_g, m_d, num_splits, stride_ob, stride_oh, H * GROUP, D, IS_SINGLE_SPLIT)
 
 
 @triton_jit
@@ -218,13 +255,19 @@ def _decode_combine_kernel(
     l_part,
     o,
     lse,
+    out_w,
+    out_g,
+    out_eps,
     num_splits,
     stride_ob,
     stride_oh,
+    stride_gb,
+    stride_gh,
     HQ: tl.constexpr,
     D: tl.constexpr,
     BS: tl.constexpr,
     BD: tl.constexpr,
+    OUT_GATE: tl.constexpr,
 ):
     i_bhq = tl.program_id(0).to(tl.int64)
     i_b = i_bhq // HQ
@@ -245,6 +288,9 @@ def _decode_combine_kernel(
     b_w = tl.exp2(b_m - b_m_max)  # [BS]
     b_l_sum = tl.sum(b_w * b_l, axis=0)
     b_o = tl.sum(b_w[:, None] * b_acc, axis=0) / b_l_sum  # [BD]
+    if OUT_GATE:
+        p_g = out_g + i_b * stride_gb + i_hq * stride_gh + o_d
+        b_o = _gated_output(b_o, o, out_w + i_hq * D + o_d, p_g, m_d, m_d, out_eps, D)
     tl.store(o + i_b * stride_ob + i_hq * stride_oh + o_d, b_o.to(o.dtype.element_ty), mask=m_d)
     tl.store(lse + i_bhq, (b_m_max + tl.log2(b_l_sum)) * LN2_TL)
 
@@ -327,24 +373,33 @@ def _combine_splits(
     lse: Tensor,
     num_splits: int,
     block_d: int,
+    out_gate: tuple[Tensor, Tensor, float] | None = None,
 ) -> None:
     """Merges the partials of several splits into ``o`` [B, HQ, D] and ``lse`` [B, HQ];
-    nothing to do after one split, which wrote them itself."""
+    nothing to do after one split, which wrote them itself. ``out_gate``: ``(weight
+    [HQ, D] contiguous, gate [B, HQ, D], eps)``, the output norm and gate applied to ``o``."""
     b, hq, d = o.shape
     if num_splits > 1:
+        w, g, eps = out_gate if out_gate is not None else (o, o, 0.0)  # placeholders: unread
         _decode_combine_kernel[(b * hq,)](
             acc_part,
             m_part,
             l_part,
             o,
             lse,
+            w,
+            g,
+            eps,
             num_splits,
             o.stride(0),
             o.stride(1),
+            g.stride(0),
+            g.stride(1),
             HQ=hq,
             D=d,
             BS=triton.next_power_of_2(num_splits),
             BD=block_d,
+            OUT_GATE=out_gate is not None,
             num_warps=4,
         )
 
@@ -362,8 +417,13 @@ def launch_decode(
     num_splits: int | None = None,
     workspace: tuple[Tensor, Tensor, Tensor] | None = None,
     config: dict | None = None,
+    out_gate: tuple[Tensor, Tensor, float] | None = None,
 ) -> None:
     """Writes ``o`` [B, HQ, D] and ``lse`` [B, HQ] float32 (natural log) in place.
+
+    ``out_gate``: ``(weight [HQ, D] contiguous, gate [B, HQ, D] unit-strided last dim,
+    eps)``: ``o`` is ``RMSNorm_head(attention) * sigmoid(gate)`` (the Pro block's output
+    side, SPEC section 2), applied in the epilogue of one split or in the merge of several.
 
     ``config``: launch options for :func:`_split_launch` (``BN``, ``num_warps``,
     ``num_stages``); by default the measured table ``_DENSE_TUNED`` at ``D <= 64``.
@@ -387,6 +447,7 @@ def launch_decode(
     ws_strides = (ws.stride(0), ws.stride(1)) if window_start is not None else (0, 0)
     c = c_cache if c_cache is not None else k_cache  # unread placeholder
     c_strides = c_cache.stride() if c_cache is not None else (0, 0, 0)
+    w, g, eps = out_gate if out_gate is not None else (o, o, 0.0)  # placeholders: unread
     _decode_split_kernel[(num_splits, b * h)](
         q,
         k_cache,
@@ -399,6 +460,9 @@ def launch_decode(
         l_part,
         o,
         lse,
+        w,
+        g,
+        eps,
         scale * LOG2E,
         num_splits,
         q.stride(0),
@@ -413,14 +477,17 @@ def launch_decode(
         *ws_strides,
         o.stride(0),
         o.stride(1),
+        g.stride(0),
+        g.stride(1),
         H=h,
         GROUP=group,
         D=d,
         USE_WINDOW=window_start is not None,
         HAS_BIAS=c_cache is not None,
+        OUT_GATE=out_gate is not None,
         **options,
     )
-    _combine_splits(acc_part, m_part, l_part, o, lse, num_splits, options["BD"])
+    _combine_splits(acc_part, m_part, l_part, o, lse, num_splits, options["BD"], out_gate)
 
 
 @torch.library.custom_op("lapse::forgetting_decode", mutates_args=())
@@ -433,16 +500,22 @@ def triton_decode(
     window_start: Tensor | None,
     scale: float,
     num_splits: int | None,
+    out_norm_weight: Tensor | None = None,
+    out_gate: Tensor | None = None,
+    out_norm_eps: float = 0.0,
 ) -> tuple[Tensor, Tensor]:
     """``(o [B, HQ, D], lse [B, HQ] float32)`` of :func:`launch_decode` in fresh tensors,
-    as one operator that ``torch.compile`` does not trace into (inputs already checked)."""
+    as one operator that ``torch.compile`` does not trace into (inputs already checked);
+    with ``out_gate`` (and ``out_norm_weight``) ``o`` is normed and gated."""
     o = q.new_empty(q.shape)  # contiguous, as the kernel's stores assume
     lse = q.new_empty(q.shape[:2], dtype=torch.float32)
+    gated = None if out_gate is None else (out_norm_weight.contiguous(), out_gate, out_norm_eps)
     launch_decode(q, k_cache, v_cache, c_cache, cache_seqlens, window_start, scale, o, lse,
-                  num_splits)
+                  num_splits, out_gate=gated)
     return o, lse
 
 
 @triton_decode.register_fake
-def _(q, k_cache, v_cache, c_cache, cache_seqlens, window_start, scale, num_splits):
+def _(q, k_cache, v_cache, c_cache, cache_seqlens, window_start, scale, num_splits,
+      out_norm_weight=None, out_gate=None, out_norm_eps=0.0):
     return q.new_empty(q.shape), q.new_empty(q.shape[:2], dtype=torch.float32)
