@@ -25,6 +25,8 @@ def main():
     ap.add_argument("--prompt", type=int, default=4096)
     ap.add_argument("--steps", type=int, default=8)
     ap.add_argument("--rows", type=int, default=12, help="kernels listed")
+    ap.add_argument("--separate", action="store_true",
+                    help="FoX without its fused step (ForgettingAttention._fused_step off)")
     ap.add_argument("--sequence", type=int, default=0,
                     help="also list the first N kernels of one step in launch order (name, us)")
     args = ap.parse_args()
@@ -36,6 +38,9 @@ def profile(args, arch: str) -> None:
     torch.manual_seed(0)
     cfg = preset(args.preset, arch, max_seq_len=args.prompt)
     model = Decoder(cfg).cuda().to(torch.bfloat16).eval()
+    if args.separate:
+        for block in model.blocks:
+            block.attn._fused_step = lambda *a, **k: None
     store = DenseStore(cfg.n_layers, capacity=args.prompt + 2 * args.steps + 8)
     ids = torch.randint(0, cfg.vocab_size, (args.batch, args.prompt), device="cuda")
     step = compiled_decode_one_token(mode=None)

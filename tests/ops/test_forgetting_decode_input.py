@@ -54,7 +54,7 @@ class Case:
 CASES = [
     Case(),
     Case(hq=6, h=2, d=64),  # GROUP 3: a padded group
-    Case(hq=4, h=4, c=1100),  # no GQA; C over two tiles of the gate loop
+    Case(hq=4, h=4, c=4100),  # no GQA; C over two tiles of the gate loop
     Case(shift=False, norm=False, bias=False),  # FoX (LLaMA): gate and writes only
     Case(b=1, hq=2, h=1, d=16, shift=False),
 ]

@@ -96,6 +96,26 @@ def _decode_input_kernel(
     m_gd = m_g[:, None] & m_d[None, :]
     o_hq = i_h * GROUP + o_g  # [BG] the query heads of key head i_h
 
+    # Every load that does not depend on the gates first, so that they are all in flight
+    # together (a chain of dependent loads is what a kernel this small waits on).
+    n = tl.load(slot + i_b)  # the new token's slot
+    p_cl = c_last + i_b * hq_n + o_hq
+    b_cl = tl.load(p_cl, mask=m_g, other=0.0)  # [BG] float64
+    b_k = tl.load(k + i_b * stride_kb + i_h * stride_kh + o_d, mask=m_d, other=0.0)  # [BD]
+    b_v = tl.load(v + i_b * stride_vb + i_h * stride_vh + o_d, mask=m_d, other=0.0)  # [BD]
+    p_q = q + i_b * stride_qb + o_hq[:, None] * stride_qh + o_d[None, :]
+    b_q = tl.load(p_q, mask=m_gd, other=0.0)  # [BG, BD]
+    if HAS_SHIFT:
+        p_kp = k_prev + (i_b * H + i_h) * D + o_d
+        p_vp = v_prev + (i_b * H + i_h) * D + o_d
+        b_kp = tl.load(p_kp, mask=m_d, other=0.0).to(tl.float32)
+        b_vp = tl.load(p_vp, mask=m_d, other=0.0).to(tl.float32)
+    if HAS_QK_NORM:
+        b_gk = tl.load(gk + i_h * D + o_d, mask=m_d, other=0.0).to(tl.float32)
+        b_gq = tl.load(gq + o_hq[:, None] * D + o_d[None, :], mask=m_gd, other=0.0).to(tl.float32)
+    if HAS_BIAS:
+        b_bf = tl.load(bf + o_hq, mask=m_g, other=0.0).to(tl.float32)
+
     # the gates' dot products with the layer input, in float32
     b_zf = tl.zeros([BG], dtype=tl.float32)
     b_zk = tl.zeros([], dtype=tl.float32)
@@ -106,31 +126,23 @@ def _decode_input_kernel(
         b_x = tl.load(x + i_b * stride_xb + o_c, mask=m_c, other=0.0).to(tl.float32)  # [BC]
         p_wf = wf + o_hq[:, None] * C + o_c[None, :]
         b_wf = tl.load(p_wf, mask=m_g[:, None] & m_c[None, :], other=0.0).to(tl.float32)  # [BG, BC]
-        b_zf += tl.sum(b_wf * b_x[None, :], axis=1)
         if HAS_SHIFT:
             b_wk = tl.load(wk + i_h * C + o_c, mask=m_c, other=0.0).to(tl.float32)
             b_wv = tl.load(wv + i_h * C + o_c, mask=m_c, other=0.0).to(tl.float32)
             b_zk += tl.sum(b_wk * b_x, axis=0)
             b_zv += tl.sum(b_wv * b_x, axis=0)
+        b_zf += tl.sum(b_wf * b_x[None, :], axis=1)
     if HAS_BIAS:
-        b_zf += tl.load(bf + o_hq, mask=m_g, other=0.0).to(tl.float32)
+        b_zf += b_bf
 
     # c_t = c_{t-1} + max(log f_t, floor), in float64
-    n = tl.load(slot + i_b)  # the new token's slot
     b_log_f = tl.maximum(_log_sigmoid(b_zf).to(tl.float64), _LOG_GATE_FLOOR_TL)  # [BG]
-    p_cl = c_last + i_b * hq_n + o_hq
-    b_c = tl.load(p_cl, mask=m_g, other=0.0) + b_log_f
+    b_c = b_cl + b_log_f
     tl.store(p_cl, b_c, mask=m_g)
     tl.store(c_cache + i_b * stride_ccb + n * stride_ccs + o_hq * stride_cch, b_c, mask=m_g)
 
     # keys and values: shift with the previous token's projections, then QK-norm on k
-    b_k = tl.load(k + i_b * stride_kb + i_h * stride_kh + o_d, mask=m_d, other=0.0)  # [BD]
-    b_v = tl.load(v + i_b * stride_vb + i_h * stride_vh + o_d, mask=m_d, other=0.0)  # [BD]
     if HAS_SHIFT:
-        p_kp = k_prev + (i_b * H + i_h) * D + o_d
-        p_vp = v_prev + (i_b * H + i_h) * D + o_d
-        b_kp = tl.load(p_kp, mask=m_d, other=0.0).to(tl.float32)
-        b_vp = tl.load(p_vp, mask=m_d, other=0.0).to(tl.float32)
         a_k = tl.sigmoid(b_zk)
         a_v = tl.sigmoid(b_zv)
         tl.store(p_kp, b_k, mask=m_d)  # the pre-shift projections: the next token's x_{t-1}
@@ -138,20 +150,12 @@ def _decode_input_kernel(
         b_k = (a_k * b_kp + (1.0 - a_k) * b_k.to(tl.float32)).to(b_k.dtype)
         b_v = (a_v * b_vp + (1.0 - a_v) * b_v.to(tl.float32)).to(b_v.dtype)
     if HAS_QK_NORM:
-        b_gk = tl.load(gk + i_h * D + o_d, mask=m_d, other=0.0).to(tl.float32)
         b_k = _rms_norm_rows(b_k.to(tl.float32), b_gk, m_d, eps, D).to(b_k.dtype)
+        b_q = _rms_norm_rows(b_q.to(tl.float32), b_gq, m_d[None, :], eps, D).to(b_q.dtype)
     p_kc = k_cache + i_b * stride_kcb + n * stride_kcs + i_h * stride_kch + o_d
     p_vc = v_cache + i_b * stride_vcb + n * stride_vcs + i_h * stride_vch + o_d
     tl.store(p_kc, b_k.to(k_cache.dtype.element_ty), mask=m_d)
     tl.store(p_vc, b_v.to(v_cache.dtype.element_ty), mask=m_d)
-
-    # queries: QK-norm
-    p_q = q + i_b * stride_qb + o_hq[:, None] * stride_qh + o_d[None, :]
-    b_q = tl.load(p_q, mask=m_gd, other=0.0)  # [BG, BD]
-    if HAS_QK_NORM:
-        p_gq = gq + o_hq[:, None] * D + o_d[None, :]
-        b_gq = tl.load(p_gq, mask=m_gd, other=0.0).to(tl.float32)
-        b_q = _rms_norm_rows(b_q.to(tl.float32), b_gq, m_d[None, :], eps, D).to(b_q.dtype)
     tl.store(q_out + i_b * hq_n * D + o_hq[:, None] * D + o_d[None, :], b_q, mask=m_gd)
 
 
@@ -228,7 +232,7 @@ def launch_decode_input(
         D=d,
         BG=triton.next_power_of_2(hq // h),
         BD=triton.next_power_of_2(d),
-        BC=min(1024, triton.next_power_of_2(c)),
+        BC=min(4096, triton.next_power_of_2(c)),  # one tile up to C = 4096
         HAS_BIAS=fgate_bias is not None,
         HAS_SHIFT=has_shift,
         HAS_QK_NORM=has_norm,
