@@ -55,15 +55,25 @@ def decode_input(b: int, h: int, d: int, c: int) -> float:
     proj = torch.randn(b, 4 * h * d, device=dev, dtype=dt)
     q, k, v = (proj[:, i * h * d : (i + 1) * h * d].view(b, h, d) for i in range(3))
     args = dict(
-        x=torch.randn(b, c, device=dev, dtype=dt), q=q, k=k, v=v,
-        fgate_weight=torch.randn(h, c, device=dev, dtype=dt), fgate_bias=torch.randn(h, device=dev, dtype=dt),
-        k_shift_weight=torch.randn(h, c, device=dev, dtype=dt), v_shift_weight=torch.randn(h, c, device=dev, dtype=dt),
-        q_norm_weight=torch.randn(h, d, device=dev, dtype=dt), k_norm_weight=torch.randn(h, d, device=dev, dtype=dt),
-        eps=1e-5, c_last=torch.zeros(b, h, device=dev, dtype=torch.float64),
-        k_prev=torch.zeros(b, 1, h, d, device=dev, dtype=dt), v_prev=torch.zeros(b, 1, h, d, device=dev, dtype=dt),
-        k_cache=torch.zeros(b, 64, h, d, device=dev, dtype=dt), v_cache=torch.zeros(b, 64, h, d, device=dev, dtype=dt),
+        x=torch.randn(b, c, device=dev, dtype=dt),
+        q=q,
+        k=k,
+        v=v,
+        fgate_weight=torch.randn(h, c, device=dev, dtype=dt),
+        fgate_bias=torch.randn(h, device=dev, dtype=dt),
+        k_shift_weight=torch.randn(h, c, device=dev, dtype=dt),
+        v_shift_weight=torch.randn(h, c, device=dev, dtype=dt),
+        q_norm_weight=torch.randn(h, d, device=dev, dtype=dt),
+        k_norm_weight=torch.randn(h, d, device=dev, dtype=dt),
+        eps=1e-5,
+        c_last=torch.zeros(b, h, device=dev, dtype=torch.float64),
+        k_prev=torch.zeros(b, 1, h, d, device=dev, dtype=dt),
+        v_prev=torch.zeros(b, 1, h, d, device=dev, dtype=dt),
+        k_cache=torch.zeros(b, 64, h, d, device=dev, dtype=dt),
+        v_cache=torch.zeros(b, 64, h, d, device=dev, dtype=dt),
         c_cache=torch.zeros(b, 64, h, device=dev, dtype=torch.float64),
-        slot=torch.full((b,), 3, device=dev, dtype=torch.long), q_out=torch.empty(b, h, d, device=dev, dtype=dt),
+        slot=torch.full((b,), 3, device=dev, dtype=torch.long),
+        q_out=torch.empty(b, h, d, device=dev, dtype=dt),
     )
     return round(_bench(lambda: launch_decode_input(**args)), 2)
 

@@ -11,6 +11,7 @@ output norm and gate).
     python scripts/bench_fused_step.py --workloads 8x4096 4x16384 2x32768 --out fused.json
 """
 
+# ruff: noqa: B023 (each closure over loop variables is timed inside its own iteration)
 from __future__ import annotations
 
 import argparse
@@ -40,7 +41,9 @@ def bench(arch: str, batch: int, prompt: int, args) -> dict:
     stores, steps, first = {}, {}, {}
     with fused_model.fused_projections(keep=True), separate_model.fused_projections(keep=True):
         for variant, model in models.items():
-            store = DenseStore(cfg.n_layers, capacity=prompt + (args.repeats + 1) * (args.warmup + args.steps) + 8)
+            store = DenseStore(
+                cfg.n_layers, capacity=prompt + (args.repeats + 1) * (args.warmup + args.steps) + 8
+            )
             token = prefill(model, ids, store).argmax(-1, keepdim=True)
             step = compiled_decode_one_token()
             first[variant] = step(model, token, store).float().clone()
@@ -51,8 +54,14 @@ def bench(arch: str, batch: int, prompt: int, args) -> dict:
             for variant, model in models.items():
                 store, step = stores[variant], steps[variant]
                 token = torch.zeros(batch, 1, dtype=torch.long, device="cuda")
-                times[variant].append(round(_timed_steps(lambda tok: step(model, tok, store), token, timing,
-                                                         torch.device("cuda")), 4))
+                times[variant].append(
+                    round(
+                        _timed_steps(
+                            lambda tok: step(model, tok, store), token, timing, torch.device("cuda")
+                        ),
+                        4,
+                    )
+                )
         for variant, model in models.items():  # host time per step: enqueue without waiting
             store, step = stores[variant], steps[variant]
             token = torch.zeros(batch, 1, dtype=torch.long, device="cuda")
@@ -66,10 +75,18 @@ def bench(arch: str, batch: int, prompt: int, args) -> dict:
             times["fused+graph"] = graph_times(fused_model, cfg, ids, args, timing)
     limit = bandwidth_limit_ms(cfg, batch, prompt + 0.5 * args.steps, 2, args.bandwidth)
     med = {k: sorted(v)[len(v) // 2] for k, v in times.items()}
-    return dict(arch=arch, batch=batch, prompt=prompt, ms=times, median_ms=med, host_ms=host, limit_ms=round(limit, 3),
-                x_limit={k: round(v / limit, 3) for k, v in med.items()},
-                first_logits_max_diff=(first["fused"] - first["separate"]).abs().max().item(),
-                first_logits_max=first["separate"].abs().max().item())
+    return dict(
+        arch=arch,
+        batch=batch,
+        prompt=prompt,
+        ms=times,
+        median_ms=med,
+        host_ms=host,
+        limit_ms=round(limit, 3),
+        x_limit={k: round(v / limit, 3) for k, v in med.items()},
+        first_logits_max_diff=(first["fused"] - first["separate"]).abs().max().item(),
+        first_logits_max=first["separate"].abs().max().item(),
+    )
 
 
 def graph_times(model, cfg, ids, args, timing) -> list[float]:
@@ -123,14 +140,19 @@ def main() -> None:
             b, t = (int(x) for x in w.split("x"))
             row = bench(arch, b, t, args)
             rows.append(row)
-            print(f"{arch} {w}: fused {row['median_ms']['fused']:.3f} ms ({row['x_limit']['fused']}x limit), "
-                  f"separate {row['median_ms']['separate']:.3f} ms ({row['x_limit']['separate']}x), "
-                  f"host {row['host_ms']}, "
-                  f"limit {row['limit_ms']} ms; rounds {row['ms']}; first logits differ by "
-                  f"{row['first_logits_max_diff']:.3g} (max |logit| {row['first_logits_max']:.3g})", flush=True)
+            print(
+                f"{arch} {w}: fused {row['median_ms']['fused']:.3f} ms ({row['x_limit']['fused']}x limit), "
+                f"separate {row['median_ms']['separate']:.3f} ms ({row['x_limit']['separate']}x), "
+                f"host {row['host_ms']}, "
+                f"limit {row['limit_ms']} ms; rounds {row['ms']}; first logits differ by "
+                f"{row['first_logits_max_diff']:.3g} (max |logit| {row['first_logits_max']:.3g})",
+                flush=True,
+            )
     if args.out:
         with open(args.out, "w") as f:
-            json.dump(dict(device=torch.cuda.get_device_name(), torch=torch.__version__, rows=rows), f, indent=1)
+            json.dump(
+                dict(device=torch.cuda.get_device_name(), torch=torch.__version__, rows=rows), f, indent=1
+            )
 
 
 if __name__ == "__main__":

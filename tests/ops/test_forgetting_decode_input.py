@@ -76,17 +76,21 @@ def make_inputs(case: Case, dtype: torch.dtype, seed: int = 0) -> tuple[dict, di
     inputs = dict(x=r(b, c), q=q, k=k, v=v)
     # gate logits of a few units: gates from near 0 to near 1 (log f down to ~-8)
     weights = dict(
-        fgate_weight=r(hq, c, scale=0.3), fgate_bias=r(hq, scale=3.0) + 2 if case.bias else None,
+        fgate_weight=r(hq, c, scale=0.3),
+        fgate_bias=r(hq, scale=3.0) + 2 if case.bias else None,
         k_shift_weight=r(h, c, scale=0.2) if case.shift else None,
         v_shift_weight=r(h, c, scale=0.2) if case.shift else None,
-        q_norm_weight=r(hq, d) if case.norm else None, k_norm_weight=r(h, d) if case.norm else None,
+        q_norm_weight=r(hq, d) if case.norm else None,
+        k_norm_weight=r(h, d) if case.norm else None,
         eps=1e-5,
     )
     nan = float("nan")
     states = dict(
         c_last=-100 * torch.rand(b, hq, dtype=torch.float64, generator=g),
-        k_prev=r(b, 1, h, d) if case.shift else None, v_prev=r(b, 1, h, d) if case.shift else None,
-        k_cache=torch.full((b, s, h, d), nan, dtype=dtype), v_cache=torch.full((b, s, h, d), nan, dtype=dtype),
+        k_prev=r(b, 1, h, d) if case.shift else None,
+        v_prev=r(b, 1, h, d) if case.shift else None,
+        k_cache=torch.full((b, s, h, d), nan, dtype=dtype),
+        v_cache=torch.full((b, s, h, d), nan, dtype=dtype),
         c_cache=torch.full((b, s, hq), nan, dtype=torch.float64),
         slot=torch.tensor([0, s - 1, 4][:b]),
     )
@@ -101,7 +105,9 @@ def _run(case, dtype, backend, upcast=False):
     args, states = make_inputs(case, dtype)
     if upcast:
         args = {k: v.double() if isinstance(v, torch.Tensor) else v for k, v in args.items()}
-        states = {k: v.double() if isinstance(v, torch.Tensor) and k != "slot" else v for k, v in states.items()}
+        states = {
+            k: v.double() if isinstance(v, torch.Tensor) and k != "slot" else v for k, v in states.items()
+        }
     q = forgetting_decode_input(**args, **states, backend=backend)
     return q, states
 
@@ -213,13 +219,19 @@ def test_fused_step_equals_separate_steps(arch, kv_heads, monkeypatch):
         torch.testing.assert_close(fused_store.k[i][:, :n], plain_store.k[i][:, :n], atol=1e-5, rtol=0)
         torch.testing.assert_close(fused_store.v[i][:, :n], plain_store.v[i][:, :n], atol=1e-5, rtol=0)
         # c: each step adds a float32 log gate summed in another order (measured 1.3e-7)
-        torch.testing.assert_close(fused_store.extras[i]["c"][:, :n], plain_store.extras[i]["c"][:, :n],
-                                   atol=1e-6, rtol=0)
-        torch.testing.assert_close(fused_store.state(i, GateState).c_last, plain_store.state(i, GateState).c_last,
-                                   atol=1e-6, rtol=0)
+        torch.testing.assert_close(
+            fused_store.extras[i]["c"][:, :n], plain_store.extras[i]["c"][:, :n], atol=1e-6, rtol=0
+        )
+        torch.testing.assert_close(
+            fused_store.state(i, GateState).c_last, plain_store.state(i, GateState).c_last, atol=1e-6, rtol=0
+        )
         if arch == "fox-pro":
-            torch.testing.assert_close(fused_store.state(i, ShiftState).k_prev,
-                                       plain_store.state(i, ShiftState).k_prev, atol=1e-6, rtol=0)
+            torch.testing.assert_close(
+                fused_store.state(i, ShiftState).k_prev,
+                plain_store.state(i, ShiftState).k_prev,
+                atol=1e-6,
+                rtol=0,
+            )
 
 
 @needs_interpreter
@@ -268,18 +280,25 @@ def _gated_inputs(dtype, *, b=3, hq=4, h=2, d=48, s=300, seed=0):
     unread = torch.arange(s)[None, :, None] >= lens[:, None, None]
     nan = float("nan")
     args = dict(
-        q=q, k_cache=torch.where(unread[..., None], nan, k).to(dtype),
-        v_cache=torch.where(unread[..., None], nan, v).to(dtype), c_cache=torch.where(unread, nan, c),
+        q=q,
+        k_cache=torch.where(unread[..., None], nan, k).to(dtype),
+        v_cache=torch.where(unread[..., None], nan, v).to(dtype),
+        c_cache=torch.where(unread, nan, c),
         cache_seqlens=lens,
     )
     gate = torch.randn(b, hq * d + 3, generator=g).to(dtype)[:, : hq * d].view(b, hq, d)
-    out = dict(out_norm_weight=(1 + 0.3 * torch.randn(hq, d, generator=g)).to(dtype), out_gate=gate,
-               out_norm_eps=1e-6)
+    out = dict(
+        out_norm_weight=(1 + 0.3 * torch.randn(hq, d, generator=g)).to(dtype),
+        out_gate=gate,
+        out_norm_eps=1e-6,
+    )
     return args, out
 
 
 def _upcast(d: dict) -> dict:
-    return {k: v.double() if isinstance(v, torch.Tensor) and v.is_floating_point() else v for k, v in d.items()}
+    return {
+        k: v.double() if isinstance(v, torch.Tensor) and v.is_floating_point() else v for k, v in d.items()
+    }
 
 
 @needs_interpreter
@@ -312,8 +331,9 @@ def test_output_gate_bad_inputs():
     with pytest.raises(ValueError, match="come together"):
         forgetting_attention_decode(**args, out_gate=out["out_gate"], backend="torch")
     with pytest.raises(ValueError, match="out_norm_weight must be"):
-        forgetting_attention_decode(**args, **{**out, "out_norm_weight": out["out_norm_weight"][:, :-1]},
-                                    backend="torch")
+        forgetting_attention_decode(
+            **args, **{**out, "out_norm_weight": out["out_norm_weight"][:, :-1]}, backend="torch"
+        )
     with pytest.raises(ValueError, match="out_gate must be"):
         forgetting_attention_decode(**args, **{**out, "out_gate": out["out_gate"].double()}, backend="torch")
 
@@ -331,8 +351,12 @@ def test_fused_step_on_cuda_in_bfloat16(arch):
     torch.manual_seed(0)
     cfg = preset("small", arch, n_kv_heads=2, max_seq_len=1024)
     base = Decoder(cfg).cuda().eval()
-    ids = torch.randint(0, cfg.vocab_size, (3, 700), device="cuda", generator=torch.Generator("cuda").manual_seed(0))
-    tokens = torch.randint(0, cfg.vocab_size, (3, 12), device="cuda", generator=torch.Generator("cuda").manual_seed(1))
+    ids = torch.randint(
+        0, cfg.vocab_size, (3, 700), device="cuda", generator=torch.Generator("cuda").manual_seed(0)
+    )
+    tokens = torch.randint(
+        0, cfg.vocab_size, (3, 12), device="cuda", generator=torch.Generator("cuda").manual_seed(1)
+    )
 
     def run(model, fused: bool) -> torch.Tensor:
         if not fused:

@@ -214,7 +214,8 @@ def _check_out_gate(
     if weight is None and gate is None:
         return None
     if weight is None or gate is None:
-        raise ValueError("out_norm_weight and out_gate come together (the output norm and gate) or not at all")
+        raise ValueError("out_norm_weight and out_gate come together (the output norm and gate) "
+                         "or not at all")
     b, hq, d = q.shape
     if tuple(weight.shape) != (hq, d) or tuple(gate.shape) != (b, hq, d):
         raise ValueError(

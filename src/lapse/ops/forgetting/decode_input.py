@@ -82,8 +82,25 @@ def _decode_input_torch(
     return q_new.contiguous()
 
 
-def _check(x, q, k, v, fgate_weight, fgate_bias, k_shift_weight, v_shift_weight, q_norm_weight,
-           k_norm_weight, c_last, k_prev, v_prev, k_cache, v_cache, c_cache, slot) -> None:
+def _check(
+    x,
+    q,
+    k,
+    v,
+    fgate_weight,
+    fgate_bias,
+    k_shift_weight,
+    v_shift_weight,
+    q_norm_weight,
+    k_norm_weight,
+    c_last,
+    k_prev,
+    v_prev,
+    k_cache,
+    v_cache,
+    c_cache,
+    slot,
+) -> None:
     """One-line errors for inputs the kernel cannot take, before any launch."""
     if x.dim() != 2 or q.dim() != 3 or k.dim() != 3 or v.shape != k.shape:
         raise ValueError(
@@ -111,11 +128,16 @@ def _check(x, q, k, v, fgate_weight, fgate_bias, k_shift_weight, v_shift_weight,
         if t is not None and tuple(t.shape) != shape:
             raise ValueError(f"{name} must have shape {shape}, got {tuple(t.shape)}")
     if (k_shift_weight is None) != (v_shift_weight is None) or (k_shift_weight is None) != (k_prev is None):
-        raise ValueError("k_shift_weight, v_shift_weight, k_prev and v_prev come together (KV-shift) or not at all")
+        raise ValueError(
+            "k_shift_weight, v_shift_weight, k_prev and v_prev come together (KV-shift) or not at all"
+        )
     if (q_norm_weight is None) != (k_norm_weight is None):
         raise ValueError("q_norm_weight and k_norm_weight come together (QK-norm) or not at all")
-    for name, cache, inner in (("k_cache", k_cache, (h, d)), ("v_cache", v_cache, (h, d)),
-                               ("c_cache", c_cache, (hq,))):
+    for name, cache, inner in (
+        ("k_cache", k_cache, (h, d)),
+        ("v_cache", v_cache, (h, d)),
+        ("c_cache", c_cache, (hq,)),
+    ):
         if cache.dim() != 2 + len(inner) or cache.shape[0] != b or tuple(cache.shape[2:]) != inner:
             raise ValueError(f"{name} must be [B={b}, S, *{inner}], got {tuple(cache.shape)}")
     if c_last.dtype != torch.float64 or c_cache.dtype != torch.float64:
@@ -171,8 +193,25 @@ def forgetting_decode_input(
     The gates and norms are computed in float32 (the input's dtype for float32 and
     float64), ``c`` in float64; what is stored is rounded to each buffer's dtype.
     """
-    args = (x, q, k, v, fgate_weight, fgate_bias, k_shift_weight, v_shift_weight, q_norm_weight,
-            k_norm_weight, c_last, k_prev, v_prev, k_cache, v_cache, c_cache, slot)
+    args = (
+        x,
+        q,
+        k,
+        v,
+        fgate_weight,
+        fgate_bias,
+        k_shift_weight,
+        v_shift_weight,
+        q_norm_weight,
+        k_norm_weight,
+        c_last,
+        k_prev,
+        v_prev,
+        k_cache,
+        v_cache,
+        c_cache,
+        slot,
+    )
     _check(*args)
     backend = resolve_backend(backend, x, ("auto", "triton", "torch"))
     fn = _decode_input_torch
@@ -189,5 +228,23 @@ def forgetting_decode_input(
             None if t is None else t.contiguous()
             for t in (fgate_weight, fgate_bias, k_shift_weight, v_shift_weight, q_norm_weight, k_norm_weight)
         )
-    return fn(x, q, k, v, fgate_weight, fgate_bias, k_shift_weight, v_shift_weight, q_norm_weight,
-              k_norm_weight, float(eps), c_last, k_prev, v_prev, k_cache, v_cache, c_cache, slot)
+    return fn(
+        x,
+        q,
+        k,
+        v,
+        fgate_weight,
+        fgate_bias,
+        k_shift_weight,
+        v_shift_weight,
+        q_norm_weight,
+        k_norm_weight,
+        float(eps),
+        c_last,
+        k_prev,
+        v_prev,
+        k_cache,
+        v_cache,
+        c_cache,
+        slot,
+    )

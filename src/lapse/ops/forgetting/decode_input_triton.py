@@ -268,13 +268,49 @@ def triton_decode_input(
     the cache and states updated in place, as one operator that ``torch.compile`` does not
     trace into (inputs already checked)."""
     q_out = q.new_empty(q.shape)
-    launch_decode_input(x, q, k, v, fgate_weight, fgate_bias, k_shift_weight, v_shift_weight,
-                        q_norm_weight, k_norm_weight, eps, c_last, k_prev, v_prev, k_cache, v_cache,
-                        c_cache, slot, q_out)
+    launch_decode_input(
+        x,
+        q,
+        k,
+        v,
+        fgate_weight,
+        fgate_bias,
+        k_shift_weight,
+        v_shift_weight,
+        q_norm_weight,
+        k_norm_weight,
+        eps,
+        c_last,
+        k_prev,
+        v_prev,
+        k_cache,
+        v_cache,
+        c_cache,
+        slot,
+        q_out,
+    )
     return q_out
 
 
 @triton_decode_input.register_fake
-def _(x, q, k, v, fgate_weight, fgate_bias, k_shift_weight, v_shift_weight, q_norm_weight,
-      k_norm_weight, eps, c_last, k_prev, v_prev, k_cache, v_cache, c_cache, slot):
+def _(
+    x,
+    q,
+    k,
+    v,
+    fgate_weight,
+    fgate_bias,
+    k_shift_weight,
+    v_shift_weight,
+    q_norm_weight,
+    k_norm_weight,
+    eps,
+    c_last,
+    k_prev,
+    v_prev,
+    k_cache,
+    v_cache,
+    c_cache,
+    slot,
+):
     return q.new_empty(q.shape)
