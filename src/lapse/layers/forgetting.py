@@ -92,8 +92,8 @@ class ForgettingAttention(Attention):
             return None
         b, _, h, _ = q.shape
         c_last = cache.state(self.layer_idx, GateState).ensure(b, h, x.device)  # [B, H] float64
-        targets = cache.write_targets(self.layer_idx, k, v, c=c_last[:, None]) \
-            if hasattr(cache, "write_targets") else None
+        write_targets = getattr(cache, "write_targets", None)  # None: a store of another kind
+        targets = None if write_targets is None else write_targets(self.layer_idx, k, v, c=c_last[:, None])
         if targets is None:
             return None
         k_buf, v_buf, extras, slot = targets

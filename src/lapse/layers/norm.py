@@ -5,6 +5,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
+from lapse.ops.norm import rms_norm
+
 
 def compute_dtype(x: Tensor) -> torch.dtype:
     """float32 for half-precision inputs, the input's own dtype for float32/float64."""
@@ -42,6 +44,4 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(shape))
 
     def forward(self, x: Tensor) -> Tensor:
-        xf = x.to(compute_dtype(x))
-        y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return (y * self.weight).to(x.dtype)
+        return rms_norm(x, self.weight, self.eps)

@@ -21,6 +21,7 @@ import torch
 from torch import Tensor
 
 from ..backend import BACKENDS, check_backend, resolve_backend
+from ..norm import rms_norm
 from .common import (
     _shape,
     check_devices,
@@ -79,9 +80,7 @@ def _gated_output_torch(o: Tensor, weight: Tensor, gate: Tensor, eps: float) -> 
     """``RMSNorm_head(o) * sigmoid(gate)`` as the unfused Pro layer computes it: the norm in
     float32 (``lapse.layers.RMSNorm``), rounded to ``o``'s dtype, times the gate's sigmoid
     in ``gate``'s dtype."""
-    of = o.to(torch.promote_types(o.dtype, torch.float32))
-    y = (of * torch.rsqrt(of.pow(2).mean(-1, keepdim=True) + eps) * weight).to(o.dtype)
-    return y * torch.sigmoid(gate)
+    return rms_norm(o, weight, eps) * torch.sigmoid(gate)
 
 
 def _cached_torch(

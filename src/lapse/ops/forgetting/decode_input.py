@@ -23,15 +23,9 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from ..backend import resolve_backend
+from ..norm import rms_norm
 from .common import LOG_GATE_FLOOR
 from .decode_input_triton import triton_decode_input
-
-
-def _rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
-    """``lapse.layers.RMSNorm`` over the last dim: float32 math, the weight applied in float32."""
-    xf = x.to(torch.promote_types(x.dtype, torch.float32))
-    y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
-    return (y * weight).to(x.dtype)
 
 
 def _decode_input_torch(
@@ -73,7 +67,7 @@ def _decode_input_torch(
         k_new, v_new = k, v
     q_new = q
     if q_norm_weight is not None:
-        q_new, k_new = _rms_norm(q, q_norm_weight, eps), _rms_norm(k_new, k_norm_weight, eps)
+        q_new, k_new = rms_norm(q, q_norm_weight, eps), rms_norm(k_new, k_norm_weight, eps)
     rows = torch.arange(x.shape[0], device=x.device)
     c_last.copy_(c)
     c_cache[rows, slot] = c.to(c_cache.dtype)
