@@ -63,19 +63,14 @@ def _one_minus_exp_neg_over_c(t, c):
 
 
 @triton_jit
-def _alpha_sigmoid_fwd_kernel(
-    x_ptr, alpha_ptr, t_ptr, y_ptr, n, t_max, log_floor,
-    STEPS: tl.constexpr, IS_LOG: tl.constexpr, BLOCK: tl.constexpr,
-):
-    i_b = tl.program_id(0).to(tl.int64)
-    c = (tl.load(alpha_ptr) - 1.0).to(tl.float32)  # alpha - 1 in the alpha tensor's precision, then float32
-    o_x = i_b * BLOCK + tl.arange(0, BLOCK)
-    m_x = o_x < n
-    b_x = tl.load(x_ptr + o_x, mask=m_x, other=0.0).to(tl.float32)
+def _solve_logit(b_x, c, t_max, STEPS: tl.constexpr):
+    """``t = logit(sigma_alpha(x))`` for ``c = alpha - 1 > 0``, elementwise over a block of
+    any shape: bisection of ``h(t) = log |x|`` over ``[0, t_max]``, ``+-inf`` where
+    clipped, the sign of ``x``, NaN kept."""
     b_ax = tl.abs(b_x)
     b_log_ax = tl.log(b_ax)  # -inf at x = 0: every step moves hi down
-    b_lo = tl.zeros([BLOCK], dtype=tl.float32)
-    b_hi = tl.zeros([BLOCK], dtype=tl.float32) + t_max
+    b_lo = tl.zeros_like(b_ax)
+    b_hi = tl.zeros_like(b_ax) + t_max
     for _ in range(STEPS):
         b_mid = 0.5 * (b_lo + b_hi)
         b_h = c * _log_sigmoid(b_mid) + tl.log(_one_minus_exp_neg_over_c(b_mid, c))
@@ -86,7 +81,40 @@ def _alpha_sigmoid_fwd_kernel(
     b_t = tl.where(b_ax == 0.0, 0.0, b_t)
     b_t = tl.where(b_ax * c >= 1.0, float("inf"), b_t)  # clipped: p = 1
     b_t = tl.where(b_x < 0.0, -b_t, b_t)  # sigma(-x) = 1 - sigma(x)
-    b_t = tl.where(b_x != b_x, b_x, b_t)  # NaN stays NaN
+    return tl.where(b_x != b_x, b_x, b_t)  # NaN stays NaN
+
+
+@triton_jit
+def _dlog_p_dz(b_t, a1, a2, IS_LOG: tl.constexpr):
+    """``d log p / dx = 1 / (p^(a-1) + p (1-p)^(a-2))`` (``IS_LOG``) or ``dp/dx = 1 /
+    (p^(a-2) + (1-p)^(a-2))`` from the logit ``t``, in logs; 0 where clipped (``t = +-inf``).
+    ``a1 = alpha - 1``, ``a2 = alpha - 2`` (float32)."""
+    b_clipped = tl.abs(b_t) == float("inf")
+    b_t = tl.where(b_clipped, 0.0, b_t)
+    b_log_p = _log_sigmoid(b_t)
+    b_log_q = b_log_p - b_t  # log(1 - p)
+    if IS_LOG:
+        b_u = a1 * b_log_p
+        b_v = b_log_p + a2 * b_log_q
+    else:
+        b_u = a2 * b_log_p
+        b_v = a2 * b_log_q
+    b_m = tl.maximum(b_u, b_v)
+    b_lse = b_m + _log1p(tl.exp(-tl.abs(b_u - b_v)))  # logaddexp(u, v)
+    return tl.where(b_clipped, 0.0, tl.exp(-b_lse))
+
+
+@triton_jit
+def _alpha_sigmoid_fwd_kernel(
+    x_ptr, alpha_ptr, t_ptr, y_ptr, n, t_max, log_floor,
+    STEPS: tl.constexpr, IS_LOG: tl.constexpr, BLOCK: tl.constexpr,
+):
+    i_b = tl.program_id(0).to(tl.int64)
+    c = (tl.load(alpha_ptr) - 1.0).to(tl.float32)  # alpha - 1 in the alpha tensor's precision, then float32
+    o_x = i_b * BLOCK + tl.arange(0, BLOCK)
+    m_x = o_x < n
+    b_x = tl.load(x_ptr + o_x, mask=m_x, other=0.0).to(tl.float32)
+    b_t = _solve_logit(b_x, c, t_max, STEPS)
     b_log_p = _log_sigmoid(b_t)
     if IS_LOG:
         b_y = tl.maximum(b_log_p, log_floor)
@@ -109,20 +137,7 @@ def _alpha_sigmoid_bwd_kernel(
     m_x = o_x < n
     b_t = tl.load(t_ptr + o_x, mask=m_x, other=0.0)
     b_g = tl.load(g_ptr + o_x, mask=m_x, other=0.0).to(tl.float32)
-    b_clipped = tl.abs(b_t) == float("inf")
-    b_t = tl.where(b_clipped, 0.0, b_t)
-    b_log_p = _log_sigmoid(b_t)
-    b_log_q = b_log_p - b_t  # log(1 - p)
-    # dp/dx = 1 / (p^(a-2) + (1-p)^(a-2)); d log p/dx = 1 / (p^(a-1) + p (1-p)^(a-2)), in logs
-    if IS_LOG:
-        b_u = a1 * b_log_p
-        b_v = b_log_p + a2 * b_log_q
-    else:
-        b_u = a2 * b_log_p
-        b_v = a2 * b_log_q
-    b_m = tl.maximum(b_u, b_v)
-    b_lse = b_m + _log1p(tl.exp(-tl.abs(b_u - b_v)))  # logaddexp(u, v)
-    b_dx = tl.where(b_clipped, 0.0, b_g * tl.exp(-b_lse))
+    b_dx = tl.where(tl.abs(b_t) == float("inf"), 0.0, b_g * _dlog_p_dz(b_t, a1, a2, IS_LOG))  # no 0 * inf
     tl.store(dx_ptr + o_x, b_dx, mask=m_x)
 
 

@@ -28,7 +28,8 @@ import math
 import torch
 from torch import Tensor
 
-from .alpha_sigmoid import LOG_FLOOR, check_alpha, log_alpha_sigmoid
+from .alpha_sigmoid import LOG_FLOOR, _resolve, check_alpha, check_alpha_tensor, log_alpha_sigmoid
+from .mask_triton import TritonLogMask
 
 
 def _shape(t: Tensor) -> str:
@@ -135,8 +136,11 @@ def interaction_log_mask(
         alpha: the alpha-sigmoid's alpha, a python float ``>= 1`` (the schedule's value),
             or a 0-d tensor holding it (compiled code: see
             :func:`~lapse.ops.dcp.log_alpha_sigmoid`).
-        backend: the alpha-sigmoid's (:func:`~lapse.ops.dcp.log_alpha_sigmoid`):
-            ``"auto"``, ``"triton"`` (fused kernels, float32) or ``"torch"``.
+        backend: ``"auto"`` (Triton for CUDA inputs other than float64, else torch),
+            ``"triton"`` (``mask_triton.py``: the alpha-sigmoid solved below the diagonal
+            only and the cumulative sum in two kernels, one kernel backward; float32) or
+            ``"torch"`` (the alpha-sigmoid of :func:`~lapse.ops.dcp.log_alpha_sigmoid` over
+            the square, then :func:`causal_log_cumsum`: the reference).
 
     Returns:
         ``log_i`` ``[B, T, T]`` float32 (float64 for float64 inputs).
@@ -145,7 +149,14 @@ def interaction_log_mask(
     if not isinstance(alpha, Tensor):
         alpha = check_alpha(alpha)
     z = _logits(q_int, k_int, beta)  # [B, T, T]
-    return causal_log_cumsum(log_alpha_sigmoid(z, alpha, backend=backend))
+    if _resolve(z, backend) == "triton":
+        if isinstance(alpha, Tensor):
+            check_alpha_tensor(alpha, z)
+            alpha = alpha.to(torch.float64)
+        else:
+            alpha = torch.full((), alpha, dtype=torch.float64, device=z.device)
+        return TritonLogMask.apply(z, alpha)
+    return causal_log_cumsum(log_alpha_sigmoid(z, alpha, backend="torch"))
 
 
 def interaction_log_mask_step(q_int: Tensor, k_int: Tensor, beta: float | Tensor) -> Tensor:
