@@ -20,7 +20,14 @@ from dataclasses import replace
 import torch
 
 from lapse.bench.decode import DecodeBenchConfig, time_lapse, time_paged
-from lapse.generation import POLICIES, compiled_decode_one_token, evict, logit_bounds, paged_store_for, prefill
+from lapse.generation import (
+    POLICIES,
+    compiled_decode_one_token,
+    evict,
+    logit_bounds,
+    paged_store_for,
+    prefill,
+)
 from lapse.models import Decoder, preset
 
 
@@ -71,7 +78,8 @@ def main():
     ids8 = torch.randint(0, cfg.vocab_size, (4, args.prompt), device=dev)
     shares = {b: held_share(dcp_model(dense, b), ids8, policy) for b in args.betas}
     beta = min(shares, key=lambda b: abs(shares[b] - 0.5))
-    print("held share after the prefill by beta:", {b: round(s, 3) for b, s in shares.items()}, "-> beta", beta)
+    rounded = {b: round(s, 3) for b, s in shares.items()}
+    print("held share after the prefill by beta:", rounded, "-> beta", beta)
     model = dcp_model(dense, beta)
     out = {"device": torch.cuda.get_device_name() if dev.type == "cuda" else "cpu", "beta": beta,
            "shares": shares, "rows": []}

@@ -40,7 +40,8 @@ def mask_and_grads(q_int, k_int, grad, alpha, dtype, backend, beta=0.3):
     log_i = interaction_log_mask(q, k, b, alpha, backend=backend)
     causal = torch.isfinite(log_i)
     torch.where(causal, log_i * grad.to(dtype), 0.0).sum().backward()
-    return log_i.detach(), [x.double() for x in (torch.where(causal, log_i, 0.0).detach(), q.grad, k.grad, b.grad)]
+    kept = torch.where(causal, log_i, 0.0).detach()
+    return log_i.detach(), [x.double() for x in (kept, q.grad, k.grad, b.grad)]
 
 
 @pytest.mark.parametrize("alpha", [1.0, 1.001, 1.5, 2.0, 4.0, 8.0], ids=lambda a: f"a{a}")
@@ -106,8 +107,8 @@ def test_fused_mask_compiles_once_for_every_alpha():
             for f, a in ((compiled, alpha_t), (fn, alpha)):
                 qf, kf = (x.float().clone().requires_grad_() for x in (q, k))
                 log_i = f(qf, kf, a)
-                dq, dk = torch.autograd.grad(torch.where(torch.isfinite(log_i), log_i * grad.float(), 0.0).sum(),
-                                             (qf, kf))
+                loss = torch.where(torch.isfinite(log_i), log_i * grad.float(), 0.0).sum()
+                dq, dk = torch.autograd.grad(loss, (qf, kf))
                 outs.append((log_i.detach(), dq, dk))
             for got, want in zip(*outs, strict=True):
                 assert torch.equal(got, want)
