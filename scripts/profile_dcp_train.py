@@ -72,7 +72,8 @@ def main():
             step(name)
             torch.cuda.synchronize()
         print(f"--- {name}: top CUDA kernels of one step")
-        table = prof.key_averages().table(sort_by="cuda_time_total", row_limit=args.rows, max_name_column_width=90)
+        averages = prof.key_averages()
+        table = averages.table(sort_by="cuda_time_total", row_limit=args.rows, max_name_column_width=90)
         print(table)
 
 
