@@ -89,11 +89,12 @@ def main():
         row = {"batch": batch, "prompt": args.prompt}
         bench = DecodeBenchConfig(steps=args.steps, warmup=4, device=str(dev), compile_backend=backend)
         row["dense_ms"] = time_lapse(dense, ids, bench, compile=True)
+        row["paged_dense_ms"] = time_paged(dense, ids, bench, "dense")[0]
         for every in args.every:
             ms, share, vs_softmax, evict_ms = time_paged(model, ids, replace(bench, every=every), "dcp")
             row[f"every{every}"] = {"ms": ms, "share": share, "vs_softmax": vs_softmax, "evict_ms": evict_ms}
         # the phases: a fresh store, prefill, one pass, then (16 steps, pass) x 4
-        store = paged_store_for(model, batch, args.prompt, 5 * 16 + 8, policy)
+        store = paged_store_for(model, batch, args.prompt, 7 * 16 + 8, policy)  # 6 x 16 steps, reserves
         step = compiled_decode_one_token() if dev.type == "cuda" else compiled_decode_one_token(
             mode=None, backend="aot_eager")
         bounds = logit_bounds(model)
@@ -140,9 +141,9 @@ def main():
                 print(row["profile_cuda"])
         print(json.dumps({k: v for k, v in row.items() if not k.startswith(("profile", "phases"))}, indent=1))
         out["rows"].append(row)
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump(out, f, indent=1)
+        if args.out:  # after every batch: a later failure keeps what was measured
+            with open(args.out, "w") as f:
+                json.dump(out, f, indent=1)
 
 
 if __name__ == "__main__":

@@ -107,9 +107,52 @@ def test_whole_page_eviction_drops_leading_pages_without_moving_tokens():
     assert torch.equal(store.k[0], k_before)  # nothing moved
     store.settle()
     assert len(store._free[0]) == 0 + 1 + 2 + 4 + (store.k[0].shape[0] - 1 - 4 * 5)
-    owned = [p for row in store._owned[0] for pages in row for p in pages]
+    count, pages = store._count[0], store._pages[0]
+    owned = [p for b in range(2) for h in range(2) for p in pages[b, h, : count[b, h]].tolist()]
+    assert owned == store.page_table[0][store.page_table[0] >= 0].tolist()  # the host mirrors the table
     assert len(owned) == len(set(owned)) == 5 + 4 + 3 + 1
     for start in range(70, 90):  # later tokens land in reused pages after the kept ones
         _fill(store, 2, 1, start)
     positions, valid = _held(store)
     assert positions[1, 1, : int(store.lengths[0][1, 1])].tolist() == list(range(64, 90))
+
+
+def _check_accounting(store: PagedStore) -> None:
+    """The host's page lists mirror the device table, and every page of the pool (but
+    the scratch page) is either free or owned by exactly one (sequence, head)."""
+    store.settle()
+    count, pages, table = store._count[0], store._pages[0], store.page_table[0]
+    b, h, width = table.shape
+    for i in range(b):
+        for j in range(h):
+            n = int(count[i, j])
+            assert table[i, j, :n].tolist() == pages[i, j, :n].tolist()
+            assert (table[i, j, n:] == -1).all()
+            assert n == -(-int(store.lengths[0][i, j]) // store.page_size)
+    owned = table[table >= 0].tolist()
+    assert sorted(owned + store._free[0]) == list(range(store.k[0].shape[0] - 1))
+
+
+@pytest.mark.parametrize("whole_pages", [False, True], ids=["compact", "whole-pages"])
+def test_host_page_accounting_follows_random_evictions(whole_pages):
+    """Ragged random evictions (per head) and growth, many rounds: the vectorised host
+    accounting (settle, reserve) stays the device table's mirror, no page lost or shared."""
+    g = torch.Generator().manual_seed(5)
+    store = PagedStore(1, max_context=400, page_size=16, pages=3 * 2 * 10)
+    _fill(store, 3, 37, 0)
+    _check_accounting(store)
+    start = 37
+    for _ in range(12):
+        snap = store.snapshot(0)
+        if whole_pages:  # a suffix from a random boundary per head
+            cut = torch.randint(0, 40, snap.valid.shape[:2], generator=g)
+            keep = snap.positions >= (snap.seqlens[:, None, None] - cut[..., None])
+        else:
+            keep = torch.rand(snap.valid.shape, generator=g) < 0.6
+        store.evict(0, keep, whole_pages=whole_pages)
+        _check_accounting(store)
+        store.reserve(7)
+        for _ in range(7):
+            _fill(store, 3, 1, start)
+            start += 1
+        _check_accounting(store)

@@ -31,6 +31,7 @@ import math
 from collections.abc import Callable
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -155,8 +156,12 @@ class PagedStore(StoreBase):
         self.extras: list[dict[str, Tensor]] = [{} for _ in range(n_layers)]
         self.page_table: list[Tensor | None] = [None] * n_layers  # [B, H, W/S] int32
         self.lengths: list[Tensor | None] = [None] * n_layers  # [B, H] int32
-        self._free: list[list[int]] = [[] for _ in range(n_layers)]  # host free lists
-        self._owned: list[list[list[list[int]]]] = [[] for _ in range(n_layers)]  # [B][H] page ids, in order
+        # the host's page accounting, as arrays (a pass over every head is a few numpy ops,
+        # not a Python loop over B x H): the free pages of each layer (a stack), and the
+        # pages each (sequence, head) owns in order, the first count[b, h] of pages[b, h]
+        self._free: list[list[int]] = [[] for _ in range(n_layers)]
+        self._count: list[np.ndarray | None] = [None] * n_layers  # [B, H] int64
+        self._pages: list[np.ndarray | None] = [None] * n_layers  # [B, H, W/S] int64
         self._pending: dict[int, Tensor] = {}  # layers evicted since the host's lists were settled:
         # the pages each head dropped at its front [B, H]
 
@@ -249,7 +254,7 @@ class PagedStore(StoreBase):
         if not layers:
             return
         held = torch.stack([self.lengths[i] for i in layers]).long()  # [layers, B, H]
-        needed = ((held + t + self.page_size - 1) // self.page_size).tolist()
+        needed = ((held + t + self.page_size - 1) // self.page_size).cpu().numpy()
         for i, rows in zip(layers, needed, strict=True):
             self._grant(i, rows)
 
@@ -300,18 +305,20 @@ class PagedStore(StoreBase):
         fronts = torch.stack([self._pending[i] for i in layers])  # [layers, B, H]
         self._pending.clear()
         held = torch.stack([self.lengths[i].long() for i in layers])
-        both = torch.stack([fronts.long(), held]).tolist()  # [2][layers][B][H]
-        s = self.page_size
-        for i, fronts_i, lengths in zip(layers, both[0], both[1], strict=True):
-            for b, (row_f, row_n) in enumerate(zip(fronts_i, lengths, strict=True)):
-                for h, (front, n) in enumerate(zip(row_f, row_n, strict=True)):
-                    mine = self._owned[i][b][h]
-                    if front:  # dropped from the front: the table was shifted on the device
-                        self._free[i].extend(mine[:front])
-                        del mine[:front]
-                    keep = -(-n // s)
-                    while len(mine) > keep:
-                        self._free[i].append(mine.pop())  # the table entry is cleared on the device
+        both = torch.stack([fronts.long(), held]).cpu().numpy()  # [2, layers, B, H]
+        for i, front, held_i in zip(layers, both[0], both[1], strict=True):
+            count, pages, free = self._count[i], self._pages[i], self._free[i]
+            columns = np.arange(pages.shape[-1])  # [W/S]
+            if front.any():  # dropped from the front: the table was shifted on the device
+                free.extend(pages[columns < front[..., None]].tolist())
+                shift = np.minimum(columns + front[..., None], pages.shape[-1] - 1)
+                pages[...] = np.take_along_axis(pages, shift, axis=-1)
+                count -= front
+            keep = -(-held_i // self.page_size)  # [B, H] pages the held tokens fill
+            excess = (columns >= keep[..., None]) & (columns < count[..., None])
+            if excess.any():  # freed from each head's end, last page first (the table entries are cleared)
+                free.extend(pages[..., ::-1][excess[..., ::-1]].tolist())
+                np.minimum(count, keep, out=count)
 
     def bytes_held(self) -> int:
         """Bytes of the pages in use (keys, values and every per-slot pool)."""
@@ -320,7 +327,7 @@ class PagedStore(StoreBase):
         for i in range(self.n_layers):
             if self.k[i] is None:
                 continue
-            used = sum(len(p) for row in self._owned[i] for p in row)
+            used = int(self._count[i].sum())
             per_page = sum(
                 pool[0].numel() * pool.element_size()
                 for pool in (self.k[i], self.v[i], *self.extras[i].values())
@@ -363,7 +370,7 @@ class PagedStore(StoreBase):
         """``(width, page_size, layer_idx, prompt_len, max_context)`` of a pass over the layer:
         as many slots as the fullest head has pages for (known on the host, so a pass costs
         what is held, not what the table could hold)."""
-        pages = max(1, max(len(p) for row in self._owned[layer_idx] for p in row))
+        pages = max(1, int(self._count[layer_idx].max()))
         return pages * self.page_size, self.page_size, layer_idx, self.prompt_len, self.capacity
 
     def _allocate(self, layer_idx: int, k: Tensor, v: Tensor, extras: dict[str, Tensor]) -> None:
@@ -385,41 +392,44 @@ class PagedStore(StoreBase):
         self.page_table[layer_idx] = static_zeros(b, h, table, dtype=torch.int32, device=dev).fill_(-1)
         self.lengths[layer_idx] = static_zeros(b, h, dtype=torch.int32, device=dev)
         self._free[layer_idx] = list(range(n - 1, -1, -1))
-        self._owned[layer_idx] = [[[] for _ in range(h)] for _ in range(b)]
-        self._grant(layer_idx, [[-(-self._t // s)] * h for _ in range(b)])
+        self._count[layer_idx] = np.zeros((b, h), dtype=np.int64)
+        self._pages[layer_idx] = np.full((b, h, table), -1, dtype=np.int64)
+        self._grant(layer_idx, np.full((b, h), -(-self._t // s), dtype=np.int64))
 
-    def _grant(self, layer_idx: int, needed: list[list[int]]) -> None:
-        """Pages from the free list until (b, h) owns ``needed[b][h]`` pages."""
+    def _grant(self, layer_idx: int, needed: np.ndarray) -> None:
+        """Pages from the free list until (b, h) owns ``needed[b, h]`` pages (``[B, H]``):
+        heads in order, each head's new pages in order, popped from the top of the stack."""
         table_width = self.width // self.page_size
-        free, owned = self._free[layer_idx], self._owned[layer_idx]
+        free, count, pages = self._free[layer_idx], self._count[layer_idx], self._pages[layer_idx]
         # check everything first: a failed grant leaves the table and the lists as they were
-        for b, row in enumerate(needed):
-            for h, n in enumerate(row):
-                if n > table_width:
-                    raise ValueError(
-                        f"layer {layer_idx}, sequence {b}, head {h} would hold more than "
-                        f"max_tokens = {self.width} "
-                        "tokens: evict more often or build the store with a larger max_tokens"
-                    )
-        wanted = sum(max(0, n - len(owned[b][h])) for b, row in enumerate(needed) for h, n in enumerate(row))
-        if wanted > len(free):
+        over = np.argwhere(needed > table_width)
+        if len(over):
+            b, h = over[0]
+            raise ValueError(
+                f"layer {layer_idx}, sequence {b}, head {h} would hold more than "
+                f"max_tokens = {self.width} "
+                "tokens: evict more often or build the store with a larger max_tokens"
+            )
+        want = np.clip(needed - count, 0, None).ravel()  # [B * H] new pages per head
+        total = int(want.sum())
+        if total > len(free):
             raise RuntimeError(
                 f"the page pool of layer {layer_idx} is full ({self.k[layer_idx].shape[0] - 1} pages of "
                 f"{self.page_size}): give the store more pages or the policy a smaller budget"
             )
-        updates = []
-        for b, row in enumerate(needed):
-            for h, n in enumerate(row):
-                mine = owned[b][h]
-                while len(mine) < n:
-                    mine.append(free.pop())
-                    updates.append((b, h, len(mine) - 1, mine[-1]))
-        if updates:
-            idx = torch.tensor(updates, dtype=torch.long)
-            table = self.page_table[layer_idx]
-            table[idx[:, 0].to(table.device), idx[:, 1].to(table.device), idx[:, 2].to(table.device)] = idx[
-                :, 3
-            ].to(device=table.device, dtype=torch.int32)
+        if not total:
+            return
+        taken = free[-total:][::-1]  # what popping one page at a time would give, in order
+        del free[-total:]
+        head = np.repeat(np.arange(want.size), want)  # [total] the head each new page goes to
+        first = np.repeat(np.cumsum(want) - want, want)  # where that head's new pages start in `taken`
+        column = np.repeat(count.ravel(), want) + np.arange(total) - first
+        b, h = np.divmod(head, count.shape[1])
+        pages[b, h, column] = taken
+        count += want.reshape(count.shape)
+        table = self.page_table[layer_idx]
+        update = torch.from_numpy(np.stack([b, h, column, np.asarray(taken)])).to(table.device)  # [4, total]
+        table[update[0], update[1], update[2]] = update[3].to(torch.int32)
 
     def __repr__(self) -> str:
         return (

@@ -167,7 +167,8 @@ class DCPInteraction:
         kh, hq = self.n_kv_heads, self.n_heads
         r = q_int.shape[-1]
         part = -(-r // kh)  # kint values per head and slot
-        kint = F.pad(k_int, (0, part * kh - r)).to(torch.float32)  # [B, T, K * part]
+        # in the interaction keys' own dtype: z is computed from them in it (no wider copy is read)
+        kint = F.pad(k_int, (0, part * kh - r))  # [B, T, K * part]
         if t > 1:  # prefill: log I over the prompt, each token's flag as of its prompt's last token
             log_i = self._log_mask(q_int, k_int)  # [B, T, T]
             dropped = cache.last(log_i) <= LOG_FLOOR  # [B, T]
