@@ -122,3 +122,21 @@ def test_fused_mask_refuses_float64_and_bad_alpha():
         interaction_log_mask(q.float(), k.float(), 0.3, 0.5, backend="triton")
     with pytest.raises(ValueError, match="0-d"):
         interaction_log_mask(q.float(), k.float(), 0.3, torch.ones(2, dtype=torch.float64), backend="triton")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("t", [333, 1024], ids=lambda t: f"T{t}")
+def test_fused_mask_on_the_gpu_is_as_close_to_float64_as_the_torch_path(t):
+    """The compiled kernels (not the interpreter) at a training length and an awkward one."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    q, k, grad = (x.cuda() for x in inputs(2, t, r=64, spread=1.0))
+    _, ref = mask_and_grads(q, k, grad, 4.0, torch.float64, "torch")
+    _, torch32 = mask_and_grads(q, k, grad, 4.0, torch.float32, "torch")
+    log_i, triton32 = mask_and_grads(q, k, grad, torch.tensor(4.0, device="cuda"), torch.float32, "triton")
+    assert (ref[0] <= LOG_FLOOR).any()
+    for r, a, b in zip(ref, torch32, triton32, strict=True):
+        floor = 4 * torch.finfo(torch.float32).eps * r.abs().max()
+        assert (b - r).abs().max() <= 3 * (a - r).abs().max() + floor
+    rows, cols = torch.meshgrid(torch.arange(t, device="cuda"), torch.arange(t, device="cuda"), indexing="ij")
+    assert (log_i[:, rows == cols] == 0).all() and (log_i[:, cols > rows] == -math.inf).all()

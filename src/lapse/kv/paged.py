@@ -188,14 +188,20 @@ class PagedStore(StoreBase):
         s = self.page_size
         lengths = self.lengths[layer_idx]  # [B, H]
         slots = lengths[:, :, None].long() + torch.arange(t, device=k.device)  # [B, H, T]
-        pages = self.page_table[layer_idx].long().gather(2, slots // s)  # [B, H, T]
-        # each slot's row in the pools seen as [P * PS, ...]: one index_copy_ per pool (an
-        # index_put_ with two index tensors costs several times more per call on CPU)
-        rows = (pages * s + slots % s).flatten()  # [B * H * T]
+        pages = self.page_table[layer_idx].long().gather(2, slots // s).flatten()  # [B * H * T]
+        offsets = (slots % s).flatten()
+        rows = pages * s + offsets  # each slot's row in the pools seen as [P * PS, ...]
+        compiling = torch.compiler.is_compiling()
 
         def write(pool: Tensor, values: Tensor) -> None:  # values [B, H, T, ...]
-            flat = pool.view(-1, *pool.shape[2:])
-            flat.index_copy_(0, rows, values.reshape(-1, *pool.shape[2:]).to(pool.dtype))
+            values = values.reshape(-1, *pool.shape[2:]).to(pool.dtype)
+            if compiling:  # index_put_ on the pool itself: inductor writes the slots in place
+                # (an index_copy_ through a view of the pool became a copy of the whole pool
+                # and a copy back, twice per layer and step: 4x the paged step at 64 x 1920 on an H100)
+                pool[pages, offsets] = values
+            else:  # one index_copy_ over flat rows (index_put_ with two index tensors costs
+                # several times more per call on a CPU)
+                pool.view(-1, *pool.shape[2:]).index_copy_(0, rows, values)
 
         write(self.k[layer_idx], k.transpose(1, 2))  # [B, H, T, D]
         write(self.v[layer_idx], v.transpose(1, 2))
@@ -204,7 +210,10 @@ class PagedStore(StoreBase):
             write(pools[name], value.view(b, t, h, -1).transpose(1, 2))  # [B, H, T, G]: query heads by group
         write(pools["pos"], self._positions[:, None, :].expand(b, h, t))
         if "score" in pools:
-            pools["score"].view(-1).index_fill_(0, rows, 0.0)
+            if compiling:
+                pools["score"][pages, offsets] = 0.0
+            else:
+                pools["score"].view(-1).index_fill_(0, rows, 0.0)
         # a ragged prefill: the padding went into slots past each sequence's length (free)
         lengths.add_(t if self._new is None else self._new[:, None].int())
 
@@ -272,7 +281,8 @@ class PagedStore(StoreBase):
         meanwhile)."""
         tensors = self._tensors(layer_idx)
         evict = _drop_leading_pages if whole_pages else _compact
-        front = evict(tensors, _slots(tensors, *self._meta(layer_idx)[:2]), keep, self.page_size)
+        front, moves = evict(tensors, _slots(tensors, *self._meta(layer_idx)[:2]), keep, self.page_size)
+        _move_rows(tensors, moves)
         self._pending[layer_idx] = front
 
     def apply_policy(
@@ -293,7 +303,9 @@ class PagedStore(StoreBase):
         ``whole_pages`` as in :meth:`evict`; ``extras``: the per-slot pools ``keep_fn`` reads
         from the snapshot's ``extras`` (a policy's ``snapshot_extras``; ``None``: all)."""
         fn = _compiled_pass("inductor" if compile is True else compile) if compile else _pass
-        front = fn(self._tensors(layer_idx), *self._meta(layer_idx), keep_fn, bound, whole_pages, extras)
+        tensors = self._tensors(layer_idx)
+        front, moves = fn(tensors, *self._meta(layer_idx), keep_fn, bound, whole_pages, extras)
+        _move_rows(tensors, moves)  # eager: index_select and index_copy_ stream the rows
         self._pending[layer_idx] = front
 
     def settle(self) -> None:
@@ -514,31 +526,47 @@ def _snapshot(
 _SNAPSHOT_POOLS = ("pos", "score", "c")  # gathered into their own snapshot fields
 
 
-def _compact(t: _LayerTensors, slots: tuple[Tensor, Tensor, Tensor], keep: Tensor, page_size: int) -> Tensor:
-    """Packs the kept valid slots of every head to its front, in order, sets the lengths
-    and clears the table entries past the kept pages (in place; no host sync). Returns the
-    pages each head gave up at its front ``[B, H]``: none."""
+def _compact(
+    t: _LayerTensors, slots: tuple[Tensor, Tensor, Tensor], keep: Tensor, page_size: int
+) -> tuple[Tensor, Tensor]:
+    """Packs the kept valid slots of every head to its front, in order: sets the lengths
+    and clears the table entries past the kept pages (in place; no host sync), and returns
+    the pages each head gave up at its front ``[B, H]`` (none) and the moves that pack the
+    pools, ``[2, B * H * W]`` source and destination rows of the pools seen as ``[P * PS,
+    ...]`` (:func:`_move_rows` applies them: inside a compiled pass, inductor turned the
+    gathers of every pool through the page table into one slow kernel per pool, 1.7 ms a
+    layer at 64 x 1920 on an H100; index_select and index_copy_ stream the rows)."""
     pages, offsets, valid = slots
     keep = keep & valid
     new_len = keep.sum(-1)  # [B, H]
     order = torch.argsort((~keep).to(torch.int8), dim=-1, stable=True)  # kept slots first, in order
-    src_p, src_o = pages.gather(2, order), offsets.gather(2, order)
+    src = pages.gather(2, order) * page_size + offsets.gather(2, order)  # [B, H, W]
+    # destinations past the new length go to the scratch page, so that every row moves
+    # (fixed shapes); the moves read every source before they write (no kept slot is
+    # overwritten first)
     dst = torch.arange(keep.shape[-1], device=keep.device) < new_len[..., None]  # [B, H, W]
-    # destinations past the new length write to the scratch page: every pool moves with one
-    # gather and one scatter, and no kept slot is overwritten before it is read (all reads first)
-    dst_p = torch.where(dst, pages, t.k.shape[0] - 1)
-    for pool in (t.k, t.v, *t.extras.values()):
-        pool[dst_p, offsets] = pool[src_p, src_o]
+    dst = torch.where(dst, pages, t.k.shape[0] - 1) * page_size + offsets
     t.lengths.copy_(new_len)
     kept_pages = (new_len + page_size - 1) // page_size  # [B, H]
     columns = torch.arange(t.table.shape[-1], device=t.table.device)
     t.table.masked_fill_(columns >= kept_pages[..., None], -1)
-    return torch.zeros_like(new_len)
+    return torch.zeros_like(new_len), torch.stack([src.flatten(), dst.flatten()])
+
+
+def _move_rows(t: _LayerTensors, moves: Tensor | None) -> None:
+    """Applies :func:`_compact`'s moves to every pool (keys, values, each per-slot pool):
+    all the source rows are read before any is written."""
+    if moves is None:
+        return
+    src, dst = moves
+    for pool in (t.k, t.v, *t.extras.values()):
+        flat = pool.view(-1, *pool.shape[2:])
+        flat.index_copy_(0, dst, flat.index_select(0, src))
 
 
 def _drop_leading_pages(
     t: _LayerTensors, slots: tuple[Tensor, Tensor, Tensor], keep: Tensor, page_size: int
-) -> Tensor:
+) -> tuple[Tensor, None]:
     """Drops, per head, the leading pages holding no kept slot, by shifting the table: no
     token moves. The slots of a page that keeps any slot all stay (a policy whose kept
     slots form a suffix, such as ACP's, only keeps up to ``page_size - 1`` tokens more
@@ -557,7 +585,7 @@ def _drop_leading_pages(
     shifted = t.table.gather(-1, source.clamp_max(t.table.shape[-1] - 1))
     t.table.copy_(torch.where(columns < kept_pages[..., None], shifted, -1))
     t.lengths.copy_(new_len)
-    return front
+    return front, None
 
 
 def _pass(
@@ -571,7 +599,8 @@ def _pass(
     bound: Tensor | None,
     whole_pages: bool = False,
     extras: tuple[str, ...] | None = None,
-) -> Tensor:
+) -> tuple[Tensor, Tensor | None]:
+    """A policy's pass over one layer: its front drops and moves (:func:`_compact`)."""
     slots = _slots(t, width, page_size)
     snap = _snapshot(t, width, page_size, layer_idx, prompt_len, max_context, slots, extras)
     snap.bound = bound
