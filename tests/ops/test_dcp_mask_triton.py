@@ -36,7 +36,7 @@ def inputs(b: int, t: int, r: int = 6, seed: int = 3, spread: float = 1.0):
 
 def mask_and_grads(q_int, k_int, grad, alpha, dtype, backend, beta=0.3):
     q, k = (x.to(dtype).clone().requires_grad_() for x in (q_int, k_int))
-    b = torch.tensor(beta, dtype=dtype, requires_grad=True)
+    b = torch.tensor(beta, dtype=dtype, device=q.device, requires_grad=True)
     log_i = interaction_log_mask(q, k, b, alpha, backend=backend)
     causal = torch.isfinite(log_i)
     torch.where(causal, log_i * grad.to(dtype), 0.0).sum().backward()
