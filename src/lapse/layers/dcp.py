@@ -48,6 +48,7 @@ from lapse.ops.dcp import (
     log_alpha_sigmoid,
 )
 from lapse.ops.dcp.alpha_sigmoid import check_alpha
+from lapse.ops.dcp.paged_drop import dcp_paged_drop
 from lapse.ops.forgetting import forgetting_attention_paged_decode
 
 from .softmax import SoftmaxAttention
@@ -177,16 +178,8 @@ class DCPInteraction:
             return dcp_attention(q, k, v, log_i, scale=self.scale)
         cache.append(self.layer_idx, k, v, kint=kint, drop=q.new_zeros(b, 1, hq, dtype=torch.float32))
         view = cache.view(self.layer_idx)
-        pages, offsets, _ = view.slots()  # [B, K, W]
-        width = pages.shape[-1]
-        slots = torch.arange(width, device=q.device)  # [W]
-        held_k = view.extras["kint"][pages, offsets]  # [B, K, W, part]
-        held_k = held_k.permute(0, 2, 1, 3).reshape(b, width, kh * part)[..., :r]  # [B, W, r]
-        z = interaction_logits(q_int, held_k.to(q_int.dtype), self.beta)[:, 0]  # [B, W]
-        earlier = slots[None, :] < (view.lengths[:, :1].long() - 1)  # [B, W]: not the new token
-        newly = (earlier & (z <= 0))[:, None, :, None]  # [B, 1, W, 1]
         flags = view.extras["drop"]
-        flags[pages, offsets] = torch.where(newly, -LOG_FLOOR, flags[pages, offsets])
+        dcp_paged_drop(q_int[:, 0], view.extras["kint"], flags, view.page_table, view.lengths, self.beta)
         o = forgetting_attention_paged_decode(
             q[:, 0], view.k, view.v, view.page_table, view.lengths,
             c_pages=flags, c_query=q.new_zeros(b, hq, dtype=torch.float32), scale=self.scale,
