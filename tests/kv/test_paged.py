@@ -30,6 +30,20 @@ def _held(store: PagedStore) -> torch.Tensor:
     return snap.positions, snap.valid
 
 
+def _filled_holes(positions: torch.Tensor, keep: torch.Tensor) -> list[int]:
+    """What a head holds after a compaction, written out plainly: the kept slots below the
+    new length stay; the k-th kept slot past it goes to the k-th dropped slot below it."""
+    held = positions.tolist()
+    kept = [i for i, k in enumerate(keep.tolist()) if k]
+    n = len(kept)
+    holes = [i for i in range(n) if i not in kept]
+    movers = [i for i in kept if i >= n]
+    out = held[:n]
+    for hole, mover in zip(holes, movers, strict=True):
+        out[hole] = held[mover]
+    return out
+
+
 def test_paged_store_writes_through_the_table_and_compacts_on_eviction():
     store = PagedStore(1, max_context=200, page_size=16)
     assert isinstance(store, KVCache)
@@ -42,17 +56,20 @@ def test_paged_store_writes_through_the_table_and_compacts_on_eviction():
     keep = (positions % 3 == 0) & valid
     keep[1, 1] = valid[1, 1] & (positions[1, 1] >= 30)  # heads keep different numbers of tokens
     free_before = len(store._free[0])
+    expected = [[_filled_holes(positions[b, h], keep[b, h]) for h in range(2)] for b in range(2)]
     store.evict(0, keep)
     assert store.lengths[0].tolist() == [[14, 14], [14, 11]]
     positions, valid = _held(store)
-    assert positions[0, 0, :14].tolist() == list(range(0, 41, 3))
-    assert positions[1, 1, :11].tolist() == list(range(30, 41))
+    assert positions[0, 0, :14].tolist() == expected[0][0]
+    assert sorted(expected[0][0]) == list(range(0, 41, 3))
+    assert positions[1, 1, :11].tolist() == expected[1][1] == list(range(30, 41))  # moved in order
     # keys and FoX c moved with their positions
     pages, offsets, _ = _slots(store._tensors(0), *store._meta(0)[:2])
     k = store.k[0][pages, offsets][..., 0]  # [B, H, W]
     assert k[1, 1, :11].tolist() == [p + 1000 + 10000 for p in range(30, 41)]
+    assert k[0, 1, :14].tolist() == [p + 1000 for p in expected[0][1]]
     c = store.extras[0]["c"][pages, offsets]  # [B, H, W, G]
-    assert c[0, 1, :14, 1].tolist() == [-float(p) for p in range(0, 41, 3)]
+    assert c[0, 1, :14, 1].tolist() == [-float(p) for p in expected[0][1]]
     assert len(store._free[0]) == free_before  # the host's lists catch up when settled
     store.settle()
     assert len(store._free[0]) == free_before + 2 * 2 * 2  # 3 pages per head before, 1 after
@@ -117,6 +134,15 @@ def test_whole_page_eviction_drops_leading_pages_without_moving_tokens():
     assert positions[1, 1, : int(store.lengths[0][1, 1])].tolist() == list(range(64, 90))
 
 
+def test_whole_page_eviction_after_a_compaction_says_the_order_is_lost():
+    store = PagedStore(1, max_context=200, page_size=16)
+    _fill(store, 1, 40, 0)
+    positions, valid = _held(store)
+    store.evict(0, valid & (positions % 2 == 0))
+    with pytest.raises(ValueError, match="was compacted"):
+        store.evict(0, valid, whole_pages=True)
+
+
 def _check_accounting(store: PagedStore) -> None:
     """The host's page lists mirror the device table, and every page of the pool (but
     the scratch page) is either free or owned by exactly one (sequence, head)."""
@@ -149,8 +175,19 @@ def test_host_page_accounting_follows_random_evictions(whole_pages):
             keep = snap.positions >= (snap.seqlens[:, None, None] - cut[..., None])
         else:
             keep = torch.rand(snap.valid.shape, generator=g) < 0.6
+        k_before = store.k[0].clone()
+        expected = [[_filled_holes(snap.positions[i, j], keep[i, j] & snap.valid[i, j]) for j in range(2)]
+                    for i in range(3)]
         store.evict(0, keep, whole_pages=whole_pages)
         _check_accounting(store)
+        if not whole_pages:  # the fewest moves: one row written per hole, nothing else touched
+            held, valid = _held(store)
+            for i in range(3):
+                for j in range(2):
+                    assert held[i, j][valid[i, j]].tolist() == expected[i][j]
+            n_kept = (keep & snap.valid).sum(-1, keepdim=True)
+            holes = (torch.arange(keep.shape[-1]) < n_kept) & ~keep
+            assert int((store.k[0] != k_before).any(-1).sum()) == int(holes.sum()) > 0
         store.reserve(7)
         for _ in range(7):
             _fill(store, 3, 1, start)

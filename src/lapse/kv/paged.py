@@ -3,8 +3,10 @@
 Per layer, a pool of pages of ``page_size`` slots shared by every sequence and key/value
 head, and a page table per (sequence, kv head) with its length (vLLM's PagedAttention,
 made per head: every head keeps a different number of tokens under eviction). The kept
-tokens of a (sequence, head) sit in logical order: logical slot ``i`` is page
-``page_table[b, h, i // page_size]`` at offset ``i % page_size``. Each slot carries, beside
+tokens of a (sequence, head) fill its first ``lengths[b, h]`` logical slots: logical slot
+``i`` is page ``page_table[b, h, i // page_size]`` at offset ``i % page_size``. They come in
+the order they were appended until a compacting eviction fills the dropped slots with
+later tokens (attention reads a head's slots in any order). Each slot carries, beside
 ``k`` and ``v``, the token's absolute position, the per-slot extras a method appends
 (FoX's ``c`` for each query head of the group, float64), and an accumulated attention
 score when a policy asks for one (H2O, A2SF).
@@ -17,8 +19,9 @@ What happens where:
   ops only, on buffers allocated once, so a step can be captured in a CUDA graph;
 - outside it (every few steps): :meth:`PagedStore.reserve` takes pages from the free list
   for the next steps, :meth:`PagedStore.snapshot` shows a policy what each head holds, and
-  :meth:`PagedStore.evict` keeps what the policy says, packs the kept tokens to the front
-  and returns the freed pages to the pool, where any sequence can reuse them.
+  :meth:`PagedStore.evict` keeps what the policy says, moves the kept tokens behind each
+  head's new length into the dropped slots before it (the fewest moves) and returns the
+  freed pages to the pool, where any sequence can reuse them.
 
 Legend: B batch, H key/value heads, G query heads per kv head, D head dim, P pages,
 S page size, W table width (slots per head), T new tokens.
@@ -70,7 +73,7 @@ class PagedView:
 
 @dataclass(eq=False)
 class LayerSnapshot:
-    """What one layer holds, per (sequence, kv head), in logical order, for a policy.
+    """What one layer holds, per (sequence, kv head), slot by slot, for a policy.
 
     Attributes:
         layer_idx: the layer.
@@ -162,6 +165,7 @@ class PagedStore(StoreBase):
         self._free: list[list[int]] = [[] for _ in range(n_layers)]
         self._count: list[np.ndarray | None] = [None] * n_layers  # [B, H] int64
         self._pages: list[np.ndarray | None] = [None] * n_layers  # [B, H, W/S] int64
+        self._shuffled: set[int] = set()  # layers compacted at least once (see _check_order)
         self._pending: dict[int, Tensor] = {}  # layers evicted since the host's lists were settled:
         # the pages each head dropped at its front [B, H]
 
@@ -273,12 +277,16 @@ class PagedStore(StoreBase):
 
     def evict(self, layer_idx: int, keep: Tensor, whole_pages: bool = False) -> None:
         """Keeps the slots where ``keep`` ``[B, H, W]`` (shaped as :meth:`snapshot`'s) is True
-        and valid, packs them to the front of their head in order, and returns the pages no
-        longer needed to the pool. ``whole_pages``: only drop each head's leading pages that
-        keep nothing, moving no token (for policies whose kept slots form a suffix). Device
+        and valid, packs them into the first slots of their head (:func:`_compact`: the
+        kept slots past the new length fill the dropped ones before it, so the order of a
+        head's slots changes), and returns the pages no longer needed to the pool.
+        ``whole_pages``: only drop each head's leading pages that keep nothing, moving no
+        token (for policies whose kept slots form a suffix of a store still in the order
+        its tokens came: one never compacted, else a ValueError). Device
         work only: the host's free list catches up at the next :meth:`reserve`,
         :meth:`bytes_held` or :meth:`settle` (one read-back for all the layers evicted
         meanwhile)."""
+        self._check_order(layer_idx, whole_pages)
         tensors = self._tensors(layer_idx)
         evict = _drop_leading_pages if whole_pages else _compact
         front, moves = evict(tensors, _slots(tensors, *self._meta(layer_idx)[:2]), keep, self.page_size)
@@ -302,6 +310,7 @@ class PagedStore(StoreBase):
         (``"aot_eager"``: the trace without code generation, for tests on CPU).
         ``whole_pages`` as in :meth:`evict`; ``extras``: the per-slot pools ``keep_fn`` reads
         from the snapshot's ``extras`` (a policy's ``snapshot_extras``; ``None``: all)."""
+        self._check_order(layer_idx, whole_pages)
         fn = _compiled_pass("inductor" if compile is True else compile) if compile else _pass
         tensors = self._tensors(layer_idx)
         front, moves = fn(tensors, *self._meta(layer_idx), keep_fn, bound, whole_pages, extras)
@@ -363,6 +372,17 @@ class PagedStore(StoreBase):
         return total
 
     # -- internals -----------------------------------------------------------------------
+
+    def _check_order(self, layer_idx: int, whole_pages: bool) -> None:
+        """Notes a compacting eviction (the layer's slots leave the order their tokens came
+        in); refuses a whole-page one after it (it needs that order)."""
+        if not whole_pages:
+            self._shuffled.add(layer_idx)
+        elif layer_idx in self._shuffled:
+            raise ValueError(
+                f"layer {layer_idx} was compacted (its slots are out of order): whole-page eviction "
+                "needs a store evicted only by whole pages (one policy per store)"
+            )
 
     def _tensors(self, layer_idx: int) -> _LayerTensors:
         gate = self.states[layer_idx].get("GateState")
@@ -529,36 +549,53 @@ _SNAPSHOT_POOLS = ("pos", "score", "c")  # gathered into their own snapshot fiel
 def _compact(
     t: _LayerTensors, slots: tuple[Tensor, Tensor, Tensor], keep: Tensor, page_size: int
 ) -> tuple[Tensor, Tensor]:
-    """Packs the kept valid slots of every head to its front, in order: sets the lengths
-    and clears the table entries past the kept pages (in place; no host sync), and returns
-    the pages each head gave up at its front ``[B, H]`` (none) and the moves that pack the
-    pools, ``[2, B * H * W]`` source and destination rows of the pools seen as ``[P * PS,
-    ...]`` (:func:`_move_rows` applies them: inside a compiled pass, inductor turned the
-    gathers of every pool through the page table into one slow kernel per pool, 1.7 ms a
-    layer at 64 x 1920 on an H100; index_select and index_copy_ stream the rows)."""
+    """Packs the kept valid slots of every head into its first ``new_len`` slots with the
+    fewest moves: each kept slot at or past ``new_len`` fills a dropped slot below it (the
+    k-th such slot the k-th such hole); a kept slot below ``new_len`` stays where it is.
+    Attention reads a head's slots in any order (each carries its position and extras),
+    so only the holes cost: a pass that drops ``n`` tokens moves at most ``n`` rows per
+    head, where packing in order moved every row behind the first hole (the whole head).
+
+    Sets the lengths and clears the table entries past the kept pages (in place; no host
+    sync), and returns the pages each head gave up at its front ``[B, H]`` (none) and the
+    moves ``[3, B * H * W]``: source and destination rows of the pools seen as
+    ``[P * PS, ...]`` and whether the slot moves (:func:`_move_rows` applies them eagerly,
+    the moving rows only). Every head with the same ``keep`` row gets the same moves (the
+    heads of a DCP layer stay aligned slot by slot)."""
     pages, offsets, valid = slots
     keep = keep & valid
-    new_len = keep.sum(-1)  # [B, H]
-    order = torch.argsort((~keep).to(torch.int8), dim=-1, stable=True)  # kept slots first, in order
-    src = pages.gather(2, order) * page_size + offsets.gather(2, order)  # [B, H, W]
-    # destinations past the new length go to the scratch page, so that every row moves
-    # (fixed shapes); the moves read every source before they write (no kept slot is
-    # overwritten first)
-    dst = torch.arange(keep.shape[-1], device=keep.device) < new_len[..., None]  # [B, H, W]
-    dst = torch.where(dst, pages, t.k.shape[0] - 1) * page_size + offsets
+    b, h, w = keep.shape
+    new_len = keep.sum(-1, keepdim=True)  # [B, H, 1]
+    index = torch.arange(w, device=keep.device)  # [W]
+    below = index < new_len  # [B, H, W]
+    hole = below & ~keep  # dropped slots that kept ones fill
+    moving = keep & ~below  # kept slots past the new length, as many as the holes
+    # the slot of the k-th hole at column k (the other slots write the spare column w)
+    rank = torch.where(hole, hole.long().cumsum(-1) - 1, w)
+    hole_at = torch.zeros(b, h, w + 1, dtype=torch.long, device=keep.device)
+    hole_at.scatter_(-1, rank, index.expand(b, h, w))
+    target = hole_at.gather(-1, (moving.long().cumsum(-1) - 1).clamp_min(0))  # [B, H, W]
+    src = pages * page_size + offsets
+    dst = pages.gather(-1, target) * page_size + offsets.gather(-1, target)
+    new_len = new_len[..., 0]
     t.lengths.copy_(new_len)
     kept_pages = (new_len + page_size - 1) // page_size  # [B, H]
     columns = torch.arange(t.table.shape[-1], device=t.table.device)
     t.table.masked_fill_(columns >= kept_pages[..., None], -1)
-    return torch.zeros_like(new_len), torch.stack([src.flatten(), dst.flatten()])
+    return torch.zeros_like(new_len), torch.stack([src.flatten(), dst.flatten(), moving.flatten().long()])
 
 
 def _move_rows(t: _LayerTensors, moves: Tensor | None) -> None:
     """Applies :func:`_compact`'s moves to every pool (keys, values, each per-slot pool):
-    all the source rows are read before any is written."""
+    the moving rows only (one host sync to select them); sources and destinations are
+    disjoint (past and below the new lengths)."""
     if moves is None:
         return
-    src, dst = moves
+    src, dst, moving = moves
+    chosen = moving.nonzero().squeeze(1)
+    if not len(chosen):
+        return
+    src, dst = src[chosen], dst[chosen]
     for pool in (t.k, t.v, *t.extras.values()):
         flat = pool.view(-1, *pool.shape[2:])
         flat.index_copy_(0, dst, flat.index_select(0, src))
