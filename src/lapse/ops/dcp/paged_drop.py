@@ -61,12 +61,12 @@ def _drop_kernel(
     stride_tb,
     stride_th,
     stride_lb,
-    K,
     R,
     NPART,
     G,
     scale,
     neg_floor,
+    K: tl.constexpr,
     S: tl.constexpr,
     PART: tl.constexpr,
     BLOCK: tl.constexpr,
@@ -80,7 +80,9 @@ def _drop_kernel(
         return
     o_i = tl.arange(0, PART)
     z = tl.zeros([BLOCK], dtype=tl.float32)
-    for h in range(0, K):
+    # the heads unrolled: their table lookups and key loads are all in flight at once (a
+    # loop over a runtime K issued them one head after another)
+    for h in tl.static_range(K):
         page = tl.load(table_ptr + i_b * stride_tb + h * stride_th + o_w // S, mask=m_w, other=0).to(tl.int64)
         o_k = h * NPART + o_i  # this head's slice of the interaction dim
         m_k = (o_i < NPART) & (o_k < R)
@@ -94,7 +96,7 @@ def _drop_kernel(
     z = z * scale + tl.load(beta_ptr).to(tl.float32)
     newly = m_w & (z <= 0.0)
     o_g = tl.arange(0, BG)
-    for h in range(0, K):
+    for h in tl.static_range(K):
         page = tl.load(table_ptr + i_b * stride_tb + h * stride_th + o_w // S, mask=newly, other=0).to(
             tl.int64
         )
@@ -186,13 +188,13 @@ def _(q_int, kint_pages, drop_pages, page_table, lengths, beta):
     return None
 
 
-def launch_drop(q_int, kint_pages, drop_pages, page_table, lengths, beta_t) -> None:
+def launch_drop(q_int, kint_pages, drop_pages, page_table, lengths, beta_t, block: int = BLOCK) -> None:
     b, kh, wp = page_table.shape
     s, part = kint_pages.shape[1], kint_pages.shape[2]
     g = drop_pages.shape[2]
     if kint_pages.stride(2) != 1 or drop_pages.stride(2) != 1 or page_table.stride(2) != 1:
         raise ValueError("kint_pages, drop_pages and page_table must be contiguous in their last dim")
-    grid = (b, triton.cdiv(wp * s, BLOCK))
+    grid = (b, triton.cdiv(wp * s, block))
     _drop_kernel[grid](
         q_int,
         kint_pages,
@@ -208,14 +210,14 @@ def launch_drop(q_int, kint_pages, drop_pages, page_table, lengths, beta_t) -> N
         page_table.stride(0),
         page_table.stride(1),
         lengths.stride(0),
-        kh,
         q_int.shape[1],
         part,
         g,
         1.0 / math.sqrt(q_int.shape[1]),
         -LOG_FLOOR,
+        K=kh,
         S=s,
         PART=triton.next_power_of_2(part),
-        BLOCK=BLOCK,
+        BLOCK=block,
         BG=triton.next_power_of_2(g),
     )
