@@ -190,14 +190,20 @@ def _policy(name: str, cfg: DecodeBenchConfig):
 
 @torch.no_grad()
 def time_paged(
-    model: Decoder, ids: torch.Tensor, cfg: DecodeBenchConfig, name: str
+    model: Decoder, ids: torch.Tensor, cfg: DecodeBenchConfig, name: str, detail: dict | None = None
 ) -> tuple[float, float, float, float]:
     """ms per compiled decode step over the paged store under policy ``name`` (evictions
     included) after a prefill of the prompts ``ids`` ``[B, T]``; the share of a dense
     cache's KV bytes it holds at the end (the same pools: a model's per-slot extras on
     both sides); that share against a softmax model's dense keys and values alone (what a
     DCP model's interaction keys and drop flags cost on top); and the ms per step of the
-    evictions alone (timed between synchronisations, amortised)."""
+    evictions alone (timed between synchronisations, amortised).
+
+    ``detail``, when given, is filled with where the time went: ``passes`` (per timed
+    pass, ms of the layers' passes with the host's page accounting, and of the
+    ``reserve`` after it) and, on CUDA, ``steps_after_pass`` / ``steps_other`` (the median
+    ms of the device time between one step's start and the next's, for the 4 steps that
+    follow a pass and for the rest: a pass whose cost spills into later steps shows there)."""
     device = next(model.parameters()).device
     policy = _policy(name, cfg)
     batch, prompt = ids.shape
@@ -205,24 +211,43 @@ def time_paged(
     token = prefill(model, ids, store).argmax(-1, keepdim=True)
     bounds = logit_bounds(model)
     fn = _compiled_step(cfg)
-    count, evicting = [0], [0.0]
-    passes = "aot_eager" if cfg.compile_backend == "aot_eager" else None  # None: compiled on CUDA
+    count, evicting, passes, marks = [0], [0.0], [], []
+    passes_backend = "aot_eager" if cfg.compile_backend == "aot_eager" else None  # None: compiled on CUDA
+    cuda = device.type == "cuda"
 
     def step(tok: torch.Tensor) -> torch.Tensor:
+        timed = count[0] >= cfg.warmup
+        if cuda and timed and detail is not None:
+            marks.append((count[0], torch.cuda.Event(enable_timing=True)))
+            marks[-1][1].record()
         if count[0] % policy.every == 0:
-            if device.type == "cuda":  # the steps queued before the pass are not the pass's time
+            if cuda:  # the steps queued before the pass are not the pass's time
                 torch.cuda.synchronize()
             start = time.perf_counter()
-            evict(model, store, policy, bounds, compile=passes)
-            store.reserve(min(policy.every, cfg.warmup + cfg.steps - count[0]))
-            if device.type == "cuda":
+            evict(model, store, policy, bounds, compile=passes_backend)
+            if cuda:
                 torch.cuda.synchronize()
-            evicting[0] += time.perf_counter() - start if count[0] >= cfg.warmup else 0.0
+            middle = time.perf_counter()
+            store.reserve(min(policy.every, cfg.warmup + cfg.steps - count[0]))
+            if cuda:
+                torch.cuda.synchronize()
+            if timed:
+                evicting[0] += time.perf_counter() - start
+                passes.append((count[0], (middle - start) * 1e3, (time.perf_counter() - middle) * 1e3))
         count[0] += 1
         return fn(model, tok, store)
 
     with model.fused_projections(keep=True):
         ms = _timed_steps(step, token, cfg, device)
+    if detail is not None:
+        detail["passes"] = [dict(step=c, evict_ms=round(e, 3), reserve_ms=round(r, 3)) for c, e, r in passes]
+        if len(marks) > 1:
+            torch.cuda.synchronize()
+            gaps = [(c, a.elapsed_time(b)) for (c, a), (_, b) in zip(marks, marks[1:])]
+            after = [g for c, g in gaps if 0 < c % policy.every <= 4]
+            other = [g for c, g in gaps if c % policy.every > 4]
+            for key, values in (("steps_after_pass", after), ("steps_other", other)):
+                detail[key] = round(float(torch.tensor(values).median()), 4) if values else None
     held = store.bytes_held()
     mc = model.config
     per_token = 2 * mc.n_layers * mc.kv_heads * mc.head_dim * store.k[0].element_size()  # K and V
@@ -372,8 +397,10 @@ def _run(cfg: DecodeBenchConfig) -> dict:
             for policy in cfg.policies:
                 if POLICY_NEEDS.get(policy, model_cfg.attention) != model_cfg.attention:
                     continue
-                ms, share, vs_softmax, evict_ms = time_paged(model, ids, cfg, policy)
+                detail: dict = {}
+                ms, share, vs_softmax, evict_ms = time_paged(model, ids, cfg, policy, detail)
                 row[f"paged-{policy}"], row[f"kv-{policy}"], row[f"evict-{policy}"] = ms, share, evict_ms
+                row[f"detail-{policy}"] = detail
                 row[f"kv-vs-softmax-{policy}"] = vs_softmax
                 print(
                     f"{workload} {arch} paged {policy}: {ms:.3f} ms/step ({evict_ms:.3f} evicting), "
