@@ -29,11 +29,12 @@ def _dcp_model(block: str = "llama", kv_heads: int = 2, beta: float = 0.3) -> De
 
 @pytest.mark.parametrize("block", ["llama", "pro"])
 @pytest.mark.parametrize("kv_heads", [4, 2], ids=["MHA", "GQA2"])
-def test_paged_dcp_equals_dcp_over_the_dense_store_and_frees_memory(block, kv_heads):
+@pytest.mark.parametrize("every", [1, 5])
+def test_paged_dcp_equals_dcp_over_the_dense_store_and_frees_memory(block, kv_heads, every):
     model = _dcp_model(block, kv_heads)
     ids = torch.randint(0, model.config.vocab_size, (2, 40), generator=torch.Generator().manual_seed(1))
     ref, ref_logits = generate(model, ids, 24, return_logits=True)  # DenseStore: exact DCP
-    policy = DCPDrop()
+    policy = DCPDrop(every=every)
     store = paged_store_for(model, 2, 40, 24, policy)
     out, logits = generate(model, ids, 24, return_logits=True, policy=policy, cache=store)
     assert torch.equal(out, ref)

@@ -248,6 +248,11 @@ def time_paged(
             other = [g for c, g in gaps if c % policy.every > 4]
             for key, values in (("steps_after_pass", after), ("steps_other", other)):
                 detail[key] = round(float(torch.tensor(values).median()), 4) if values else None
+            plain = torch.tensor([g for c, g in gaps if c % policy.every])  # the steps without a pass
+            if len(plain):
+                detail["steps_mean"] = round(float(plain.mean()), 4)
+                detail["steps_over_2x_median"] = int((plain > 2 * plain.median()).sum())
+                detail["slowest"] = [(c, round(g, 3)) for c, g in sorted(gaps, key=lambda x: -x[1])[:6]]
     held = store.bytes_held()
     mc = model.config
     per_token = 2 * mc.n_layers * mc.kv_heads * mc.head_dim * store.k[0].element_size()  # K and V

@@ -38,6 +38,8 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from lapse.ops.move_rows import move_rows
+
 from .base import StoreBase
 from .extras import static_zeros
 
@@ -586,19 +588,13 @@ def _compact(
 
 
 def _move_rows(t: _LayerTensors, moves: Tensor | None) -> None:
-    """Applies :func:`_compact`'s moves to every pool (keys, values, each per-slot pool):
-    the moving rows only (one host sync to select them); sources and destinations are
-    disjoint (past and below the new lengths)."""
+    """Applies :func:`_compact`'s moves to every pool (keys, values, each per-slot pool),
+    the moving rows only (:func:`lapse.ops.move_rows`: on CUDA one kernel per pool that
+    reads the flags itself, so the host does not wait for the device; sources and
+    destinations are disjoint, past and below the new lengths)."""
     if moves is None:
         return
-    src, dst, moving = moves
-    chosen = moving.nonzero().squeeze(1)
-    if not len(chosen):
-        return
-    src, dst = src[chosen], dst[chosen]
-    for pool in (t.k, t.v, *t.extras.values()):
-        flat = pool.view(-1, *pool.shape[2:])
-        flat.index_copy_(0, dst, flat.index_select(0, src))
+    move_rows((t.k, t.v, *t.extras.values()), moves)
 
 
 def _drop_leading_pages(

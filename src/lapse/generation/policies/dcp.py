@@ -17,10 +17,13 @@ class DCPDrop(Policy):
     flag) as soon as one later token's step mask ``1[z > 0]`` says so, and from that step
     on attention ignores it; this policy then frees the slots so marked. The drop is a
     layer-wide decision, so every kv head keeps the same slots. ``every`` only sets how
-    soon the memory comes back: the outputs are the same for any value.
+    soon the memory comes back (a head holds at most ``every`` flagged tokens more than
+    it keeps): the outputs are the same for any value. Its default, 128, because a pass
+    costs milliseconds of host time (compaction, the host's page lists) against a decode
+    step's fraction of one (H100, 5 layers, 64 x 1536: BENCHMARKS.md, "Eighth session").
     """
 
-    every: int = 1
+    every: int = 128
     snapshot_extras = ("drop",)
 
     def check(self, model: nn.Module) -> None:
