@@ -243,7 +243,7 @@ def time_paged(
         detail["passes"] = [dict(step=c, evict_ms=round(e, 3), reserve_ms=round(r, 3)) for c, e, r in passes]
         if len(marks) > 1:
             torch.cuda.synchronize()
-            gaps = [(c, a.elapsed_time(b)) for (c, a), (_, b) in zip(marks, marks[1:])]
+            gaps = [(c, a.elapsed_time(b)) for (c, a), (_, b) in zip(marks, marks[1:], strict=False)]
             after = [g for c, g in gaps if 0 < c % policy.every <= 4]
             other = [g for c, g in gaps if c % policy.every > 4]
             for key, values in (("steps_after_pass", after), ("steps_other", other)):

@@ -88,6 +88,7 @@ def compiled_decode_one_token(
         # constants. Else Dynamo makes a float that changed between two compiles (models of
         # another head dim) a symbolic input, which the ops' scalar checks cannot read.
         limit = max(getattr(config, name), DECODE_RECOMPILE_LIMIT)
+        cache.claim(token.shape[1])  # a store without room says so here, not in a kernel
         with config.patch({name: limit, "specialize_float": True}):
             return compiled(model, token, cache)
 

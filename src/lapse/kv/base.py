@@ -80,6 +80,11 @@ class StoreBase:
     def _make_room(self, t: int) -> None:
         """Outside compiled code, before ``t`` new tokens: checks and allocation of the store."""
 
+    def claim(self, t: int) -> None:
+        """On the host, before a compiled step of ``t`` tokens per sequence (which cannot
+        run :meth:`_make_room`): raises ``ValueError`` when the store has no room for them
+        that it knows of without reading the device. Nothing to check by default."""
+
     def state(self, layer_idx: int, kind: type[S]) -> S:
         states = self.states[layer_idx]
         name = kind.__name__

@@ -154,6 +154,7 @@ class PagedStore(StoreBase):
         self.capacity, self.page_size = max_context, page_size
         self.width = page_size * math.ceil(max_tokens / page_size)
         self.pages, self.score_decay = pages, score_decay
+        self._room = 0  # tokens every head can still take in pages it owns (known on the host)
         self.prompt_len = 0
         self.prompt_lens: Tensor | None = None  # [B] int64, a ragged prefill's lengths
         self.k: list[Tensor | None] = [None] * n_layers
@@ -186,6 +187,7 @@ class PagedStore(StoreBase):
             self.prompt_len = t if self.new_lengths is None else max(self.new_lengths)
             self.prompt_lens = self._new
         self.reserve(t)
+        self._room = max(self._room - t, 0)  # this forward takes them (a prefill's pages come at allocation)
 
     def append(self, layer_idx: int, k: Tensor, v: Tensor, **extras: Tensor) -> None:
         if self.k[layer_idx] is None:
@@ -272,6 +274,21 @@ class PagedStore(StoreBase):
         needed = ((held + t + self.page_size - 1) // self.page_size).cpu().numpy()
         for i, rows in zip(layers, needed, strict=True):
             self._grant(i, rows)
+        self._room = min(t, self.capacity - self.length)  # max_context bounds the positions too
+
+    def claim(self, t: int) -> None:
+        """Takes room for ``t`` tokens before a compiled step, on the host: a step past the
+        pages :meth:`reserve` gave would write through unowned table entries (on CUDA an
+        illegal memory access, which ends the process's CUDA context), and one past
+        ``max_context`` would read past the RoPE tables. An eviction gives the spare pages
+        back, so reserve after it (``lapse.generation.generate`` does)."""
+        if t > self._room:
+            raise ValueError(
+                f"the paged store has room for {self._room} more tokens per head (pages reserved, within "
+                f"max_context = {self.capacity}), not {t}: call store.reserve(n) before compiled steps, "
+                "and again after each eviction"
+            )
+        self._room -= t
 
     def snapshot(self, layer_idx: int) -> LayerSnapshot:
         """What the layer holds, gathered into logical order per head (for a policy)."""
@@ -294,6 +311,7 @@ class PagedStore(StoreBase):
         front, moves = evict(tensors, _slots(tensors, *self._meta(layer_idx)[:2]), keep, self.page_size)
         _move_rows(tensors, moves)
         self._pending[layer_idx] = front
+        self._room = 0  # the pages past the kept tokens went back to the pool
 
     def apply_policy(
         self,
@@ -316,8 +334,9 @@ class PagedStore(StoreBase):
         fn = _compiled_pass("inductor" if compile is True else compile) if compile else _pass
         tensors = self._tensors(layer_idx)
         front, moves = fn(tensors, *self._meta(layer_idx), keep_fn, bound, whole_pages, extras)
-        _move_rows(tensors, moves)  # eager: index_select and index_copy_ stream the rows
+        _move_rows(tensors, moves)  # eager, the moving rows only (lapse.ops.move_rows)
         self._pending[layer_idx] = front
+        self._room = 0  # the pages past the kept tokens went back to the pool
 
     def settle(self) -> None:
         """Returns the pages the evictions since the last call freed to the host's free
