@@ -38,7 +38,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from lapse.ops.move_rows import move_rows
+from lapse.ops.paging import move_rows, slot_index
 
 from .base import StoreBase
 from .extras import static_zeros
@@ -334,7 +334,7 @@ class PagedStore(StoreBase):
         fn = _compiled_pass("inductor" if compile is True else compile) if compile else _pass
         tensors = self._tensors(layer_idx)
         front, moves = fn(tensors, *self._meta(layer_idx), keep_fn, bound, whole_pages, extras)
-        _move_rows(tensors, moves)  # eager, the moving rows only (lapse.ops.move_rows)
+        _move_rows(tensors, moves)  # eager, the moving rows only (lapse.ops.paging.move_rows)
         self._pending[layer_idx] = front
         self._room = 0  # the pages past the kept tokens went back to the pool
 
@@ -508,20 +508,6 @@ class _LayerTensors:
     prompt_lens: Tensor | None
 
 
-def slot_index(
-    table: Tensor, lengths: Tensor, n_pages: int, width: int, page_size: int
-) -> tuple[Tensor, Tensor, Tensor]:
-    """Page and offset of the first ``width`` logical slots of every head ``[B, H, W]`` (the
-    scratch page, the pool's last of ``n_pages``, where the head owns none: writes through
-    it hit no other head's slot), and whether each is below the head's length."""
-    slots = torch.arange(width, device=lengths.device)  # [W]
-    table = table.long()
-    table = torch.where(table < 0, n_pages - 1, table)  # [B, H, W/S]: unowned -> scratch
-    pages = table[:, :, slots // page_size]  # [B, H, W]
-    valid = slots < lengths[..., None].long()
-    return pages, (slots % page_size).expand_as(pages), valid
-
-
 def _slots(t: _LayerTensors, width: int, page_size: int) -> tuple[Tensor, Tensor, Tensor]:
     return slot_index(t.table, t.lengths, t.k.shape[0], width, page_size)
 
@@ -608,7 +594,7 @@ def _compact(
 
 def _move_rows(t: _LayerTensors, moves: Tensor | None) -> None:
     """Applies :func:`_compact`'s moves to every pool (keys, values, each per-slot pool),
-    the moving rows only (:func:`lapse.ops.move_rows`: on CUDA one kernel per pool that
+    the moving rows only (:func:`lapse.ops.paging.move_rows`: on CUDA one kernel per pool that
     reads the flags itself, so the host does not wait for the device; sources and
     destinations are disjoint, past and below the new lengths)."""
     if moves is None:

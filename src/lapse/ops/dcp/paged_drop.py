@@ -22,6 +22,7 @@ import torch
 from torch import Tensor
 
 from ..backend import check_backend, resolve_backend, tl, triton, triton_jit
+from ..paging import slot_index
 from .common import LOG_FLOOR
 from .mask import interaction_logits
 
@@ -34,9 +35,8 @@ def _drop_torch(q_int, kint_pages, drop_pages, page_table, lengths, beta) -> Non
     r = q_int.shape[-1]
     width = wp * s
     slots = torch.arange(width, device=q_int.device)  # [W]
-    table = page_table.long()
-    table = torch.where(table < 0, kint_pages.shape[0] - 1, table)  # unowned: the scratch page
-    pages, offsets = table[:, :, slots // s], (slots % s).expand(b, kh, width)  # [B, K, W]
+    # [B, K, W] each slot's page (unowned: the scratch page) and offset
+    pages, offsets, _ = slot_index(page_table, lengths, kint_pages.shape[0], width, s)
     held = kint_pages[pages, offsets]  # [B, K, W, part]
     held = held.permute(0, 2, 1, 3).reshape(b, width, kh * part)[..., :r]  # [B, W, r]
     z = interaction_logits(q_int[:, None], held.to(q_int.dtype), beta)[:, 0]  # [B, W]

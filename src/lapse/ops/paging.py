@@ -1,6 +1,7 @@
-"""Moves chosen rows of a pool to other rows, in place: the copies a paged store's
-compaction makes (``lapse.kv.PagedStore``: each kept slot past a head's new length fills
-a dropped slot below it).
+"""Page-table helpers that the paged store (``lapse.kv.PagedStore``) and the paged ops'
+torch paths share: where each logical slot of a table lives (:func:`slot_index`), and the
+row copies a compaction makes (:func:`move_rows`: each kept slot past a head's new length
+fills a dropped slot below it).
 
 A compaction proposes one candidate move per slot of the table (``[B * H * W]``: source
 row, destination row, whether it moves) and only a few move. The torch path selects the
@@ -24,6 +25,20 @@ from torch import Tensor
 from .backend import check_backend, resolve_backend, tl, triton, triton_jit
 
 BLOCK = 128  # candidate moves per program
+
+
+def slot_index(
+    table: Tensor, lengths: Tensor, n_pages: int, width: int, page_size: int
+) -> tuple[Tensor, Tensor, Tensor]:
+    """Page and offset of the first ``width`` logical slots of every head ``[B, H, W]`` (the
+    scratch page, the pool's last of ``n_pages``, where the head owns none: writes through
+    it hit no other head's slot), and whether each is below the head's length."""
+    slots = torch.arange(width, device=lengths.device)  # [W]
+    table = table.long()
+    table = torch.where(table < 0, n_pages - 1, table)  # [B, H, W/S]: unowned -> scratch
+    pages = table[:, :, slots // page_size]  # [B, H, W]
+    valid = slots < lengths[..., None].long()
+    return pages, (slots % page_size).expand_as(pages), valid
 
 
 def _check(pools: Sequence[Tensor], moves: Tensor) -> None:

@@ -1,4 +1,4 @@
-"""``lapse.ops.move_rows`` (a compaction's row copies): the Triton kernel (under
+"""``lapse.ops.paging.move_rows`` (a compaction's row copies): the Triton kernel (under
 ``TRITON_INTERPRET=1`` on CPU) against the torch path and against the copies written out
 one row at a time, for pools of several dtypes and row widths (1, 3, 64 elements, one
 not a power of two), with random disjoint moves of which only some are flagged: the
@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from lapse.ops.move_rows import move_rows
+from lapse.ops.paging import move_rows
 
 BACKENDS = ["torch", "triton"]
 
