@@ -18,11 +18,11 @@ import time
 from dataclasses import replace
 
 import torch
+from profile_dcp_decode import dcp_model, held_share
 
 from lapse.bench.decode import DecodeBenchConfig, time_lapse, time_paged
 from lapse.generation import POLICIES
 from lapse.models import Decoder, preset
-from profile_dcp_decode import dcp_model, held_share
 
 
 def main():
