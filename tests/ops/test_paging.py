@@ -56,6 +56,20 @@ def test_moves_the_flagged_rows_and_nothing_else(backend, m, share):
         torch.testing.assert_close(got, ref, rtol=0, atol=0, equal_nan=True)
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_wide_and_empty_rows(backend):
+    """Rows of 448 elements (CASTLE's ``u`` at G 7, D 64: fewer rows per program) and of
+    none (nothing to copy)."""
+    gen = torch.Generator().manual_seed(5)
+    wide = torch.randn(12, 16, 7, 64, generator=gen)
+    empty = torch.zeros(12, 16, 0)
+    perm = torch.randperm(12 * 16, generator=gen)
+    moves = torch.stack([perm[:40], perm[40:80], (torch.rand(40, generator=gen) < 0.5).long()])
+    want = expected([wide], moves)[0]
+    move_rows([wide, empty], moves, backend=backend)
+    torch.testing.assert_close(wide, want, rtol=0, atol=0)
+
+
 def test_no_moves_is_a_no_op():
     pools, moves = pools_and_moves()
     before = [p.clone() for p in pools]

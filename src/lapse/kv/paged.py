@@ -186,8 +186,10 @@ class PagedStore(StoreBase):
         if self.length == 0:
             self.prompt_len = t if self.new_lengths is None else max(self.new_lengths)
             self.prompt_lens = self._new
+        before = self._room  # what an earlier reserve gave (still owned: only evictions give pages back)
         self.reserve(t)
-        self._room = max(self._room - t, 0)  # this forward takes them (a prefill's pages come at allocation)
+        # this forward takes t of them (a prefill's pages come at allocation)
+        self._room = max(max(before, self._room) - t, 0)
 
     def append(self, layer_idx: int, k: Tensor, v: Tensor, **extras: Tensor) -> None:
         if self.k[layer_idx] is None:

@@ -24,7 +24,8 @@ from torch import Tensor
 
 from .backend import check_backend, resolve_backend, tl, triton, triton_jit
 
-BLOCK = 128  # candidate moves per program
+BLOCK = 128  # candidate moves per program (rows of up to ROW_ELEMENTS / BLOCK elements)
+ROW_ELEMENTS = 16384  # elements one program moves at most
 
 
 def slot_index(
@@ -63,13 +64,13 @@ def _move_torch(pools: Sequence[Tensor], moves: Tensor) -> None:
         return
     src, dst = src[chosen], dst[chosen]
     for pool in pools:
-        flat = pool.view(-1, *pool.shape[2:])
+        flat = pool.view(pool.shape[0] * pool.shape[1], *pool.shape[2:])
         flat.index_copy_(0, dst, flat.index_select(0, src))
 
 
 @triton_jit
 def _move_kernel(pool_ptr, moves_ptr, stride_m, m, X: tl.constexpr, BX: tl.constexpr, BLOCK: tl.constexpr):
-    o = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    o = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)  # int64: 2 * stride_m + o below
     in_range = o < m
     moving = tl.load(moves_ptr + 2 * stride_m + o, mask=in_range, other=0) != 0
     src = tl.load(moves_ptr + o, mask=moving, other=0)
@@ -105,6 +106,8 @@ def move_rows(pools: Sequence[Tensor], moves: Tensor, *, backend: str = "auto") 
         return
     for pool in pools:
         x = pool[0, 0].numel()
-        _move_kernel[(triton.cdiv(m, BLOCK),)](
-            pool, moves, moves.stride(0), m, X=x, BX=triton.next_power_of_2(x), BLOCK=BLOCK
-        )
+        if x == 0:
+            continue
+        bx = triton.next_power_of_2(x)
+        block = max(16, min(BLOCK, ROW_ELEMENTS // bx))  # wide rows (CASTLE's u): fewer per program
+        _move_kernel[(triton.cdiv(m, block),)](pool, moves, moves.stride(0), m, X=x, BX=bx, BLOCK=block)
