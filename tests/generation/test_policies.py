@@ -439,38 +439,47 @@ def test_a_pass_gathers_only_the_extras_its_policy_reads():
 
 
 def test_a_compiled_step_without_reserved_pages_says_so_on_the_host():
-    """A compiled step cannot reserve pages itself: one past what ``reserve`` gave, or
-    right after an eviction (which gives the spare pages back), raises a one-line
-    ``ValueError`` before the step runs (it wrote through unowned table entries: an
-    IndexError on CPU, an illegal memory access on CUDA). Within the room the steps are
-    those of the eager step; ``reserve`` never grants room past ``max_context``."""
+    """A compiled step cannot reserve pages itself: one past the room the host knows of
+    (the free slots of the fullest head when ``reserve`` last read the lengths back, and
+    never past ``max_context``), or right after an eviction (which gives the spare pages
+    back), raises a one-line ``ValueError`` before the step runs (it wrote through unowned
+    table entries: an IndexError on CPU, an illegal memory access on CUDA). Within the
+    room the steps equal the eager ones, and an eager step reads nothing back."""
     from lapse.generation import compiled_decode_one_token, decode_one_token, evict, paged_store_for, prefill
 
     torch.manual_seed(0)
     model = Decoder(preset("tiny", "transformer-llama")).eval()
     ids = torch.randint(0, model.config.vocab_size, (2, 20))
     step = compiled_decode_one_token(mode=None, backend="aot_eager")
-    policy = SinkWindow(sinks=2, window=8, every=4)
-    stores = [paged_store_for(model, 2, 20, 6, policy) for _ in range(2)]
+    stores = [paged_store_for(model, 2, 20, 20, Dense()) for _ in range(2)]  # max_context 40, 16-slot pages
     with torch.no_grad():
         toks = [prefill(model, ids, s).argmax(-1, keepdim=True) for s in stores]
         with pytest.raises(ValueError, match="room for 0 more tokens per head"):
-            step(model, toks[0], stores[0])
-        for s in stores:
-            s.reserve(3)
-        for _ in range(3):
+            step(model, toks[0], stores[0])  # the host has not read the lengths back
+        stores[0].reserve(3)  # 20 held in 2 pages: room for 12
+        reserved, reserve = [], stores[0].reserve
+        stores[0].reserve = lambda t: reserved.append(t) or reserve(t)
+        toks[0] = decode_one_token(model, toks[0], stores[0]).argmax(-1, keepdim=True)  # eager: takes 1
+        assert reserved == []  # within the room: no read-back of the lengths
+        toks[1] = decode_one_token(model, toks[1], stores[1]).argmax(-1, keepdim=True)
+        for _ in range(11):
             toks[0] = step(model, toks[0], stores[0]).argmax(-1, keepdim=True)
             toks[1] = decode_one_token(model, toks[1], stores[1]).argmax(-1, keepdim=True)
         assert torch.equal(toks[0], toks[1])
-        with pytest.raises(ValueError, match="call store.reserve"):
+        with pytest.raises(ValueError, match="room for 0 more tokens per head .* call store.reserve"):
             step(model, toks[0], stores[0])
-        stores[0].reserve(1)
-        evict(model, stores[0], policy, compile=False)
-        with pytest.raises(ValueError, match="room for 0"):
-            step(model, toks[0], stores[0])
-        stores[0].reserve(10)  # 23 tokens of max_context 26: room for 3
-        toks[0] = decode_one_token(model, toks[0], stores[0]).argmax(-1, keepdim=True)  # eager: takes 1
-        for _ in range(2):
+        stores[0].reserve(1)  # 32 held in 3 pages: 16 free slots, but max_context leaves 8
+        for _ in range(8):
             toks[0] = step(model, toks[0], stores[0]).argmax(-1, keepdim=True)
-        with pytest.raises(ValueError, match="room for 0 more tokens per head .* max_context = 26"):
+        with pytest.raises(ValueError, match="room for 0 more tokens per head .* max_context = 40"):
             step(model, toks[0], stores[0])
+
+    policy = SinkWindow(sinks=2, window=8, every=4)
+    store = paged_store_for(model, 2, 20, 6, policy)
+    with torch.no_grad():
+        tok = prefill(model, ids, store).argmax(-1, keepdim=True)
+        store.reserve(2)
+        tok = step(model, tok, store).argmax(-1, keepdim=True)
+        evict(model, store, policy, compile=False)
+        with pytest.raises(ValueError, match="room for 0"):
+            step(model, tok, store)

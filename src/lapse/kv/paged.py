@@ -186,10 +186,10 @@ class PagedStore(StoreBase):
         if self.length == 0:
             self.prompt_len = t if self.new_lengths is None else max(self.new_lengths)
             self.prompt_lens = self._new
-        before = self._room  # what an earlier reserve gave (still owned: only evictions give pages back)
-        self.reserve(t)
-        # this forward takes t of them (a prefill's pages come at allocation)
-        self._room = max(max(before, self._room) - t, 0)
+            return  # the prompt's pages come with each layer's allocation
+        if self._room < t:  # else the pages are there: no read-back, so the host runs ahead of the device
+            self.reserve(t)
+        self._room -= t
 
     def append(self, layer_idx: int, k: Tensor, v: Tensor, **extras: Tensor) -> None:
         if self.k[layer_idx] is None:
@@ -267,16 +267,20 @@ class PagedStore(StoreBase):
 
     def reserve(self, t: int) -> None:
         """Gives every (sequence, head) of every allocated layer pages for ``t`` more tokens
-        (reads the lengths back once). Raises when the pool or the table is full."""
+        (reads the lengths back once; the steps these pages hold, at least ``t``, then run
+        without a read-back, eager or compiled). Raises when the pool or the table is full."""
         self.settle()
         layers = [i for i in range(self.n_layers) if self.lengths[i] is not None]
         if not layers:
             return
-        held = torch.stack([self.lengths[i] for i in layers]).long()  # [layers, B, H]
-        needed = ((held + t + self.page_size - 1) // self.page_size).cpu().numpy()
+        held = torch.stack([self.lengths[i] for i in layers]).long().cpu().numpy()  # [layers, B, H]
+        needed = (held + t + self.page_size - 1) // self.page_size
         for i, rows in zip(layers, needed, strict=True):
             self._grant(i, rows)
-        self._room = min(t, self.capacity - self.length)  # max_context bounds the positions too
+        # the free slots of the fullest head (>= t): the steps that need no reserve; max_context
+        # bounds the positions too
+        owned = np.stack([self._count[i] for i in layers]) * self.page_size
+        self._room = min(int((owned - held).min()), self.capacity - self.length)
 
     def claim(self, t: int) -> None:
         """Takes room for ``t`` tokens before a compiled step, on the host: a step past the
