@@ -315,9 +315,7 @@ class PagedStore(StoreBase):
         tensors = self._tensors(layer_idx)
         evict = _drop_leading_pages if whole_pages else _compact
         front, moves = evict(tensors, _slots(tensors, *self._meta(layer_idx)[:2]), keep, self.page_size)
-        _move_rows(tensors, moves)
-        self._pending[layer_idx] = front
-        self._room = 0  # the pages past the kept tokens went back to the pool
+        self._evicted(layer_idx, tensors, front, moves)
 
     def apply_policy(
         self,
@@ -340,9 +338,14 @@ class PagedStore(StoreBase):
         fn = _compiled_pass("inductor" if compile is True else compile) if compile else _pass
         tensors = self._tensors(layer_idx)
         front, moves = fn(tensors, *self._meta(layer_idx), keep_fn, bound, whole_pages, extras)
-        _move_rows(tensors, moves)  # eager, the moving rows only (lapse.ops.paging.move_rows)
+        self._evicted(layer_idx, tensors, front, moves)
+
+    def _evicted(self, layer_idx: int, tensors: _LayerTensors, front: Tensor, moves: Tensor | None) -> None:
+        """After a layer's eviction: its rows moved (eagerly, the moving ones only), its front
+        drops left for :meth:`settle`, and no room known (the spare pages went back)."""
+        _move_rows(tensors, moves)
         self._pending[layer_idx] = front
-        self._room = 0  # the pages past the kept tokens went back to the pool
+        self._room = 0
 
     def settle(self) -> None:
         """Returns the pages the evictions since the last call freed to the host's free
