@@ -16,7 +16,10 @@ steps, hence the defaults now (BENCHMARKS.md, "Eighth session").
 from __future__ import annotations
 
 import argparse
+import cProfile
+import io
 import json
+import pstats
 import time
 from dataclasses import replace
 
@@ -24,7 +27,14 @@ import torch
 from profile_dcp_decode import dcp_model, held_share
 
 from lapse.bench.decode import DecodeBenchConfig, time_lapse, time_paged
-from lapse.generation import POLICIES
+from lapse.generation import (
+    POLICIES,
+    compiled_decode_one_token,
+    evict,
+    logit_bounds,
+    paged_store_for,
+    prefill,
+)
 from lapse.models import Decoder, preset
 
 
@@ -36,6 +46,8 @@ def main():
     ap.add_argument("--steps", type=int, default=160)  # passes at 64 and 128 inside the timed steps
     ap.add_argument("--every", type=int, default=64)
     ap.add_argument("--betas", type=float, nargs="+", default=[1.0, 1.5, 2.0, 2.5, 3.0])  # 125M: 2.5 held 76%
+    ap.add_argument("--graph", type=int, nargs="+", default=[1, 0],
+                    help="the passes as one CUDA graph (1) or per-layer compiled calls (0); each is timed")
     ap.add_argument("--out", default="dcp_device_bound.json")
     args = ap.parse_args()
     cuda = torch.cuda.is_available()
@@ -64,12 +76,48 @@ def main():
     bench = DecodeBenchConfig(steps=args.steps, warmup=4, device=str(dev), every=args.every,
                               compile_backend="inductor" if cuda else "aot_eager")
     save("dense_store_ms", time_lapse(dense, ids, bench, compile=True))
+    for graph in args.graph:
+        if cuda:
+            save(f"pass_profile_graph{graph}", pass_profile(model, ids, policy, bool(graph)))
     detail: dict = {}
     ms, share, vs_softmax, evict_ms = time_paged(model, ids, replace(bench, every=args.every), "dcp", detail)
     save("dcp", {"ms": ms, "kv_share_same_pools": share, "kv_vs_softmax": vs_softmax, "evict_ms": evict_ms,
                  "detail": detail})
     save("dcp_vs_dense_tokens_per_s", out["dense_store_ms"] / ms)
 
+
+def pass_profile(model, ids, policy, graph: bool) -> dict:
+    """Host time of a pass (``evict``) and of the ``reserve`` after it, the second and third
+    passes of a store (the first captures or compiles), with the host's top functions by
+    own time (cProfile) for the third."""
+    store = paged_store_for(model, ids.shape[0], ids.shape[1], 3 * policy.every + 8, policy)
+    step = compiled_decode_one_token()
+    bounds = logit_bounds(model)
+    result: dict = {}
+    with torch.no_grad(), model.fused_projections(keep=True):
+        tok = prefill(model, ids, store).argmax(-1, keepdim=True)
+        for n in range(3):
+            torch.cuda.synchronize()
+            profile = cProfile.Profile() if n == 2 else None
+            t0 = time.perf_counter()
+            if profile:
+                profile.enable()
+            evict(model, store, policy, bounds, compile=True, graph=graph)
+            t1 = time.perf_counter()
+            store.reserve(policy.every)
+            torch.cuda.synchronize()
+            t2 = time.perf_counter()
+            if profile:
+                profile.disable()
+                text = io.StringIO()
+                pstats.Stats(profile, stream=text).sort_stats("tottime").print_stats(15)
+                result["top"] = text.getvalue()[-4000:]
+            ms = {"evict_ms": (t1 - t0) * 1e3, "reserve_ms": (t2 - t1) * 1e3}
+            result[f"pass{n}"] = {key: round(value, 3) for key, value in ms.items()}
+            for _ in range(policy.every):
+                tok = step(model, tok, store).argmax(-1, keepdim=True)
+    result["held"] = store.bytes_held() / store.bytes_if_dense()
+    return result
 
 if __name__ == "__main__":
     main()

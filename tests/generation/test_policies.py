@@ -21,6 +21,7 @@ from lapse.generation import (
     A2SF,
     H2O,
     ACPBoundary,
+    DCPDrop,
     Dense,
     SinkWindow,
     evict,
@@ -242,10 +243,10 @@ def test_review_regressions_paged_store_misuse():
     k = torch.zeros(1, 16, 2, 4)
     small.append(0, k, k)  # two heads x one page: the whole pool
     small.advance()
-    table, free = small.page_table[0].clone(), list(small._free[0])
+    table, free = small.page_table[0].clone(), small._free[0].tolist()
     with pytest.raises(RuntimeError, match="page pool of layer 0 is full"):
         small.reserve(1)
-    assert torch.equal(small.page_table[0], table) and small._free[0] == free
+    assert torch.equal(small.page_table[0], table) and small._free[0].tolist() == free
 
 
 def test_fractional_budgets_keep_recent_and_sinks():
@@ -401,18 +402,68 @@ def test_compiled_eviction_pass_equals_eager(policy):
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize(
-    "policy", [ACPBoundary(every=4), H2O(budget=24, recent=4, every=2)], ids=["acp", "h2o"]
+    "policy",
+    [
+        ACPBoundary(every=4),
+        H2O(budget=24, recent=4, every=2),
+        A2SF(budget=0.4, recent=4, every=3),
+        SinkWindow(sinks=2, window=20, every=5),
+        DCPDrop(every=3),
+    ],
+    ids=["acp", "h2o", "a2sf", "window", "dcp"],
 )
 def test_compiled_generation_with_eviction_equals_eager_on_cuda(policy):
-    """CUDA graphs for the step and Inductor for the eviction passes against both eager."""
-    model = _model("fox-pro").cuda()
-    with torch.no_grad():
-        for block in model.blocks:
-            block.attn.fgate.bias.fill_(-2.0)
+    """CUDA graphs for the step and for the eviction passes of all layers (Inductor,
+    captured on the first pass and replayed by the later ones) against both eager, and
+    the store the replays leave against per-layer compiled passes, table for table."""
+    if isinstance(policy, DCPDrop):
+        model = Decoder(preset("tiny", "transformer-llama", attention="dcp", acp=False, n_kv_heads=2,
+                               init_std=0.1)).eval()
+        with torch.no_grad():
+            for block in model.blocks:
+                block.attn.beta.fill_(0.3)  # drops a good share (tests/generation/test_dcp_paged.py)
+        model = model.cuda()
+    else:
+        model = _model("fox-pro").cuda()
+        with torch.no_grad():
+            for block in model.blocks:
+                block.attn.fgate.bias.fill_(-2.0)
     ids = torch.randint(0, model.config.vocab_size, (2, 70), device="cuda")
     runs = [generate(model, ids, 24, policy=policy, compile=c, return_logits=True) for c in (False, True)]
     assert torch.equal(runs[0][0], runs[1][0])
     torch.testing.assert_close(runs[0][1], runs[1][1], atol=ATOL32, rtol=0)
+
+    stores = []
+    for graph in (False, True):
+        store = paged_store_for(model, 2, 70, 24, policy)
+        with torch.no_grad():
+            prefill(model, ids, store)
+            for _ in range(3):  # the capture, then two replays
+                evict(model, store, policy, compile=True, graph=graph)
+                store.reserve(4)
+                tokens = torch.randint(0, model.config.vocab_size, (2, 4), device="cuda")
+                for j in range(4):
+                    model(tokens[:, j : j + 1], cache=store)
+        stores.append(store)
+    plain, graphed = stores
+    assert len(graphed._graphs) == 1
+    for i in range(model.config.n_layers):
+        assert torch.equal(plain.lengths[i], graphed.lengths[i])
+        assert torch.equal(plain.page_table[i], graphed.page_table[i])
+        a, b = plain.snapshot(i), graphed.snapshot(i)
+        assert torch.equal(a.positions, b.positions) and torch.equal(a.valid, b.valid)
+    assert plain._free == graphed._free
+    assert int(graphed.lengths[0].max()) < 70 + 12 or isinstance(policy, ACPBoundary)
+
+
+def test_graphed_passes_need_compile_and_cuda():
+    model = _model("transformer-llama")
+    ids = torch.randint(0, model.config.vocab_size, (1, 9))
+    store = paged_store_for(model, 1, 9, 4, H2O(budget=4, recent=2))
+    with torch.no_grad():
+        prefill(model, ids, store)
+    with pytest.raises(ValueError, match="graph=True replays compiled passes on CUDA"):
+        evict(model, store, H2O(budget=4, recent=2), compile="aot_eager", graph=True)
 
 
 def test_a_pass_gathers_only_the_extras_its_policy_reads():

@@ -156,7 +156,7 @@ def _check_accounting(store: PagedStore) -> None:
             assert (table[i, j, n:] == -1).all()
             assert n == -(-int(store.lengths[0][i, j]) // store.page_size)
     owned = table[table >= 0].tolist()
-    assert sorted(owned + store._free[0]) == list(range(store.k[0].shape[0] - 1))
+    assert sorted(owned + store._free[0].tolist()) == list(range(store.k[0].shape[0] - 1))
 
 
 @pytest.mark.parametrize("whole_pages", [False, True], ids=["compact", "whole-pages"])

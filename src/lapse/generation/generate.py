@@ -148,18 +148,23 @@ def evict(
     policy: Policy,
     bounds: list[Tensor | None] | None = None,
     compile: bool | str | None = None,
+    graph: bool | None = None,
 ) -> None:
     """Applies ``policy`` to every layer of ``store`` (outside any compiled step);
     ``bounds``: :func:`logit_bounds` of the model, computed here when not given.
     ``compile``: run each layer's pass compiled (:meth:`PagedStore.apply_policy`); by
-    default on CUDA, where the pass is bound by kernel launches. The host's page lists
-    catch up once, at the end."""
+    default on CUDA, where the pass is bound by kernel launches. ``graph``: the compiled
+    passes of all layers replayed as one CUDA graph (:meth:`PagedStore.apply_policy_all`);
+    by default wherever ``compile`` is on CUDA. The host's page lists catch up once, at
+    the end."""
     bounds = logit_bounds(model) if bounds is None else bounds
+    cuda = store.k[0] is not None and store.k[0].is_cuda
     if compile is None:
-        compile = store.k[0] is not None and store.k[0].is_cuda
-    for i in range(len(model.blocks)):
-        store.apply_policy(i, policy.keep, bounds[i], compile=compile, whole_pages=policy.whole_pages,
-                           extras=policy.snapshot_extras)
+        compile = cuda
+    if graph is None:
+        graph = bool(compile) and cuda
+    store.apply_policy_all(policy.keep, bounds, compile=compile, whole_pages=policy.whole_pages,
+                           extras=policy.snapshot_extras, graph=graph)
     store.settle()
 
 
