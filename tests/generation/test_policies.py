@@ -434,16 +434,16 @@ def test_compiled_generation_with_eviction_equals_eager_on_cuda(policy):
     torch.testing.assert_close(runs[0][1], runs[1][1], atol=ATOL32, rtol=0)
 
     stores = []
+    tokens = torch.randint(0, model.config.vocab_size, (3, 2, 4), device="cuda")  # the same for both stores
     for graph in (False, True):
         store = paged_store_for(model, 2, 70, 24, policy)
         with torch.no_grad():
             prefill(model, ids, store)
-            for _ in range(3):  # the capture, then two replays
+            for n in range(3):  # the capture, then two replays
                 evict(model, store, policy, compile=True, graph=graph)
                 store.reserve(4)
-                tokens = torch.randint(0, model.config.vocab_size, (2, 4), device="cuda")
                 for j in range(4):
-                    model(tokens[:, j : j + 1], cache=store)
+                    model(tokens[n, :, j : j + 1], cache=store)
         stores.append(store)
     plain, graphed = stores
     assert len(graphed._graphs) == 1
