@@ -18,7 +18,7 @@
 # ./gpu-kvpress: per configuration windows.json, lapse.json, kvpress.json, table.md and
 # both sides' logs; summary.md gathers the tables and is printed at the end.
 #
-# Settings (environment): SHAPES, PROMPTS, NUM (batch), STEPS, BUDGETS, DEVICE, DEADLINE
+# Settings (environment): SHAPES, PROMPTS, NUM (batch), STEPS, BUDGETS, MODES (lapse's), DEVICE, DEADLINE
 # (seconds after the start past which no configuration starts), STOP (seconds after the
 # start at which a running side is killed), KV_VENV, PYTHON (the image's python3). The CPU
 # dry run (a venv with httpx, which the image has, standing in for the image's python):
@@ -34,6 +34,7 @@ PROMPTS="${PROMPTS:-4096 512}"
 NUM="${NUM:-4}"
 STEPS="${STEPS:-64}"
 BUDGETS="${BUDGETS:-0.1,0.2,0.5}"
+MODES="${MODES:-once,per-step,compiled}"
 DEADLINE="${DEADLINE:-420}"
 STOP="${STOP:-560}"
 VENV="${KV_VENV:-/tmp/kvpress-venv}"
@@ -103,7 +104,7 @@ for prompt in $PROMPTS; do
         mkdir -p "$dir"
         say "$shape, prompt $prompt: lapse side"
         timeout "$(left)" "$PY" scripts/kvpress_compare.py lapse --out "$dir" --random-llama "$shape" \
-            --prompt "$prompt" "${COMMON[@]}" --lapse-methods window,h2o --modes once,per-step \
+            --prompt "$prompt" "${COMMON[@]}" --lapse-methods window,h2o --modes "$MODES" \
             > "$dir/lapse.log" 2>&1 || say "lapse side failed or cut off (rc $?): $(tail -1 "$dir/lapse.log")"
         if [[ -f "$dir/windows.json" ]] && (( $(left) > 10 )); then
             say "$shape, prompt $prompt: kvpress side"

@@ -15,7 +15,11 @@ per forward and each prediction scored (cross-entropy of the window's next token
 prefill's own last prediction, made before any cut, is left out). kvpress compresses in
 the prefill only (its presses hook the prefill forward; decoding keeps HF's DynamicCache and
 grows it); lapse runs each policy twice: `once` (cut after the prefill, then growing like
-kvpress) and `per-step` (evicting before every step, the cache held at the budget).
+kvpress) and `per-step` (evicting before every step, the cache held at the budget); with
+``--modes ...,compiled``, a third time: the Hugging Face model converted to a lapse
+``Decoder`` (``lapse.hf.convert``, the same weights), cut once after the prefill, and
+decoded by lapse's own loop (compiled steps, CUDA graphs on a GPU) instead of Hugging
+Face's forward, with a dense row of its own.
 
 Measured per (method, budget): mean loss and its difference from the same side's dense
 run; prefill seconds (the prompt's forward, the cut included); decode milliseconds per
@@ -51,7 +55,8 @@ import torch.nn.functional as F
 
 BUDGETS = (0.05, 0.1, 0.2, 0.5)
 LAPSE_METHODS = ("window", "h2o", "a2sf-0.9")
-MODES = ("once", "per-step")
+MODES = ("once", "per-step", "compiled")
+DEFAULT_MODES = ("once", "per-step")
 PRESSES = ("StreamingLLM", "SnapKV", "ExpectedAttention", "Knorm", "ObservedAttention")
 
 # LlamaForCausalLM shapes for --random-llama (default RoPE: Llama 3.2's llama3 RoPE scaling
@@ -224,12 +229,19 @@ def run_lapse(args) -> None:
 
     once = args.steps + 1  # every > steps: the one pass before step 0, then the cache grows
     runs = [("dense", None, Dense(every=once), "")]
+    if "compiled" in args.modes:
+        runs.append(("dense", None, Dense(every=once), "compiled"))
     for budget in args.budgets:
         tokens = round(budget * args.prompt)
-        for every, mode in ((once, "once"), (1, "per-step")):
+        for every, mode in ((once, "once"), (1, "per-step"), (once, "compiled")):
             if mode not in args.modes:
                 continue
             runs += [(method, budget, policy(method, tokens, every), mode) for method in args.lapse_methods]
+    converted = None
+    if "compiled" in args.modes:  # the same weights as a lapse Decoder (lapse.hf.convert)
+        from lapse.hf.convert import decoder_from_hf
+
+        converted = decoder_from_hf(lm).to(device=device, dtype=dtype).eval()
 
     def run(policy, steps: int) -> tuple[float, float, float, float]:
         cache = policy_cache(lm, policy, total)
@@ -245,13 +257,40 @@ def run_lapse(args) -> None:
         t2 = time.perf_counter()
         return _scored_loss(logits, windows, args.prompt), t1 - t0, t2 - t1, float(cache.store.bytes_held())
 
+    def run_compiled(policy, steps: int) -> tuple[float, float, float, float]:
+        """The converted model through lapse's own loop: prefill into the paged store, the
+        policy's passes on schedule (graphed on CUDA), compiled decode steps (CUDA graphs)."""
+        from lapse.generation import compiled_decode_one_token, evict, paged_store_for, prefill
+
+        # sized for the timed run whatever ``steps``: the warm-up compiles the same shapes
+        store = paged_store_for(converted, args.num, args.prompt, args.steps + 1, policy)
+        step = compiled_decode_one_token()
+        logits = []
+        with torch.no_grad(), converted.fused_projections(keep=True):
+            _sync(device)
+            t0 = time.perf_counter()
+            prefill(converted, windows[:, : args.prompt], store)
+            for i in range(steps):
+                if i % policy.every == 0:  # the cut (timed with the prefill, as elsewhere), then on schedule
+                    evict(converted, store, policy)
+                    store.reserve(min(policy.every, steps - i))
+                if i == 0:
+                    _sync(device)
+                    t1 = time.perf_counter()
+                token = windows[:, args.prompt + i : args.prompt + i + 1]
+                logits.append(step(converted, token, store).clone())  # the next replay overwrites it
+            _sync(device)
+            t2 = time.perf_counter()
+        return _scored_loss(logits, windows, args.prompt), t1 - t0, t2 - t1, float(store.bytes_held())
+
     results = []
     meta = _meta(args, transformers=transformers.__version__, weights_checksum=checksum)
     for method, budget, policy, mode in runs:
-        if args.warmup:
-            run(policy, args.warmup)
+        go = run_compiled if mode == "compiled" else run
+        if args.warmup or mode == "compiled":
+            go(policy, max(args.warmup, 2 if mode == "compiled" else 0))  # compiles each store shape once
         _reset_peak(device)
-        loss, pre, dec, kv = run(policy, args.steps)
+        loss, pre, dec, kv = go(policy, args.steps)
         results.append(
             _record(
                 f"lapse {method}" + (f" ({mode})" if mode else ""),
@@ -429,7 +468,8 @@ def write_table(args) -> None:
     for side in sides:
         dense = {r["method"]: r["loss"] for r in side["results"] if r["budget"] is None}
         for r in side["results"]:
-            base = dense.get("kvpress dense (eager)" if "eager" in r["method"] else next(iter(dense)))
+            mine = "kvpress dense (eager)" if "eager" in r["method"] else "lapse dense (compiled)"
+            base = dense.get(mine if mine.split()[-1] in r["method"] else next(iter(dense)))
             budget = "-" if r["budget"] is None else f"{r['budget']:.0%}"
             line = (
                 f"| {r['method']} | {budget} | {r['loss']:.4f} | {r['loss'] - base:+.4f} "
@@ -492,7 +532,9 @@ def main() -> None:
         "--budgets", type=lambda s: _list(s, float), default=BUDGETS, help="comma-separated fractions"
     )
     parser.add_argument("--lapse-methods", type=_list, default=LAPSE_METHODS, help=",".join(LAPSE_METHODS))
-    parser.add_argument("--modes", type=_list, default=MODES, help="lapse side: " + ",".join(MODES))
+    parser.add_argument(
+        "--modes", type=_list, default=DEFAULT_MODES, help=f"lapse side, of {','.join(MODES)}"
+    )
     parser.add_argument("--presses", type=_list, default=PRESSES, help="kvpress side: " + ",".join(PRESSES))
     parser.add_argument(
         "--warmup",
