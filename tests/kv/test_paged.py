@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from numpy import array as np_array
 
 from lapse.kv import KVCache, PagedStore
 from lapse.kv.paged import _slots
@@ -132,6 +133,40 @@ def test_whole_page_eviction_drops_leading_pages_without_moving_tokens():
         _fill(store, 2, 1, start)
     positions, valid = _held(store)
     assert positions[1, 1, : int(store.lengths[0][1, 1])].tolist() == list(range(64, 90))
+
+
+def test_two_whole_page_evictions_before_a_settle_free_both_fronts():
+    """Each pass shifts the device table by the pages it drops; the host's lists catch up
+    at the next settle by the sum of both shifts (the second pass's drops were lost, and
+    its pages both owned and free, when it replaced the first's)."""
+    store = PagedStore(1, max_context=200, page_size=16)
+    _fill(store, 2, 70, 0)
+    for boundary in (20, 40):  # 1 page dropped, then 1 more (of the shifted table)
+        positions, valid = _held(store)
+        store.evict(0, valid & (positions >= boundary), whole_pages=True)
+    assert store.lengths[0].tolist() == [[38, 38], [38, 38]]
+    _check_accounting(store)
+    assert len(store._free[0]) == store.k[0].shape[0] - 1 - 4 * 3
+
+
+def test_the_free_page_stack_pops_what_a_list_would_and_refuses_a_double_free():
+    from lapse.kv.paged import _PageStack
+
+    stack, plain = _PageStack(6), list(range(5, -1, -1))
+    for n, freed in ((2, [9]), (3, []), (1, [7, 8])):
+        got = stack.pop(n)
+        want = plain[-n:][::-1]
+        del plain[-n:]
+        assert got.tolist() == want
+        stack.push(np_array(freed))
+        plain.extend(freed)
+        assert stack.tolist() == plain
+    with pytest.raises(RuntimeError, match="asked of"):
+        stack.pop(len(stack) + 1)
+    full = _PageStack(2)
+    with pytest.raises(RuntimeError, match="freed twice"):
+        full.push(np_array([5]))
+    assert full.tolist() == [1, 0] and (full == _PageStack(2)) and full.__eq__([1, 0]) is NotImplemented
 
 
 def test_whole_page_eviction_after_a_compaction_says_the_order_is_lost():

@@ -368,7 +368,11 @@ class PagedStore(StoreBase):
             raise ValueError("graph=True replays compiled passes on CUDA: pass compile and a store on a GPU")
         for i in range(self.n_layers):
             self._check_order(i, whole_pages)
-        key = (keep_fn, compile, whole_pages, extras, tuple(b is None for b in bounds))
+        # a policy's bound keep method compares its policy by value (frozen dataclasses), so
+        # equal policies share a graph; keep_fn must be a pure function of the snapshot
+        owner = getattr(keep_fn, "__self__", None)
+        key = (owner, getattr(keep_fn, "__func__", keep_fn), compile, whole_pages, extras,
+               tuple(b is None for b in bounds))
         fn = _compiled_pass("inductor" if compile is True else compile)
 
         def passes(static_bounds: Sequence[Tensor | None]) -> list[Tensor]:
@@ -382,30 +386,38 @@ class PagedStore(StoreBase):
             return fronts
 
         entry = self._graphs.get(key)
-        if entry is None:
-            fronts = passes(bounds)  # compiles (at this width) and evicts
-            held = [None if b is None else b.clone() for b in bounds]
-            torch.cuda.synchronize()
-            recorded = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(recorded):
-                outputs = passes(held)  # recorded, not run
-            self._graphs[key] = (recorded, held, outputs)
-        else:
+        with torch.cuda.device(self.k[0].device):  # the capture's stream and the launches on one device
+            if entry is None:
+                held = [None if b is None else b.detach().clone() for b in bounds]  # the graph's own
+                fronts = passes(held)  # compiles (at this width) and evicts, with what the capture reads
+                self._add_pending(fronts)  # before the capture: its failure loses no dropped page
+                self._room = 0
+                torch.cuda.synchronize()
+                recorded = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(recorded):
+                    outputs = passes(held)  # recorded, not run
+                self._graphs[key] = (recorded, held, outputs)
+                return
             recorded, held, outputs = entry
             for mine, given in zip(held, bounds, strict=True):
                 if mine is not None:
                     mine.copy_(given)
             recorded.replay()
-            fronts = [front.clone() for front in outputs]  # the next replay overwrites them
-        for i, front in enumerate(fronts):
-            self._pending[i] = front
+            self._add_pending([front.clone() for front in outputs])  # the next replay overwrites them
         self._room = 0
+
+    def _add_pending(self, fronts: Sequence[Tensor]) -> None:
+        """Each layer's pages dropped at the front, added to those not yet settled (two
+        whole-page passes without a settle between them shift the table twice)."""
+        for i, front in enumerate(fronts):
+            self._pending[i] = front if i not in self._pending else self._pending[i] + front
 
     def _evicted(self, layer_idx: int, tensors: _LayerTensors, front: Tensor, moves: Tensor | None) -> None:
         """After a layer's eviction: its rows moved (eagerly, the moving ones only), its front
         drops left for :meth:`settle`, and no room known (the spare pages went back)."""
         _move_rows(tensors, moves)
-        self._pending[layer_idx] = front
+        pending = self._pending.get(layer_idx)
+        self._pending[layer_idx] = front if pending is None else pending + front  # see _add_pending
         self._room = 0
 
     def settle(self) -> None:
@@ -575,11 +587,17 @@ class _PageStack:
 
     def push(self, pages: np.ndarray) -> None:
         """Puts ``pages`` on the stack, the last one on top."""
+        if self._top + len(pages) > len(self._pages):
+            raise RuntimeError(
+                f"{len(pages)} pages freed onto {self._top} free of {len(self._pages)}: a page freed twice"
+            )
         self._pages[self._top : self._top + len(pages)] = pages
         self._top += len(pages)
 
     def pop(self, n: int) -> np.ndarray:
         """Takes ``n`` pages off the top, the top one first."""
+        if not 0 <= n <= self._top:
+            raise RuntimeError(f"{n} pages asked of {self._top} free")
         self._top -= n
         return self._pages[self._top : self._top + n][::-1].copy()
 
@@ -588,7 +606,9 @@ class _PageStack:
         return self._pages[: self._top].tolist()
 
     def __eq__(self, other: object) -> bool:
-        return isinstance(other, _PageStack) and self.tolist() == other.tolist()
+        if not isinstance(other, _PageStack):
+            return NotImplemented
+        return self.tolist() == other.tolist()
 
 
 # -- a pass over one layer, as pure functions of its tensors (compilable) ---------------------
