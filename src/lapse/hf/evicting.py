@@ -292,11 +292,12 @@ class EvictingCache(Cache):
         store = self.store
         compile = self.compile if self.compile is not None else store.k[0].is_cuda
         bounds = self._bounds or [None] * store.n_layers
-        for i in range(store.n_layers):
-            store.apply_policy(
-                i, self.policy.keep, bounds[i], compile=compile, whole_pages=self.policy.whole_pages,
-                extras=self.policy.snapshot_extras,
-            )
+        # per-layer passes: the CUDA-graph replay that lapse's own loop uses (graph=True) has
+        # not been measured or tested through Hugging Face's loop yet
+        store.apply_policy_all(
+            self.policy.keep, bounds, compile=compile, whole_pages=self.policy.whole_pages,
+            extras=self.policy.snapshot_extras, graph=False,
+        )
         store.settle()
 
     def end_forward(self, t: int) -> None:
