@@ -272,7 +272,8 @@ def run_lapse(args) -> None:
             prefill(converted, windows[:, : args.prompt], store)
             for i in range(steps):
                 if i % policy.every == 0:  # the cut (timed with the prefill, as elsewhere), then on schedule
-                    evict(converted, store, policy)
+                    graph = None if policy.every < steps else False  # as generate: a graph if replayed
+                    evict(converted, store, policy, graph=graph)
                     store.reserve(min(policy.every, steps - i))
                 if i == 0:
                     _sync(device)

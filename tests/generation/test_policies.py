@@ -456,6 +456,22 @@ def test_compiled_generation_with_eviction_equals_eager_on_cuda(policy):
     assert int(graphed.lengths[0].max()) < 70 + 12 or isinstance(policy, ACPBoundary)
 
 
+@pytest.mark.parametrize(("new_tokens", "every", "graph"), [(9, 8, False), (10, 8, None), (4, 1, None)])
+def test_generate_asks_for_a_graph_of_the_passes_only_when_it_replays(monkeypatch, new_tokens, every, graph):
+    """One pass (the prompt's cut) runs without a CUDA graph: its capture would never be
+    replayed; with a second pass to come the default (a graph on CUDA) stands."""
+    import importlib
+
+    gen = importlib.import_module("lapse.generation.generate")  # the module, not the function
+    asked = []
+    real = gen.evict
+    monkeypatch.setattr(gen, "evict", lambda *a, **k: asked.append(k["graph"]) or real(*a, **k))
+    model = _model("transformer-llama")
+    ids = torch.randint(0, model.config.vocab_size, (1, 9))
+    generate(model, ids, new_tokens, policy=H2O(budget=6, recent=2, every=every))
+    assert asked == [graph] * len(range(0, new_tokens - 1, every))
+
+
 def test_graphed_passes_need_compile_and_cuda():
     model = _model("transformer-llama")
     ids = torch.randint(0, model.config.vocab_size, (1, 9))

@@ -314,6 +314,7 @@ def generate(
     if policy is None and isinstance(cache, PagedStore):
         cache.reserve(max_new_tokens - 1)  # pages for every step, before any (compiled) step
     bounds = None if policy is None else logit_bounds(model)
+    replayed = policy is not None and max_new_tokens - 1 > policy.every  # a second pass will come
     steps = [logits]
     tokens = [draw(logits)]  # [B, 1] each
     # a model without fused projections (a hand-written one in a test, say) decodes as is
@@ -323,7 +324,9 @@ def generate(
             if len(stop_tokens) and i % check_every == 0 and bool(done.all()):
                 break
             if policy is not None and i % policy.every == 0:
-                evict(model, cache, policy, bounds, compile=compile)  # the prompt's cut, then every `every`
+                # the prompt's cut, then every `every`; a CUDA graph of the passes only when it
+                # will be replayed (the first pass runs, then captures: a graph never replayed is pure cost)
+                evict(model, cache, policy, bounds, compile=compile, graph=None if replayed else False)
                 cache.reserve(min(policy.every, max_new_tokens - 1 - i))  # pages for the next steps
             logits = step(model, tokens[-1], cache)
             if compile and return_logits:
