@@ -368,6 +368,7 @@ class PagedStore(StoreBase):
             raise ValueError("graph=True replays compiled passes on CUDA: pass compile and a store on a GPU")
         for i in range(self.n_layers):
             self._check_order(i, whole_pages)
+        self._room = 0  # the spare pages go back
         # a policy's bound keep method compares its policy by value (frozen dataclasses), so
         # equal policies share a graph; keep_fn must be a pure function of the snapshot
         owner = getattr(keep_fn, "__self__", None)
@@ -390,8 +391,8 @@ class PagedStore(StoreBase):
             if entry is None:
                 held = [None if b is None else b.detach().clone() for b in bounds]  # the graph's own
                 fronts = passes(held)  # compiles (at this width) and evicts, with what the capture reads
-                self._add_pending(fronts)  # before the capture: its failure loses no dropped page
-                self._room = 0
+                for i, front in enumerate(fronts):  # before the capture: its failure loses no dropped page
+                    self._add_pending(i, front)
                 torch.cuda.synchronize()
                 recorded = torch.cuda.CUDAGraph()
                 with torch.cuda.graph(recorded):
@@ -403,21 +404,20 @@ class PagedStore(StoreBase):
                 if mine is not None:
                     mine.copy_(given)
             recorded.replay()
-            self._add_pending([front.clone() for front in outputs])  # the next replay overwrites them
-        self._room = 0
+            for i, front in enumerate(outputs):
+                self._add_pending(i, front.clone())  # the next replay overwrites it
 
-    def _add_pending(self, fronts: Sequence[Tensor]) -> None:
-        """Each layer's pages dropped at the front, added to those not yet settled (two
+    def _add_pending(self, layer_idx: int, front: Tensor) -> None:
+        """A layer's pages dropped at the front, added to those not yet settled (two
         whole-page passes without a settle between them shift the table twice)."""
-        for i, front in enumerate(fronts):
-            self._pending[i] = front if i not in self._pending else self._pending[i] + front
+        pending = self._pending.get(layer_idx)
+        self._pending[layer_idx] = front if pending is None else pending + front
 
     def _evicted(self, layer_idx: int, tensors: _LayerTensors, front: Tensor, moves: Tensor | None) -> None:
         """After a layer's eviction: its rows moved (eagerly, the moving ones only), its front
         drops left for :meth:`settle`, and no room known (the spare pages went back)."""
         _move_rows(tensors, moves)
-        pending = self._pending.get(layer_idx)
-        self._pending[layer_idx] = front if pending is None else pending + front  # see _add_pending
+        self._add_pending(layer_idx, front)
         self._room = 0
 
     def settle(self) -> None:
