@@ -56,6 +56,17 @@ from ..splits import split_program, split_range
 # Elements of one [BG, BN, BD] tile: 2048 float32 keep a program's u and q^U tiles in
 # registers at 4 warps.
 _TILE_ELEMENTS = 2048
+# Tiles in flight per program: the slot loop's software pipeline (tl.range's num_stages;
+# 1 issues each tile's loads only when the loop reaches it), as many as fit in
+# _PIPELINE_SMEM bytes of shared memory (an H100 gives a program up to 227 KiB)
+_LOOP_STAGES = 3
+_PIPELINE_SMEM = 160 * 1024
+
+
+def loop_stages(tile_bytes: int, wanted: int = _LOOP_STAGES) -> int:
+    """Pipeline stages for tiles of ``tile_bytes``: ``wanted``, fewer where they would not
+    fit in shared memory (1: no pipeline)."""
+    return max(1, min(wanted, _PIPELINE_SMEM // tile_bytes))
 
 
 @triton_jit
@@ -117,6 +128,7 @@ def _castle_decode_split_kernel(
     IS_SINGLE_SPLIT: tl.constexpr,
     M: tl.constexpr,
     IS_DEFERRED: tl.constexpr,
+    LOOP_STAGES: tl.constexpr,
 ):
     # o_hq [BG]: the query heads of causal kv head i_h
     i_s, i_b, i_h, o_hq, o_d, m_g, m_d = split_program(HC, GROUP, D, BG, BD)
@@ -157,7 +169,9 @@ def _castle_decode_split_kernel(
     b_m = tl.full([BG], float("-inf"), dtype=tl.float32)
     b_l = tl.zeros([BG], dtype=tl.float32)
     b_acc = tl.zeros([BG, BD], dtype=tl.float32)
-    for j0 in range(start, end, BN):
+    # the loop's own stages pipeline every load (the kernel's num_stages only those that
+    # feed a tl.dot, and there is none here)
+    for j0 in tl.range(start, end, BN, num_stages=LOOP_STAGES):
         o_j = j0 + tl.arange(0, BN)  # [BN]
         m_j = o_j < end
         m_upd = m_j & (o_j < t) & (o_j >= lo)  # slots whose u changes
@@ -229,8 +243,8 @@ def _launch_options(q_c: Tensor, u_cache: Tensor, k_c_cache: Tensor, qu_cache: T
                     group: int, num_splits: int | None, config: dict | None) -> tuple[int, dict]:
     """``(num_splits, options)``: tiles of about ``_TILE_ELEMENTS`` per ``[BG, BN, BD]``,
     and as many splits as fit in one wave of resident programs (``num_splits`` chosen
-    when None), each >= 256 slots long. ``config`` overrides ``BN``, ``num_warps`` and
-    ``num_stages`` (for tuning on a GPU)."""
+    when None), each >= 256 slots long. ``config`` overrides ``BN``, ``num_warps``,
+    ``num_stages`` and ``loop_stages`` (for tuning on a GPU)."""
     b, _, d = q_c.shape
     if config is None and b == 1 and triton.next_power_of_2(group) * 128 * d <= 4 * _TILE_ELEMENTS:
         # one sequence: few programs, each streaming long tiles. On an H100 at 7 heads of
@@ -243,15 +257,17 @@ def _launch_options(q_c: Tensor, u_cache: Tensor, k_c_cache: Tensor, qu_cache: T
     block_g = triton.next_power_of_2(group)
     block_n = config.get("BN", max(16, min(64, _TILE_ELEMENTS // (block_g * block_d))))
     stages = config.get("num_stages", _PIPELINE_STAGES)
+    tile_bytes = block_n * block_d * (
+        block_g * (u_cache.element_size() + qu_cache.element_size()) + 2 * k_c_cache.element_size()
+    )
+    n_loop = config.get("loop_stages", loop_stages(tile_bytes))
     if num_splits is None:
-        tile_bytes = block_n * block_d * (
-            block_g * (u_cache.element_size() + qu_cache.element_size()) + 2 * k_c_cache.element_size()
-        )
-        num_splits = _choose_num_splits(s, b * hc, _resident_programs(q_c.device, tile_bytes))
+        resident = _resident_programs(q_c.device, tile_bytes, max(n_loop, _PIPELINE_STAGES))
+        num_splits = _choose_num_splits(s, b * hc, resident)
     # large groups (GQA) cannot shrink BN below 16: more warps share their tiles' registers
     num_warps = config.get("num_warps", 4 if block_g * block_n * block_d <= 2 * _TILE_ELEMENTS else 8)
     options = dict(BG=block_g, BN=block_n, BD=block_d, IS_SINGLE_SPLIT=num_splits == 1,
-                   num_warps=num_warps, num_stages=stages)
+                   num_warps=num_warps, num_stages=stages, LOOP_STAGES=n_loop)
     return num_splits, options
 
 

@@ -53,6 +53,7 @@ from ..forgetting.decode_triton import (
 )
 from ..forgetting.paged_triton import finish_paged_decode
 from ..splits import split_program, split_range
+from .decode_triton import loop_stages
 
 # Elements of one [BG, BN, BD] tile: as in decode_triton.py, 2048 float32 keep a
 # program's u and q^U tiles in registers at 4 warps.
@@ -116,6 +117,7 @@ def _castle_paged_split_kernel(
     USE_WINDOW: tl.constexpr,
     RETURN_PROBS: tl.constexpr,
     IS_SINGLE_SPLIT: tl.constexpr,
+    LOOP_STAGES: tl.constexpr,
 ):
     # o_hq [BG]: the query heads of kv head i_h; o_g [BG] their channels in the pools
     i_s, i_b, i_h, o_hq, o_d, m_g, m_d = split_program(H, GROUP, D, BG, BD)
@@ -144,7 +146,7 @@ def _castle_paged_split_kernel(
     b_m = tl.full([BG], float("-inf"), dtype=tl.float32)
     b_l = tl.zeros([BG], dtype=tl.float32)
     b_acc = tl.zeros([BG, BD], dtype=tl.float32)
-    for j0 in range(start, end, BN):
+    for j0 in tl.range(start, end, BN, num_stages=LOOP_STAGES):  # every load pipelined
         o_j = j0 + tl.arange(0, BN)  # [BN] logical slots
         m_j = o_j < end
         # table entries past the head's pages may hold anything: only slots < n look one up
@@ -206,15 +208,16 @@ def _launch_options(q_c: Tensor, k_pages: Tensor, u_pages: Tensor, qu_pages: Ten
     block_d = max(16, triton.next_power_of_2(q_c.shape[-1]))
     block_g = triton.next_power_of_2(group)
     block_n = max(16, min(64, _TILE_ELEMENTS // (block_g * block_d)))
+    tile_bytes = block_n * block_d * (
+        block_g * (u_pages.element_size() + qu_pages.element_size()) + 2 * k_pages.element_size()
+    )
     if num_splits is None:
-        tile_bytes = block_n * block_d * (
-            block_g * (u_pages.element_size() + qu_pages.element_size()) + 2 * k_pages.element_size()
-        )
         num_splits = _choose_num_splits(n_slots, programs, _resident_programs(q_c.device, tile_bytes))
     # large groups (GQA) cannot shrink BN below 16: more warps share their tiles' registers
     num_warps = 4 if block_g * block_n * block_d <= 2 * _TILE_ELEMENTS else 8
     options = dict(BG=block_g, BN=block_n, BD=block_d, IS_SINGLE_SPLIT=num_splits == 1,
-                   num_warps=num_warps, num_stages=_PIPELINE_STAGES)
+                   num_warps=num_warps, num_stages=_PIPELINE_STAGES,
+                   LOOP_STAGES=loop_stages(tile_bytes))
     return num_splits, options
 
 
