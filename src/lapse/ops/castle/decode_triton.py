@@ -240,17 +240,25 @@ def _castle_decode_split_kernel(
 
 
 def _launch_options(q_c: Tensor, u_cache: Tensor, k_c_cache: Tensor, qu_cache: Tensor,
-                    group: int, num_splits: int | None, config: dict | None) -> tuple[int, dict]:
+                    group: int, window: int | None, num_splits: int | None,
+                    config: dict | None) -> tuple[int, dict]:
     """``(num_splits, options)``: tiles of about ``_TILE_ELEMENTS`` per ``[BG, BN, BD]``,
     and as many splits as fit in one wave of resident programs (``num_splits`` chosen
     when None), each >= 256 slots long. ``config`` overrides ``BN``, ``num_warps``,
     ``num_stages`` and ``loop_stages`` (for tuning on a GPU)."""
     b, _, d = q_c.shape
     if config is None and b == 1 and triton.next_power_of_2(group) * 128 * d <= 4 * _TILE_ELEMENTS:
-        # one sequence: few programs, each streaming long tiles. On an H100 at 7 heads of
-        # 64 and 4096 slots, 13.5 against 19.5 us; at B 8 and 4 the defaults were already
-        # the best of 36 options (scripts/tune_castle_decode.py, docs/bench/castle/h100-tune-decode.json)
-        config = dict(BN=128, num_warps=8, num_stages=2)
+        # one sequence: few programs, each streaming long tiles, no loop pipeline. On an
+        # H100 at 7 heads of 64 and 4096 slots, 13.5 against 19.5 us before the pipeline
+        # existed (docs/bench/castle/h100-tune-decode.json) and 13.5 against 14.5 us with
+        # two stages (h100-castle-decode-pipeline.json)
+        config = dict(BN=128, num_warps=8, num_stages=2, loop_stages=1)
+    elif config is None and window is None and group == 1 and d <= 64:
+        # full CASTLE, every held u rewritten: 64-slot tiles over 8 warps, 3 stages. At
+        # B 8 x 4096 slots, 7 heads of 64, on an H100: 81 against 89 us for the defaults
+        # below (112 without the loop pipeline); under SWL, where most u are only read,
+        # the defaults stay the best (57 us against 76) (h100-castle-decode-pipeline.json)
+        config = dict(BN=64, num_warps=8, loop_stages=3)
     config = config or {}
     s, hc = k_c_cache.shape[1], k_c_cache.shape[2]
     block_d = max(16, triton.next_power_of_2(d))
@@ -301,8 +309,8 @@ def launch_castle_decode(
     b, h, d = q_c.shape
     hc, hu = k_c_cache.shape[2], k_u.shape[1]
     group = h // hc
-    num_splits, options = _launch_options(q_c, u_cache, k_c_cache, qu_cache, group, num_splits,
-                                          config)
+    num_splits, options = _launch_options(q_c, u_cache, k_c_cache, qu_cache, group, window,
+                                          num_splits, config)
     acc_part, m_part, l_part = _split_workspace(q_c, num_splits) if workspace is None else workspace
     # without a ring the kernel never touches these: any tensors do
     pend_k, pend_v, pend_pos = (u_cache[:, :1], u_cache[:, :1], cache_seqlens[:, None]) if pending is None \
