@@ -93,7 +93,7 @@ def _dkdv_inner(
     lo, hi, tq, off, qk_scale,
     o_d, m_d,
     BM: tl.constexpr, G: tl.constexpr, MASKED: tl.constexpr, USE_ACP: tl.constexpr,
-    DOT_PREC: tl.constexpr, LOOP_STAGES: tl.constexpr,
+    DOT_PREC: tl.constexpr, LOOP_STAGES: tl.constexpr, FAST_BIAS: tl.constexpr,
 ):
     # LOOP_STAGES > 0 pipelines every load of the loop; 0 leaves it to the kernel's
     # num_stages, which pipelines only the loads that feed a tl.dot
@@ -102,13 +102,13 @@ def _dkdv_inner(
             b_dk, b_dv, b_dcc = _dkdv_tile(b_dk, b_dv, b_dcc, start, b_k, b_v, b_ck, o_n, p_q, p_do,
                                            p_lse, p_delta, p_chi, p_clo, p_bs, c_ref, stride_qt,
                                            stride_dot, tq, off, qk_scale, o_d, m_d,
-                                           BM, G, MASKED, USE_ACP, DOT_PREC)
+                                           BM, G, MASKED, USE_ACP, DOT_PREC, FAST_BIAS)
     else:
         for start in range(lo, hi, BM):
             b_dk, b_dv, b_dcc = _dkdv_tile(b_dk, b_dv, b_dcc, start, b_k, b_v, b_ck, o_n, p_q, p_do,
                                            p_lse, p_delta, p_chi, p_clo, p_bs, c_ref, stride_qt,
                                            stride_dot, tq, off, qk_scale, o_d, m_d,
-                                           BM, G, MASKED, USE_ACP, DOT_PREC)
+                                           BM, G, MASKED, USE_ACP, DOT_PREC, FAST_BIAS)
     return b_dk, b_dv, b_dcc
 
 
@@ -121,7 +121,7 @@ def _dkdv_tile(
     tq, off, qk_scale,
     o_d, m_d,
     BM: tl.constexpr, G: tl.constexpr, MASKED: tl.constexpr, USE_ACP: tl.constexpr,
-    DOT_PREC: tl.constexpr,
+    DOT_PREC: tl.constexpr, FAST_BIAS: tl.constexpr,
 ):
     o_m = start + tl.arange(0, BM)
     m_m = o_m < tq
@@ -135,16 +135,24 @@ def _dkdv_tile(
     o_abs = o_m + off
     o_absc = tl.minimum(o_abs, tq + off - 1)
     b_cq = ((tl.load(p_chi + o_absc) - c_ref) + tl.load(p_clo + o_absc)) * LOG2E_TL
-    # [BN, BM] transposed scores, base 2
-    b_st = tl.dot(b_k, tl.trans(b_q), input_precision=DOT_PREC) * qk_scale \
-        + (b_cq[None, :] - b_ck[:, None])
+    # [BN, BM] transposed scores, base 2; FAST_BIAS takes the lse off with the row's c_i
+    # (BM operations, not BN x BM)
+    if FAST_BIAS:
+        b_st = tl.dot(b_k, tl.trans(b_q), input_precision=DOT_PREC) * qk_scale \
+            + ((b_cq - b_lse)[None, :] - b_ck[:, None])
+    else:
+        b_st = tl.dot(b_k, tl.trans(b_q), input_precision=DOT_PREC) * qk_scale \
+            + (b_cq[None, :] - b_ck[:, None])
     if MASKED:
         keep = (o_n[:, None] <= o_abs[None, :]) & m_m[None, :]
         if USE_ACP:
             b_kstart = tl.load(p_bs + o_m // G, mask=m_m, other=0) * G
             keep = keep & (o_n[:, None] >= b_kstart[None, :])
         b_st = tl.where(keep, b_st, float("-inf"))
-    b_pt = tl.math.exp2(b_st - b_lse[None, :])
+    if FAST_BIAS:
+        b_pt = tl.math.exp2(b_st)
+    else:
+        b_pt = tl.math.exp2(b_st - b_lse[None, :])
     b_dv = tl.dot(b_pt.to(b_do.dtype), b_do, b_dv, input_precision=DOT_PREC)
     # [BN, BM]
     b_dpt = tl.dot(b_v, tl.trans(b_do), input_precision=DOT_PREC)
@@ -166,7 +174,7 @@ def _bwd_dkdv_kernel(
     qk_scale, scale, TQ, TK, TC, HQ, H, GROUP, MB, NB,
     D: tl.constexpr, BD: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
     G: tl.constexpr, IS_VARLEN: tl.constexpr, USE_ACP: tl.constexpr, DOT_PREC: tl.constexpr,
-    LOOP_STAGES: tl.constexpr,
+    LOOP_STAGES: tl.constexpr, FAST_BIAS: tl.constexpr,
 ):
     i_n = tl.program_id(0).to(tl.int64)
     i_bh = tl.program_id(1).to(tl.int64)
@@ -231,15 +239,15 @@ def _bwd_dkdv_kernel(
         b_dk, b_dv, b_dcc = _dkdv_inner(b_dk, b_dv, b_dcc, b_k, b_v, b_ck, o_n, p_q, p_do, p_lse,
                                         p_delta, p_chi, p_clo, p_bs, c_ref, stride_qt, stride_dot,
                                         q_lo, a, tq, off, qk_scale, o_d, m_d,
-                                        BM, G, True, USE_ACP, DOT_PREC, LOOP_STAGES)
+                                        BM, G, True, USE_ACP, DOT_PREC, LOOP_STAGES, FAST_BIAS)
         b_dk, b_dv, b_dcc = _dkdv_inner(b_dk, b_dv, b_dcc, b_k, b_v, b_ck, o_n, p_q, p_do, p_lse,
                                         p_delta, p_chi, p_clo, p_bs, c_ref, stride_qt, stride_dot,
                                         a, b, tq, off, qk_scale, o_d, m_d,
-                                        BM, G, False, USE_ACP, DOT_PREC, LOOP_STAGES)
+                                        BM, G, False, USE_ACP, DOT_PREC, LOOP_STAGES, FAST_BIAS)
         b_dk, b_dv, b_dcc = _dkdv_inner(b_dk, b_dv, b_dcc, b_k, b_v, b_ck, o_n, p_q, p_do, p_lse,
                                         p_delta, p_chi, p_clo, p_bs, c_ref, stride_qt, stride_dot,
                                         b, q_end, tq, off, qk_scale, o_d, m_d,
-                                        BM, G, True, USE_ACP, DOT_PREC, LOOP_STAGES)
+                                        BM, G, True, USE_ACP, DOT_PREC, LOOP_STAGES, FAST_BIAS)
         tl.store(DCC + (i_bt * HQ + i_h) * TC + bos + o_n, b_dcc, mask=m_n)
     p_dk = DK + i_bt * stride_dkb + (bos + o_n[:, None]) * stride_dkt + i_hk * stride_dkh + o_d[None, :]
     p_dv = DV + i_bt * stride_dvb + (bos + o_n[:, None]) * stride_dvt + i_hk * stride_dvh + o_d[None, :]
@@ -256,6 +264,7 @@ def _dq_inner(
     lo, hi, tk, qk_scale,
     o_d, m_d,
     BN: tl.constexpr, MASKED: tl.constexpr, DOT_PREC: tl.constexpr, LOOP_STAGES: tl.constexpr,
+    FAST_BIAS: tl.constexpr,
 ):
     # LOOP_STAGES > 0 pipelines every load of the loop; 0 leaves it to the kernel's
     # num_stages, which pipelines only the loads that feed a tl.dot
@@ -263,12 +272,12 @@ def _dq_inner(
         for start in tl.range(lo, hi, BN, num_stages=LOOP_STAGES):
             b_dq, b_dcr = _dq_tile(b_dq, b_dcr, start, b_q, b_do, b_lse, b_delta, b_cq, o_abs,
                                    b_kstart, p_k, p_v, p_chi, p_clo, c_ref, stride_kt, stride_vt,
-                                   tk, qk_scale, o_d, m_d, BN, MASKED, DOT_PREC)
+                                   tk, qk_scale, o_d, m_d, BN, MASKED, DOT_PREC, FAST_BIAS)
     else:
         for start in range(lo, hi, BN):
             b_dq, b_dcr = _dq_tile(b_dq, b_dcr, start, b_q, b_do, b_lse, b_delta, b_cq, o_abs,
                                    b_kstart, p_k, p_v, p_chi, p_clo, c_ref, stride_kt, stride_vt,
-                                   tk, qk_scale, o_d, m_d, BN, MASKED, DOT_PREC)
+                                   tk, qk_scale, o_d, m_d, BN, MASKED, DOT_PREC, FAST_BIAS)
     return b_dq, b_dcr
 
 
@@ -280,7 +289,7 @@ def _dq_tile(
     stride_kt, stride_vt,
     tk, qk_scale,
     o_d, m_d,
-    BN: tl.constexpr, MASKED: tl.constexpr, DOT_PREC: tl.constexpr,
+    BN: tl.constexpr, MASKED: tl.constexpr, DOT_PREC: tl.constexpr, FAST_BIAS: tl.constexpr,
 ):
     o_n = start + tl.arange(0, BN)
     m_n = o_n < tk
@@ -291,12 +300,16 @@ def _dq_tile(
                    mask=m_d[:, None] & m_n[None, :], other=0.0)
     b_ck = ((tl.load(p_chi + o_n, mask=m_n, other=0.0) - c_ref)
             + tl.load(p_clo + o_n, mask=m_n, other=0.0)) * LOG2E_TL
-    # [BM, BN]
+    # [BM, BN]; with FAST_BIAS b_cq is c_i - lse_i (the kernel's prologue): one operation
+    # less per pair
     b_s = tl.dot(b_q, b_kt, input_precision=DOT_PREC) * qk_scale + (b_cq[:, None] - b_ck[None, :])
     if MASKED:
         keep = (o_n[None, :] <= o_abs[:, None]) & (o_n[None, :] >= b_kstart[:, None])
         b_s = tl.where(keep, b_s, float("-inf"))
-    b_p = tl.math.exp2(b_s - b_lse[:, None])
+    if FAST_BIAS:
+        b_p = tl.math.exp2(b_s)
+    else:
+        b_p = tl.math.exp2(b_s - b_lse[:, None])
     b_dp = tl.dot(b_do, b_vt, input_precision=DOT_PREC)
     b_ds = b_p * (b_dp - b_delta[:, None])
     b_dcr += tl.sum(b_ds, 1)
@@ -315,7 +328,7 @@ def _bwd_dq_kernel(
     qk_scale, scale, TQ, TK, TC, HQ, GROUP, MB,
     D: tl.constexpr, BD: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
     G: tl.constexpr, IS_VARLEN: tl.constexpr, USE_ACP: tl.constexpr, DOT_PREC: tl.constexpr,
-    LOOP_STAGES: tl.constexpr,
+    LOOP_STAGES: tl.constexpr, FAST_BIAS: tl.constexpr,
 ):
     # the last query tiles have the most keys: schedule them first to shorten the tail
     i_m = (tl.num_programs(0) - 1 - tl.program_id(0)).to(tl.int64)
@@ -356,6 +369,8 @@ def _bwd_dq_kernel(
     c_ref = tl.load(p_chi + first_abs)
     o_absc = tl.minimum(o_abs, tk - 1)
     b_cq = ((tl.load(p_chi + o_absc) - c_ref) + tl.load(p_clo + o_absc)) * LOG2E_TL
+    if FAST_BIAS:
+        b_cq = b_cq - b_lse
     if USE_ACP:
         p_bs = BSTART + (i_b * HQ + i_h) * MB
         b_kstart = tl.load(p_bs + o_m // G, mask=m_m, other=0) * G
@@ -373,13 +388,13 @@ def _bwd_dq_kernel(
     b_dcr = tl.zeros([BM], dtype=tl.float32)
     b_dq, b_dcr = _dq_inner(b_dq, b_dcr, b_q, b_do, b_lse, b_delta, b_cq, o_abs, b_kstart, p_k, p_v,
                             p_chi, p_clo, c_ref, stride_kt, stride_vt, ks_lo, ks_hi, tk, qk_scale,
-                            o_d, m_d, BN, True, DOT_PREC, LOOP_STAGES)
+                            o_d, m_d, BN, True, DOT_PREC, LOOP_STAGES, FAST_BIAS)
     b_dq, b_dcr = _dq_inner(b_dq, b_dcr, b_q, b_do, b_lse, b_delta, b_cq, o_abs, b_kstart, p_k, p_v,
                             p_chi, p_clo, c_ref, stride_kt, stride_vt, ks_hi, mid, tk, qk_scale,
-                            o_d, m_d, BN, False, DOT_PREC, LOOP_STAGES)
+                            o_d, m_d, BN, False, DOT_PREC, LOOP_STAGES, FAST_BIAS)
     b_dq, b_dcr = _dq_inner(b_dq, b_dcr, b_q, b_do, b_lse, b_delta, b_cq, o_abs, b_kstart, p_k, p_v,
                             p_chi, p_clo, c_ref, stride_kt, stride_vt, mid, last_abs + 1, tk,
-                            qk_scale, o_d, m_d, BN, True, DOT_PREC, LOOP_STAGES)
+                            qk_scale, o_d, m_d, BN, True, DOT_PREC, LOOP_STAGES, FAST_BIAS)
     p_dq = DQ + i_bt * stride_dqb + (bos + o_m[:, None]) * stride_dqt + i_h * stride_dqh + o_d[None, :]
     tl.store(p_dq, (b_dq * scale).to(DQ.dtype.element_ty), mask=m_md)
     tl.store(DCR + p_row + o_m, b_dcr, mask=m_m)
@@ -428,7 +443,8 @@ def launch_bwd(q, k, v, do, lse2, delta, c_hi, c_lo, block_start, block_end, cu,
         dk.stride(0), dk.stride(1), dk.stride(2),
         dv.stride(0), dv.stride(1), dv.stride(2),
         p.scale * LOG2E, p.scale, p.tq, p.tk, c_hi.shape[-1], p.hq, p.h,
-        p.hq // p.h, mb, nb, BM=bm, BN=bn, LOOP_STAGES=cfg_kv.pop("LOOP_STAGES", 0), **common,
+        p.hq // p.h, mb, nb, BM=bm, BN=bn, LOOP_STAGES=cfg_kv.pop("LOOP_STAGES", 0),
+        FAST_BIAS=cfg_kv.pop("FAST_BIAS", q.element_size() < 4), **common,
         **cfg_kv,
     )
     bm, bn = cfg_q.pop("BM"), cfg_q.pop("BN")
@@ -441,7 +457,8 @@ def launch_bwd(q, k, v, do, lse2, delta, c_hi, c_lo, block_start, block_end, cu,
         do.stride(0), do.stride(1), do.stride(2),
         dq.stride(0), dq.stride(1), dq.stride(2),
         p.scale * LOG2E, p.scale, p.tq, p.tk, c_hi.shape[-1], p.hq,
-        p.hq // p.h, mb, BM=bm, BN=bn, LOOP_STAGES=cfg_q.pop("LOOP_STAGES", 0), **common, **cfg_q,
+        p.hq // p.h, mb, BM=bm, BN=bn, LOOP_STAGES=cfg_q.pop("LOOP_STAGES", 0),
+        FAST_BIAS=cfg_q.pop("FAST_BIAS", q.element_size() < 4), **common, **cfg_q,
     )
 
 

@@ -1,16 +1,17 @@
-"""Does pipelining every load of the FoX kernels' key/query loops pay (issue 16)?
+"""A/B of the FoX kernels' variants on the GPU (issue 16): which of them pays?
 
-The kernels' ``num_stages`` pipelines only the loads that feed a ``tl.dot``; the gate's
-cumulative sums ``c`` (forward, dQ), and ``lse``, ``delta`` (dK/dV) are loaded at every
-iteration outside that pipeline. ``tl.range(..., num_stages=n)`` (the kernels'
-``LOOP_STAGES``) pipelines them too. This script times the forward and both backward
-kernels on the issue-2 workload (B x T = 32k, 24 heads of 64; 12 heads of 128), dense and
-with ACP, with ``LOOP_STAGES`` 0 (the kernel's own pipeline only) against the kernels'
-``num_stages`` and one more, each variant's outputs checked against the LOOP_STAGES = 0
-ones (the same arithmetic: they should agree to the last bit or nearly), beside SDPA's
-default backend on the same tensors.
+- ``FAST_BIAS`` (the default for 16-bit inputs): the forward drops the query's own ``c_i``
+  from its logits (the softmax does not see a per-row constant; the lse gets it back), the
+  backward folds ``c_i - lse_i`` per row: one operation less per (query, key) pair.
+- ``LOOP_STAGES``: ``tl.range(..., num_stages=n)`` pipelines every load of the key/query
+  loops (the kernels' own ``num_stages`` only those that feed a ``tl.dot``; the gate's
+  ``c``, ``lse`` and ``delta`` are not). Measured before (1075a8e): no gain.
 
-    python scripts/tune_fox_pipeline.py --out fox_pipeline.json
+Forward and both backward kernels on the issue-2 workload (B x T = 32k, 24 heads of 64;
+12 heads of 128), dense and with ACP, beside SDPA's default backend on the same tensors;
+each variant's outputs against the base variant's (FAST_BIAS off, LOOP_STAGES 0).
+
+    python scripts/tune_fox_variants.py --out fox_variants.json
 """
 
 # ruff: noqa: B023 (each closure over loop variables is timed inside its own iteration)
@@ -58,7 +59,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--shapes", nargs="+", default=["4096x64", "16384x64", "4096x128", "16384x128"],
                     help="T x D; heads 24 at D 64, 12 at D 128, B = 32768 / T")
-    ap.add_argument("--out", default="fox_pipeline.json")
+    ap.add_argument("--out", default="fox_variants.json")
     args = ap.parse_args()
     set_value_checks(False)
     from torch.nn.attention import SDPBackend, sdpa_kernel
@@ -92,18 +93,17 @@ def main() -> None:
             fcfg = triton_fwd.fwd_config(d, 2)
             kcfg, qcfg = triton_bwd.bwd_config(d, 1, acp)
             ref = None
-            for extra in (0, None, 1):
-                ls_f = 0 if extra == 0 else fcfg["num_stages"] + (extra or 0)
-                ls_k = 0 if extra == 0 else kcfg["num_stages"] + (extra or 0)
-                ls_q = 0 if extra == 0 else qcfg["num_stages"] + (extra or 0)
-                fc = dict(fcfg, LOOP_STAGES=ls_f)
-                bc = (dict(kcfg, LOOP_STAGES=ls_k), dict(qcfg, LOOP_STAGES=ls_q))
+            for fast, loop in ((False, False), (True, False), (True, True)):
+                ls_f, ls_k, ls_q = (c["num_stages"] if loop else 0 for c in (fcfg, kcfg, qcfg))
+                fc = dict(fcfg, LOOP_STAGES=ls_f, FAST_BIAS=fast)
+                bc = (dict(kcfg, LOOP_STAGES=ls_k, FAST_BIAS=fast),
+                      dict(qcfg, LOOP_STAGES=ls_q, FAST_BIAS=fast))
                 o = torch.full_like(q, float("nan"))
                 lse2 = torch.full_like(c_hi, float("nan"))
                 dq, dk, dv = (torch.full_like(x, float("nan")) for x in (q, k, v))
                 dcc, dcr = torch.full_like(lse2, float("nan")), torch.full_like(lse2, float("nan"))
                 dl = torch.empty_like(lse2)
-                v_row = dict(acp=acp, loop_stages=[ls_f, ls_k, ls_q])
+                v_row = dict(acp=acp, fast_bias=fast, loop_stages=[ls_f, ls_k, ls_q])
                 try:
                     triton_fwd.launch_fwd(q, k, v, c_hi, c_lo, bsx, None, p, o, lse2, fc)
                     triton_bwd.launch_delta(o, do, p, dl)
@@ -113,7 +113,10 @@ def main() -> None:
                     v_row["nan"] = any(bool(x.isnan().any()) for x in outs)
                     if ref is None:
                         ref = [x.clone() for x in outs]
-                    v_row["max_diff_vs_0"] = max(_diff(x, r) for x, r in zip(outs, ref, strict=True))
+                    v_row["max_diff_vs_base"] = max(_diff(x, r) for x, r in zip(outs, ref, strict=True))
+                    v_row["rel_diff_vs_base"] = max(
+                        ((x.float() - r.float()).norm() / r.float().norm()).item()
+                        for x, r in zip(outs, ref, strict=True))
                     v_row["fwd_ms"] = _ms(lambda: triton_fwd.launch_fwd(q, k, v, c_hi, c_lo, bsx, None,
                                                                         p, o, lse2, fc))
                     v_row["bwd_ms"] = _ms(lambda: triton_bwd.launch_bwd(
@@ -129,16 +132,19 @@ def main() -> None:
         json.dump(dict(device=torch.cuda.get_device_name(), torch=torch.__version__,
                        triton=triton.__version__, rows=rows), f, indent=1)
     # the ratios count the three main kernels only (not the gate's cumsum, delta, gate grad)
-    print("\nT D acp | loop stages (fwd, dkdv, dq) | fwd ms | bwd ms | vs SDPA default fwd, fwd+bwd")
+    print("\nT D acp | fast bias | loop stages (fwd, dkdv, dq) | fwd ms | bwd ms | "
+          "vs SDPA default fwd, fwd+bwd")
     for r in rows:
         for v_ in r["variants"]:
             if "fwd_ms" in v_:
-                print(f"{r['T']} {r['D']} {int(v_['acp'])} | {v_['loop_stages']} | {v_['fwd_ms']:.3f} | "
+                print(f"{r['T']} {r['D']} {int(v_['acp'])} | {int(v_['fast_bias'])} | {v_['loop_stages']} | "
+                      f"{v_['fwd_ms']:.3f} | "
                       f"{v_['bwd_ms']:.3f} | {v_['fwd_ms'] / r['sdpa_default_fwd']:.2f}x "
                       f"{(v_['fwd_ms'] + v_['bwd_ms']) / r['sdpa_default_fwdbwd']:.2f}x "
-                      f"diff {v_['max_diff_vs_0']:.1e}")
+                      f"rel diff {v_['rel_diff_vs_base']:.1e}")
             else:
-                print(f"{r['T']} {r['D']} {int(v_['acp'])} | {v_['loop_stages']} | {v_['error']}")
+                print(f"{r['T']} {r['D']} {int(v_['acp'])} | {int(v_['fast_bias'])} | {v_['loop_stages']} | "
+                      f"{v_['error']}")
 
 
 if __name__ == "__main__":
