@@ -1,0 +1,126 @@
+"""Where lapse's prefill of a Hugging Face model spends its time (issue 15's prefill target).
+
+On the lent GPU kvpress's prefill of a random SmolLM2-135M at 4 x 4096 took 0.03-0.06 s,
+lapse's 0.05-0.08 s (``docs/study/eviction/kvpress``). This times, on the same random
+weights and prompts (median of ``--repeats`` after a warm-up):
+
+- ``hf-sdpa``: the model's own forward with a ``DynamicCache`` (what kvpress's dense row runs);
+- ``hf-evicting``: the same forward through ``lapse.hf.EvictingCache(Dense())`` (the
+  ``"lapse_paged"`` attention: SDPA, then the prompt into the paged store);
+- ``decoder-none``: the model converted to a lapse ``Decoder``, its forward without a cache;
+- ``decoder-paged``: the converted model's ``prefill`` into a paged store (what the
+  ``compiled`` mode of ``kvpress_compare.py`` times, before its cut);
+
+then profiles ``decoder-paged`` and ``hf-evicting`` once each (the CUDA kernels by total
+time, and the host time), to say what costs more than HF's forward.
+
+    python scripts/diag_prefill_hf.py --shape smollm2-135m --num 4 --prompt 4096
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from kvpress_compare import random_llama  # noqa: E402
+
+
+def _sync() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def _timed(fn, repeats: int) -> float:
+    fn()  # warm-up
+    times = []
+    for _ in range(repeats):
+        _sync()
+        t0 = time.perf_counter()
+        fn()
+        _sync()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def _profile(fn, rows: int) -> str:
+    from torch.profiler import ProfilerActivity, profile
+
+    cuda = torch.cuda.is_available()
+    fn()
+    _sync()
+    with profile(activities=[ProfilerActivity.CPU, *([ProfilerActivity.CUDA] if cuda else [])]) as prof:
+        fn()
+        _sync()
+    key = "cuda_time_total" if cuda else "cpu_time_total"
+    return prof.key_averages().table(sort_by=key, row_limit=rows, max_name_column_width=60)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--shape", default="smollm2-135m")
+    ap.add_argument("--num", type=int, default=4)
+    ap.add_argument("--prompt", type=int, default=4096)
+    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--out", type=Path, default=Path("prefill-diag.json"))
+    args = ap.parse_args()
+    from transformers import DynamicCache
+
+    from lapse.eval.policy import next_logits, policy_cache
+    from lapse.generation import Dense, paged_store_for, prefill
+    from lapse.hf import ATTENTION, register_attention
+    from lapse.hf.convert import decoder_from_hf
+
+    register_attention()
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    lm, _ = random_llama(args.shape, ATTENTION, device, dtype, 0)
+    converted = decoder_from_hf(lm).to(device=device, dtype=dtype).eval()
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, lm.config.vocab_size, (args.num, args.prompt), generator=g).to(device)
+    total = args.prompt + 65
+    dense = Dense(every=66)
+
+    @torch.no_grad()
+    def hf_sdpa():
+        # "lapse_paged" with no EvictingCache in use is Hugging Face's SDPA
+        lm(input_ids=ids, past_key_values=DynamicCache(), use_cache=True, logits_to_keep=1)
+
+    @torch.no_grad()
+    def hf_evicting():
+        next_logits(lm, ids, policy_cache(lm, dense, total))
+
+    @torch.no_grad()
+    def decoder_none():
+        converted.hidden_states(ids)
+
+    @torch.no_grad()
+    def decoder_paged():
+        with converted.fused_projections(keep=True):
+            prefill(converted, ids, paged_store_for(converted, args.num, args.prompt, 65, dense))
+
+    result = dict(device=torch.cuda.get_device_name() if device == "cuda" else "cpu",
+                  torch=torch.__version__, shape=args.shape, num=args.num, prompt=args.prompt, seconds={})
+    for name, fn in (("hf-sdpa", hf_sdpa), ("hf-evicting", hf_evicting), ("decoder-none", decoder_none),
+                     ("decoder-paged", decoder_paged)):
+        try:
+            result["seconds"][name] = _timed(fn, args.repeats)
+        except Exception as e:  # noqa: BLE001 - report and go on
+            result["seconds"][name] = f"{type(e).__name__}: {str(e)[:200]}"
+        print(name, result["seconds"][name], flush=True)
+    args.out.write_text(json.dumps(result, indent=1))
+    for name, fn in (("decoder-paged", decoder_paged), ("hf-evicting", hf_evicting)):
+        try:
+            print(f"\n== profile: {name}\n" + _profile(fn, 14), flush=True)
+        except Exception as e:  # noqa: BLE001
+            print(f"profile {name} failed: {e!r}")
+
+
+if __name__ == "__main__":
+    main()
