@@ -25,7 +25,7 @@ import torch
 from castle_cases import rel
 
 from lapse.ops.castle import castle_decode_step, castle_lookahead_keys, naive_castle_parallel
-from lapse.ops.castle.decode_triton import launch_castle_decode
+from lapse.ops.castle.decode_triton import _PIPELINE_SMEM, _launch_options, launch_castle_decode
 
 pytestmark = [
     pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",
@@ -173,6 +173,28 @@ def test_launch_writes_every_output(num_splits, config):
                          cache["qu_cache"], cache["k_c_cache"], cache["v_c_cache"], lens, SCALE,
                          case.window, o, lse, num_splits, workspace, config)
     assert rel(o, o_ref) < 2e-6 and rel(lse, lse_ref) < 2e-6
+
+
+@pytest.mark.parametrize("b, group, d, window, want", [
+    (8, 1, 64, None, dict(BN=64, num_warps=8, LOOP_STAGES=3)),  # measured best, full CASTLE
+    (8, 1, 64, 512, dict(BN=32, num_warps=4, LOOP_STAGES=3)),  # SWL: the defaults
+    (1, 1, 64, None, dict(BN=128, num_warps=8, LOOP_STAGES=1)),  # batch 1: long tiles, no pipeline
+    (4, 8, 128, None, dict(BN=16, num_warps=8, LOOP_STAGES=1)),  # a tile of 104 KiB: one stage fits
+    (4, 4, 128, 64, dict(BN=16, num_warps=8, LOOP_STAGES=2)),  # 56 KiB: two
+])
+def test_launch_options_fit_shared_memory(b, group, d, window, want):
+    """The launch options by shape (the measured choices, docs/bench/castle/
+    h100-castle-decode-pipeline.json), and never more pipelined tiles than fit in shared
+    memory: an H100 gives a program 227 KiB, and a GQA tile at D 128 takes 104 KiB."""
+    hc = 2
+    q_c = torch.empty(b, hc * group, d)
+    u = torch.empty(b, 64, hc * group, d)
+    qu = torch.empty(b, 64, hc * group, d, dtype=torch.bfloat16)
+    kc = torch.empty(b, 64, hc, d, dtype=torch.bfloat16)
+    _, options = _launch_options(q_c, u, kc, qu, group, window, 1, None)
+    assert {k: options[k] for k in want} == want
+    tile = options["BN"] * options["BD"] * (options["BG"] * (4 + 2) + 2 * 2)
+    assert options["LOOP_STAGES"] == 1 or options["LOOP_STAGES"] * tile <= _PIPELINE_SMEM
 
 
 def test_step_compiles_with_the_kernel():
