@@ -562,7 +562,12 @@ class PagedStore(StoreBase):
         pages[b, h, column] = taken
         count += want.reshape(count.shape)
         table = self.page_table[layer_idx]
-        update = torch.from_numpy(np.stack([b, h, column, taken])).to(table.device)  # [4, total]
+        update = torch.from_numpy(np.stack([b, h, column, taken]))  # [4, total]
+        if table.is_cuda:  # a copy from pageable memory would wait for the device: from pinned, none
+            # does (the host allocator keeps the pinned block until the copy is done)
+            update = update.pin_memory().to(table.device, non_blocking=True)
+        else:
+            update = update.to(table.device)
         table[update[0], update[1], update[2]] = update[3].to(torch.int32)
 
     def __repr__(self) -> str:

@@ -93,72 +93,37 @@ def _dkdv_inner(
     lo, hi, tq, off, qk_scale,
     o_d, m_d,
     BM: tl.constexpr, G: tl.constexpr, MASKED: tl.constexpr, USE_ACP: tl.constexpr,
-    DOT_PREC: tl.constexpr, LOOP_STAGES: tl.constexpr, FAST_BIAS: tl.constexpr,
+    DOT_PREC: tl.constexpr,
 ):
-    # LOOP_STAGES > 0 pipelines every load of the loop; 0 leaves it to the kernel's
-    # num_stages, which pipelines only the loads that feed a tl.dot
-    if LOOP_STAGES > 0:
-        for start in tl.range(lo, hi, BM, num_stages=LOOP_STAGES):
-            b_dk, b_dv, b_dcc = _dkdv_tile(b_dk, b_dv, b_dcc, start, b_k, b_v, b_ck, o_n, p_q, p_do,
-                                           p_lse, p_delta, p_chi, p_clo, p_bs, c_ref, stride_qt,
-                                           stride_dot, tq, off, qk_scale, o_d, m_d,
-                                           BM, G, MASKED, USE_ACP, DOT_PREC, FAST_BIAS)
-    else:
-        for start in range(lo, hi, BM):
-            b_dk, b_dv, b_dcc = _dkdv_tile(b_dk, b_dv, b_dcc, start, b_k, b_v, b_ck, o_n, p_q, p_do,
-                                           p_lse, p_delta, p_chi, p_clo, p_bs, c_ref, stride_qt,
-                                           stride_dot, tq, off, qk_scale, o_d, m_d,
-                                           BM, G, MASKED, USE_ACP, DOT_PREC, FAST_BIAS)
-    return b_dk, b_dv, b_dcc
-
-
-@triton.jit
-def _dkdv_tile(
-    b_dk, b_dv, b_dcc, start,
-    b_k, b_v, b_ck, o_n,
-    p_q, p_do, p_lse, p_delta, p_chi, p_clo, p_bs, c_ref,
-    stride_qt, stride_dot,
-    tq, off, qk_scale,
-    o_d, m_d,
-    BM: tl.constexpr, G: tl.constexpr, MASKED: tl.constexpr, USE_ACP: tl.constexpr,
-    DOT_PREC: tl.constexpr, FAST_BIAS: tl.constexpr,
-):
-    o_m = start + tl.arange(0, BM)
-    m_m = o_m < tq
-    # [BM, BD]
-    b_q = tl.load(p_q + o_m[:, None] * stride_qt + o_d[None, :],
-                  mask=m_m[:, None] & m_d[None, :], other=0.0)
-    b_do = tl.load(p_do + o_m[:, None] * stride_dot + o_d[None, :],
-                   mask=m_m[:, None] & m_d[None, :], other=0.0)
-    b_lse = tl.load(p_lse + o_m, mask=m_m, other=0.0)
-    b_delta = tl.load(p_delta + o_m, mask=m_m, other=0.0)
-    o_abs = o_m + off
-    o_absc = tl.minimum(o_abs, tq + off - 1)
-    b_cq = ((tl.load(p_chi + o_absc) - c_ref) + tl.load(p_clo + o_absc)) * LOG2E_TL
-    # [BN, BM] transposed scores, base 2; FAST_BIAS takes the lse off with the row's c_i
-    # (BM operations, not BN x BM)
-    if FAST_BIAS:
-        b_st = tl.dot(b_k, tl.trans(b_q), input_precision=DOT_PREC) * qk_scale \
-            + ((b_cq - b_lse)[None, :] - b_ck[:, None])
-    else:
+    for start in range(lo, hi, BM):
+        o_m = start + tl.arange(0, BM)
+        m_m = o_m < tq
+        # [BM, BD]
+        b_q = tl.load(p_q + o_m[:, None] * stride_qt + o_d[None, :],
+                      mask=m_m[:, None] & m_d[None, :], other=0.0)
+        b_do = tl.load(p_do + o_m[:, None] * stride_dot + o_d[None, :],
+                       mask=m_m[:, None] & m_d[None, :], other=0.0)
+        b_lse = tl.load(p_lse + o_m, mask=m_m, other=0.0)
+        b_delta = tl.load(p_delta + o_m, mask=m_m, other=0.0)
+        o_abs = o_m + off
+        o_absc = tl.minimum(o_abs, tq + off - 1)
+        b_cq = ((tl.load(p_chi + o_absc) - c_ref) + tl.load(p_clo + o_absc)) * LOG2E_TL
+        # [BN, BM] transposed scores, base 2
         b_st = tl.dot(b_k, tl.trans(b_q), input_precision=DOT_PREC) * qk_scale \
             + (b_cq[None, :] - b_ck[:, None])
-    if MASKED:
-        keep = (o_n[:, None] <= o_abs[None, :]) & m_m[None, :]
-        if USE_ACP:
-            b_kstart = tl.load(p_bs + o_m // G, mask=m_m, other=0) * G
-            keep = keep & (o_n[:, None] >= b_kstart[None, :])
-        b_st = tl.where(keep, b_st, float("-inf"))
-    if FAST_BIAS:
-        b_pt = tl.math.exp2(b_st)
-    else:
+        if MASKED:
+            keep = (o_n[:, None] <= o_abs[None, :]) & m_m[None, :]
+            if USE_ACP:
+                b_kstart = tl.load(p_bs + o_m // G, mask=m_m, other=0) * G
+                keep = keep & (o_n[:, None] >= b_kstart[None, :])
+            b_st = tl.where(keep, b_st, float("-inf"))
         b_pt = tl.math.exp2(b_st - b_lse[None, :])
-    b_dv = tl.dot(b_pt.to(b_do.dtype), b_do, b_dv, input_precision=DOT_PREC)
-    # [BN, BM]
-    b_dpt = tl.dot(b_v, tl.trans(b_do), input_precision=DOT_PREC)
-    b_dst = b_pt * (b_dpt - b_delta[None, :])
-    b_dcc += tl.sum(b_dst, 1)
-    b_dk = tl.dot(b_dst.to(b_q.dtype), b_q, b_dk, input_precision=DOT_PREC)
+        b_dv = tl.dot(b_pt.to(b_do.dtype), b_do, b_dv, input_precision=DOT_PREC)
+        # [BN, BM]
+        b_dpt = tl.dot(b_v, tl.trans(b_do), input_precision=DOT_PREC)
+        b_dst = b_pt * (b_dpt - b_delta[None, :])
+        b_dcc += tl.sum(b_dst, 1)
+        b_dk = tl.dot(b_dst.to(b_q.dtype), b_q, b_dk, input_precision=DOT_PREC)
     return b_dk, b_dv, b_dcc
 
 
@@ -174,7 +139,6 @@ def _bwd_dkdv_kernel(
     qk_scale, scale, TQ, TK, TC, HQ, H, GROUP, MB, NB,
     D: tl.constexpr, BD: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
     G: tl.constexpr, IS_VARLEN: tl.constexpr, USE_ACP: tl.constexpr, DOT_PREC: tl.constexpr,
-    LOOP_STAGES: tl.constexpr, FAST_BIAS: tl.constexpr,
 ):
     i_n = tl.program_id(0).to(tl.int64)
     i_bh = tl.program_id(1).to(tl.int64)
@@ -239,15 +203,15 @@ def _bwd_dkdv_kernel(
         b_dk, b_dv, b_dcc = _dkdv_inner(b_dk, b_dv, b_dcc, b_k, b_v, b_ck, o_n, p_q, p_do, p_lse,
                                         p_delta, p_chi, p_clo, p_bs, c_ref, stride_qt, stride_dot,
                                         q_lo, a, tq, off, qk_scale, o_d, m_d,
-                                        BM, G, True, USE_ACP, DOT_PREC, LOOP_STAGES, FAST_BIAS)
+                                        BM, G, True, USE_ACP, DOT_PREC)
         b_dk, b_dv, b_dcc = _dkdv_inner(b_dk, b_dv, b_dcc, b_k, b_v, b_ck, o_n, p_q, p_do, p_lse,
                                         p_delta, p_chi, p_clo, p_bs, c_ref, stride_qt, stride_dot,
                                         a, b, tq, off, qk_scale, o_d, m_d,
-                                        BM, G, False, USE_ACP, DOT_PREC, LOOP_STAGES, FAST_BIAS)
+                                        BM, G, False, USE_ACP, DOT_PREC)
         b_dk, b_dv, b_dcc = _dkdv_inner(b_dk, b_dv, b_dcc, b_k, b_v, b_ck, o_n, p_q, p_do, p_lse,
                                         p_delta, p_chi, p_clo, p_bs, c_ref, stride_qt, stride_dot,
                                         b, q_end, tq, off, qk_scale, o_d, m_d,
-                                        BM, G, True, USE_ACP, DOT_PREC, LOOP_STAGES, FAST_BIAS)
+                                        BM, G, True, USE_ACP, DOT_PREC)
         tl.store(DCC + (i_bt * HQ + i_h) * TC + bos + o_n, b_dcc, mask=m_n)
     p_dk = DK + i_bt * stride_dkb + (bos + o_n[:, None]) * stride_dkt + i_hk * stride_dkh + o_d[None, :]
     p_dv = DV + i_bt * stride_dvb + (bos + o_n[:, None]) * stride_dvt + i_hk * stride_dvh + o_d[None, :]
@@ -263,57 +227,28 @@ def _dq_inner(
     stride_kt, stride_vt,
     lo, hi, tk, qk_scale,
     o_d, m_d,
-    BN: tl.constexpr, MASKED: tl.constexpr, DOT_PREC: tl.constexpr, LOOP_STAGES: tl.constexpr,
-    FAST_BIAS: tl.constexpr,
+    BN: tl.constexpr, MASKED: tl.constexpr, DOT_PREC: tl.constexpr,
 ):
-    # LOOP_STAGES > 0 pipelines every load of the loop; 0 leaves it to the kernel's
-    # num_stages, which pipelines only the loads that feed a tl.dot
-    if LOOP_STAGES > 0:
-        for start in tl.range(lo, hi, BN, num_stages=LOOP_STAGES):
-            b_dq, b_dcr = _dq_tile(b_dq, b_dcr, start, b_q, b_do, b_lse, b_delta, b_cq, o_abs,
-                                   b_kstart, p_k, p_v, p_chi, p_clo, c_ref, stride_kt, stride_vt,
-                                   tk, qk_scale, o_d, m_d, BN, MASKED, DOT_PREC, FAST_BIAS)
-    else:
-        for start in range(lo, hi, BN):
-            b_dq, b_dcr = _dq_tile(b_dq, b_dcr, start, b_q, b_do, b_lse, b_delta, b_cq, o_abs,
-                                   b_kstart, p_k, p_v, p_chi, p_clo, c_ref, stride_kt, stride_vt,
-                                   tk, qk_scale, o_d, m_d, BN, MASKED, DOT_PREC, FAST_BIAS)
-    return b_dq, b_dcr
-
-
-@triton.jit
-def _dq_tile(
-    b_dq, b_dcr, start,
-    b_q, b_do, b_lse, b_delta, b_cq, o_abs, b_kstart,
-    p_k, p_v, p_chi, p_clo, c_ref,
-    stride_kt, stride_vt,
-    tk, qk_scale,
-    o_d, m_d,
-    BN: tl.constexpr, MASKED: tl.constexpr, DOT_PREC: tl.constexpr, FAST_BIAS: tl.constexpr,
-):
-    o_n = start + tl.arange(0, BN)
-    m_n = o_n < tk
-    # [BD, BN]
-    b_kt = tl.load(p_k + o_n[None, :] * stride_kt + o_d[:, None],
-                   mask=m_d[:, None] & m_n[None, :], other=0.0)
-    b_vt = tl.load(p_v + o_n[None, :] * stride_vt + o_d[:, None],
-                   mask=m_d[:, None] & m_n[None, :], other=0.0)
-    b_ck = ((tl.load(p_chi + o_n, mask=m_n, other=0.0) - c_ref)
-            + tl.load(p_clo + o_n, mask=m_n, other=0.0)) * LOG2E_TL
-    # [BM, BN]; with FAST_BIAS b_cq is c_i - lse_i (the kernel's prologue): one operation
-    # less per pair
-    b_s = tl.dot(b_q, b_kt, input_precision=DOT_PREC) * qk_scale + (b_cq[:, None] - b_ck[None, :])
-    if MASKED:
-        keep = (o_n[None, :] <= o_abs[:, None]) & (o_n[None, :] >= b_kstart[:, None])
-        b_s = tl.where(keep, b_s, float("-inf"))
-    if FAST_BIAS:
-        b_p = tl.math.exp2(b_s)
-    else:
+    for start in range(lo, hi, BN):
+        o_n = start + tl.arange(0, BN)
+        m_n = o_n < tk
+        # [BD, BN]
+        b_kt = tl.load(p_k + o_n[None, :] * stride_kt + o_d[:, None],
+                       mask=m_d[:, None] & m_n[None, :], other=0.0)
+        b_vt = tl.load(p_v + o_n[None, :] * stride_vt + o_d[:, None],
+                       mask=m_d[:, None] & m_n[None, :], other=0.0)
+        b_ck = ((tl.load(p_chi + o_n, mask=m_n, other=0.0) - c_ref)
+                + tl.load(p_clo + o_n, mask=m_n, other=0.0)) * LOG2E_TL
+        # [BM, BN]
+        b_s = tl.dot(b_q, b_kt, input_precision=DOT_PREC) * qk_scale + (b_cq[:, None] - b_ck[None, :])
+        if MASKED:
+            keep = (o_n[None, :] <= o_abs[:, None]) & (o_n[None, :] >= b_kstart[:, None])
+            b_s = tl.where(keep, b_s, float("-inf"))
         b_p = tl.math.exp2(b_s - b_lse[:, None])
-    b_dp = tl.dot(b_do, b_vt, input_precision=DOT_PREC)
-    b_ds = b_p * (b_dp - b_delta[:, None])
-    b_dcr += tl.sum(b_ds, 1)
-    b_dq = tl.dot(b_ds.to(b_kt.dtype), tl.trans(b_kt), b_dq, input_precision=DOT_PREC)
+        b_dp = tl.dot(b_do, b_vt, input_precision=DOT_PREC)
+        b_ds = b_p * (b_dp - b_delta[:, None])
+        b_dcr += tl.sum(b_ds, 1)
+        b_dq = tl.dot(b_ds.to(b_kt.dtype), tl.trans(b_kt), b_dq, input_precision=DOT_PREC)
     return b_dq, b_dcr
 
 
@@ -328,7 +263,6 @@ def _bwd_dq_kernel(
     qk_scale, scale, TQ, TK, TC, HQ, GROUP, MB,
     D: tl.constexpr, BD: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
     G: tl.constexpr, IS_VARLEN: tl.constexpr, USE_ACP: tl.constexpr, DOT_PREC: tl.constexpr,
-    LOOP_STAGES: tl.constexpr, FAST_BIAS: tl.constexpr,
 ):
     # the last query tiles have the most keys: schedule them first to shorten the tail
     i_m = (tl.num_programs(0) - 1 - tl.program_id(0)).to(tl.int64)
@@ -369,8 +303,6 @@ def _bwd_dq_kernel(
     c_ref = tl.load(p_chi + first_abs)
     o_absc = tl.minimum(o_abs, tk - 1)
     b_cq = ((tl.load(p_chi + o_absc) - c_ref) + tl.load(p_clo + o_absc)) * LOG2E_TL
-    if FAST_BIAS:
-        b_cq = b_cq - b_lse
     if USE_ACP:
         p_bs = BSTART + (i_b * HQ + i_h) * MB
         b_kstart = tl.load(p_bs + o_m // G, mask=m_m, other=0) * G
@@ -388,13 +320,13 @@ def _bwd_dq_kernel(
     b_dcr = tl.zeros([BM], dtype=tl.float32)
     b_dq, b_dcr = _dq_inner(b_dq, b_dcr, b_q, b_do, b_lse, b_delta, b_cq, o_abs, b_kstart, p_k, p_v,
                             p_chi, p_clo, c_ref, stride_kt, stride_vt, ks_lo, ks_hi, tk, qk_scale,
-                            o_d, m_d, BN, True, DOT_PREC, LOOP_STAGES, FAST_BIAS)
+                            o_d, m_d, BN, True, DOT_PREC)
     b_dq, b_dcr = _dq_inner(b_dq, b_dcr, b_q, b_do, b_lse, b_delta, b_cq, o_abs, b_kstart, p_k, p_v,
                             p_chi, p_clo, c_ref, stride_kt, stride_vt, ks_hi, mid, tk, qk_scale,
-                            o_d, m_d, BN, False, DOT_PREC, LOOP_STAGES, FAST_BIAS)
+                            o_d, m_d, BN, False, DOT_PREC)
     b_dq, b_dcr = _dq_inner(b_dq, b_dcr, b_q, b_do, b_lse, b_delta, b_cq, o_abs, b_kstart, p_k, p_v,
                             p_chi, p_clo, c_ref, stride_kt, stride_vt, mid, last_abs + 1, tk,
-                            qk_scale, o_d, m_d, BN, True, DOT_PREC, LOOP_STAGES, FAST_BIAS)
+                            qk_scale, o_d, m_d, BN, True, DOT_PREC)
     p_dq = DQ + i_bt * stride_dqb + (bos + o_m[:, None]) * stride_dqt + i_h * stride_dqh + o_d[None, :]
     tl.store(p_dq, (b_dq * scale).to(DQ.dtype.element_ty), mask=m_md)
     tl.store(DCR + p_row + o_m, b_dcr, mask=m_m)
@@ -443,9 +375,7 @@ def launch_bwd(q, k, v, do, lse2, delta, c_hi, c_lo, block_start, block_end, cu,
         dk.stride(0), dk.stride(1), dk.stride(2),
         dv.stride(0), dv.stride(1), dv.stride(2),
         p.scale * LOG2E, p.scale, p.tq, p.tk, c_hi.shape[-1], p.hq, p.h,
-        p.hq // p.h, mb, nb, BM=bm, BN=bn, LOOP_STAGES=cfg_kv.pop("LOOP_STAGES", 0),
-        FAST_BIAS=cfg_kv.pop("FAST_BIAS", q.element_size() < 4), **common,
-        **cfg_kv,
+        p.hq // p.h, mb, nb, BM=bm, BN=bn, **common, **cfg_kv,
     )
     bm, bn = cfg_q.pop("BM"), cfg_q.pop("BN")
     _bwd_dq_kernel[(triton.cdiv(p.tq, bm), p.batch * p.hq)](
@@ -457,8 +387,7 @@ def launch_bwd(q, k, v, do, lse2, delta, c_hi, c_lo, block_start, block_end, cu,
         do.stride(0), do.stride(1), do.stride(2),
         dq.stride(0), dq.stride(1), dq.stride(2),
         p.scale * LOG2E, p.scale, p.tq, p.tk, c_hi.shape[-1], p.hq,
-        p.hq // p.h, mb, BM=bm, BN=bn, LOOP_STAGES=cfg_q.pop("LOOP_STAGES", 0),
-        FAST_BIAS=cfg_q.pop("FAST_BIAS", q.element_size() < 4), **common, **cfg_q,
+        p.hq // p.h, mb, BM=bm, BN=bn, **common, **cfg_q,
     )
 
 

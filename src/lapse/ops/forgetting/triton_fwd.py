@@ -65,64 +65,36 @@ def _fwd_inner(
     stride_kt, stride_vt,
     lo, hi, tk, qk_scale,
     o_d, m_d,
-    BN: tl.constexpr, MASKED: tl.constexpr, DOT_PREC: tl.constexpr, LOOP_STAGES: tl.constexpr,
-    FAST_BIAS: tl.constexpr,
+    BN: tl.constexpr, MASKED: tl.constexpr, DOT_PREC: tl.constexpr,
 ):
-    # LOOP_STAGES > 0 pipelines every load of the loop (the gate's c too); 0 leaves it to
-    # the kernel's num_stages, which pipelines only the loads that feed a tl.dot
-    if LOOP_STAGES > 0:
-        for start in tl.range(lo, hi, BN, num_stages=LOOP_STAGES):
-            acc, l_i, m_i = _fwd_tile(acc, l_i, m_i, start, b_q, b_cq, o_abs, b_kstart, p_k, p_v,
-                                      p_chi, p_clo, c_ref, stride_kt, stride_vt, tk, qk_scale,
-                                      o_d, m_d, BN, MASKED, DOT_PREC, FAST_BIAS)
-    else:
-        for start in range(lo, hi, BN):
-            acc, l_i, m_i = _fwd_tile(acc, l_i, m_i, start, b_q, b_cq, o_abs, b_kstart, p_k, p_v,
-                                      p_chi, p_clo, c_ref, stride_kt, stride_vt, tk, qk_scale,
-                                      o_d, m_d, BN, MASKED, DOT_PREC, FAST_BIAS)
-    return acc, l_i, m_i
-
-
-@triton.jit
-def _fwd_tile(
-    acc, l_i, m_i, start,
-    b_q, b_cq, o_abs, b_kstart,
-    p_k, p_v, p_chi, p_clo, c_ref,
-    stride_kt, stride_vt, tk, qk_scale,
-    o_d, m_d,
-    BN: tl.constexpr, MASKED: tl.constexpr, DOT_PREC: tl.constexpr, FAST_BIAS: tl.constexpr,
-):
-    o_n = start + tl.arange(0, BN)
-    m_n = o_n < tk
-    # [BD, BN]
-    b_kt = tl.load(p_k + o_n[None, :] * stride_kt + o_d[:, None],
-                   mask=m_d[:, None] & m_n[None, :], other=0.0)
-    b_ck = ((tl.load(p_chi + o_n, mask=m_n, other=0.0) - c_ref)
-            + tl.load(p_clo + o_n, mask=m_n, other=0.0)) * LOG2E_TL
-    # [BM, BN], base-2 logits; FAST_BIAS drops the row's c_i, which the softmax does not see
-    # (the kernel adds it to the lse): one operation less per pair
-    if FAST_BIAS:
-        b_s = tl.dot(b_q, b_kt, input_precision=DOT_PREC) * qk_scale - b_ck[None, :]
-    else:
+    for start in range(lo, hi, BN):
+        o_n = start + tl.arange(0, BN)
+        m_n = o_n < tk
+        # [BD, BN]
+        b_kt = tl.load(p_k + o_n[None, :] * stride_kt + o_d[:, None],
+                       mask=m_d[:, None] & m_n[None, :], other=0.0)
+        b_ck = ((tl.load(p_chi + o_n, mask=m_n, other=0.0) - c_ref)
+                + tl.load(p_clo + o_n, mask=m_n, other=0.0)) * LOG2E_TL
+        # [BM, BN], base-2 logits
         b_s = tl.dot(b_q, b_kt, input_precision=DOT_PREC) * qk_scale + (b_cq[:, None] - b_ck[None, :])
-    if MASKED:
-        keep = (o_n[None, :] <= o_abs[:, None]) & (o_n[None, :] >= b_kstart[:, None])
-        b_s = tl.where(keep, b_s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(b_s, 1))
-        # a row with no kept key yet keeps m = -inf; shift by 0 so exp2 gives 0, not NaN
-        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
-    else:
-        m_new = tl.maximum(m_i, tl.max(b_s, 1))
-        m_use = m_new
-    b_p = tl.math.exp2(b_s - m_use[:, None])
-    alpha = tl.math.exp2(m_i - m_use)
-    l_i = l_i * alpha + tl.sum(b_p, 1)
-    # [BN, BD]
-    b_v = tl.load(p_v + o_n[:, None] * stride_vt + o_d[None, :],
-                  mask=m_n[:, None] & m_d[None, :], other=0.0)
-    acc = acc * alpha[:, None]
-    acc = tl.dot(b_p.to(b_v.dtype), b_v, acc, input_precision=DOT_PREC)
-    m_i = m_new
+        if MASKED:
+            keep = (o_n[None, :] <= o_abs[:, None]) & (o_n[None, :] >= b_kstart[:, None])
+            b_s = tl.where(keep, b_s, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(b_s, 1))
+            # a row with no kept key yet keeps m = -inf; shift by 0 so exp2 gives 0, not NaN
+            m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+        else:
+            m_new = tl.maximum(m_i, tl.max(b_s, 1))
+            m_use = m_new
+        b_p = tl.math.exp2(b_s - m_use[:, None])
+        alpha = tl.math.exp2(m_i - m_use)
+        l_i = l_i * alpha + tl.sum(b_p, 1)
+        # [BN, BD]
+        b_v = tl.load(p_v + o_n[:, None] * stride_vt + o_d[None, :],
+                      mask=m_n[:, None] & m_d[None, :], other=0.0)
+        acc = acc * alpha[:, None]
+        acc = tl.dot(b_p.to(b_v.dtype), b_v, acc, input_precision=DOT_PREC)
+        m_i = m_new
     return acc, l_i, m_i
 
 
@@ -136,7 +108,6 @@ def _fwd_kernel(
     qk_scale, TQ, TK, TC, HQ, GROUP, MB,
     D: tl.constexpr, BD: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
     G: tl.constexpr, IS_VARLEN: tl.constexpr, USE_ACP: tl.constexpr, DOT_PREC: tl.constexpr,
-    LOOP_STAGES: tl.constexpr, FAST_BIAS: tl.constexpr,
 ):
     # the last query tiles have the most keys: schedule them first to shorten the tail
     i_m = (tl.num_programs(0) - 1 - tl.program_id(0)).to(tl.int64)
@@ -192,13 +163,13 @@ def _fwd_kernel(
     m_i = tl.full([BM], float("-inf"), dtype=tl.float32)
     acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, b_q, b_cq, o_abs, b_kstart, p_k, p_v, p_chi, p_clo,
                                c_ref, stride_kt, stride_vt, ks_lo, ks_hi, tk, qk_scale, o_d, m_d,
-                               BN, True, DOT_PREC, LOOP_STAGES, FAST_BIAS)
+                               BN, True, DOT_PREC)
     acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, b_q, b_cq, o_abs, b_kstart, p_k, p_v, p_chi, p_clo,
                                c_ref, stride_kt, stride_vt, ks_hi, mid, tk, qk_scale, o_d, m_d,
-                               BN, False, DOT_PREC, LOOP_STAGES, FAST_BIAS)
+                               BN, False, DOT_PREC)
     acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, b_q, b_cq, o_abs, b_kstart, p_k, p_v, p_chi, p_clo,
                                c_ref, stride_kt, stride_vt, mid, last_abs + 1, tk, qk_scale, o_d,
-                               m_d, BN, True, DOT_PREC, LOOP_STAGES, FAST_BIAS)
+                               m_d, BN, True, DOT_PREC)
     # every valid row has its own key (D_ii = 0), so l_i > 0 there
     l_safe = tl.where(m_m, l_i, 1.0)
     b_o = acc / l_safe[:, None]
@@ -206,10 +177,7 @@ def _fwd_kernel(
     tl.store(p_o, b_o.to(O.dtype.element_ty), mask=m_m[:, None] & m_d[None, :])
     # log-sum-exp in base 2 of the true logits (the ref shift cancels between c_i and c_j)
     p_lse = LSE + (i_bt * HQ + i_h) * TC + bos + o_m
-    b_lse = m_i + tl.math.log2(l_safe)
-    if FAST_BIAS:
-        b_lse += b_cq
-    tl.store(p_lse, b_lse, mask=m_m)
+    tl.store(p_lse, m_i + tl.math.log2(l_safe), mask=m_m)
 
 
 def gate_cumsum(log_fgate, p, floor: float):
@@ -255,7 +223,5 @@ def launch_fwd(q, k, v, c_hi, c_lo, block_start, cu, p, o, lse2, config=None):
         D=p.d, BD=max(16, triton.next_power_of_2(p.d)), BM=bm, BN=bn, G=64,
         IS_VARLEN=cu is not None, USE_ACP=block_start is not None,
         DOT_PREC="ieee" if q.dtype.itemsize == 4 else "tf32",
-        LOOP_STAGES=cfg.pop("LOOP_STAGES", 0),
-        FAST_BIAS=cfg.pop("FAST_BIAS", q.element_size() < 4),
         **cfg,
     )
