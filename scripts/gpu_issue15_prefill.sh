@@ -10,6 +10,6 @@ OUT="${OUT:-runs/issue15-prefill}"
 mkdir -p "$OUT"
 timeout 120 python3 scripts/diag_prefill_hf.py --out "$OUT/prefill-diag.json" 2>&1 | grep -v -i warn \
     | grep -E "^(hf-|decoder-)|Self (CPU|CUDA) time total|== profile"
-OUT="$OUT/kvpress" SHAPES=smollm2-135m PROMPTS=4096 BUDGETS=0.1 MODES=once DEADLINE=60 STOP=300 \
+OUT="$OUT/kvpress" SHAPES=smollm2-135m PROMPTS=4096 BUDGETS=0.1 MODES=once DEADLINE=70 STOP=250 \
     bash scripts/gpu_kvpress.sh 2>&1 | tail -n 22
 cd "$OUT" && tar czf ../issue15-prefill.tgz . && mv ../issue15-prefill.tgz . && find . -mindepth 1 -not -name issue15-prefill.tgz -delete
