@@ -62,6 +62,23 @@ def _profile(fn, rows: int) -> str:
     return prof.key_averages().table(sort_by=key, row_limit=rows, max_name_column_width=60)
 
 
+def _sync_calls(tables: list[str], fns) -> None:
+    """Appends, per function, the calls that waited for the device
+    (``torch.cuda.set_sync_debug_mode("warn")``): file, line and message."""
+    import warnings
+
+    for name, fn in fns:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            torch.cuda.set_sync_debug_mode("warn")
+            try:
+                fn()
+            finally:
+                torch.cuda.set_sync_debug_mode("default")
+        tables.append(f"== synchronizing calls: {name}: {len(caught)}")
+        tables += [f"{w.filename}:{w.lineno}: {str(w.message)[:120]}" for w in caught[:20]]
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--shape", default="smollm2-135m")
@@ -115,11 +132,20 @@ def main() -> None:
             result["seconds"][name] = f"{type(e).__name__}: {str(e)[:200]}"
         print(name, result["seconds"][name], flush=True)
     args.out.write_text(json.dumps(result, indent=1))
-    for name, fn in (("decoder-paged", decoder_paged), ("hf-evicting", hf_evicting)):
+    tables = []
+    for name, fn in (("decoder-paged", decoder_paged), ("hf-evicting", hf_evicting), ("hf-sdpa", hf_sdpa)):
         try:
-            print(f"\n== profile: {name}\n" + _profile(fn, 14), flush=True)
+            tables.append(f"== profile: {name}\n" + _profile(fn, 30))
         except Exception as e:  # noqa: BLE001
-            print(f"profile {name} failed: {e!r}")
+            tables.append(f"profile {name} failed: {e!r}")
+        print(tables[-1], flush=True)
+    if device == "cuda":  # every call that waits for the device, with where it came from
+        try:
+            _sync_calls(tables, (("decoder-paged", decoder_paged), ("hf-evicting", hf_evicting)))
+        except Exception as e:  # noqa: BLE001 - a diagnosis: keep the timings and profiles
+            tables.append(f"sync debug failed: {e!r}")
+        print("\n".join(t for t in tables if not t.startswith("== profile")), flush=True)
+    args.out.with_suffix(".txt").write_text("\n\n".join(tables))
 
 
 if __name__ == "__main__":

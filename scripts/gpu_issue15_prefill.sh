@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
-# Issue 15's prefill target after the page-table update stopped waiting for the device
-# (PagedStore._grant: pinned memory, non_blocking): where the prefill goes
-# (scripts/diag_prefill_hf.py), then lapse's window and H2O at 10% against kvpress's
+# Issue 15's prefill target: where the prefill goes
+# (scripts/diag_prefill_hf.py: timings, profiles and the calls that wait for the device, in
+# prefill-diag.txt), then lapse's window and H2O at 10% against kvpress's
 # StreamingLLM and SnapKV on a random SmolLM2-135M, 4 x 4096, in one run.
 # Usage, from the repo root: bash scripts/gpu.sh bash scripts/gpu_issue15_prefill.sh
 set -uo pipefail
@@ -9,7 +9,7 @@ export PYTHONUNBUFFERED=1
 OUT="${OUT:-runs/issue15-prefill}"
 mkdir -p "$OUT"
 timeout 120 python3 scripts/diag_prefill_hf.py --out "$OUT/prefill-diag.json" 2>&1 | grep -v -i warn \
-    | grep -E "^(hf-|decoder-)|Self (CPU|CUDA) time total|== profile"
+    | grep -E "^(hf-|decoder-)|Self (CPU|CUDA) time total|== |^/|^<"
 OUT="$OUT/kvpress" SHAPES=smollm2-135m PROMPTS=4096 BUDGETS=0.1 MODES=once DEADLINE=70 STOP=250 \
     bash scripts/gpu_kvpress.sh 2>&1 | tail -n 22
 cd "$OUT" && tar czf ../issue15-prefill.tgz . && mv ../issue15-prefill.tgz . && find . -mindepth 1 -not -name issue15-prefill.tgz -delete

@@ -554,6 +554,7 @@ class PagedStore(StoreBase):
             )
         if not total:
             return
+        fresh = not count.any()
         taken = free.pop(total)  # what popping one page at a time would give, in order
         head = np.repeat(np.arange(want.size), want)  # [total] the head each new page goes to
         first = np.repeat(np.cumsum(want) - want, want)  # where that head's new pages start in `taken`
@@ -562,12 +563,15 @@ class PagedStore(StoreBase):
         pages[b, h, column] = taken
         count += want.reshape(count.shape)
         table = self.page_table[layer_idx]
-        update = torch.from_numpy(np.stack([b, h, column, taken]))  # [4, total]
-        if table.is_cuda:  # a copy from pageable memory would wait for the device: from pinned, none
-            # does (the host allocator keeps the pinned block until the copy is done)
-            update = update.pin_memory().to(table.device, non_blocking=True)
-        else:
-            update = update.to(table.device)
+        n = int(want[0])
+        if fresh and (want == n).all() and np.array_equal(taken, np.arange(total)):
+            # a prompt's grant from a full stack: head j takes pages j n .. j n + n - 1, made
+            # on the device (a copy from the host's pageable memory would wait for the
+            # device, once per layer of every prefill)
+            fresh_pages = torch.arange(total, dtype=torch.int32, device=table.device)
+            table[:, :, :n] = fresh_pages.view(*count.shape, n)
+            return
+        update = torch.from_numpy(np.stack([b, h, column, taken])).to(table.device)  # [4, total]
         table[update[0], update[1], update[2]] = update[3].to(torch.int32)
 
     def __repr__(self) -> str:
