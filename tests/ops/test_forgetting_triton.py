@@ -220,3 +220,40 @@ def test_acp_bound_kernel_matches_reference():
         p = validate(*args, 0.3, c, "triton")
         torch.testing.assert_close(triton_acp_bound(args[0], args[1], p),
                                    acp_bound_from_data(args[0], args[1], p), rtol=1e-6, atol=0)
+
+
+TMA_CASES = [c for c in CPU_CASES if c[5] in (48, 64)]
+
+
+@pytest.mark.parametrize("case", TMA_CASES, ids=[_id(c) for c in TMA_CASES])
+def test_forward_through_tensor_descriptors_equals_pointer_loads(case):
+    """``TMA=True`` (keys and values through tensor descriptors, opt-in) computes what the
+    pointer loads compute: the same tiles, rows past each sequence and columns past D read
+    as 0 by the descriptor, outputs poisoned first. Equal bit for bit: the same products
+    in the same order, only the loads differ."""
+    from lapse.ops.forgetting import triton_fwd
+    from lapse.ops.forgetting.triton_ops import triton_gate_cumsum
+
+    b, tq, tk, hq, h, d, gate, acp, cu = case
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    dtype = torch.bfloat16 if dev == "cuda" else torch.float32
+    cu_t = None if cu is None else torch.tensor(cu, dtype=torch.int32, device=dev)
+    q, k, v, lg, _ = (x.to(dtype) if x.is_floating_point() and i < 3 else x
+                      for i, x in enumerate(_inputs(b, tq, tk, hq, h, d, gate, dtype, dev, seed=d)))
+    p = validate(q, k, v, lg, None, cu_t, "triton")
+    c_hi, c_lo = triton_gate_cumsum(lg, p)
+    bs = None
+    if acp is not None:
+        from lapse.ops.forgetting.common import acp_delta
+
+        bs = triton_block_start(c_hi, c_lo, acp_delta(acp, 1e-3, q, k, p), p)
+    assert triton_fwd._tma_ready(k, v)
+    outs = []
+    for tma in (False, True):
+        o, lse = torch.full_like(q, float("nan")), torch.full_like(c_hi, float("nan"))
+        cfg = dict(triton_fwd.fwd_config(d, q.element_size()), TMA=tma)
+        triton_fwd.launch_fwd(q, k, v, c_hi, c_lo, bs, cu_t, p, o, lse, cfg)
+        outs.append((o, lse[..., :tq] if cu_t is None else lse))
+    (o0, l0), (o1, l1) = outs
+    assert not o1.isnan().any() and not l1.isnan().any()
+    assert torch.equal(o0, o1) and torch.equal(l0, l1)

@@ -66,13 +66,17 @@ def _fwd_inner(
     lo, hi, tk, qk_scale,
     o_d, m_d,
     BN: tl.constexpr, MASKED: tl.constexpr, DOT_PREC: tl.constexpr,
+    k_desc, v_desc, USE_TMA: tl.constexpr,
 ):
     for start in range(lo, hi, BN):
         o_n = start + tl.arange(0, BN)
         m_n = o_n < tk
         # [BD, BN]
-        b_kt = tl.load(p_k + o_n[None, :] * stride_kt + o_d[:, None],
-                       mask=m_d[:, None] & m_n[None, :], other=0.0)
+        if USE_TMA:  # the tensor-memory engine: rows past tk and columns past D come as 0
+            b_kt = tl.trans(k_desc.load([start, 0]))
+        else:
+            b_kt = tl.load(p_k + o_n[None, :] * stride_kt + o_d[:, None],
+                           mask=m_d[:, None] & m_n[None, :], other=0.0)
         b_ck = ((tl.load(p_chi + o_n, mask=m_n, other=0.0) - c_ref)
                 + tl.load(p_clo + o_n, mask=m_n, other=0.0)) * LOG2E_TL
         # [BM, BN], base-2 logits
@@ -90,8 +94,11 @@ def _fwd_inner(
         alpha = tl.math.exp2(m_i - m_use)
         l_i = l_i * alpha + tl.sum(b_p, 1)
         # [BN, BD]
-        b_v = tl.load(p_v + o_n[:, None] * stride_vt + o_d[None, :],
-                      mask=m_n[:, None] & m_d[None, :], other=0.0)
+        if USE_TMA:
+            b_v = v_desc.load([start, 0])
+        else:
+            b_v = tl.load(p_v + o_n[:, None] * stride_vt + o_d[None, :],
+                          mask=m_n[:, None] & m_d[None, :], other=0.0)
         acc = acc * alpha[:, None]
         acc = tl.dot(b_p.to(b_v.dtype), b_v, acc, input_precision=DOT_PREC)
         m_i = m_new
@@ -108,6 +115,7 @@ def _fwd_kernel(
     qk_scale, TQ, TK, TC, HQ, GROUP, MB,
     D: tl.constexpr, BD: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
     G: tl.constexpr, IS_VARLEN: tl.constexpr, USE_ACP: tl.constexpr, DOT_PREC: tl.constexpr,
+    USE_TMA: tl.constexpr,
 ):
     # the last query tiles have the most keys: schedule them first to shorten the tail
     i_m = (tl.num_programs(0) - 1 - tl.program_id(0)).to(tl.int64)
@@ -158,18 +166,26 @@ def _fwd_kernel(
 
     p_k = K + i_bt * stride_kb + bos * stride_kt + i_hk * stride_kh
     p_v = V + i_bt * stride_vb + bos * stride_vt + i_hk * stride_vh
+    if USE_TMA:  # this (sequence, kv head)'s keys and values as [tk, D] matrices
+        k_desc = tl.make_tensor_descriptor(p_k, shape=[tk.to(tl.int32), D], strides=[stride_kt, 1],
+                                           block_shape=[BN, BD])
+        v_desc = tl.make_tensor_descriptor(p_v, shape=[tk.to(tl.int32), D], strides=[stride_vt, 1],
+                                           block_shape=[BN, BD])
+    else:
+        k_desc = p_k
+        v_desc = p_v
     acc = tl.zeros([BM, BD], dtype=tl.float32)
     l_i = tl.zeros([BM], dtype=tl.float32)
     m_i = tl.full([BM], float("-inf"), dtype=tl.float32)
     acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, b_q, b_cq, o_abs, b_kstart, p_k, p_v, p_chi, p_clo,
                                c_ref, stride_kt, stride_vt, ks_lo, ks_hi, tk, qk_scale, o_d, m_d,
-                               BN, True, DOT_PREC)
+                               BN, True, DOT_PREC, k_desc, v_desc, USE_TMA)
     acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, b_q, b_cq, o_abs, b_kstart, p_k, p_v, p_chi, p_clo,
                                c_ref, stride_kt, stride_vt, ks_hi, mid, tk, qk_scale, o_d, m_d,
-                               BN, False, DOT_PREC)
+                               BN, False, DOT_PREC, k_desc, v_desc, USE_TMA)
     acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, b_q, b_cq, o_abs, b_kstart, p_k, p_v, p_chi, p_clo,
                                c_ref, stride_kt, stride_vt, mid, last_abs + 1, tk, qk_scale, o_d,
-                               m_d, BN, True, DOT_PREC)
+                               m_d, BN, True, DOT_PREC, k_desc, v_desc, USE_TMA)
     # every valid row has its own key (D_ii = 0), so l_i > 0 there
     l_safe = tl.where(m_m, l_i, 1.0)
     b_o = acc / l_safe[:, None]
@@ -206,9 +222,31 @@ def fwd_config(d: int, dtype_bytes: int) -> dict:
     return dict(BM=64, BN=32, num_warps=4, num_stages=2)
 
 
+def _tma_ready(*xs) -> bool:
+    """Whether the tensor-memory engine can read these [B, T, H, D] tensors: every row
+    start 16-byte aligned (base, batch, time and head strides) and unit stride in D."""
+    return all(
+        x.stride(-1) == 1 and x.data_ptr() % 16 == 0
+        and all(st * x.element_size() % 16 == 0 for st in x.stride()[:-1])
+        for x in xs
+    )
+
+
+def _tma_allocator(size: int, alignment: int, stream):
+    """Scratch that Triton asks for to build tensor descriptors on the device."""
+    return torch.empty(size, dtype=torch.int8, device="cuda")
+
+
 def launch_fwd(q, k, v, c_hi, c_lo, block_start, cu, p, o, lse2, config=None):
-    """Runs the forward kernel; writes o [B, Tq, HQ, D] and base-2 lse [B, HQ, Tc]."""
+    """Runs the forward kernel; writes o [B, Tq, HQ, D] and base-2 lse [B, HQ, Tc].
+
+    ``config`` may ask for ``TMA=True``: keys and values read through tensor descriptors
+    (Hopper's tensor-memory engine; opt-in, not yet measured faster), taken only where
+    :func:`_tma_ready` holds (else the pointer loads)."""
     cfg = dict(config or fwd_config(p.d, q.element_size()))
+    use_tma = bool(cfg.pop("TMA", False)) and _tma_ready(k, v)
+    if use_tma and q.is_cuda:
+        triton.set_allocator(_tma_allocator)
     bm, bn = cfg.pop("BM"), cfg.pop("BN")
     grid = (triton.cdiv(p.tq, bm), p.batch * p.hq)
     mb = block_start.shape[-1] if block_start is not None else 1
@@ -223,5 +261,6 @@ def launch_fwd(q, k, v, c_hi, c_lo, block_start, cu, p, o, lse2, config=None):
         D=p.d, BD=max(16, triton.next_power_of_2(p.d)), BM=bm, BN=bn, G=64,
         IS_VARLEN=cu is not None, USE_ACP=block_start is not None,
         DOT_PREC="ieee" if q.dtype.itemsize == 4 else "tf32",
+        USE_TMA=use_tma,
         **cfg,
     )

@@ -1,0 +1,117 @@
+"""The FoX forward kernel's launch options on a GPU (issue 16), beside SDPA's default backend.
+
+Tiles (``BM`` x ``BN``; ``BN = 128`` dense only: with ACP a key tile must divide the
+64-key ACP block), warps, pipeline stages and ``TMA`` (keys and values through tensor
+descriptors) on the issue-2 workload (B x T = 32k; 24 heads of 64, 12 of 128), dense and
+with ACP. Every option's output is checked against the default options' (relative
+difference; the same function, so rounding only) and poisoned before it runs.
+
+    python scripts/tune_fox_fwd.py --out fox_fwd.json
+"""
+
+# ruff: noqa: B023 (each closure over loop variables is timed inside its own iteration)
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import math
+
+import torch
+import torch.nn.functional as F
+import triton
+import triton.testing
+
+from lapse.ops.forgetting import set_value_checks, triton_fwd
+from lapse.ops.forgetting.common import acp_delta, validate
+from lapse.ops.forgetting.pruning import triton_block_start
+from lapse.ops.forgetting.triton_ops import triton_gate_cumsum
+
+
+def _workload(b, t, h, d, seed=0):
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    q = F.rms_norm(torch.randn(b, t, h, d, device="cuda", generator=g), (d,)).bfloat16()
+    k = F.rms_norm(torch.randn(b, t, h, d, device="cuda", generator=g), (d,)).bfloat16()
+    v = torch.randn(b, t, h, d, device="cuda", generator=g).bfloat16()
+    gl = torch.Generator().manual_seed(seed + 1)  # 70% local heads, the rest near 1
+    n_local = round(0.7 * h)
+    rate = torch.exp(torch.empty(h).uniform_(math.log(0.05), math.log(0.7), generator=gl))
+    base = torch.full((h,), 9.0)
+    base[:n_local] = -torch.log(torch.expm1(rate[:n_local]))
+    logits = base.cuda() + 0.5 * torch.randn(b, t, h, device="cuda", generator=g)
+    return q, k, v, F.logsigmoid(logits).float()
+
+
+def _ms(fn):
+    return triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--shapes", nargs="+", default=["4096x64", "16384x64", "4096x128", "16384x128"],
+                    help="T x D; heads 24 at D 64, 12 at D 128, B = 32768 / T")
+    ap.add_argument("--block-m", nargs="+", type=int, default=[128])
+    ap.add_argument("--block-n", nargs="+", type=int, default=[64, 128])
+    ap.add_argument("--warps", nargs="+", type=int, default=[4, 8])
+    ap.add_argument("--stages", nargs="+", type=int, default=[2, 3])
+    ap.add_argument("--tma", nargs="+", type=int, default=[0, 1])
+    ap.add_argument("--out", default="fox_fwd.json")
+    args = ap.parse_args()
+    set_value_checks(False)
+    rows = []
+    for shape in args.shapes:
+        t, d = (int(x) for x in shape.split("x"))
+        h = 24 if d <= 64 else 12
+        b = 32768 // t
+        q, k, v, lg = _workload(b, t, h, d)
+        p = validate(q, k, v, lg, None, None, "triton")
+        c_hi, c_lo = triton_gate_cumsum(lg, p)
+        bs = triton_block_start(c_hi, c_lo, acp_delta("auto", math.exp(-10), q, k, p), p)
+        qt, kt, vt = (x.transpose(1, 2) for x in (q, k, v))
+        sdpa = _ms(lambda: F.scaled_dot_product_attention(qt, kt, vt, is_causal=True))
+        for acp in (False, True):
+            bsx = bs if acp else None
+            o = torch.empty_like(q)
+            lse = torch.empty_like(c_hi)
+            triton_fwd.launch_fwd(q, k, v, c_hi, c_lo, bsx, None, p, o, lse)
+            o_ref = o.float().clone()
+            default = triton_fwd.fwd_config(d, 2)
+            grid = [None, *itertools.product(args.block_m, args.block_n, args.warps, args.stages, args.tma)]
+            for opt in grid:
+                if opt is None:
+                    cfg = dict(default)
+                else:
+                    bm, bn, w, st, tma = opt
+                    if acp and 64 % bn:
+                        continue
+                    cfg = dict(BM=bm, BN=bn, num_warps=w, num_stages=st, TMA=bool(tma))
+                row = dict(T=t, D=d, H=h, B=b, acp=acp, config=cfg if opt else "default",
+                           sdpa_default_ms=sdpa)
+                try:
+                    o.fill_(float("nan"))
+                    triton_fwd.launch_fwd(q, k, v, c_hi, c_lo, bsx, None, p, o, lse, cfg)
+                    row["nan"] = bool(o.isnan().any())
+                    row["rel_diff"] = ((o.float() - o_ref).norm() / o_ref.norm()).item()
+                    row["ms"] = _ms(lambda: triton_fwd.launch_fwd(q, k, v, c_hi, c_lo, bsx, None, p,
+                                                                  o, lse, cfg))
+                    row["x_sdpa"] = row["ms"] / sdpa
+                except Exception as e:  # noqa: BLE001 - out of resources: report and go on
+                    row["error"] = f"{type(e).__name__}: {str(e)[:160]}"
+                rows.append(row)
+        print(f"T {t} D {d}: SDPA default {sdpa:.3f} ms", flush=True)
+    with open(args.out, "w") as f:
+        json.dump(dict(device=torch.cuda.get_device_name(), torch=torch.__version__,
+                       triton=triton.__version__, rows=rows), f, indent=1)
+    print("\nT D acp | default ms (x SDPA) | best ms (x SDPA) config | best without TMA")
+    for (t, d, acp), group in itertools.groupby(rows, key=lambda r: (r["T"], r["D"], r["acp"])):
+        ok = [r for r in group if "ms" in r and not r["nan"] and r["rel_diff"] < 1e-2]
+        default = next(r for r in ok if r["config"] == "default")
+        best = min(ok, key=lambda r: r["ms"])
+        plain = min((r for r in ok if r["config"] == "default" or not r["config"].get("TMA")),
+                    key=lambda r: r["ms"])
+        print(f"{t} {d} {int(acp)} | {default['ms']:.3f} ({default['x_sdpa']:.2f}x) | {best['ms']:.3f} "
+              f"({best['x_sdpa']:.2f}x) {best['config']} | {plain['ms']:.3f} {plain['config']}")
+
+
+if __name__ == "__main__":
+    main()
