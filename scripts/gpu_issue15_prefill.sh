@@ -6,10 +6,12 @@
 # Usage, from the repo root: bash scripts/gpu.sh bash scripts/gpu_issue15_prefill.sh
 set -uo pipefail
 export PYTHONUNBUFFERED=1
-OUT="${OUT:-runs/issue15-prefill}"
+BASE="${OUT:-runs}"  # the device tool's folder that comes back, or runs/
+OUT="$BASE/issue15-prefill"
 mkdir -p "$OUT"
 timeout 120 python3 scripts/diag_prefill_hf.py --out "$OUT/prefill-diag.json" 2>&1 | grep -v -i warn \
     | grep -E "^(hf-|decoder-)|Self (CPU|CUDA) time total|== |^/|^<"
 OUT="$OUT/kvpress" SHAPES=smollm2-135m PROMPTS=4096 BUDGETS=0.1 MODES=once DEADLINE=70 STOP=250 \
     bash scripts/gpu_kvpress.sh 2>&1 | tail -n 22
-cd "$OUT" && tar czf ../issue15-prefill.tgz . && mv ../issue15-prefill.tgz . && find . -mindepth 1 -not -name issue15-prefill.tgz -delete
+# one file back (the device tool returns a few files per call), beside whatever else is there
+cd "$BASE" && tar czf issue15-prefill.tgz issue15-prefill && rm -rf issue15-prefill
