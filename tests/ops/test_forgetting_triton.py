@@ -156,6 +156,28 @@ def test_boundary_kernel_matches_reference():
         assert torch.equal(got, ref)
 
 
+@pytest.mark.parametrize("case", [(2, 63, 63, 4, 2, 64, None), (1, 40, 257, 2, 1, 48, None),
+                                  (1, 257, 257, 4, 2, 96, [0, 1, 70, 70, 257])],
+                         ids=["gqa", "tq<tk", "varlen-with-empty"])
+def test_fused_acp_delta_equals_the_unfused_one(case):
+    """``triton_acp_delta`` (three launches) gives ``acp_delta("auto", ...)`` with the
+    Triton bound bit for bit, packed sequences (an empty one too) and Tq < Tk included."""
+    if torch.cuda.is_available():
+        pytest.skip("CPU interpreter test")
+    from lapse.ops.forgetting.common import acp_delta
+    from lapse.ops.forgetting.pruning import triton_acp_bound, triton_acp_delta
+
+    b, tq, tk, hq, h, d, cu = case
+    cu_t = None if cu is None else torch.tensor(cu, dtype=torch.int32)
+    q, k, v, lg, _ = _inputs(b, tq, tk, hq, h, d, "fast", torch.float32, "cpu", seed=d)
+    q = q * torch.linspace(0.5, 3.0, tq)[None, :, None, None]  # norms that differ along time
+    p = validate(q, k, v, lg, None, cu_t, "triton")
+    for eps in (1e-3, math.exp(-10)):
+        want = acp_delta("auto", eps, q, k, p, triton_acp_bound)
+        got = triton_acp_delta(q, k, p, eps)
+        assert got.dtype == torch.float64 and torch.equal(got, want)
+
+
 # ---------------------------------------------------------------- GPU ----------------
 
 GPU_CASES = [

@@ -669,17 +669,19 @@ def _pruned_fraction(wl: Workload, acp, eps: float) -> float:
 
 def _time_boundary_search(wl: Workload, acp, cfg: AttentionBenchConfig) -> dict:
     """ACP's extra work, timed alone: the boundary search (``triton_block_start``) and the
-    bound ``delta`` (``acp_delta``: with ``acp="auto"`` the query/key norms)."""
+    bound ``delta`` (``acp_delta``: with ``acp="auto"`` the query/key norms, through the
+    kernels the op uses)."""
     from lapse.ops.forgetting import common
-    from lapse.ops.forgetting.pruning import triton_acp_bound, triton_block_start
+    from lapse.ops.forgetting.pruning import triton_acp_bound, triton_acp_delta, triton_block_start
     from lapse.ops.forgetting.triton_ops import triton_gate_cumsum
 
     q, k, v, g = wl.q, wl.k, wl.v, wl.log_fgate
     p = common.validate(q, k, v, g, None, wl.cu_seqlens, "triton")
     cum = triton_gate_cumsum(g, p)
+    fused = triton_acp_delta if q.stride(-1) == 1 and k.stride(-1) == 1 else None
 
     def bound() -> Tensor:
-        return common.acp_delta(acp, cfg.acp_eps, q, k, p, triton_acp_bound)
+        return common.acp_delta(acp, cfg.acp_eps, q, k, p, triton_acp_bound, fused)
 
     delta = bound()
     with torch.no_grad():

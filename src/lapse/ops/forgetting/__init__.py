@@ -101,10 +101,10 @@ def forgetting_attention(
     backend = resolve_backend(backend, q)
 
     with torch.no_grad():
-        bound = None
-        if backend == "triton":
-            from .pruning import triton_acp_bound as bound
-        delta = None if acp is None else acp_delta(acp, acp_eps, q, k, p, bound)  # [B, HQ]
+        fused = None
+        if backend == "triton" and q.stride(-1) == 1 and k.stride(-1) == 1:
+            from .pruning import triton_acp_delta as fused  # acp="auto": three launches, no host copy
+        delta = None if acp is None else acp_delta(acp, acp_eps, q, k, p, delta_from_data=fused)  # [B, HQ]
         if backend == "triton":
             from .pruning import triton_block_start
             from .triton_ops import triton_gate_cumsum

@@ -326,18 +326,24 @@ def acp_bound_from_data(q: Tensor, k: Tensor, p: Problem) -> Tensor:
     return _per_sequence_max(qn, p) * _per_sequence_max(kn, p) * p.scale
 
 
-def acp_delta(acp, acp_eps: float, q: Tensor, k: Tensor, p: Problem, bound_from_data=None) -> Tensor:
+def acp_delta(
+    acp, acp_eps: float, q: Tensor, k: Tensor, p: Problem, bound_from_data=None, delta_from_data=None
+) -> Tensor:
     """delta = -2U - log L + log eps for every (sequence, head), ``[B, HQ]`` float64.
 
     ``L`` is the key length of each sequence, so every pruned weight is below eps / L and
     the pruned mass of any row is below eps. ``bound_from_data(q, k, p)`` computes U for
-    ``acp="auto"`` (default: :func:`acp_bound_from_data`; the Triton path passes a kernel).
+    ``acp="auto"`` (default: :func:`acp_bound_from_data`); ``delta_from_data(q, k, p,
+    acp_eps)``, when given, the whole delta for ``acp="auto"`` (the Triton path passes
+    kernels for either).
     """
     if not (isinstance(acp_eps, (int, float)) and 0 < acp_eps < 1):
         raise ValueError(f"acp_eps must be in (0, 1), got {acp_eps!r}")
     if isinstance(acp, str):
         if acp != "auto":
             raise ValueError(f"acp must be None, 'auto', a float or a tensor, got {acp!r}")
+        if delta_from_data is not None:
+            return delta_from_data(q, k, p, acp_eps)
         u = (bound_from_data or acp_bound_from_data)(q, k, p)
     elif isinstance(acp, (int, float)) and not isinstance(acp, bool):
         if not math.isfinite(acp) or acp < 0:

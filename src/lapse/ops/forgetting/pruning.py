@@ -13,6 +13,9 @@ end at ``block_end[n]``) is a ``searchsorted`` over it.
 
 from __future__ import annotations
 
+import math
+import struct
+
 import torch
 import triton
 import triton.language as tl
@@ -94,16 +97,7 @@ def _max_norm_kernel(X, CU, OUT, stride_xb, stride_xt, stride_xh, T, NH, NT,
 
 def _max_norm(x: Tensor, p: Problem) -> Tensor:
     """max over time of ||x_t|| per (sequence, head): ``[B, heads]`` float32, two launches."""
-    _, t, nh, d = x.shape
-    bd = max(16, triton.next_power_of_2(d))
-    bt = max(16, 8192 // bd)
-    nt = triton.cdiv(p.tk if p.cu_seqlens is not None else t, bt)
-    part = torch.empty(p.batch, nh, nt, dtype=torch.float32, device=x.device)
-    cu = p.cu_seqlens if p.cu_seqlens is not None else part
-    _max_norm_kernel[(nt, p.batch * nh)](x, cu, part, x.stride(0), x.stride(1), x.stride(2),
-                                         t, nh, nt, D=d, BD=bd, BT=bt,
-                                         IS_VARLEN=p.cu_seqlens is not None)
-    return part.amax(-1)
+    return _max_norm_parts(x, p).amax(-1)
 
 
 def triton_acp_bound(q: Tensor, k: Tensor, p: Problem) -> Tensor:
@@ -118,6 +112,60 @@ def triton_acp_bound(q: Tensor, k: Tensor, p: Problem) -> Tensor:
         return acp_bound_from_data(q, k, p)
     kn = _max_norm(k, p).repeat_interleave(p.hq // p.h, dim=1)  # [B, HQ]
     return _max_norm(q, p) * kn * p.scale
+
+
+@triton.jit
+def _acp_delta_kernel(QP, KP, CU, DELTA, TK, HQ, GROUP, NTQ, NTK, scale, log_eps_bits,
+                      BQ: tl.constexpr, BK: tl.constexpr, IS_VARLEN: tl.constexpr):
+    # per (sequence, query head): U = max ||q|| * max ||k|| * scale from the tiles' maxima,
+    # then delta = -2 U - log L + log eps in float64 (acp_delta's formula, in its order)
+    i_bh = tl.program_id(0).to(tl.int64)
+    i_b = i_bh // HQ
+    i_hk = (i_bh % HQ) // GROUP
+    o_q = tl.arange(0, BQ)
+    o_k = tl.arange(0, BK)
+    q_max = tl.max(tl.load(QP + i_bh * NTQ + o_q, mask=o_q < NTQ, other=0.0), 0)
+    p_k = KP + (i_b * (HQ // GROUP) + i_hk) * NTK
+    k_max = tl.max(tl.load(p_k + o_k, mask=o_k < NTK, other=0.0), 0)
+    u = q_max * k_max * scale
+    if IS_VARLEN:
+        n = tl.maximum(tl.load(CU + i_b + 1) - tl.load(CU + i_b), 1).to(tl.float64)
+    else:
+        n = (i_b * 0 + TK).to(tl.float64)
+    # log eps, a float64 host number, comes as its bits: Triton passes floats as float32
+    log_eps = log_eps_bits.to(tl.float64, bitcast=True)
+    tl.store(DELTA + i_bh, -2.0 * u.to(tl.float64) - tl.log(n) + log_eps)
+
+
+def _max_norm_parts(x: Tensor, p: Problem) -> Tensor:
+    """The per-tile maxima of ``||x_t||`` per (sequence, head), ``[B, heads, tiles]``."""
+    _, t, nh, d = x.shape
+    bd = max(16, triton.next_power_of_2(d))
+    bt = max(16, 8192 // bd)
+    nt = triton.cdiv(p.tk if p.cu_seqlens is not None else t, bt)
+    part = torch.empty(p.batch, nh, nt, dtype=torch.float32, device=x.device)
+    cu = p.cu_seqlens if p.cu_seqlens is not None else part
+    _max_norm_kernel[(nt, p.batch * nh)](x, cu, part, x.stride(0), x.stride(1), x.stride(2),
+                                         t, nh, nt, D=d, BD=bd, BT=bt,
+                                         IS_VARLEN=p.cu_seqlens is not None)
+    return part
+
+
+def triton_acp_delta(q: Tensor, k: Tensor, p: Problem, acp_eps: float) -> Tensor:
+    """``acp_delta("auto", acp_eps, q, k, p, triton_acp_bound)`` in three launches instead
+    of about a dozen (the tiles' norm maxima of q and of k, then one program per
+    (sequence, head) for U and delta), with no host copy: ``[B, HQ]`` float64, equal bit
+    for bit. q and k must be contiguous in D."""
+    qp, kp = _max_norm_parts(q, p), _max_norm_parts(k, p)
+    delta = torch.empty(p.batch, p.hq, dtype=torch.float64, device=q.device)
+    bits = struct.unpack("<q", struct.pack("<d", math.log(acp_eps)))[0]
+    _acp_delta_kernel[(p.batch * p.hq,)](
+        qp, kp, p.cu_seqlens if p.cu_seqlens is not None else qp, delta, p.tk, p.hq, p.hq // p.h,
+        qp.shape[-1], kp.shape[-1], p.scale, bits,
+        BQ=max(16, triton.next_power_of_2(qp.shape[-1])),
+        BK=max(16, triton.next_power_of_2(kp.shape[-1])), IS_VARLEN=p.cu_seqlens is not None, num_warps=1,
+    )
+    return delta
 
 
 def triton_block_start(c_hi: Tensor, c_lo: Tensor, delta: Tensor, p: Problem) -> Tensor:
