@@ -117,3 +117,30 @@ def test_varlen_has_no_backend_choice():
     for name in ("sdpa-efficient", "sdpa-cudnn"):
         with pytest.raises(bench.NotAvailable, match="varlen_attn has no backend choice"):
             bench.build_runner(name, wl, cfg)
+
+
+def test_a_run_cut_off_keeps_the_workloads_it_measured(monkeypatch, tmp_path):
+    """The results files are written after every workload: a run stopped during its second
+    workload (a time limit, a crash) leaves the first one's table and JSON."""
+    calls = []
+
+    def fake_workload(spec, cfg, progress, device="cuda"):
+        calls.append(spec)
+        if len(calls) == 2:
+            raise KeyboardInterrupt  # the second workload never finishes
+        return {"spec": spec.label, **_result(sdpa_default=_timed(1.0, 2.0), lapse=_timed(1.5, 3.0))}
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(bench, "bench_workload", fake_workload)
+    monkeypatch.setattr(bench, "_free", lambda: None)
+    monkeypatch.setattr(bench, "environment", lambda: dict(device="cpu", torch="-", cuda="-", triton="-",
+                                                           fla="-", lapse="-", date="-"))
+    cfg = AttentionBenchConfig(seq_lens=(1024, 2048), tokens=4096, providers=("sdpa-default", "lapse"),
+                               out_dir=tmp_path)
+    with pytest.raises(KeyboardInterrupt):
+        bench.run(cfg)
+    import json
+
+    report = json.loads((tmp_path / "results.json").read_text())
+    assert [w["spec"] for w in report["workloads"]] == [calls[0].label]
+    assert "T = 1024" in (tmp_path / "results.md").read_text()

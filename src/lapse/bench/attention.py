@@ -83,6 +83,8 @@ from typing import Literal
 import torch
 from torch import Tensor
 
+from lapse.files import write_text_atomic
+
 from .workloads import Workload, WorkloadSpec, dense_causal_flops, make_workload
 
 Provider = Literal[
@@ -1076,6 +1078,7 @@ def run(cfg: AttentionBenchConfig) -> dict:
         "that workload and mode, named in the header. "
         "efficiency = t_dense * (1 - pruned) / t_acp.",
     ]
+    out_dir.mkdir(parents=True, exist_ok=True)
     with tqdm(total=len(specs) * len(cfg.providers), desc="bench attention") as progress:
         for spec in specs:
             res = bench_workload(spec, cfg, progress)
@@ -1087,10 +1090,9 @@ def run(cfg: AttentionBenchConfig) -> dict:
             table = markdown_table(res, cfg.modes)
             md += ["", f"## {title}", "", table]
             tqdm.write(f"\n## {spec.label}\n\n{table}\n")
+            # after every workload: a run cut off (a time limit, a crash) keeps what it measured
+            write_text_atomic(out_dir / "results.json", json.dumps(_jsonable(report), indent=2) + "\n")
+            write_text_atomic(out_dir / "results.md", "\n".join(md) + "\n")
             _free()
-
-    out_dir.mkdir(parents=True, exist_ok=True)
-    (out_dir / "results.json").write_text(json.dumps(_jsonable(report), indent=2) + "\n")
-    (out_dir / "results.md").write_text("\n".join(md) + "\n")
     print(f"wrote {out_dir / 'results.json'} and {out_dir / 'results.md'}")
     return report
