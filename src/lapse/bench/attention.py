@@ -173,7 +173,9 @@ class AttentionBenchConfig:
     grad_check_tol: float = 5e-2
     """Largest relative error of gradients (dq, dk, dv, dlog_fgate) allowed by the check."""
     out_dir: Path | None = None
-    """Where results.json and results.md go; default runs/bench/attention/<workload>."""
+    """Where results.json and results.md go; default runs/bench/attention/<workload>.
+    Rewritten after every workload: a run cut off leaves the workloads it finished, in
+    place of any earlier files there."""
     commit: str | None = None
     """Commit to record; default `git rev-parse HEAD` when that works."""
 

@@ -57,16 +57,22 @@ from ..splits import split_program, split_range
 # registers at 4 warps.
 _TILE_ELEMENTS = 2048
 # Tiles in flight per program: the slot loop's software pipeline (tl.range's num_stages;
-# 1 issues each tile's loads only when the loop reaches it), as many as fit in
-# _PIPELINE_SMEM bytes of shared memory (an H100 gives a program up to 227 KiB)
+# 1 issues each tile's loads only when the loop reaches it), as many as fit in 70% of
+# the shared memory a program may have (227 KiB on an H100: _PIPELINE_SMEM; 99 KiB on
+# an RTX 4090). The tile's bytes overestimate what Triton keeps there (bf16 full CASTLE
+# at 64-slot tiles: 120 KiB counted for 3 stages, 33 KiB compiled), so this errs safe.
 _LOOP_STAGES = 3
 _PIPELINE_SMEM = 160 * 1024
 
 
-def loop_stages(tile_bytes: int, wanted: int = _LOOP_STAGES) -> int:
+def loop_stages(tile_bytes: int, wanted: int = _LOOP_STAGES, device: torch.device | None = None) -> int:
     """Pipeline stages for tiles of ``tile_bytes``: ``wanted``, fewer where they would not
-    fit in shared memory (1: no pipeline)."""
-    return max(1, min(wanted, _PIPELINE_SMEM // tile_bytes))
+    fit in the device's shared memory (1: no pipeline)."""
+    budget = _PIPELINE_SMEM
+    if device is not None and device.type == "cuda":
+        props = torch.cuda.get_device_properties(device)
+        budget = int(0.7 * getattr(props, "shared_memory_per_block_optin", 227 * 1024))
+    return max(1, min(wanted, budget // tile_bytes))
 
 
 @triton_jit
@@ -254,11 +260,12 @@ def _launch_options(q_c: Tensor, u_cache: Tensor, k_c_cache: Tensor, qu_cache: T
         # two stages (h100-castle-decode-pipeline.json)
         config = dict(BN=128, num_warps=8, num_stages=2, loop_stages=1)
     elif config is None and window is None and group == 1 and d <= 64:
-        # full CASTLE, every held u rewritten: 64-slot tiles over 8 warps, 3 stages. At
-        # B 8 x 4096 slots, 7 heads of 64, on an H100: 81 against 89 us for the defaults
-        # below (112 without the loop pipeline); under SWL, where most u are only read,
-        # the defaults stay the best (57 us against 76) (h100-castle-decode-pipeline.json)
-        config = dict(BN=64, num_warps=8, loop_stages=3)
+        # full CASTLE, every held u rewritten: 64-slot tiles over 8 warps, 3 stages where
+        # they fit. At B 8 x 4096 slots, 7 heads of 64, on an H100: 81 against 89 us for
+        # the defaults below (112 without the loop pipeline); under SWL, where most u are
+        # only read, the defaults stay the best (57 us against 76)
+        # (docs/bench/castle/h100-castle-decode-pipeline.json)
+        config = dict(BN=64, num_warps=8)
     config = config or {}
     s, hc = k_c_cache.shape[1], k_c_cache.shape[2]
     block_d = max(16, triton.next_power_of_2(d))
@@ -268,7 +275,7 @@ def _launch_options(q_c: Tensor, u_cache: Tensor, k_c_cache: Tensor, qu_cache: T
     tile_bytes = block_n * block_d * (
         block_g * (u_cache.element_size() + qu_cache.element_size()) + 2 * k_c_cache.element_size()
     )
-    n_loop = config.get("loop_stages", loop_stages(tile_bytes))
+    n_loop = config.get("loop_stages", loop_stages(tile_bytes, device=q_c.device))
     if num_splits is None:
         resident = _resident_programs(q_c.device, tile_bytes, max(n_loop, _PIPELINE_STAGES))
         num_splits = _choose_num_splits(s, b * hc, resident)

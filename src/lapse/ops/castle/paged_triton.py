@@ -217,7 +217,7 @@ def _launch_options(q_c: Tensor, k_pages: Tensor, u_pages: Tensor, qu_pages: Ten
     num_warps = 4 if block_g * block_n * block_d <= 2 * _TILE_ELEMENTS else 8
     options = dict(BG=block_g, BN=block_n, BD=block_d, IS_SINGLE_SPLIT=num_splits == 1,
                    num_warps=num_warps, num_stages=_PIPELINE_STAGES,
-                   LOOP_STAGES=loop_stages(tile_bytes))
+                   LOOP_STAGES=loop_stages(tile_bytes, device=q_c.device))
     return num_splits, options
 
 

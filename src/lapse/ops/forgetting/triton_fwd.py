@@ -73,7 +73,7 @@ def _fwd_inner(
         m_n = o_n < tk
         # [BD, BN]
         if USE_TMA:  # the tensor-memory engine: rows past tk and columns past D come as 0
-            b_kt = tl.trans(k_desc.load([start, 0]))
+            b_kt = tl.trans(k_desc.load([tl.cast(start, tl.int32), 0]))  # 32-bit offsets only
         else:
             b_kt = tl.load(p_k + o_n[None, :] * stride_kt + o_d[:, None],
                            mask=m_d[:, None] & m_n[None, :], other=0.0)
@@ -95,7 +95,7 @@ def _fwd_inner(
         l_i = l_i * alpha + tl.sum(b_p, 1)
         # [BN, BD]
         if USE_TMA:
-            b_v = v_desc.load([start, 0])
+            b_v = v_desc.load([tl.cast(start, tl.int32), 0])
         else:
             b_v = tl.load(p_v + o_n[:, None] * stride_vt + o_d[None, :],
                           mask=m_n[:, None] & m_d[None, :], other=0.0)
@@ -167,9 +167,9 @@ def _fwd_kernel(
     p_k = K + i_bt * stride_kb + bos * stride_kt + i_hk * stride_kh
     p_v = V + i_bt * stride_vb + bos * stride_vt + i_hk * stride_vh
     if USE_TMA:  # this (sequence, kv head)'s keys and values as [tk, D] matrices
-        k_desc = tl.make_tensor_descriptor(p_k, shape=[tk.to(tl.int32), D], strides=[stride_kt, 1],
+        k_desc = tl.make_tensor_descriptor(p_k, shape=[tl.cast(tk, tl.int32), D], strides=[stride_kt, 1],
                                            block_shape=[BN, BD])
-        v_desc = tl.make_tensor_descriptor(p_v, shape=[tk.to(tl.int32), D], strides=[stride_vt, 1],
+        v_desc = tl.make_tensor_descriptor(p_v, shape=[tl.cast(tk, tl.int32), D], strides=[stride_vt, 1],
                                            block_shape=[BN, BD])
     else:
         k_desc = p_k
@@ -233,7 +233,8 @@ def _tma_ready(*xs) -> bool:
 
 
 def _tma_allocator(size: int, alignment: int, stream):
-    """Scratch that Triton asks for to build tensor descriptors on the device."""
+    """Scratch that Triton asks for to build tensor descriptors on the device (the current
+    one, where Triton launches; the caching allocator's blocks are 512-byte aligned)."""
     return torch.empty(size, dtype=torch.int8, device="cuda")
 
 
@@ -245,8 +246,20 @@ def launch_fwd(q, k, v, c_hi, c_lo, block_start, cu, p, o, lse2, config=None):
     :func:`_tma_ready` holds (else the pointer loads)."""
     cfg = dict(config or fwd_config(p.d, q.element_size()))
     use_tma = bool(cfg.pop("TMA", False)) and _tma_ready(k, v)
-    if use_tma and q.is_cuda:
-        triton.set_allocator(_tma_allocator)
+    token = None
+    if use_tma and q.is_cuda:  # Triton's allocator for this launch only (a context variable)
+        from triton.runtime import _allocation
+
+        token = _allocation._allocator.set(_tma_allocator)
+    try:
+        _launch_fwd(q, k, v, c_hi, c_lo, block_start, cu, p, o, lse2, cfg, use_tma)
+    finally:
+        if token is not None:
+            _allocation._allocator.reset(token)
+
+
+def _launch_fwd(q, k, v, c_hi, c_lo, block_start, cu, p, o, lse2, cfg, use_tma):
+    """The launch of :func:`launch_fwd` (``cfg`` its options, ``TMA`` taken out)."""
     bm, bn = cfg.pop("BM"), cfg.pop("BN")
     grid = (triton.cdiv(p.tq, bm), p.batch * p.hq)
     mb = block_start.shape[-1] if block_start is not None else 1
