@@ -1,0 +1,96 @@
+"""Registers, spills, stack and shared memory of lapse's FoX attention kernels as compiled
+for a Hopper GPU (sm_90), on this machine: no GPU needed (Triton compiles to PTX, its
+bundled ptxas reports the resources).
+
+METHOD.md's "read what costs no device time": a kernel that spills registers to local
+memory in its hot loop (``spill stores``/``loads`` below) runs slower than its tiles
+promise, whatever the timing says about its configuration.
+
+    python scripts/kernel_resources.py                 # the default configs
+    python scripts/kernel_resources.py --sweep          # and the options of tune_fox_fwd.py
+
+The integer arguments are marked divisible by 16 (strides, lengths), as Triton
+specializes them at a real launch of the issue-2 workload.
+"""
+
+from __future__ import annotations
+
+import argparse
+import inspect
+import os
+import subprocess
+import tempfile
+
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+from lapse.ops.forgetting import triton_bwd, triton_fwd
+
+PTRS_FWD = {"Q": "*bf16", "K": "*bf16", "V": "*bf16", "CHI": "*fp32", "CLO": "*fp32", "BSTART": "*i32",
+            "O": "*bf16", "LSE": "*fp32", "CU": "*i32"}
+PTRS_BWD = {"Q": "*bf16", "K": "*bf16", "V": "*bf16", "DO": "*bf16", "LSE": "*fp32", "DELTA": "*fp32",
+            "CHI": "*fp32", "CLO": "*fp32", "BSTART": "*i32", "BEND": "*i32", "CU": "*i32", "DK": "*bf16",
+            "DV": "*bf16", "DQ": "*bf16", "DCC": "*fp32", "DCR": "*fp32"}
+FLOATS = ("qk_scale", "scale")
+
+
+def resources(kernel, ptrs: dict, const: dict, warps: int, stages: int, arch: int = 90) -> str:
+    """``ptxas -v``'s summary of ``kernel`` compiled with ``const`` for sm_``arch``."""
+    names = list(inspect.signature(kernel.fn).parameters)
+    sig = {n: ptrs.get(n, "constexpr" if n in const else ("fp32" if n in FLOATS else "i32")) for n in names}
+    aligned = [i for i, n in enumerate(names)
+               if n in ptrs or n.startswith("stride") or n in ("TQ", "TK", "TC")]
+    src = ASTSource(fn=kernel, signature=sig, constexprs=const,
+                    attrs={(i,): [["tt.divisibility", 16]] for i in aligned})
+    k = triton.compile(src, target=GPUTarget("cuda", arch, 32),
+                       options=dict(num_warps=warps, num_stages=stages))
+    ptxas = os.path.join(os.path.dirname(triton.__file__), "backends/nvidia/bin/ptxas")
+    with tempfile.NamedTemporaryFile(suffix=".ptx", mode="w") as f:
+        f.write(k.asm["ptx"])
+        f.flush()
+        out = subprocess.run([ptxas, f"-arch=sm_{arch}a", "-v", f.name, "-o", os.devnull],
+                             capture_output=True, text=True)
+    lines = [x.split("info    : ")[-1].strip() for x in (out.stdout + out.stderr).splitlines()]
+    used = next((x for x in lines if x.startswith("Used")), "?").split(",")[0]
+    spill = next((x for x in lines if "spill" in x), "?")
+    return f"{used}; {spill}; shared {k.metadata.shared} B"
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--sweep", action="store_true", help="also the forward options tune_fox_fwd.py times")
+    ap.add_argument("--bwd-sweep", action="store_true", help="also dK/dV and dQ tiles, warps and stages")
+    args = ap.parse_args()
+    for d in (64, 128):
+        f = triton_fwd.fwd_config(d, 2)
+        kv, q = triton_bwd.bwd_config(d)
+        for acp in (False, True):
+            base = dict(D=d, BD=d, G=64, IS_VARLEN=False, USE_ACP=acp, DOT_PREC="tf32")
+            opts = [(f["BM"], f["BN"], f["num_warps"], f["num_stages"], False, "default")]
+            if args.sweep:
+                opts += [(128, bn, w, st, tma, "") for bn in (64, 128) for w in (4, 8) for st in (2, 3)
+                         for tma in (False, True) if not (acp and bn > 64)]
+            for bm, bn, w, st, tma, tag in opts:
+                const = dict(base, BM=bm, BN=bn, USE_TMA=tma)
+                info = resources(triton_fwd._fwd_kernel, PTRS_FWD, const, w, st)
+                print(f"fwd D {d} acp {int(acp)} BM {bm} BN {bn} warps {w} stages {st} tma {int(tma)} "
+                      f"{tag}: {info}", flush=True)
+            kernels = (("dkdv", triton_bwd._bwd_dkdv_kernel, kv), ("dq", triton_bwd._bwd_dq_kernel, q))
+            for name, kernel, cfg in kernels:
+                opts = [(cfg["BM"], cfg["BN"], cfg["num_warps"], cfg["num_stages"], "default")]
+                if args.bwd_sweep:
+                    # dK/dV: BM (queries per step) divides the ACP block; dQ: BN does
+                    tiles = [(bm, bn) for bm in (16, 32, 64) for bn in (32, 64, 128)] if name == "dkdv" \
+                        else [(bm, bn) for bm in (32, 64, 128) for bn in (32, 64)]
+                    opts += [(bm, bn, w, st, "") for bm, bn in tiles for w in (4, 8) for st in (2, 3)]
+                for bm, bn, w, st, tag in opts:
+                    try:
+                        info = resources(kernel, PTRS_BWD, dict(base, BM=bm, BN=bn), w, st)
+                    except Exception as e:  # noqa: BLE001 - a shape the compiler refuses: say so
+                        info = f"{type(e).__name__}: {str(e)[:80]}"
+                    print(f"{name} D {d} acp {int(acp)} BM {bm} BN {bn} warps {w} stages {st} {tag}: {info}",
+                          flush=True)
+
+if __name__ == "__main__":
+    main()

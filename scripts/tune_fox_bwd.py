@@ -1,0 +1,144 @@
+"""The FoX backward kernels' launch options on a GPU (issue 16), beside SDPA's default backend.
+
+Compiled for sm_90 on the CPU (``scripts/kernel_resources.py --bwd-sweep``), the dK/dV
+kernel at its default options (BM 32, BN 64, 4 warps, 3 stages) spills 600 bytes per
+thread at D 64 and 1.6 KB at D 128; several options spill nothing (8 warps, 2 stages).
+The earlier tuning (``gpu_fox_dev.py --tune``) never tried 2 stages with 8 warps. This
+times the dK/dV options with the dQ kernel at its default, then the dQ options with dK/dV at
+its default, on the issue-2 workload (B x T = 32k; 24 heads of 64, 12 of 128), dense and
+with ACP (dK/dV's BM and dQ's BN must divide the 64-key ACP block). Every option's
+gradients are checked against the default options' (relative difference) and poisoned
+first. Registers and spills of each option: ``scripts/kernel_resources.py --bwd-sweep``
+(the same compiler, no GPU needed).
+
+    python scripts/tune_fox_bwd.py --out fox_bwd.json
+"""
+
+# ruff: noqa: B023 (each closure over loop variables is timed inside its own iteration)
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import math
+
+import torch
+import torch.nn.functional as F
+import triton
+import triton.testing
+
+from lapse.ops.forgetting import set_value_checks, triton_bwd, triton_fwd
+from lapse.ops.forgetting.common import acp_delta, validate
+from lapse.ops.forgetting.pruning import block_end_from_start, triton_block_start
+from lapse.ops.forgetting.triton_ops import triton_gate_cumsum
+
+# (BM, BN, warps, stages) by head dim: the spill-free or least-spilling options of the
+# sm_90 compile (kernel_resources.py --bwd-sweep, bytes of spill stores per thread in the
+# comments; the defaults spill 604 / 1612 in dK/dV, 0 / 4 in dQ)
+DKDV = {
+    64: [(16, 64, 8, 2), (16, 128, 8, 2), (32, 32, 8, 2), (64, 32, 8, 2), (16, 32, 8, 2),  # 0
+         (32, 64, 8, 2), (32, 128, 8, 2)],  # 80, 96
+    128: [(16, 32, 8, 2), (32, 32, 8, 2), (16, 64, 8, 2), (16, 128, 8, 2)],  # 0, 44, 64, 140
+}
+DQ = {
+    64: [(64, 64, 8, 2), (128, 64, 8, 2), (128, 32, 8, 2), (64, 32, 4, 2)],
+    128: [(64, 32, 8, 2), (128, 32, 8, 2), (32, 64, 8, 2), (128, 64, 8, 3)],  # 0, 0, 0, 20
+}
+
+
+def _workload(b, t, h, d, seed=0):
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    q = F.rms_norm(torch.randn(b, t, h, d, device="cuda", generator=g), (d,)).bfloat16()
+    k = F.rms_norm(torch.randn(b, t, h, d, device="cuda", generator=g), (d,)).bfloat16()
+    v = torch.randn(b, t, h, d, device="cuda", generator=g).bfloat16()
+    gl = torch.Generator().manual_seed(seed + 1)  # 70% local heads, the rest near 1
+    n_local = round(0.7 * h)
+    rate = torch.exp(torch.empty(h).uniform_(math.log(0.05), math.log(0.7), generator=gl))
+    base = torch.full((h,), 9.0)
+    base[:n_local] = -torch.log(torch.expm1(rate[:n_local]))
+    logits = base.cuda() + 0.5 * torch.randn(b, t, h, device="cuda", generator=g)
+    return q, k, v, F.logsigmoid(logits).float()
+
+
+def _ms(fn):
+    return triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median")
+
+
+def _rel(a, b):
+    return ((a.float() - b.float()).norm() / b.float().norm()).item()
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--shapes", nargs="+", default=["4096x64", "16384x64", "4096x128", "16384x128"],
+                    help="T x D; heads 24 at D 64, 12 at D 128, B = 32768 / T")
+    ap.add_argument("--out", default="fox_bwd.json")
+    args = ap.parse_args()
+    set_value_checks(False)
+    rows = []
+    for shape in args.shapes:
+        t, d = (int(x) for x in shape.split("x"))
+        h = 24 if d <= 64 else 12
+        b = 32768 // t
+        q, k, v, lg = _workload(b, t, h, d)
+        do = torch.randn_like(q)
+        p = validate(q, k, v, lg, None, None, "triton")
+        c_hi, c_lo = triton_gate_cumsum(lg, p)
+        bs = triton_block_start(c_hi, c_lo, acp_delta("auto", math.exp(-10), q, k, p), p)
+        be = block_end_from_start(bs, p)
+        qt, kt, vt = (x.transpose(1, 2).detach().requires_grad_() for x in (q, k, v))
+
+        def sdpa():
+            F.scaled_dot_product_attention(qt, kt, vt, is_causal=True).backward(do.transpose(1, 2))
+        sdpa_ms = _ms(sdpa)
+        for acp in (False, True):
+            bsx, bex = (bs, be) if acp else (None, None)
+            o, lse2 = torch.empty_like(q), torch.empty_like(c_hi)
+            triton_fwd.launch_fwd(q, k, v, c_hi, c_lo, bsx, None, p, o, lse2)
+            dl = torch.empty_like(lse2)
+            triton_bwd.launch_delta(o, do, p, dl)
+            kv0, q0 = triton_bwd.bwd_config(d, 1, acp)
+            grads = [torch.empty_like(x) for x in (q, k, v)] + [torch.empty_like(lse2) for _ in range(2)]
+
+            def run(cfgs):
+                for x in grads:
+                    x.fill_(float("nan"))
+                triton_bwd.launch_bwd(q, k, v, do, lse2, dl, c_hi, c_lo, bsx, bex, None, p, *grads, cfgs)
+                return [x.clone() for x in grads[:3]]
+
+            ref = run((kv0, q0))
+            options = [("default", kv0, q0)]
+            options += [("dkdv", dict(BM=bm, BN=bn, num_warps=w, num_stages=st), q0)
+                        for bm, bn, w, st in DKDV[d] if not (acp and 64 % bm)]
+            options += [("dq", kv0, dict(BM=bm, BN=bn, num_warps=w, num_stages=st))
+                        for bm, bn, w, st in DQ[d] if not (acp and 64 % bn)]
+            for varied, kv, qc in options:
+                row = dict(T=t, D=d, H=h, B=b, acp=acp, varied=varied, dkdv=kv, dq=qc,
+                           sdpa_default_fwdbwd_ms=sdpa_ms)
+                try:
+                    got = run((kv, qc))
+                    row["nan"] = any(bool(x.isnan().any()) for x in got)
+                    row["rel_diff"] = max(_rel(x, r) for x, r in zip(got, ref, strict=True))
+                    row["bwd_ms"] = _ms(lambda: triton_bwd.launch_bwd(
+                        q, k, v, do, lse2, dl, c_hi, c_lo, bsx, bex, None, p, *grads, (kv, qc)))
+                except Exception as e:  # noqa: BLE001 - out of resources: report and go on
+                    row["error"] = f"{type(e).__name__}: {str(e)[:160]}"
+                rows.append(row)
+        print(f"T {t} D {d}: SDPA default fwd+bwd {sdpa_ms:.3f} ms", flush=True)
+    with open(args.out, "w") as f:
+        json.dump(dict(device=torch.cuda.get_device_name(), torch=torch.__version__,
+                       triton=triton.__version__, rows=rows), f, indent=1)
+    print("\nT D acp | default bwd ms | best dK/dV option | best dQ option")
+    for (t, d, acp), group in itertools.groupby(rows, key=lambda r: (r["T"], r["D"], r["acp"])):
+        ok = [r for r in group if "bwd_ms" in r and not r["nan"] and r["rel_diff"] < 2e-2]
+        default = next(r for r in ok if r["varied"] == "default")
+        out = [f"{t} {d} {int(acp)} | {default['bwd_ms']:.3f}"]
+        for varied in ("dkdv", "dq"):
+            mine = [r for r in ok if r["varied"] == varied] or [default]
+            best = min(mine, key=lambda r: r["bwd_ms"])
+            out.append(f"{best['bwd_ms']:.3f} {best[varied]}")
+        print(" | ".join(out))
+
+
+if __name__ == "__main__":
+    main()
