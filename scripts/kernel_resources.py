@@ -32,6 +32,9 @@ PTRS_FWD = {"Q": "*bf16", "K": "*bf16", "V": "*bf16", "CHI": "*fp32", "CLO": "*f
 PTRS_BWD = {"Q": "*bf16", "K": "*bf16", "V": "*bf16", "DO": "*bf16", "LSE": "*fp32", "DELTA": "*fp32",
             "CHI": "*fp32", "CLO": "*fp32", "BSTART": "*i32", "BEND": "*i32", "CU": "*i32", "DK": "*bf16",
             "DV": "*bf16", "DQ": "*bf16", "DCC": "*fp32", "DCR": "*fp32"}
+PTRS_CASTLE = {**{n: "*bf16" for n in ("QC", "KC", "VC", "QU", "KU", "VU", "DO")},
+               **{n: "*fp32" for n in ("M2", "ACC", "DEN", "UEND", "LSE2", "DELTA", "DQC", "DKC", "DVC",
+                                       "DQU", "DKU", "DVU")}}
 FLOATS = ("qk_scale", "scale")
 
 
@@ -40,7 +43,7 @@ def resources(kernel, ptrs: dict, const: dict, warps: int, stages: int, arch: in
     names = list(inspect.signature(kernel.fn).parameters)
     sig = {n: ptrs.get(n, "constexpr" if n in const else ("fp32" if n in FLOATS else "i32")) for n in names}
     aligned = [i for i, n in enumerate(names)
-               if n in ptrs or n.startswith("stride") or n in ("TQ", "TK", "TC")]
+               if n in ptrs or n.startswith("stride") or n in ("TQ", "TK", "TC", "T")]
     src = ASTSource(fn=kernel, signature=sig, constexprs=const,
                     attrs={(i,): [["tt.divisibility", 16]] for i in aligned})
     k = triton.compile(src, target=GPUTarget("cuda", arch, 32),
@@ -61,7 +64,11 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--sweep", action="store_true", help="also the forward options tune_fox_fwd.py times")
     ap.add_argument("--bwd-sweep", action="store_true", help="also dK/dV and dQ tiles, warps and stages")
+    ap.add_argument("--castle", action="store_true", help="CASTLE's key-major kernels instead")
     args = ap.parse_args()
+    if args.castle:
+        castle()
+        return
     for d in (64, 128):
         f = triton_fwd.fwd_config(d, 2)
         kv, q = triton_bwd.bwd_config(d)
@@ -91,6 +98,27 @@ def main() -> None:
                         info = f"{type(e).__name__}: {str(e)[:80]}"
                     print(f"{name} D {d} acp {int(acp)} BM {bm} BN {bn} warps {w} stages {st} {tag}: {info}",
                           flush=True)
+
+def castle() -> None:
+    """CASTLE's key-major forward and backward (``ops/castle/triton_parallel.py``) at their
+    default options and a few others, D 64 and 128, without and with a window."""
+    from lapse.ops.castle import triton_parallel as tp
+
+    for d in (64, 128):
+        for window in (False, True):
+            base = dict(D=d, BD=d, USE_WINDOW=window, DOT_PREC="tf32")
+            for name, kernel, backward in (("fwd", tp._fwd_kernel, False), ("bwd", tp._bwd_kernel, True)):
+                cfg = tp.parallel_config(d, False, backward)
+                opts = [(cfg["BT"], cfg["num_warps"], cfg["num_stages"], "default")]
+                opts += [(bt, w, st, "") for bt in (16, 32, 64) for w in (4, 8) for st in (1, 2)]
+                for bt, w, st, tag in opts:
+                    try:
+                        info = resources(kernel, PTRS_CASTLE, dict(base, BT=bt), w, st)
+                    except Exception as e:  # noqa: BLE001 - a shape the compiler refuses: say so
+                        info = f"{type(e).__name__}: {str(e)[:80]}"
+                    print(f"castle {name} D {d} window {int(window)} BT {bt} warps {w} stages {st} "
+                          f"{tag}: {info}", flush=True)
+
 
 if __name__ == "__main__":
     main()
