@@ -41,6 +41,9 @@ FLOATS = ("qk_scale", "scale")
 def resources(kernel, ptrs: dict, const: dict, warps: int, stages: int, arch: int = 90) -> str:
     """``ptxas -v``'s summary of ``kernel`` compiled with ``const`` for sm_``arch``."""
     names = list(inspect.signature(kernel.fn).parameters)
+    # a group size the kernel takes as a compile-time constant: 1 (no GQA), unless given
+    const = {**({"GROUP": 1} if any(x.name == "GROUP" and x.is_constexpr for x in kernel.params) else {}),
+             **const}
     sig = {n: ptrs.get(n, "constexpr" if n in const else ("fp32" if n in FLOATS else "i32")) for n in names}
     aligned = [i for i, n in enumerate(names)
                if n in ptrs or n.startswith("stride") or n in ("TQ", "TK", "TC", "T")]

@@ -136,9 +136,10 @@ def _bwd_dkdv_kernel(
     stride_dob, stride_dot, stride_doh,
     stride_dkb, stride_dkt, stride_dkh,
     stride_dvb, stride_dvt, stride_dvh,
-    qk_scale, scale, TQ, TK, TC, HQ, H, GROUP, MB, NB,
+    qk_scale, scale, TQ, TK, TC, HQ, H, MB, NB,
     D: tl.constexpr, BD: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
-    G: tl.constexpr, IS_VARLEN: tl.constexpr, USE_ACP: tl.constexpr, DOT_PREC: tl.constexpr,
+    G: tl.constexpr, GROUP: tl.constexpr, IS_VARLEN: tl.constexpr, USE_ACP: tl.constexpr,
+    DOT_PREC: tl.constexpr,
 ):
     i_n = tl.program_id(0).to(tl.int64)
     i_bh = tl.program_id(1).to(tl.int64)
@@ -178,6 +179,10 @@ def _bwd_dkdv_kernel(
     diag_end = tl.minimum(((diag_rows + BM - 1) // BM) * BM, ((tq + BM - 1) // BM) * BM)
     diag_end = tl.maximum(diag_end, q_lo)
     tq_floor = (tq // BM) * BM
+    # GROUP is a compile-time constant: with a run-time trip count the loop kept its state
+    # live around the three inner loops, and the kernel spilled 604 B per thread at D 64
+    # (1612 at D 128) compiled for sm_90; with GROUP = 1 known, none (196 B at D 128)
+    # (scripts/kernel_resources.py)
     for g in range(0, GROUP):
         i_h = i_hk * GROUP + g
         if USE_ACP:
@@ -375,7 +380,7 @@ def launch_bwd(q, k, v, do, lse2, delta, c_hi, c_lo, block_start, block_end, cu,
         dk.stride(0), dk.stride(1), dk.stride(2),
         dv.stride(0), dv.stride(1), dv.stride(2),
         p.scale * LOG2E, p.scale, p.tq, p.tk, c_hi.shape[-1], p.hq, p.h,
-        p.hq // p.h, mb, nb, BM=bm, BN=bn, **common, **cfg_kv,
+        mb, nb, BM=bm, BN=bn, GROUP=p.hq // p.h, **common, **cfg_kv,
     )
     bm, bn = cfg_q.pop("BM"), cfg_q.pop("BN")
     _bwd_dq_kernel[(triton.cdiv(p.tq, bm), p.batch * p.hq)](
