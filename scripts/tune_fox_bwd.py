@@ -1,9 +1,10 @@
 """The FoX backward kernels' launch options on a GPU (issue 16), beside SDPA's default backend.
 
 Compiled for sm_90 on the CPU (``scripts/kernel_resources.py --bwd-sweep``), the dK/dV
-kernel at its default options (BM 32, BN 64, 4 warps, 3 stages) spills 600 bytes per
-thread at D 64 and 1.6 KB at D 128; several options spill nothing (8 warps, 2 stages).
-The earlier tuning (``gpu_fox_dev.py --tune``) never tried 2 stages with 8 warps. This
+kernel at its default options (BM 32, BN 64, 4 warps, 3 stages) spilled 604 bytes per
+thread at D 64 and 1.6 KB at D 128 while its group size was a run-time number (before
+96b5d97; now 0 and 196 B); several options spilled nothing (8 warps, 2 stages). The
+earlier tuning (``gpu_fox_dev.py --tune``) never tried 2 stages with 8 warps. This
 times the dK/dV options with the dQ kernel at its default, then the dQ options with dK/dV at
 its default, on the issue-2 workload (B x T = 32k; 24 heads of 64, 12 of 128), dense and
 with ACP (dK/dV's BM and dQ's BN must divide the 64-key ACP block). Every option's
@@ -33,8 +34,8 @@ from lapse.ops.forgetting.pruning import block_end_from_start, triton_block_star
 from lapse.ops.forgetting.triton_ops import triton_gate_cumsum
 
 # (BM, BN, warps, stages) by head dim: the spill-free or least-spilling options of the
-# sm_90 compile (kernel_resources.py --bwd-sweep, bytes of spill stores per thread in the
-# comments; the defaults spill 604 / 1612 in dK/dV, 0 / 4 in dQ)
+# sm_90 compile before 96b5d97 (kernel_resources.py --bwd-sweep, bytes of spill stores per
+# thread in the comments; the defaults spilled 604 / 1612 in dK/dV, 0 / 4 in dQ)
 DKDV = {
     64: [(16, 64, 8, 2), (16, 128, 8, 2), (32, 32, 8, 2), (64, 32, 8, 2), (16, 32, 8, 2),  # 0
          (32, 64, 8, 2), (32, 128, 8, 2)],  # 80, 96
