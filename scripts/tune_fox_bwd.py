@@ -33,13 +33,13 @@ from lapse.ops.forgetting.common import acp_delta, validate
 from lapse.ops.forgetting.pruning import block_end_from_start, triton_block_start
 from lapse.ops.forgetting.triton_ops import triton_gate_cumsum
 
-# (BM, BN, warps, stages) by head dim: the spill-free or least-spilling options of the
-# sm_90 compile before 96b5d97 (kernel_resources.py --bwd-sweep, bytes of spill stores per
-# thread in the comments; the defaults spilled 604 / 1612 in dK/dV, 0 / 4 in dQ)
+# (BM, BN, warps, stages) by head dim: dK/dV options that spill nothing compiled for sm_90
+# since 96b5d97 (docs/bench/sm90-fox-kernel-resources-96b5d97.txt; the default spills
+# nothing at D 64 and 196 B per thread at D 128)
 DKDV = {
-    64: [(16, 64, 8, 2), (16, 128, 8, 2), (32, 32, 8, 2), (64, 32, 8, 2), (16, 32, 8, 2),  # 0
-         (32, 64, 8, 2), (32, 128, 8, 2)],  # 80, 96
-    128: [(16, 32, 8, 2), (32, 32, 8, 2), (16, 64, 8, 2), (16, 128, 8, 2)],  # 0, 44, 64, 140
+    64: [(32, 64, 8, 2), (32, 128, 8, 2), (64, 32, 4, 3), (64, 32, 8, 2), (32, 32, 4, 3), (16, 64, 4, 2),
+         (16, 128, 8, 2)],
+    128: [(32, 32, 4, 3), (32, 64, 8, 2), (64, 32, 4, 3), (64, 32, 8, 2), (16, 64, 8, 2), (16, 128, 8, 2)],
 }
 DQ = {
     64: [(64, 64, 8, 2), (128, 64, 8, 2), (128, 32, 8, 2), (64, 32, 4, 2)],
