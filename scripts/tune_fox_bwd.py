@@ -20,13 +20,11 @@ from __future__ import annotations
 
 import argparse
 import itertools
-import json
 import math
 
 import torch
 import torch.nn.functional as F
-import triton
-import triton.testing
+from tune_fox_fwd import _dump, _issue2, _ms  # the same workload, timer, output (scripts/ on the path)
 
 from lapse.ops.forgetting import set_value_checks, triton_bwd, triton_fwd
 from lapse.ops.forgetting.common import acp_delta, validate
@@ -47,24 +45,6 @@ DQ = {
 }
 
 
-def _workload(b, t, h, d, seed=0):
-    g = torch.Generator(device="cuda").manual_seed(seed)
-    q = F.rms_norm(torch.randn(b, t, h, d, device="cuda", generator=g), (d,)).bfloat16()
-    k = F.rms_norm(torch.randn(b, t, h, d, device="cuda", generator=g), (d,)).bfloat16()
-    v = torch.randn(b, t, h, d, device="cuda", generator=g).bfloat16()
-    gl = torch.Generator().manual_seed(seed + 1)  # 70% local heads, the rest near 1
-    n_local = round(0.7 * h)
-    rate = torch.exp(torch.empty(h).uniform_(math.log(0.05), math.log(0.7), generator=gl))
-    base = torch.full((h,), 9.0)
-    base[:n_local] = -torch.log(torch.expm1(rate[:n_local]))
-    logits = base.cuda() + 0.5 * torch.randn(b, t, h, device="cuda", generator=g)
-    return q, k, v, F.logsigmoid(logits).float()
-
-
-def _ms(fn):
-    return triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median")
-
-
 def _rel(a, b):
     return ((a.float() - b.float()).norm() / b.float().norm()).item()
 
@@ -78,10 +58,7 @@ def main() -> None:
     set_value_checks(False)
     rows = []
     for shape in args.shapes:
-        t, d = (int(x) for x in shape.split("x"))
-        h = 24 if d <= 64 else 12
-        b = 32768 // t
-        q, k, v, lg = _workload(b, t, h, d)
+        t, d, h, b, (q, k, v, lg) = _issue2(shape)
         do = torch.randn_like(q)
         p = validate(q, k, v, lg, None, None, "triton")
         c_hi, c_lo = triton_gate_cumsum(lg, p)
@@ -126,9 +103,7 @@ def main() -> None:
                     row["error"] = f"{type(e).__name__}: {str(e)[:160]}"
                 rows.append(row)
         print(f"T {t} D {d}: SDPA default fwd+bwd {sdpa_ms:.3f} ms", flush=True)
-    with open(args.out, "w") as f:
-        json.dump(dict(device=torch.cuda.get_device_name(), torch=torch.__version__,
-                       triton=triton.__version__, rows=rows), f, indent=1)
+    _dump(args.out, rows)
     print("\nT D acp | default bwd ms | best dK/dV option | best dQ option")
     for (t, d, acp), group in itertools.groupby(rows, key=lambda r: (r["T"], r["D"], r["acp"])):
         ok = [r for r in group if "bwd_ms" in r and not r["nan"] and r["rel_diff"] < 2e-2]

@@ -42,6 +42,21 @@ def _workload(b, t, h, d, seed=0):
     return q, k, v, F.logsigmoid(logits).float()
 
 
+def _issue2(shape: str):
+    """``T x D`` of the issue-2 workload: ``(T, D, heads, B, (q, k, v, log gates))``, 24
+    heads of 64 or 12 of 128, B = 32768 / T."""
+    t, d = (int(x) for x in shape.split("x"))
+    h = 24 if d <= 64 else 12
+    return t, d, h, 32768 // t, _workload(32768 // t, t, h, d)
+
+
+def _dump(path: str, rows: list[dict]) -> None:
+    """The rows as JSON, with the device and versions."""
+    with open(path, "w") as f:
+        json.dump(dict(device=torch.cuda.get_device_name(), torch=torch.__version__,
+                       triton=triton.__version__, rows=rows), f, indent=1)
+
+
 def _ms(fn):
     return triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median")
 
@@ -60,10 +75,7 @@ def main() -> None:
     set_value_checks(False)
     rows = []
     for shape in args.shapes:
-        t, d = (int(x) for x in shape.split("x"))
-        h = 24 if d <= 64 else 12
-        b = 32768 // t
-        q, k, v, lg = _workload(b, t, h, d)
+        t, d, h, b, (q, k, v, lg) = _issue2(shape)
         p = validate(q, k, v, lg, None, None, "triton")
         c_hi, c_lo = triton_gate_cumsum(lg, p)
         bs = triton_block_start(c_hi, c_lo, acp_delta("auto", math.exp(-10), q, k, p), p)
@@ -99,9 +111,7 @@ def main() -> None:
                     row["error"] = f"{type(e).__name__}: {str(e)[:160]}"
                 rows.append(row)
         print(f"T {t} D {d}: SDPA default {sdpa:.3f} ms", flush=True)
-    with open(args.out, "w") as f:
-        json.dump(dict(device=torch.cuda.get_device_name(), torch=torch.__version__,
-                       triton=triton.__version__, rows=rows), f, indent=1)
+    _dump(args.out, rows)
     print("\nT D acp | default ms (x SDPA) | best ms (x SDPA) config | best without TMA")
     for (t, d, acp), group in itertools.groupby(rows, key=lambda r: (r["T"], r["D"], r["acp"])):
         ok = [r for r in group if "ms" in r and not r["nan"] and r["rel_diff"] < 1e-2]
