@@ -682,10 +682,9 @@ def _time_boundary_search(wl: Workload, acp, cfg: AttentionBenchConfig) -> dict:
     q, k, v, g = wl.q, wl.k, wl.v, wl.log_fgate
     p = common.validate(q, k, v, g, None, wl.cu_seqlens, "triton")
     cum = triton_gate_cumsum(g, p)
-    fused = triton_acp_delta if q.stride(-1) == 1 and k.stride(-1) == 1 else None
 
     def bound() -> Tensor:
-        return common.acp_delta(acp, cfg.acp_eps, q, k, p, triton_acp_bound, fused)
+        return common.acp_delta(acp, cfg.acp_eps, q, k, p, triton_acp_bound, triton_acp_delta)
 
     delta = bound()
     with torch.no_grad():

@@ -65,6 +65,11 @@ _LOOP_STAGES = 3
 _PIPELINE_SMEM = 160 * 1024
 
 
+def tile_bytes(block_n: int, block_d: int, block_g: int, u: Tensor, q_u: Tensor, k_c: Tensor) -> int:
+    """Bytes of one tile of slots: ``u`` and ``q^U`` for the group's heads, ``k^C, v^C``."""
+    return block_n * block_d * (block_g * (u.element_size() + q_u.element_size()) + 2 * k_c.element_size())
+
+
 def loop_stages(tile_bytes: int, wanted: int = _LOOP_STAGES, device: torch.device | None = None) -> int:
     """Pipeline stages for tiles of ``tile_bytes``: ``wanted``, fewer where they would not
     fit in the device's shared memory (1: no pipeline)."""
@@ -272,12 +277,10 @@ def _launch_options(q_c: Tensor, u_cache: Tensor, k_c_cache: Tensor, qu_cache: T
     block_g = triton.next_power_of_2(group)
     block_n = config.get("BN", max(16, min(64, _TILE_ELEMENTS // (block_g * block_d))))
     stages = config.get("num_stages", _PIPELINE_STAGES)
-    tile_bytes = block_n * block_d * (
-        block_g * (u_cache.element_size() + qu_cache.element_size()) + 2 * k_c_cache.element_size()
-    )
-    n_loop = config.get("loop_stages", loop_stages(tile_bytes, device=q_c.device))
+    tile = tile_bytes(block_n, block_d, block_g, u_cache, qu_cache, k_c_cache)
+    n_loop = config.get("loop_stages", loop_stages(tile, device=q_c.device))
     if num_splits is None:
-        resident = _resident_programs(q_c.device, tile_bytes, max(n_loop, _PIPELINE_STAGES))
+        resident = _resident_programs(q_c.device, tile, max(n_loop, _PIPELINE_STAGES))
         num_splits = _choose_num_splits(s, b * hc, resident)
     # large groups (GQA) cannot shrink BN below 16: more warps share their tiles' registers
     num_warps = config.get("num_warps", 4 if block_g * block_n * block_d <= 2 * _TILE_ELEMENTS else 8)

@@ -53,7 +53,7 @@ from ..forgetting.decode_triton import (
 )
 from ..forgetting.paged_triton import finish_paged_decode
 from ..splits import split_program, split_range
-from .decode_triton import loop_stages
+from .decode_triton import loop_stages, tile_bytes
 
 # Elements of one [BG, BN, BD] tile: as in decode_triton.py, 2048 float32 keep a
 # program's u and q^U tiles in registers at 4 warps.
@@ -208,16 +208,14 @@ def _launch_options(q_c: Tensor, k_pages: Tensor, u_pages: Tensor, qu_pages: Ten
     block_d = max(16, triton.next_power_of_2(q_c.shape[-1]))
     block_g = triton.next_power_of_2(group)
     block_n = max(16, min(64, _TILE_ELEMENTS // (block_g * block_d)))
-    tile_bytes = block_n * block_d * (
-        block_g * (u_pages.element_size() + qu_pages.element_size()) + 2 * k_pages.element_size()
-    )
+    tile = tile_bytes(block_n, block_d, block_g, u_pages, qu_pages, k_pages)
     if num_splits is None:
-        num_splits = _choose_num_splits(n_slots, programs, _resident_programs(q_c.device, tile_bytes))
+        num_splits = _choose_num_splits(n_slots, programs, _resident_programs(q_c.device, tile))
     # large groups (GQA) cannot shrink BN below 16: more warps share their tiles' registers
     num_warps = 4 if block_g * block_n * block_d <= 2 * _TILE_ELEMENTS else 8
     options = dict(BG=block_g, BN=block_n, BD=block_d, IS_SINGLE_SPLIT=num_splits == 1,
                    num_warps=num_warps, num_stages=_PIPELINE_STAGES,
-                   LOOP_STAGES=loop_stages(tile_bytes, device=q_c.device))
+                   LOOP_STAGES=loop_stages(tile, device=q_c.device))
     return num_splits, options
 
 

@@ -102,7 +102,7 @@ def forgetting_attention(
 
     with torch.no_grad():
         fused = None
-        if backend == "triton" and q.stride(-1) == 1 and k.stride(-1) == 1:
+        if backend == "triton":
             from .pruning import triton_acp_delta as fused  # acp="auto": three launches, no host copy
         delta = None if acp is None else acp_delta(acp, acp_eps, q, k, p, delta_from_data=fused)  # [B, HQ]
         if backend == "triton":

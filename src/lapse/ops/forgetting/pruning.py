@@ -155,7 +155,11 @@ def triton_acp_delta(q: Tensor, k: Tensor, p: Problem, acp_eps: float) -> Tensor
     """``acp_delta("auto", acp_eps, q, k, p, triton_acp_bound)`` in three launches instead
     of about a dozen (the tiles' norm maxima of q and of k, then one program per
     (sequence, head) for U and delta), with no host copy: ``[B, HQ]`` float64, equal bit
-    for bit. q and k must be contiguous in D."""
+    for bit. Inputs not contiguous in D take the unfused path."""
+    if q.stride(-1) != 1 or k.stride(-1) != 1:
+        from .common import acp_delta
+
+        return acp_delta("auto", acp_eps, q, k, p)
     qp, kp = _max_norm_parts(q, p), _max_norm_parts(k, p)
     delta = torch.empty(p.batch, p.hq, dtype=torch.float64, device=q.device)
     bits = struct.unpack("<q", struct.pack("<d", math.log(acp_eps)))[0]

@@ -65,15 +65,16 @@ def _fwd_inner(
     stride_kt, stride_vt,
     lo, hi, tk, qk_scale,
     o_d, m_d,
-    BN: tl.constexpr, MASKED: tl.constexpr, DOT_PREC: tl.constexpr,
-    k_desc, v_desc, USE_TMA: tl.constexpr,
+    BN: tl.constexpr, MASKED: tl.constexpr, DOT_PREC: tl.constexpr, USE_TMA: tl.constexpr,
 ):
+    # p_k, p_v: pointers to the (sequence, kv head)'s first key and value, or with USE_TMA
+    # their tensor descriptors
     for start in range(lo, hi, BN):
         o_n = start + tl.arange(0, BN)
         m_n = o_n < tk
         # [BD, BN]
         if USE_TMA:  # the tensor-memory engine: rows past tk and columns past D come as 0
-            b_kt = tl.trans(k_desc.load([tl.cast(start, tl.int32), 0]))  # 32-bit offsets only
+            b_kt = tl.trans(p_k.load([tl.cast(start, tl.int32), 0]))  # 32-bit offsets only
         else:
             b_kt = tl.load(p_k + o_n[None, :] * stride_kt + o_d[:, None],
                            mask=m_d[:, None] & m_n[None, :], other=0.0)
@@ -95,7 +96,7 @@ def _fwd_inner(
         l_i = l_i * alpha + tl.sum(b_p, 1)
         # [BN, BD]
         if USE_TMA:
-            b_v = v_desc.load([tl.cast(start, tl.int32), 0])
+            b_v = p_v.load([tl.cast(start, tl.int32), 0])
         else:
             b_v = tl.load(p_v + o_n[:, None] * stride_vt + o_d[None, :],
                           mask=m_n[:, None] & m_d[None, :], other=0.0)
@@ -167,25 +168,22 @@ def _fwd_kernel(
     p_k = K + i_bt * stride_kb + bos * stride_kt + i_hk * stride_kh
     p_v = V + i_bt * stride_vb + bos * stride_vt + i_hk * stride_vh
     if USE_TMA:  # this (sequence, kv head)'s keys and values as [tk, D] matrices
-        k_desc = tl.make_tensor_descriptor(p_k, shape=[tl.cast(tk, tl.int32), D], strides=[stride_kt, 1],
-                                           block_shape=[BN, BD])
-        v_desc = tl.make_tensor_descriptor(p_v, shape=[tl.cast(tk, tl.int32), D], strides=[stride_vt, 1],
-                                           block_shape=[BN, BD])
-    else:
-        k_desc = p_k
-        v_desc = p_v
+        p_k = tl.make_tensor_descriptor(p_k, shape=[tl.cast(tk, tl.int32), D], strides=[stride_kt, 1],
+                                        block_shape=[BN, BD])
+        p_v = tl.make_tensor_descriptor(p_v, shape=[tl.cast(tk, tl.int32), D], strides=[stride_vt, 1],
+                                        block_shape=[BN, BD])
     acc = tl.zeros([BM, BD], dtype=tl.float32)
     l_i = tl.zeros([BM], dtype=tl.float32)
     m_i = tl.full([BM], float("-inf"), dtype=tl.float32)
     acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, b_q, b_cq, o_abs, b_kstart, p_k, p_v, p_chi, p_clo,
                                c_ref, stride_kt, stride_vt, ks_lo, ks_hi, tk, qk_scale, o_d, m_d,
-                               BN, True, DOT_PREC, k_desc, v_desc, USE_TMA)
+                               BN, True, DOT_PREC, USE_TMA)
     acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, b_q, b_cq, o_abs, b_kstart, p_k, p_v, p_chi, p_clo,
                                c_ref, stride_kt, stride_vt, ks_hi, mid, tk, qk_scale, o_d, m_d,
-                               BN, False, DOT_PREC, k_desc, v_desc, USE_TMA)
+                               BN, False, DOT_PREC, USE_TMA)
     acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, b_q, b_cq, o_abs, b_kstart, p_k, p_v, p_chi, p_clo,
                                c_ref, stride_kt, stride_vt, mid, last_abs + 1, tk, qk_scale, o_d,
-                               m_d, BN, True, DOT_PREC, k_desc, v_desc, USE_TMA)
+                               m_d, BN, True, DOT_PREC, USE_TMA)
     # every valid row has its own key (D_ii = 0), so l_i > 0 there
     l_safe = tl.where(m_m, l_i, 1.0)
     b_o = acc / l_safe[:, None]
