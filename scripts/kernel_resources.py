@@ -73,11 +73,11 @@ def main() -> None:
         castle()
         return
     for d in (64, 128):
-        f = triton_fwd.fwd_config(d, 2)
         kv, q = triton_bwd.bwd_config(d)
         for acp in (False, True):
+            f = triton_fwd.fwd_config(d, 2, acp)
             base = dict(D=d, BD=d, G=64, IS_VARLEN=False, USE_ACP=acp, DOT_PREC="tf32")
-            opts = [(f["BM"], f["BN"], f["num_warps"], f["num_stages"], False, "default")]
+            opts = [(f["BM"], f["BN"], f["num_warps"], f["num_stages"], f.get("TMA", False), "default")]
             if args.sweep:
                 opts += [(128, bn, w, st, tma, "") for bn in (64, 128) for w in (4, 8) for st in (2, 3)
                          for tma in (False, True) if not (acp and bn > 64)]

@@ -87,7 +87,7 @@ def main() -> None:
             lse = torch.empty_like(c_hi)
             triton_fwd.launch_fwd(q, k, v, c_hi, c_lo, bsx, None, p, o, lse)
             o_ref = o.float().clone()
-            default = triton_fwd.fwd_config(d, 2)
+            default = triton_fwd.fwd_config(d, 2, acp)
             grid = [None, *itertools.product(args.block_m, args.block_n, args.warps, args.stages, args.tma)]
             for opt in grid:
                 if opt is None:

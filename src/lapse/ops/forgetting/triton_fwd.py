@@ -207,16 +207,29 @@ def gate_cumsum(log_fgate, p, floor: float):
     return c_hi, c_lo
 
 
-def fwd_config(d: int, dtype_bytes: int) -> dict:
-    """Tile sizes and launch parameters by head dim (BN must divide ACP_BLOCK).
+def fwd_config(d: int, dtype_bytes: int, acp: bool = False) -> dict:
+    """Tile sizes and launch options by head dim and ACP (BN must divide ACP_BLOCK with ACP).
 
-    Chosen by scripts/gpu_fox_dev.py --tune on an H100 (T = 16384, bf16): for D = 64,
-    128 x 64 with 4 warps was fastest dense and with ACP; for D = 128, 64 x 64.
+    ``TMA``: keys and values through tensor descriptors (taken on Hopper and later only,
+    :func:`launch_fwd`). Chosen by ``scripts/tune_fox_fwd.py`` on an H100 (bf16, 24 heads,
+    B x T = 32k; ``docs/bench/session11/h100-issue16-fwd-fox-fwd.json``), ms at T 4k / 16k:
+
+    - D 64 dense: 128 x 64, 4 warps, 2 stages, TMA: 1.427 / 4.930 (pointer loads, 3 stages,
+      the previous choice: 1.439 / 5.118; TMA with 3 stages 1.362 / 5.464);
+    - D 64 ACP: 128 x 64, 4 warps, 3 stages, TMA: 0.757 / 1.918 (pointer loads 0.836 / 2.028);
+    - D 128 dense: 128 x 128, 8 warps, 3 stages, TMA: 1.229 / 3.990 (64 x 64, 4 warps,
+      pointer loads: 1.264 / 4.483);
+    - D 128 ACP: 64 x 64, 4 warps, 3 stages, pointer loads: 0.672 / 1.888 (the 128-row
+      tiles, with or without TMA, 0.81 / 2.04 or slower).
     """
     if d <= 64:
-        return dict(BM=128, BN=64, num_warps=4, num_stages=3)
+        if acp:
+            return dict(BM=128, BN=64, num_warps=4, num_stages=3, TMA=True)
+        return dict(BM=128, BN=64, num_warps=4, num_stages=2, TMA=True)
     if d <= 128:
-        return dict(BM=64, BN=64, num_warps=4, num_stages=3)
+        if acp:
+            return dict(BM=64, BN=64, num_warps=4, num_stages=3)
+        return dict(BM=128, BN=128, num_warps=8, num_stages=3, TMA=True)
     return dict(BM=64, BN=32, num_warps=4, num_stages=2)
 
 
@@ -239,11 +252,12 @@ def _tma_allocator(size: int, alignment: int, stream):
 def launch_fwd(q, k, v, c_hi, c_lo, block_start, cu, p, o, lse2, config=None):
     """Runs the forward kernel; writes o [B, Tq, HQ, D] and base-2 lse [B, HQ, Tc].
 
-    ``config`` may ask for ``TMA=True``: keys and values read through tensor descriptors
-    (Hopper's tensor-memory engine; opt-in, not yet measured faster), taken only where
-    :func:`_tma_ready` holds (else the pointer loads)."""
-    cfg = dict(config or fwd_config(p.d, q.element_size()))
-    use_tma = bool(cfg.pop("TMA", False)) and _tma_ready(k, v)
+    ``config`` (default :func:`fwd_config`) may ask for ``TMA=True``: keys and values read
+    through tensor descriptors (Hopper's tensor-memory engine), taken where
+    :func:`_tma_ready` holds and, on a GPU, on compute capability 9 or later (else the
+    pointer loads; the CPU interpreter takes it when asked, for the tests)."""
+    cfg = dict(config or fwd_config(p.d, q.element_size(), block_start is not None))
+    use_tma = bool(cfg.pop("TMA", False)) and _tma_ready(k, v) and _tma_device(q)
     token = None
     if use_tma and q.is_cuda:  # Triton's allocator for this launch only (a context variable)
         from triton.runtime import _allocation
@@ -254,6 +268,12 @@ def launch_fwd(q, k, v, c_hi, c_lo, block_start, cu, p, o, lse2, config=None):
     finally:
         if token is not None:
             _allocation._allocator.reset(token)
+
+
+def _tma_device(x) -> bool:
+    """Whether ``x``'s device has the tensor-memory engine (Hopper, sm_90, or later); the
+    CPU interpreter emulates descriptors."""
+    return not x.is_cuda or torch.cuda.get_device_capability(x.device)[0] >= 9
 
 
 def _launch_fwd(q, k, v, c_hi, c_lo, block_start, cu, p, o, lse2, cfg, use_tma):
