@@ -18,7 +18,8 @@
 # ./gpu-kvpress: per configuration windows.json, lapse.json, kvpress.json, table.md and
 # both sides' logs; summary.md gathers the tables and is printed at the end.
 #
-# Settings (environment): SHAPES, PROMPTS, NUM (batch), STEPS, BUDGETS, MODES (lapse's), DEVICE, DEADLINE
+# Settings (environment): SHAPES, PROMPTS, NUM (batch), STEPS, BUDGETS, MODES (lapse's), PREFILL_REPEATS
+# (prefills timed alone after each run, kvpress_compare.py --prefill-repeats), DEVICE, DEADLINE
 # (seconds after the start past which no configuration starts), STOP (seconds after the
 # start at which a running side is killed), KV_VENV, PYTHON (the image's python3). The CPU
 # dry run (a venv with httpx, which the image has, standing in for the image's python):
@@ -88,7 +89,7 @@ then
 fi
 
 # -- the runs ------------------------------------------------------------------------------------
-COMMON=(--device "$DEVICE" --num "$NUM" --steps "$STEPS" --budgets "$BUDGETS")
+COMMON=(--device "$DEVICE" --num "$NUM" --steps "$STEPS" --budgets "$BUDGETS" --prefill-repeats "${PREFILL_REPEATS:-0}")
 SUMMARY="$OUT/summary.md"
 echo "# lapse and kvpress on $DEVICE (scripts/gpu_kvpress.sh)" > "$SUMMARY"
 left() { local s=$((STOP - SECONDS)); echo $((s > 240 ? 240 : s < 1 ? 1 : s)); }  # a side's timeout

@@ -29,7 +29,10 @@ holding every run, the process's peak RSS is not a per-run quantity; the KV byte
 memory a policy changes. On CUDA (``--device cuda``) the clocks are read after a
 synchronisation, each run is preceded by an untimed one of ``--warmup`` steps (kernels,
 Triton and ``torch.compile`` warmed up), and ``torch.cuda.max_memory_allocated`` (reset
-before each run, the weights included) is reported as the run's peak memory.
+before each run, the weights included) is reported as the run's peak memory. With
+``--prefill-repeats R`` each side times R more prefills alone (a fresh cache each; the
+Hugging Face forward of both sides, lapse's compiled mode excepted) and the table gives
+the median of all R + 1 with their range: one prefill of 40 ms varies by several ms.
 
 The model: by default SmolLM2-135M-Instruct from its GGUF (lapse: ``--hf``, kvpress:
 ``--gguf``) and windows of the local Python sources. For timing alone, ``--random-llama
@@ -46,8 +49,10 @@ import argparse
 import importlib.metadata
 import json
 import math
+import statistics
 import sys
 import time
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -168,6 +173,18 @@ def _record(
     }
 
 
+def _prefill_times(prefill, repeats: int, device: str) -> list[float]:
+    """Seconds of ``repeats`` calls of ``prefill()`` (a fresh cache each), synchronised."""
+    times = []
+    for _ in range(repeats):
+        _sync(device)
+        t0 = time.perf_counter()
+        prefill()
+        _sync(device)
+        times.append(time.perf_counter() - t0)
+    return times
+
+
 def _meta(args, **extra) -> dict:
     meta = {
         "command": args.command,
@@ -257,6 +274,10 @@ def run_lapse(args) -> None:
         t2 = time.perf_counter()
         return _scored_loss(logits, windows, args.prompt), t1 - t0, t2 - t1, float(cache.store.bytes_held())
 
+    @torch.no_grad()
+    def prefill_only(policy) -> None:
+        next_logits(lm, windows[:, : args.prompt], policy_cache(lm, policy, total))
+
     def run_compiled(policy, steps: int) -> tuple[float, float, float, float]:
         """The converted model through lapse's own loop: prefill into the paged store, the
         policy's passes on schedule (graphed on CUDA), compiled decode steps (CUDA graphs)."""
@@ -292,6 +313,8 @@ def run_lapse(args) -> None:
             go(policy, max(args.warmup, 2 if mode == "compiled" else 0))  # compiles each store shape once
         _reset_peak(device)
         loss, pre, dec, kv = go(policy, args.steps)
+        repeats = 0 if mode == "compiled" else args.prefill_repeats
+        again = _prefill_times(partial(prefill_only, policy), repeats, device)
         results.append(
             _record(
                 f"lapse {method}" + (f" ({mode})" if mode else ""),
@@ -302,6 +325,7 @@ def run_lapse(args) -> None:
                 args.steps,
                 kv,
                 policy=repr(policy),
+                prefill_s_runs=[pre, *again],
                 **_peak(device),
             )
         )
@@ -378,12 +402,24 @@ def run_kvpress(args) -> None:
     results = []
     kvpress_version = importlib.metadata.version("kvpress")
 
+    @torch.no_grad()
+    def prefill_only(model, press) -> None:
+        cache = DynamicCache()
+        if press is None:
+            model(windows[:, :prompt], past_key_values=cache, use_cache=True, logits_to_keep=1)
+        else:
+            with press(model):
+                model(windows[:, :prompt], past_key_values=cache, use_cache=True, logits_to_keep=1)
+
     def timed(model, press, method: str, budget: float | None) -> None:
         if args.warmup:
             run(model, press, args.warmup)
         _reset_peak(device)
         loss, pre, dec, kv = run(model, press, steps)
-        results.append(_record(method, budget, loss, pre, dec, steps, kv, **_peak(device)))
+        again = _prefill_times(partial(prefill_only, model, press), args.prefill_repeats, device)
+        results.append(
+            _record(method, budget, loss, pre, dec, steps, kv, prefill_s_runs=[pre, *again], **_peak(device))
+        )
         print(json.dumps(results[-1]), flush=True)
         meta = _meta(
             args,
@@ -462,7 +498,7 @@ def write_table(args) -> None:
             else ""
         ),
         "",
-        "| method | budget | loss | delta | prefill s | decode ms/step | KV MiB |"
+        "| method | budget | loss | delta | prefill ms | decode ms/step | KV MiB |"
         + (" peak MiB |" if peak else ""),
         "|---|---:|---:|---:|---:|---:|---:|" + ("---:|" if peak else ""),
     ]
@@ -474,7 +510,7 @@ def write_table(args) -> None:
             budget = "-" if r["budget"] is None else f"{r['budget']:.0%}"
             line = (
                 f"| {r['method']} | {budget} | {r['loss']:.4f} | {r['loss'] - base:+.4f} "
-                f"| {r['prefill_s']:.2f} | {r['decode_ms_per_step']:.1f} | {r['kv_bytes'] / 2**20:.2f} |"
+                f"| {_prefill_text(r)} | {r['decode_ms_per_step']:.1f} | {r['kv_bytes'] / 2**20:.2f} |"
             )
             if peak:
                 line += f" {r['peak_bytes'] / 2**20:.0f} |" if "peak_bytes" in r else " - |"
@@ -493,6 +529,15 @@ def write_table(args) -> None:
     ]
     (args.out / "table.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
+
+
+def _prefill_text(r: dict) -> str:
+    """A row's prefill in ms: the one timed run, or the median of several with their range."""
+    runs = r.get("prefill_s_runs") or [r["prefill_s"]]
+    if len(runs) == 1:
+        return f"{1000 * runs[0]:.1f}"
+    low, mid, high = (1000 * f(runs) for f in (min, statistics.median, max))
+    return f"{mid:.1f} ({low:.1f}-{high:.1f}, n {len(runs)})"
 
 
 def _shape_text(shape: str) -> str:
@@ -542,6 +587,12 @@ def main() -> None:
         type=int,
         default=None,
         help="decode steps of an untimed run before each timed one (default: 4 on cuda, 0 on cpu)",
+    )
+    parser.add_argument(
+        "--prefill-repeats",
+        type=int,
+        default=0,
+        help="prefills timed alone after each run (the table: the median of all, with the range)",
     )
     args = parser.parse_args()
     if args.warmup is None:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 from numpy import array as np_array
+from numpy import full as np_full
 
 from lapse.kv import KVCache, PagedStore
 from lapse.kv.paged import _slots
@@ -228,3 +229,43 @@ def test_host_page_accounting_follows_random_evictions(whole_pages):
             _fill(store, 3, 1, start)
             start += 1
         _check_accounting(store)
+
+
+@pytest.mark.parametrize("ragged", [False, True])
+def test_a_prompt_written_without_indices_equals_the_general_write(monkeypatch, ragged):
+    """The prompt's fast path (each head's pages in order, one copy per buffer) leaves the
+    store exactly as the general grant and indexed write do: pools (keys, values, an extra,
+    positions, scores), table, lengths and the host's lists; then a decode step on both."""
+    b, t, h = 3, 37, 2
+    g = torch.Generator().manual_seed(0)
+    k, v = torch.randn(b, t, h, 8, generator=g), torch.randn(b, t, h, 8, generator=g)
+    c = torch.randn(b, t, 2 * h, generator=g).double()
+    lengths = torch.tensor([37, 5, 20]) if ragged else None
+
+    def filled(general: bool) -> PagedStore:
+        store = PagedStore(2, max_context=64, page_size=16, score_decay=0.5)
+        if general:  # the grant every later step takes, then the indexed write
+            monkeypatch.setattr(
+                store, "_grant_prompt", lambda i, n: store._grant(i, np_full((b, h), n))
+            )
+        store.begin(b, t, torch.device("cpu"), lengths)
+        for i in range(2):
+            store.append(i, k, v, c=c)
+        store.advance()
+        assert store._prompt_pages == ([0, 0] if general else [3, 3])  # 37 tokens: 3 pages of 16
+        store.begin(b, 1, torch.device("cpu"))
+        for i in range(2):
+            store.append(i, k[:, :1] + 1, v[:, :1] - 1, c=c[:, :1])
+        store.advance()
+        return store
+
+    fast, general = filled(False), filled(True)
+    for i in range(2):
+        assert torch.equal(fast.page_table[i], general.page_table[i])
+        assert torch.equal(fast.lengths[i], general.lengths[i])
+        assert torch.equal(fast.k[i], general.k[i]) and torch.equal(fast.v[i], general.v[i])
+        assert fast.extras[i].keys() == general.extras[i].keys() == {"c", "pos", "score"}
+        for name in fast.extras[i]:
+            assert torch.equal(fast.extras[i][name], general.extras[i][name]), name
+        assert (fast._count[i] == general._count[i]).all() and (fast._pages[i] == general._pages[i]).all()
+        assert fast._free[i] == general._free[i]

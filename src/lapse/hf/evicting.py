@@ -251,7 +251,7 @@ class EvictingCache(Cache):
             self.policy.check(decoder)
             self._bounds = logit_bounds(decoder)
         else:
-            _check_family(model.config, self.policy, any(hasattr(m, "dcp") for m in model.modules()))
+            _check_family(model.config, self.policy, _has_dcp(model))
         self._checked = True
 
     def _open(self, config, batch: int, prompt_len: int, kv_heads: int) -> PagedStore:
@@ -372,9 +372,12 @@ class EvictingCache(Cache):
         store.append(i, k, v)
         if store.score_decay is None:
             return
-        lengths = store.new_lengths or [k.shape[1]] * k.shape[0]
+        if store.new_lengths is None:  # no padding: the batch in one call
+            scores = attention_key_scores(q, k, scale=scaling, alpha=store.score_decay)
+            store.record_prefill_scores(i, scores)
+            return
         scores = torch.zeros(*k.shape[:3], dtype=torch.float32, device=k.device)  # [B, T, H]
-        for b, n in enumerate(lengths):  # each prompt on its own (no padding queries, A2SF's weights)
+        for b, n in enumerate(store.new_lengths):  # each prompt alone (no padding queries; A2SF's weights)
             scores[b, :n] = attention_key_scores(
                 q[b : b + 1, :n], k[b : b + 1, :n], scale=scaling, alpha=store.score_decay
             )[0]
@@ -418,6 +421,13 @@ def _lapse_decoder(model: nn.Module) -> Decoder | None:
     Face model."""
     decoder = getattr(model, "model", None)
     return decoder if isinstance(decoder, Decoder) else None
+
+
+def _has_dcp(model: nn.Module) -> bool:
+    """Whether a layer of ``model`` has DCP (:func:`lapse.hf.add_dcp` registers ``dcp`` as
+    a submodule; a dictionary lookup per module, where ``hasattr`` on a module raises and
+    catches for each: 1.7 ms at SmolLM2-135M)."""
+    return any("dcp" in m._modules for m in model.modules())
 
 
 def _check_family(config, policy: Policy, dcp: bool) -> None:

@@ -172,6 +172,9 @@ class PagedStore(StoreBase):
         self._pending: dict[int, Tensor] = {}  # layers evicted since the host's lists were settled:
         # the pages each head dropped at its front [B, H]
         self._graphs: dict[tuple, tuple] = {}  # apply_policy_all's CUDA graphs, by their arguments
+        # per layer: the pages per head of a fresh grant that gave each head its pages in
+        # order (the layout _append_prompt writes without indices), else 0
+        self._prompt_pages: list[int] = [0] * n_layers
 
     # -- the KVCache protocol (begin, state, advance, length: StoreBase) -------------------
 
@@ -193,9 +196,12 @@ class PagedStore(StoreBase):
         self._room -= t
 
     def append(self, layer_idx: int, k: Tensor, v: Tensor, **extras: Tensor) -> None:
+        b, t, h, _ = k.shape
         if self.k[layer_idx] is None:
             self._allocate(layer_idx, k, v, extras)
-        b, t, h, _ = k.shape
+            if self._prompt_pages[layer_idx]:
+                self._append_prompt(layer_idx, k, v, extras)
+                return
         s = self.page_size
         lengths = self.lengths[layer_idx]  # [B, H]
         slots = lengths[:, :, None].long() + torch.arange(t, device=k.device)  # [B, H, T]
@@ -227,6 +233,28 @@ class PagedStore(StoreBase):
                 pools["score"].view(-1).index_fill_(0, rows, 0.0)
         # a ragged prefill: the padding went into slots past each sequence's length (free)
         lengths.add_(t if self._new is None else self._new[:, None].int())
+
+    def _append_prompt(self, layer_idx: int, k: Tensor, v: Tensor, extras: dict[str, Tensor]) -> None:
+        """:meth:`append` of a prompt into a layer just allocated whose heads own pages in
+        order (:meth:`_grant`'s fresh case): head ``j`` of ``B x H`` holds rows
+        ``j n S .. j n S + T - 1`` of the pool seen as ``[P * S, ...]``, so the prompt goes
+        in with one copy per buffer and no slot indices (the host's work per layer of a
+        prefill; on the lent H100 the prefill was host-bound)."""
+        b, t, h, _ = k.shape
+        rows = self._prompt_pages[layer_idx] * self.page_size
+
+        def write(pool: Tensor, values: Tensor) -> None:  # values [B, H, T, ...]
+            flat = pool.view(-1, *pool.shape[2:])[: b * h * rows]
+            flat.view(b, h, rows, *pool.shape[2:])[:, :, :t].copy_(values)
+
+        write(self.k[layer_idx], k.transpose(1, 2))
+        write(self.v[layer_idx], v.transpose(1, 2))
+        pools = self.extras[layer_idx]
+        for name, value in extras.items():
+            write(pools[name], value.view(b, t, h, -1).transpose(1, 2))
+        write(pools["pos"], self._positions[:, None, :].expand(b, h, t))
+        # the pools are fresh zeros: the new slots' scores are 0 already
+        self.lengths[layer_idx].add_(t if self._new is None else self._new[:, None].int())
 
     def view(self, layer_idx: int) -> PagedView:
         extras = self.extras[layer_idx]
@@ -529,7 +557,25 @@ class PagedStore(StoreBase):
         self._free[layer_idx] = _PageStack(n)
         self._count[layer_idx] = np.zeros((b, h), dtype=np.int64)
         self._pages[layer_idx] = np.full((b, h, table), -1, dtype=np.int64)
-        self._grant(layer_idx, np.full((b, h), -(-self._t // s), dtype=np.int64))
+        need = -(-self._t // s)
+        if 0 < need <= table and b * h * need <= n:
+            self._grant_prompt(layer_idx, need)
+        else:  # none, or more than the table or the pool holds: the general case (its errors)
+            self._grant(layer_idx, np.full((b, h), need, dtype=np.int64))
+
+    def _grant_prompt(self, layer_idx: int, n: int) -> None:
+        """:meth:`_grant` of ``n`` pages to every head of a layer just allocated (its stack
+        new: popping gives pages ``0, 1, ...``): head ``j`` of ``B x H`` takes pages
+        ``j n .. j n + n - 1``, the table made on the device (a copy from the host's
+        pageable memory would wait for the device, once per layer of every prefill), and
+        the prompt written without indices (:meth:`_append_prompt`)."""
+        count = self._count[layer_idx]
+        total = count.size * n
+        self._pages[layer_idx][:, :, :n] = self._free[layer_idx].pop(total).reshape(*count.shape, n)
+        count += n
+        table = self.page_table[layer_idx]
+        table[:, :, :n] = torch.arange(total, dtype=torch.int32, device=table.device).view(*count.shape, n)
+        self._prompt_pages[layer_idx] = n
 
     def _grant(self, layer_idx: int, needed: np.ndarray) -> None:
         """Pages from the free list until (b, h) owns ``needed[b, h]`` pages (``[B, H]``):
@@ -552,9 +598,9 @@ class PagedStore(StoreBase):
                 f"the page pool of layer {layer_idx} is full ({self.k[layer_idx].shape[0] - 1} pages of "
                 f"{self.page_size}): give the store more pages or the policy a smaller budget"
             )
+        self._prompt_pages[layer_idx] = 0
         if not total:
             return
-        fresh = not count.any()
         taken = free.pop(total)  # what popping one page at a time would give, in order
         head = np.repeat(np.arange(want.size), want)  # [total] the head each new page goes to
         first = np.repeat(np.cumsum(want) - want, want)  # where that head's new pages start in `taken`
@@ -563,14 +609,6 @@ class PagedStore(StoreBase):
         pages[b, h, column] = taken
         count += want.reshape(count.shape)
         table = self.page_table[layer_idx]
-        n = int(want[0])
-        if fresh and (want == n).all() and np.array_equal(taken, np.arange(total)):
-            # a prompt's grant from a full stack: head j takes pages j n .. j n + n - 1, made
-            # on the device (a copy from the host's pageable memory would wait for the
-            # device, once per layer of every prefill)
-            fresh_pages = torch.arange(total, dtype=torch.int32, device=table.device)
-            table[:, :, :n] = fresh_pages.view(*count.shape, n)
-            return
         update = torch.from_numpy(np.stack([b, h, column, taken])).to(table.device)  # [4, total]
         table[update[0], update[1], update[2]] = update[3].to(torch.int32)
 
