@@ -31,7 +31,7 @@ PTRS_FWD = {"Q": "*bf16", "K": "*bf16", "V": "*bf16", "CHI": "*fp32", "CLO": "*f
             "O": "*bf16", "LSE": "*fp32", "CU": "*i32"}
 PTRS_BWD = {"Q": "*bf16", "K": "*bf16", "V": "*bf16", "DO": "*bf16", "LSE": "*fp32", "DELTA": "*fp32",
             "CHI": "*fp32", "CLO": "*fp32", "BSTART": "*i32", "BEND": "*i32", "CU": "*i32", "DK": "*bf16",
-            "DV": "*bf16", "DQ": "*bf16", "DCC": "*fp32", "DCR": "*fp32"}
+            "DV": "*bf16", "DQ": "*bf16", "DCC": "*fp32", "DCR": "*fp32", "DQA": "*fp32", "DCRA": "*fp32"}
 PTRS_CASTLE = {**{n: "*bf16" for n in ("QC", "KC", "VC", "QU", "KU", "VU", "DO")},
                **{n: "*fp32" for n in ("M2", "ACC", "DEN", "UEND", "LSE2", "DELTA", "DQC", "DKC", "DVC",
                                        "DQU", "DKU", "DVU")}}

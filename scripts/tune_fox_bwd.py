@@ -12,6 +12,11 @@ gradients are checked against the default options' (relative difference) and poi
 first. Registers and spills of each option: ``scripts/kernel_resources.py --bwd-sweep``
 (the same compiler, no GPU needed).
 
+Measured in the eleventh session (docs/bench/session11/h100-issue16-bwd-fox-bwd.json): no
+option beat the defaults. Now by default it times the fused backward (``FUSE_DQ``: one
+kernel, dQ through atomics; options that spill at most 200 B compiled for sm_90) against
+the two-kernel default; ``--sweep`` adds the separate kernels' options again.
+
     python scripts/tune_fox_bwd.py --out fox_bwd.json
 """
 
@@ -39,6 +44,11 @@ DKDV = {
          (16, 128, 8, 2)],
     128: [(32, 32, 4, 3), (32, 64, 8, 2), (64, 32, 4, 3), (64, 32, 8, 2), (16, 64, 8, 2), (16, 128, 8, 2)],
 }
+# (BM, BN, warps, stages) of the fused kernel: spills of 24-192 B per thread at sm_90
+FUSED = {
+    64: [(32, 64, 4, 3), (32, 128, 8, 2), (16, 64, 4, 3), (16, 128, 8, 2)],
+    128: [(32, 128, 8, 2), (16, 128, 8, 2), (16, 64, 4, 3), (32, 64, 8, 2)],
+}
 DQ = {
     64: [(64, 64, 8, 2), (128, 64, 8, 2), (128, 32, 8, 2), (64, 32, 4, 2)],
     128: [(64, 32, 8, 2), (128, 32, 8, 2), (32, 64, 8, 2), (128, 64, 8, 3)],  # 0, 0, 0, 20
@@ -54,6 +64,7 @@ def main() -> None:
     ap.add_argument("--shapes", nargs="+", default=["4096x64", "16384x64", "4096x128", "16384x128"],
                     help="T x D; heads 24 at D 64, 12 at D 128, B = 32768 / T")
     ap.add_argument("--out", default="fox_bwd.json")
+    ap.add_argument("--sweep", action="store_true", help="also the separate kernels' options")
     args = ap.parse_args()
     set_value_checks(False)
     rows = []
@@ -86,10 +97,13 @@ def main() -> None:
 
             ref = run((kv0, q0))
             options = [("default", kv0, q0)]
-            options += [("dkdv", dict(BM=bm, BN=bn, num_warps=w, num_stages=st), q0)
-                        for bm, bn, w, st in DKDV[d] if not (acp and 64 % bm)]
-            options += [("dq", kv0, dict(BM=bm, BN=bn, num_warps=w, num_stages=st))
-                        for bm, bn, w, st in DQ[d] if not (acp and 64 % bn)]
+            options += [("fused", dict(BM=bm, BN=bn, num_warps=w, num_stages=st, FUSE_DQ=True), q0)
+                        for bm, bn, w, st in FUSED[d] if not (acp and 64 % bm)]
+            if args.sweep:
+                options += [("dkdv", dict(BM=bm, BN=bn, num_warps=w, num_stages=st), q0)
+                            for bm, bn, w, st in DKDV[d] if not (acp and 64 % bm)]
+                options += [("dq", kv0, dict(BM=bm, BN=bn, num_warps=w, num_stages=st))
+                            for bm, bn, w, st in DQ[d] if not (acp and 64 % bn)]
             for varied, kv, qc in options:
                 row = dict(T=t, D=d, H=h, B=b, acp=acp, varied=varied, dkdv=kv, dq=qc,
                            sdpa_default_fwdbwd_ms=sdpa_ms)
@@ -104,15 +118,15 @@ def main() -> None:
                 rows.append(row)
         print(f"T {t} D {d}: SDPA default fwd+bwd {sdpa_ms:.3f} ms", flush=True)
     _dump(args.out, rows)
-    print("\nT D acp | default bwd ms | best dK/dV option | best dQ option")
+    print("\nT D acp | default bwd ms | best fused option | best dK/dV option | best dQ option")
     for (t, d, acp), group in itertools.groupby(rows, key=lambda r: (r["T"], r["D"], r["acp"])):
         ok = [r for r in group if "bwd_ms" in r and not r["nan"] and r["rel_diff"] < 2e-2]
         default = next(r for r in ok if r["varied"] == "default")
         out = [f"{t} {d} {int(acp)} | {default['bwd_ms']:.3f}"]
-        for varied in ("dkdv", "dq"):
+        for varied in ("fused", "dkdv", "dq"):
             mine = [r for r in ok if r["varied"] == varied] or [default]
             best = min(mine, key=lambda r: r["bwd_ms"])
-            out.append(f"{best['bwd_ms']:.3f} {best[varied]}")
+            out.append(f"{best['bwd_ms']:.3f} {best['dq' if varied == 'dq' else 'dkdv']}")
         print(" | ".join(out))
 
 

@@ -280,3 +280,43 @@ def test_forward_through_tensor_descriptors_equals_pointer_loads(case):
     (o0, l0), (o1, l1) = outs
     assert not o1.isnan().any() and not l1.isnan().any()
     assert torch.equal(o0, o1) and torch.equal(l0, l1)
+
+
+def _fuse_dq(monkeypatch):
+    """Makes the Triton backward take one kernel with dQ through atomics (``FUSE_DQ``)."""
+    from lapse.ops.forgetting import triton_bwd
+
+    plain = triton_bwd.bwd_config
+
+    def fused(*args, **kwargs):
+        kv, q = plain(*args, **kwargs)
+        return dict(kv, FUSE_DQ=True), q
+
+    monkeypatch.setattr(triton_bwd, "bwd_config", fused)
+
+
+@pytest.mark.parametrize("case", CPU_CASES, ids=[_id(c) for c in CPU_CASES])
+def test_backward_with_dq_through_atomics_matches_naive(case, monkeypatch):
+    """The fused backward (``FUSE_DQ``: the dK/dV kernel adds dQ and the row sums of dS
+    with atomics) held to the float64 oracle like the two-kernel one: GQA, Tq < Tk, ACP,
+    packed sequences, -inf gates, outputs poisoned first (the float32 accumulators are
+    zeroed by the launch, so an unvisited row would show as 0 against the oracle)."""
+    if torch.cuda.is_available():
+        pytest.skip("interpreter shapes; the GPU runs test_backward_with_dq_through_atomics_gpu")
+    _fuse_dq(monkeypatch)
+    b, tq, tk, hq, h, d, gate, acp, cu = case
+    cu_t = None if cu is None else torch.tensor(cu, dtype=torch.int32)
+    q, k, v, lg, do = _inputs(b, tq, tk, hq, h, d, gate, torch.float32, "cpu", seed=tq + tk + d)
+    _compare(q, k, v, lg, do, torch.float32, acp, cu_t, None)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", GPU_CASES, ids=[_id(c) for c in GPU_CASES])
+def test_backward_with_dq_through_atomics_gpu(case, monkeypatch):
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    _fuse_dq(monkeypatch)
+    b, tq, tk, hq, h, d, gate, acp, cu = case
+    cu_t = None if cu is None else torch.tensor(cu, dtype=torch.int32, device="cuda")
+    q, k, v, lg, do = _inputs(b, tq, tk, hq, h, d, gate, torch.bfloat16, "cuda", seed=d)
+    _compare(q, k, v, lg, do, torch.bfloat16, acp, cu_t, None)

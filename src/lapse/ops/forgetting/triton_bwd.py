@@ -6,6 +6,10 @@ Two kernels, no atomics:
   per query head.
 - ``_bwd_dq_kernel``: one program per (query tile, batch x query head); loops over key
   tiles; writes dQ and the row sums of dS.
+Or one kernel (``FUSE_DQ`` in the dK/dV config, issue 16's measurement): the dK/dV kernel
+also adds each tile's ``dS K`` and row sums of dS into float32 buffers with atomics, so
+S and dP are computed once per tile instead of twice (5 matrix products per tile, not 7);
+dQ is then that buffer times the scale. Its sums' order varies from run to run.
 The gate gradient is ``dc_i = rowsum_i(dS) - colsum_i(dS)`` then a reverse cumulative sum
 (host side, float64). Both kernels skip exactly the tiles the forward skipped: for a key
 tile the kept query rows are a contiguous range ending at ``block_end * ACP_BLOCK``.
@@ -89,11 +93,12 @@ def _dkdv_inner(
     b_dk, b_dv, b_dcc,
     b_k, b_v, b_ck, o_n,
     p_q, p_do, p_lse, p_delta, p_chi, p_clo, p_bs, c_ref,
-    stride_qt, stride_dot,
+    p_dqa, p_dcra,
+    stride_qt, stride_dot, stride_dqat,
     lo, hi, tq, off, qk_scale,
     o_d, m_d,
     BM: tl.constexpr, G: tl.constexpr, MASKED: tl.constexpr, USE_ACP: tl.constexpr,
-    DOT_PREC: tl.constexpr,
+    DOT_PREC: tl.constexpr, FUSE_DQ: tl.constexpr,
 ):
     for start in range(lo, hi, BM):
         o_m = start + tl.arange(0, BM)
@@ -123,23 +128,30 @@ def _dkdv_inner(
         b_dpt = tl.dot(b_v, tl.trans(b_do), input_precision=DOT_PREC)
         b_dst = b_pt * (b_dpt - b_delta[None, :])
         b_dcc += tl.sum(b_dst, 1)
-        b_dk = tl.dot(b_dst.to(b_q.dtype), b_q, b_dk, input_precision=DOT_PREC)
+        b_dst_lo = b_dst.to(b_q.dtype)
+        b_dk = tl.dot(b_dst_lo, b_q, b_dk, input_precision=DOT_PREC)
+        if FUSE_DQ:  # this tile's share of dQ (unscaled) and of the row sums of dS
+            b_dq = tl.dot(tl.trans(b_dst_lo), b_k, input_precision=DOT_PREC)  # [BM, BD]
+            tl.atomic_add(p_dqa + o_m[:, None] * stride_dqat + o_d[None, :], b_dq,
+                          mask=m_m[:, None] & m_d[None, :], sem="relaxed")
+            tl.atomic_add(p_dcra + o_m, tl.sum(b_dst, 0), mask=m_m, sem="relaxed")
     return b_dk, b_dv, b_dcc
 
 
 @triton.jit
 def _bwd_dkdv_kernel(
-    Q, K, V, DO, LSE, DELTA, CHI, CLO, BSTART, BEND, CU, DK, DV, DCC,
+    Q, K, V, DO, LSE, DELTA, CHI, CLO, BSTART, BEND, CU, DK, DV, DCC, DQA, DCRA,
     stride_qb, stride_qt, stride_qh,
     stride_kb, stride_kt, stride_kh,
     stride_vb, stride_vt, stride_vh,
     stride_dob, stride_dot, stride_doh,
     stride_dkb, stride_dkt, stride_dkh,
     stride_dvb, stride_dvt, stride_dvh,
+    stride_dqab, stride_dqat, stride_dqah,
     qk_scale, scale, TQ, TK, TC, HQ, H, MB, NB,
     D: tl.constexpr, BD: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
     G: tl.constexpr, GROUP: tl.constexpr, IS_VARLEN: tl.constexpr, USE_ACP: tl.constexpr,
-    DOT_PREC: tl.constexpr,
+    DOT_PREC: tl.constexpr, FUSE_DQ: tl.constexpr,
 ):
     i_n = tl.program_id(0).to(tl.int64)
     i_bh = tl.program_id(1).to(tl.int64)
@@ -204,19 +216,24 @@ def _bwd_dkdv_kernel(
         p_lse = LSE + (i_bt * HQ + i_h) * TC + bos
         p_delta = DELTA + (i_bt * HQ + i_h) * TC + bos
         p_bs = BSTART + (i_b * HQ + i_h) * MB
+        p_dqa = DQA + i_bt * stride_dqab + bos * stride_dqat + i_h * stride_dqah
+        p_dcra = DCRA + (i_bt * HQ + i_h) * TC + bos
         b_dcc = tl.zeros([BN], dtype=tl.float32)
         b_dk, b_dv, b_dcc = _dkdv_inner(b_dk, b_dv, b_dcc, b_k, b_v, b_ck, o_n, p_q, p_do, p_lse,
-                                        p_delta, p_chi, p_clo, p_bs, c_ref, stride_qt, stride_dot,
+                                        p_delta, p_chi, p_clo, p_bs, c_ref, p_dqa, p_dcra,
+                                        stride_qt, stride_dot, stride_dqat,
                                         q_lo, a, tq, off, qk_scale, o_d, m_d,
-                                        BM, G, True, USE_ACP, DOT_PREC)
+                                        BM, G, True, USE_ACP, DOT_PREC, FUSE_DQ)
         b_dk, b_dv, b_dcc = _dkdv_inner(b_dk, b_dv, b_dcc, b_k, b_v, b_ck, o_n, p_q, p_do, p_lse,
-                                        p_delta, p_chi, p_clo, p_bs, c_ref, stride_qt, stride_dot,
+                                        p_delta, p_chi, p_clo, p_bs, c_ref, p_dqa, p_dcra,
+                                        stride_qt, stride_dot, stride_dqat,
                                         a, b, tq, off, qk_scale, o_d, m_d,
-                                        BM, G, False, USE_ACP, DOT_PREC)
+                                        BM, G, False, USE_ACP, DOT_PREC, FUSE_DQ)
         b_dk, b_dv, b_dcc = _dkdv_inner(b_dk, b_dv, b_dcc, b_k, b_v, b_ck, o_n, p_q, p_do, p_lse,
-                                        p_delta, p_chi, p_clo, p_bs, c_ref, stride_qt, stride_dot,
+                                        p_delta, p_chi, p_clo, p_bs, c_ref, p_dqa, p_dcra,
+                                        stride_qt, stride_dot, stride_dqat,
                                         b, q_end, tq, off, qk_scale, o_d, m_d,
-                                        BM, G, True, USE_ACP, DOT_PREC)
+                                        BM, G, True, USE_ACP, DOT_PREC, FUSE_DQ)
         tl.store(DCC + (i_bt * HQ + i_h) * TC + bos + o_n, b_dcc, mask=m_n)
     p_dk = DK + i_bt * stride_dkb + (bos + o_n[:, None]) * stride_dkt + i_hk * stride_dkh + o_d[None, :]
     p_dv = DV + i_bt * stride_dvb + (bos + o_n[:, None]) * stride_dvt + i_hk * stride_dvh + o_d[None, :]
@@ -358,9 +375,11 @@ def bwd_config(d: int, group: int = 1, acp: bool = False) -> tuple[dict, dict]:
 
 def launch_bwd(q, k, v, do, lse2, delta, c_hi, c_lo, block_start, block_end, cu, p,
                dq, dk, dv, dcc, dcr, configs=None):
-    """Runs both backward kernels; dk/dv/dq in the inputs' dtypes, dcc/dcr float32 [B, HQ, Tc]."""
+    """Runs the backward kernels; dk/dv/dq in the inputs' dtypes, dcc/dcr float32 [B, HQ, Tc].
+    ``FUSE_DQ=True`` in the dK/dV config: one kernel, dQ through atomics (module doc)."""
     cfg_kv, cfg_q = configs or bwd_config(p.d, p.hq // p.h, block_start is not None)
     cfg_kv, cfg_q = dict(cfg_kv), dict(cfg_q)
+    fuse = bool(cfg_kv.pop("FUSE_DQ", False))
     bd = max(16, triton.next_power_of_2(p.d))
     use_acp = block_start is not None
     mb = block_start.shape[-1] if use_acp else 1
@@ -369,19 +388,28 @@ def launch_bwd(q, k, v, do, lse2, delta, c_hi, c_lo, block_start, block_end, cu,
     common = dict(D=p.d, BD=bd, G=64, IS_VARLEN=cu is not None, USE_ACP=use_acp,
                   DOT_PREC="ieee" if q.dtype.itemsize == 4 else "tf32")
     bm, bn = cfg_kv.pop("BM"), cfg_kv.pop("BN")
+    dqa = torch.zeros(q.shape, dtype=torch.float32, device=q.device) if fuse else dummy
+    if fuse:
+        dcr.zero_()
+    sa = dqa.stride()[:3] if fuse else (0, 0, 0)
     _bwd_dkdv_kernel[(triton.cdiv(p.tk, bn), p.batch * p.h)](
         q, k, v, do, lse2, delta, c_hi, c_lo,
         block_start if use_acp else dummy, block_end if use_acp else dummy,
-        cu if cu is not None else dummy, dk, dv, dcc,
+        cu if cu is not None else dummy, dk, dv, dcc, dqa, dcr,
         q.stride(0), q.stride(1), q.stride(2),
         k.stride(0), k.stride(1), k.stride(2),
         v.stride(0), v.stride(1), v.stride(2),
         do.stride(0), do.stride(1), do.stride(2),
         dk.stride(0), dk.stride(1), dk.stride(2),
         dv.stride(0), dv.stride(1), dv.stride(2),
+        *sa,
         p.scale * LOG2E, p.scale, p.tq, p.tk, c_hi.shape[-1], p.hq, p.h,
-        mb, nb, BM=bm, BN=bn, GROUP=p.hq // p.h, **common, **cfg_kv,
+        mb, nb, BM=bm, BN=bn, GROUP=p.hq // p.h, FUSE_DQ=fuse, **common, **cfg_kv,
     )
+    if fuse:
+        torch.mul(dqa, p.scale, out=dqa)
+        dq.copy_(dqa)
+        return
     bm, bn = cfg_q.pop("BM"), cfg_q.pop("BN")
     _bwd_dq_kernel[(triton.cdiv(p.tq, bm), p.batch * p.hq)](
         q, k, v, do, lse2, delta, c_hi, c_lo, block_start if use_acp else dummy,
