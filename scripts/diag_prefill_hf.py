@@ -37,7 +37,8 @@ def _sync() -> None:
         torch.cuda.synchronize()
 
 
-def _timed(fn, repeats: int) -> float:
+def _timed(fn, repeats: int) -> list[float]:
+    """Seconds of ``repeats`` calls after a warm-up."""
     fn()  # warm-up
     times = []
     for _ in range(repeats):
@@ -46,7 +47,7 @@ def _timed(fn, repeats: int) -> float:
         fn()
         _sync()
         times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+    return times
 
 
 def _profile(fn, rows: int) -> str:
@@ -86,11 +87,12 @@ def main() -> None:
     ap.add_argument("--prompt", type=int, default=4096)
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--out", type=Path, default=Path("prefill-diag.json"))
+    ap.add_argument("--no-profile", action="store_true", help="timings only (no profiles, no sync listing)")
     args = ap.parse_args()
     from transformers import DynamicCache
 
     from lapse.eval.policy import next_logits, policy_cache
-    from lapse.generation import Dense, paged_store_for, prefill
+    from lapse.generation import H2O, Dense, SinkWindow, paged_store_for, prefill
     from lapse.hf import ATTENTION, register_attention
     from lapse.hf.convert import decoder_from_hf
 
@@ -113,6 +115,18 @@ def main() -> None:
     def hf_evicting():
         next_logits(lm, ids, policy_cache(lm, dense, total))
 
+    budget = args.prompt // 10
+    window = SinkWindow(every=66, sinks=4, window=budget - 4)
+    h2o = H2O(every=66, budget=budget, recent=budget // 2)
+
+    @torch.no_grad()
+    def hf_window():
+        next_logits(lm, ids, policy_cache(lm, window, total))
+
+    @torch.no_grad()
+    def hf_h2o():
+        next_logits(lm, ids, policy_cache(lm, h2o, total))
+
     @torch.no_grad()
     def decoder_none():
         converted.hidden_states(ids)
@@ -124,14 +138,24 @@ def main() -> None:
 
     result = dict(device=torch.cuda.get_device_name() if device == "cuda" else "cpu",
                   torch=torch.__version__, shape=args.shape, num=args.num, prompt=args.prompt, seconds={})
-    for name, fn in (("hf-sdpa", hf_sdpa), ("hf-evicting", hf_evicting), ("decoder-none", decoder_none),
-                     ("decoder-paged", decoder_paged)):
+    # each timed twice, in this order and back (a drift of the device or the allocator shows)
+    runs = (("hf-sdpa", hf_sdpa), ("hf-evicting", hf_evicting), ("hf-window", hf_window), ("hf-h2o", hf_h2o),
+            ("decoder-none", decoder_none), ("decoder-paged", decoder_paged))
+    result["samples"] = {}
+    for name, fn in (*runs, *runs[::-1]):
         try:
-            result["seconds"][name] = _timed(fn, args.repeats)
+            result["samples"].setdefault(name, []).extend(_timed(fn, args.repeats))
+            result["seconds"][name] = statistics.median(result["samples"][name])
         except Exception as e:  # noqa: BLE001 - report and go on
             result["seconds"][name] = f"{type(e).__name__}: {str(e)[:200]}"
-        print(name, result["seconds"][name], flush=True)
+    for name, times in result["samples"].items():
+        ms = [1000 * t for t in times]
+        first, back = statistics.median(ms[: args.repeats]), statistics.median(ms[args.repeats :])
+        print(f"{name}: median {statistics.median(ms):.1f} ms (min {min(ms):.1f}, max {max(ms):.1f}, "
+              f"n {len(ms)}); first pass {first:.1f}, second {back:.1f}", flush=True)
     args.out.write_text(json.dumps(result, indent=1))
+    if args.no_profile:
+        return
     tables = []
     for name, fn in (("decoder-paged", decoder_paged), ("hf-evicting", hf_evicting), ("hf-sdpa", hf_sdpa)):
         try:
