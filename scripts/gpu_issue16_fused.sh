@@ -8,8 +8,8 @@ export PYTHONUNBUFFERED=1
 OUT="${OUT:-runs/issue16-fused}"
 mkdir -p "$OUT"
 nvidia-smi --query-gpu=name --format=csv,noheader 2> /dev/null || true
-timeout 150 python3 -m pytest -q -m gpu tests/ops/test_forgetting_triton.py -k atomics --tb=short \
+timeout 100 python3 -m pytest -q -m gpu tests/ops/test_forgetting_triton.py -k atomics --tb=short \
     -p no:cacheprovider 2>&1 | grep -E "^(E |FAILED|ERROR)|passed|failed" | head -n 20
-timeout 300 python3 scripts/tune_fox_bwd.py --out "$OUT/fox-bwd-fused.json" 2>&1 | grep -v -i warn | tail -n 14
+timeout 240 python3 scripts/tune_fox_bwd.py --out "$OUT/fox-bwd-fused.json" 2>&1 | grep -v -i warn | tail -n 14
 # issue 15: the HF prefills again, window and H2O too, each 2 x 7 times (scripts/diag_prefill_hf.py)
-timeout 100 python3 scripts/diag_prefill_hf.py --repeats 7 --no-profile --out "$OUT/prefill-diag-timings.json" 2>&1 | grep -E "median"
+timeout 80 python3 scripts/diag_prefill_hf.py --repeats 7 --no-profile --out "$OUT/prefill-diag-timings.json" 2>&1 | grep -E "median"
