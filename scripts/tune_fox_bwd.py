@@ -117,6 +117,7 @@ def main() -> None:
                     row["error"] = f"{type(e).__name__}: {str(e)[:160]}"
                 rows.append(row)
         print(f"T {t} D {d}: SDPA default fwd+bwd {sdpa_ms:.3f} ms", flush=True)
+        _dump(args.out, rows)  # after every shape: a run cut short keeps what it measured
     _dump(args.out, rows)
     print("\nT D acp | default bwd ms | best fused option | best dK/dV option | best dQ option")
     for (t, d, acp), group in itertools.groupby(rows, key=lambda r: (r["T"], r["D"], r["acp"])):
