@@ -88,6 +88,9 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--out", type=Path, default=Path("prefill-diag.json"))
     ap.add_argument("--no-profile", action="store_true", help="timings only (no profiles, no sync listing)")
+    ap.add_argument("--after-decode", action="store_true",
+                    help="only the HF prefills, before and after 16 decode steps under the window policy "
+                         "(eviction compiled), as kvpress_compare.py runs them")
     args = ap.parse_args()
     from transformers import DynamicCache
 
@@ -141,8 +144,20 @@ def main() -> None:
     # each timed twice, in this order and back (a drift of the device or the allocator shows)
     runs = (("hf-sdpa", hf_sdpa), ("hf-evicting", hf_evicting), ("hf-window", hf_window), ("hf-h2o", hf_h2o),
             ("decoder-none", decoder_none), ("decoder-paged", decoder_paged))
+    passes = (*runs, *runs[::-1])
+    if args.after_decode:
+        @torch.no_grad()
+        def decode_window():  # what kvpress_compare.py's run does before its prefill repeats
+            cache = policy_cache(lm, window, total)
+            next_logits(lm, ids, cache)
+            for i in range(16):
+                next_logits(lm, ids[:, i : i + 1], cache)
+            _sync()
+
+        runs = runs[:3]
+        passes = (*runs, ("decode-window", decode_window), *((f"{n}-after", f) for n, f in runs))
     result["samples"] = {}
-    for name, fn in (*runs, *runs[::-1]):
+    for name, fn in passes:
         try:
             result["samples"].setdefault(name, []).extend(_timed(fn, args.repeats))
             result["seconds"][name] = statistics.median(result["samples"][name])
@@ -150,9 +165,10 @@ def main() -> None:
             result["seconds"][name] = f"{type(e).__name__}: {str(e)[:200]}"
     for name, times in result["samples"].items():
         ms = [1000 * t for t in times]
-        first, back = statistics.median(ms[: args.repeats]), statistics.median(ms[args.repeats :])
+        passes = ", ".join(f"{statistics.median(ms[i : i + args.repeats]):.1f}"
+                           for i in range(0, len(ms), args.repeats))
         print(f"{name}: median {statistics.median(ms):.1f} ms (min {min(ms):.1f}, max {max(ms):.1f}, "
-              f"n {len(ms)}); first pass {first:.1f}, second {back:.1f}", flush=True)
+              f"n {len(ms)}); each pass {passes}", flush=True)
     args.out.write_text(json.dumps(result, indent=1))
     if args.no_profile:
         return
