@@ -246,7 +246,7 @@ def test_a_prompt_written_without_indices_equals_the_general_write(monkeypatch, 
         store = PagedStore(2, max_context=64, page_size=16, score_decay=0.5)
         if general:  # the grant every later step takes, then the indexed write
             monkeypatch.setattr(
-                store, "_grant_prompt", lambda i, n: store._grant(i, np_full((b, h), n))
+                store, "_grant_prompt", lambda i, n, table_made: store._grant(i, np_full((b, h), n))
             )
         store.begin(b, t, torch.device("cpu"), lengths)
         for i in range(2):
@@ -260,6 +260,9 @@ def test_a_prompt_written_without_indices_equals_the_general_write(monkeypatch, 
         return store
 
     fast, general = filled(False), filled(True)
+    # the second layer took the first's table, positions and lengths as copies
+    assert fast._prompt_like[1] is fast.extras[0]["pos"]
+    assert fast.extras[1]["pos"] is not fast.extras[0]["pos"]
     for i in range(2):
         assert torch.equal(fast.page_table[i], general.page_table[i])
         assert torch.equal(fast.lengths[i], general.lengths[i])

@@ -25,6 +25,13 @@ def static_zeros(*shape: int, dtype: torch.dtype, device: torch.device) -> Tenso
     return t
 
 
+def static_clone(x: Tensor) -> Tensor:
+    """A copy of ``x`` marked static as :func:`static_zeros` marks its zeros."""
+    t = x.clone()
+    torch._dynamo.mark_static_address(t)
+    return t
+
+
 class LayerState:
     """Base of the per-method states: its tensor fields are batch-first and reordered
     together (beam search)."""

@@ -41,7 +41,7 @@ from torch import Tensor
 from lapse.ops.paging import move_rows, slot_index
 
 from .base import StoreBase
-from .extras import static_zeros
+from .extras import static_clone, static_zeros
 
 
 @dataclass(eq=False)
@@ -175,6 +175,8 @@ class PagedStore(StoreBase):
         # per layer: the pages per head of a fresh grant that gave each head its pages in
         # order (the layout _append_prompt writes without indices), else 0
         self._prompt_pages: list[int] = [0] * n_layers
+        # (key, pos pool, table, lengths) of the prompt's first layer written by _append_prompt
+        self._prompt_like: tuple | None = None
 
     # -- the KVCache protocol (begin, state, advance, length: StoreBase) -------------------
 
@@ -198,9 +200,9 @@ class PagedStore(StoreBase):
     def append(self, layer_idx: int, k: Tensor, v: Tensor, **extras: Tensor) -> None:
         b, t, h, _ = k.shape
         if self.k[layer_idx] is None:
-            self._allocate(layer_idx, k, v, extras)
+            cloned = self._allocate(layer_idx, k, v, extras)
             if self._prompt_pages[layer_idx]:
-                self._append_prompt(layer_idx, k, v, extras)
+                self._append_prompt(layer_idx, k, v, extras, cloned)
                 return
         s = self.page_size
         lengths = self.lengths[layer_idx]  # [B, H]
@@ -234,12 +236,15 @@ class PagedStore(StoreBase):
         # a ragged prefill: the padding went into slots past each sequence's length (free)
         lengths.add_(t if self._new is None else self._new[:, None].int())
 
-    def _append_prompt(self, layer_idx: int, k: Tensor, v: Tensor, extras: dict[str, Tensor]) -> None:
+    def _append_prompt(
+        self, layer_idx: int, k: Tensor, v: Tensor, extras: dict[str, Tensor], cloned: bool
+    ) -> None:
         """:meth:`append` of a prompt into a layer just allocated whose heads own pages in
-        order (:meth:`_grant`'s fresh case): head ``j`` of ``B x H`` holds rows
+        order (:meth:`_grant_prompt`): head ``j`` of ``B x H`` holds rows
         ``j n S .. j n S + T - 1`` of the pool seen as ``[P * S, ...]``, so the prompt goes
         in with one copy per buffer and no slot indices (the host's work per layer of a
-        prefill; on the lent H100 the prefill was host-bound)."""
+        prefill; on the lent H100 the prefill was host-bound). ``cloned``: the positions and
+        lengths came with the allocation (an earlier layer's, :meth:`_allocate`)."""
         b, t, h, _ = k.shape
         rows = self._prompt_pages[layer_idx] * self.page_size
 
@@ -252,9 +257,14 @@ class PagedStore(StoreBase):
         pools = self.extras[layer_idx]
         for name, value in extras.items():
             write(pools[name], value.view(b, t, h, -1).transpose(1, 2))
-        write(pools["pos"], self._positions[:, None, :].expand(b, h, t))
         # the pools are fresh zeros: the new slots' scores are 0 already
+        if cloned:
+            return
+        write(pools["pos"], self._positions[:, None, :].expand(b, h, t))
         self.lengths[layer_idx].add_(t if self._new is None else self._new[:, None].int())
+        # what every later layer of this prompt with the same shapes starts from
+        self._prompt_like = (self._prompt_key(layer_idx, k), pools["pos"], self.page_table[layer_idx],
+                             self.lengths[layer_idx])
 
     def view(self, layer_idx: int) -> PagedView:
         extras = self.extras[layer_idx]
@@ -536,11 +546,25 @@ class PagedStore(StoreBase):
         pages = max(1, int(self._count[layer_idx].max()))
         return pages * self.page_size, self.page_size, layer_idx, self.prompt_len, self.capacity
 
-    def _allocate(self, layer_idx: int, k: Tensor, v: Tensor, extras: dict[str, Tensor]) -> None:
+    def _prompt_key(self, layer_idx: int, k: Tensor) -> tuple:
+        """What makes two layers' prompt page tables, positions and lengths equal."""
+        return k.shape[0], k.shape[2], k.device, self._prompt_pages[layer_idx], self.k[layer_idx].shape[0]
+
+    def _allocate(self, layer_idx: int, k: Tensor, v: Tensor, extras: dict[str, Tensor]) -> bool:
+        """A layer's pools, table and lengths, and its pages for the forward's ``T``
+        tokens. In a prompt's forward, a layer whose shapes match an earlier one's takes
+        copies of that layer's table, positions and lengths (one operation each, not the
+        four of a table made anew; returns True): they are equal, nothing is evicted
+        inside a forward."""
         b, _, h, d = k.shape
         s, table = self.page_size, self.width // self.page_size
         n = self.pages if self.pages is not None else b * h * table
         dev = k.device
+        need = -(-self._t // s)
+        fresh = 0 < need <= table and b * h * need <= n
+        like = self._prompt_like if fresh and self._length == 0 else None
+        if like is not None and like[0] != (b, h, dev, need, n + 1):
+            like = None
         # one page more than handed out: the scratch page that unowned table entries point to
         self.k[layer_idx] = static_zeros(n + 1, s, d, dtype=k.dtype, device=dev)
         self.v[layer_idx] = static_zeros(n + 1, s, v.shape[-1], dtype=v.dtype, device=dev)
@@ -548,33 +572,41 @@ class PagedStore(StoreBase):
             name: static_zeros(n + 1, s, x.shape[-1] // h, dtype=x.dtype, device=dev)
             for name, x in extras.items()
         }
-        pools["pos"] = static_zeros(n + 1, s, dtype=torch.int32, device=dev)
+        if like is None:
+            pools["pos"] = static_zeros(n + 1, s, dtype=torch.int32, device=dev)
+            self.page_table[layer_idx] = static_zeros(b, h, table, dtype=torch.int32, device=dev).fill_(-1)
+            self.lengths[layer_idx] = static_zeros(b, h, dtype=torch.int32, device=dev)
+        else:
+            pools["pos"], self.page_table[layer_idx], self.lengths[layer_idx] = (
+                static_clone(x) for x in like[1:]
+            )
         if self.score_decay is not None:
             pools["score"] = static_zeros(n + 1, s, dtype=torch.float32, device=dev)
         self.extras[layer_idx] = pools
-        self.page_table[layer_idx] = static_zeros(b, h, table, dtype=torch.int32, device=dev).fill_(-1)
-        self.lengths[layer_idx] = static_zeros(b, h, dtype=torch.int32, device=dev)
         self._free[layer_idx] = _PageStack(n)
         self._count[layer_idx] = np.zeros((b, h), dtype=np.int64)
         self._pages[layer_idx] = np.full((b, h, table), -1, dtype=np.int64)
-        need = -(-self._t // s)
-        if 0 < need <= table and b * h * need <= n:
-            self._grant_prompt(layer_idx, need)
+        if fresh:
+            self._grant_prompt(layer_idx, need, table_made=like is not None)
         else:  # none, or more than the table or the pool holds: the general case (its errors)
             self._grant(layer_idx, np.full((b, h), need, dtype=np.int64))
+        return like is not None
 
-    def _grant_prompt(self, layer_idx: int, n: int) -> None:
+    def _grant_prompt(self, layer_idx: int, n: int, table_made: bool = False) -> None:
         """:meth:`_grant` of ``n`` pages to every head of a layer just allocated (its stack
         new: popping gives pages ``0, 1, ...``): head ``j`` of ``B x H`` takes pages
         ``j n .. j n + n - 1``, the table made on the device (a copy from the host's
         pageable memory would wait for the device, once per layer of every prefill), and
-        the prompt written without indices (:meth:`_append_prompt`)."""
+        the prompt written without indices (:meth:`_append_prompt`). ``table_made``: the
+        device's table is an earlier layer's copy already."""
         count = self._count[layer_idx]
         total = count.size * n
         self._pages[layer_idx][:, :, :n] = self._free[layer_idx].pop(total).reshape(*count.shape, n)
         count += n
-        table = self.page_table[layer_idx]
-        table[:, :, :n] = torch.arange(total, dtype=torch.int32, device=table.device).view(*count.shape, n)
+        if not table_made:
+            table = self.page_table[layer_idx]
+            fresh = torch.arange(total, dtype=torch.int32, device=table.device)
+            table[:, :, :n] = fresh.view(*count.shape, n)
         self._prompt_pages[layer_idx] = n
 
     def _grant(self, layer_idx: int, needed: np.ndarray) -> None:
