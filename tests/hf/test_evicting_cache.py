@@ -147,6 +147,20 @@ def test_h2o_a2sf_never_exceed_the_budget(policy):
     assert cache.store.bytes_held() < cache.store.bytes_if_dense()
 
 
+def test_the_prompt_is_cut_as_its_forward_ends():
+    """The prompt's cut runs as the prompt's forward ends (so a timed prefill includes it,
+    as kvpress's compression is inside its prefill): right after that forward, before any
+    decode step, no head holds more than the budget."""
+    _, ours = _pair()
+    ids, mask = _padded_batch()
+    policy = H2O(budget=5, recent=2, every=4)
+    cache = EvictingCache(policy, model=ours)
+    with torch.no_grad():
+        ours(input_ids=ids, attention_mask=mask, **{CACHE_ARG: cache}, use_cache=True)
+    assert cache._steps == 0
+    assert max(int(n.max()) for n in cache.store.lengths) == 5
+
+
 def test_sampling_runs_under_a_policy_and_dense_samples_as_dynamic_cache():
     ref, ours = _pair()
     ids, mask = _padded_batch()

@@ -35,9 +35,11 @@ With no ``EvictingCache`` in the slot (another cache, or none) ``"lapse_paged"``
 SDPA, so a model switched to it behaves as before. A cache whose handoff is never taken
 (the model's attention is not ``"lapse_paged"``) raises at the next layer.
 
-Eviction runs between forwards, never inside one: before decode step ``i`` when
-``i % policy.every == 0`` (the prompt's cut to the budget before the first step), in eager
-mode (Hugging Face's ``generate`` loop is eager).
+Eviction runs between forwards, never inside one: the prompt's cut to the budget as the
+prompt's forward ends (its last layer has attended: the store is complete; so a timed
+prefill includes the cut, as kvpress's presses compress inside theirs), then before decode
+step ``i`` when ``i % policy.every == 0`` and ``i > 0``, in eager mode (Hugging Face's
+``generate`` loop is eager).
 
 For a :class:`~lapse.hf.LapseForCausalLM`, the lapse model's own layers append to the same
 store and run the same paged op (and FoX's gates, so ``ACPBoundary`` works there); the
@@ -285,10 +287,14 @@ class EvictingCache(Cache):
         return self.store
 
     def _before_step(self) -> None:
-        """Before decode step ``i``: the policy's pass over every layer when ``i % every == 0``
-        (the prompt's cut first), outside the forward."""
-        if self._steps % self.policy.every:
+        """Before decode step ``i``: the policy's pass over every layer when ``i % every == 0``,
+        outside the forward (step 0's, the prompt's cut, ran as the prompt's forward ended)."""
+        if self._steps == 0 or self._steps % self.policy.every:
             return
+        self._evict()
+
+    def _evict(self) -> None:
+        """The policy's pass over every layer, then the host's page lists settled."""
         store = self.store
         compile = self.compile if self.compile is not None else store.k[0].is_cuda
         bounds = self._bounds or [None] * store.n_layers
@@ -301,10 +307,14 @@ class EvictingCache(Cache):
         store.settle()
 
     def end_forward(self, t: int) -> None:
-        """After a forward of ``t`` positions per row (padding included)."""
-        if self._seen > 0:
+        """After a forward of ``t`` positions per row (padding included); after the
+        prompt's, its cut to the budget."""
+        prompt = self._seen == 0
+        if not prompt:
             self._steps += 1
         self._seen += t
+        if prompt:
+            self._evict()
 
     def lapse_store(self, model: nn.Module, batch: int, t: int) -> PagedStore:
         """For the lapse adapter (``model`` a :class:`~lapse.hf.LapseForCausalLM`): the store
