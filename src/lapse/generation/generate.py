@@ -157,6 +157,8 @@ def evict(
     passes of all layers replayed as one CUDA graph (:meth:`PagedStore.apply_policy_all`);
     by default wherever ``compile`` is on CUDA. The host's page lists catch up once, at
     the end."""
+    if policy.keeps_all:  # nothing to evict (Dense)
+        return
     bounds = logit_bounds(model) if bounds is None else bounds
     cuda = store.k[0] is not None and store.k[0].is_cuda
     if compile is None:

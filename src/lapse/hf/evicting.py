@@ -294,7 +294,10 @@ class EvictingCache(Cache):
         self._evict()
 
     def _evict(self) -> None:
-        """The policy's pass over every layer, then the host's page lists settled."""
+        """The policy's pass over every layer, then the host's page lists settled (none for
+        a policy that keeps every token)."""
+        if self.policy.keeps_all:
+            return
         store = self.store
         compile = self.compile if self.compile is not None else store.k[0].is_cuda
         bounds = self._bounds or [None] * store.n_layers

@@ -43,6 +43,12 @@ class Policy:
         return None
 
     @property
+    def keeps_all(self) -> bool:
+        """Whether :meth:`keep` is the base's (every valid slot kept): a pass would evict
+        nothing, so the store skips it (``Dense``: no pass in a timed prefill)."""
+        return type(self).keep is Policy.keep
+
+    @property
     def uniform_heads(self) -> bool:
         """Every kv head of a layer keeps the same slots (a layer-wide decision), which
         kinds that share per-slot state across heads need (DCP)."""
