@@ -92,3 +92,20 @@ def _compiled_paged_steps_match_eager(model, ids, policy, steps: int, *, atol: f
 def compiled_paged_steps_match_eager():
     """:func:`_compiled_paged_steps_match_eager`, for the paged decode tests of every kind."""
     return _compiled_paged_steps_match_eager
+
+
+@pytest.fixture
+def policy_passes(monkeypatch):
+    """A list that gets one entry per ``PagedStore.apply_policy_all`` call (eviction passes
+    over every layer) while the test runs."""
+    from lapse.kv import PagedStore
+
+    calls = []
+    original = PagedStore.apply_policy_all
+
+    def counted(self, *args, **kwargs):
+        calls.append(1)
+        return original(self, *args, **kwargs)
+
+    monkeypatch.setattr(PagedStore, "apply_policy_all", counted)
+    return calls

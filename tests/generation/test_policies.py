@@ -56,25 +56,17 @@ def test_policies_that_keep_everything_equal_the_dense_cache(arch, policy):
     torch.testing.assert_close(got_logits, logits, atol=ATOL32, rtol=0)
 
 
-def test_evict_skips_a_policy_that_keeps_everything(monkeypatch):
+def test_evict_skips_a_policy_that_keeps_everything(policy_passes):
     """``evict`` runs no pass for ``Dense`` (it would evict nothing) and one for a window."""
     model = _model("transformer-llama")
-    calls = []
-    original = PagedStore.apply_policy_all
-
-    def counted(self, *args, **kwargs):
-        calls.append(1)
-        return original(self, *args, **kwargs)
-
-    monkeypatch.setattr(PagedStore, "apply_policy_all", counted)
     ids = torch.randint(0, model.config.vocab_size, (2, 20), generator=torch.Generator().manual_seed(1))
     for policy, passes in ((Dense(), 0), (SinkWindow(window=4), 1)):
-        calls.clear()
+        policy_passes.clear()
         store = paged_store_for(model, 2, 20, 4, policy)
         with torch.no_grad():
             prefill(model, ids, store)
         evict(model, store, policy)
-        assert len(calls) == passes, policy
+        assert len(policy_passes) == passes, policy
 
 
 def test_sink_window_keeps_exactly_its_positions_and_reuses_pages():

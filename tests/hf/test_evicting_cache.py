@@ -161,29 +161,19 @@ def test_the_prompt_is_cut_as_its_forward_ends():
     assert max(int(n.max()) for n in cache.store.lengths) == 5
 
 
-def test_a_policy_that_keeps_everything_runs_no_pass(monkeypatch):
+def test_a_policy_that_keeps_everything_runs_no_pass(policy_passes):
     """``Dense`` keeps every token: no pass over the layers (in a timed prefill it would
     cost one compiled pass per layer for nothing); the others run theirs."""
-    from lapse.kv import PagedStore
-
     others = (H2O(budget=4, recent=2), A2SF(budget=4, recent=2, alpha=0.5), SinkWindow(window=4))
     assert Dense().keeps_all and not any(p.keeps_all for p in others)
-    calls = []
-    original = PagedStore.apply_policy_all
-
-    def counted(self, *args, **kwargs):
-        calls.append(1)
-        return original(self, *args, **kwargs)
-
-    monkeypatch.setattr(PagedStore, "apply_policy_all", counted)
     _, ours = _pair()
     ids, mask = _padded_batch()
     for policy, passes in ((Dense(every=1), 0), (SinkWindow(window=4, every=1), 1)):
-        calls.clear()
+        policy_passes.clear()
         cache = EvictingCache(policy, model=ours)
         with torch.no_grad():
             ours(input_ids=ids, attention_mask=mask, **{CACHE_ARG: cache}, use_cache=True)
-        assert len(calls) == passes, policy
+        assert len(policy_passes) == passes, policy
 
 
 def test_sampling_runs_under_a_policy_and_dense_samples_as_dynamic_cache():

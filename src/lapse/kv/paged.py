@@ -175,7 +175,8 @@ class PagedStore(StoreBase):
         # per layer: the pages per head of a fresh grant that gave each head its pages in
         # order (the layout _append_prompt writes without indices), else 0
         self._prompt_pages: list[int] = [0] * n_layers
-        # (key, pos pool, table, lengths) of the prompt's first layer written by _append_prompt
+        # (shapes, layer) of the prompt's first layer with pages in order: what later layers
+        # of the same shapes copy their table, positions and lengths from (_allocate)
         self._prompt_like: tuple | None = None
 
     # -- the KVCache protocol (begin, state, advance, length: StoreBase) -------------------
@@ -262,9 +263,6 @@ class PagedStore(StoreBase):
             return
         write(pools["pos"], self._positions[:, None, :].expand(b, h, t))
         self.lengths[layer_idx].add_(t if self._new is None else self._new[:, None].int())
-        # what every later layer of this prompt with the same shapes starts from
-        self._prompt_like = (self._prompt_key(layer_idx, k), pools["pos"], self.page_table[layer_idx],
-                             self.lengths[layer_idx])
 
     def view(self, layer_idx: int) -> PagedView:
         extras = self.extras[layer_idx]
@@ -546,25 +544,23 @@ class PagedStore(StoreBase):
         pages = max(1, int(self._count[layer_idx].max()))
         return pages * self.page_size, self.page_size, layer_idx, self.prompt_len, self.capacity
 
-    def _prompt_key(self, layer_idx: int, k: Tensor) -> tuple:
-        """What makes two layers' prompt page tables, positions and lengths equal."""
-        return k.shape[0], k.shape[2], k.device, self._prompt_pages[layer_idx], self.k[layer_idx].shape[0]
-
     def _allocate(self, layer_idx: int, k: Tensor, v: Tensor, extras: dict[str, Tensor]) -> bool:
         """A layer's pools, table and lengths, and its pages for the forward's ``T``
         tokens. In a prompt's forward, a layer whose shapes match an earlier one's takes
         copies of that layer's table, positions and lengths (one operation each, not the
         four of a table made anew; returns True): they are equal, nothing is evicted
-        inside a forward."""
+        inside a forward, and that layer has been written by then (layers append in order)."""
         b, _, h, d = k.shape
         s, table = self.page_size, self.width // self.page_size
         n = self.pages if self.pages is not None else b * h * table
         dev = k.device
         need = -(-self._t // s)
         fresh = 0 < need <= table and b * h * need <= n
-        like = self._prompt_like if fresh and self._length == 0 else None
-        if like is not None and like[0] != (b, h, dev, need, n + 1):
-            like = None
+        shapes = (b, h, dev, need, n)
+        prompt = fresh and self._length == 0  # a prompt whose pages go in order
+        like = None
+        if prompt and self._prompt_like is not None and self._prompt_like[0] == shapes:
+            like = self._prompt_like[1]
         # one page more than handed out: the scratch page that unowned table entries point to
         self.k[layer_idx] = static_zeros(n + 1, s, d, dtype=k.dtype, device=dev)
         self.v[layer_idx] = static_zeros(n + 1, s, v.shape[-1], dtype=v.dtype, device=dev)
@@ -577,9 +573,9 @@ class PagedStore(StoreBase):
             self.page_table[layer_idx] = static_zeros(b, h, table, dtype=torch.int32, device=dev).fill_(-1)
             self.lengths[layer_idx] = static_zeros(b, h, dtype=torch.int32, device=dev)
         else:
-            pools["pos"], self.page_table[layer_idx], self.lengths[layer_idx] = (
-                static_clone(x) for x in like[1:]
-            )
+            pools["pos"] = static_clone(self.extras[like]["pos"])
+            self.page_table[layer_idx] = static_clone(self.page_table[like])
+            self.lengths[layer_idx] = static_clone(self.lengths[like])
         if self.score_decay is not None:
             pools["score"] = static_zeros(n + 1, s, dtype=torch.float32, device=dev)
         self.extras[layer_idx] = pools
@@ -590,6 +586,8 @@ class PagedStore(StoreBase):
             self._grant_prompt(layer_idx, need, table_made=like is not None)
         else:  # none, or more than the table or the pool holds: the general case (its errors)
             self._grant(layer_idx, np.full((b, h), need, dtype=np.int64))
+        if prompt and like is None and self._prompt_pages[layer_idx]:  # written in order next
+            self._prompt_like = (shapes, layer_idx)
         return like is not None
 
     def _grant_prompt(self, layer_idx: int, n: int, table_made: bool = False) -> None:

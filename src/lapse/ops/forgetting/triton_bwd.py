@@ -407,8 +407,7 @@ def launch_bwd(q, k, v, do, lse2, delta, c_hi, c_lo, block_start, block_end, cu,
         mb, nb, BM=bm, BN=bn, GROUP=p.hq // p.h, FUSE_DQ=fuse, **common, **cfg_kv,
     )
     if fuse:
-        torch.mul(dqa, p.scale, out=dqa)
-        dq.copy_(dqa)
+        dq.copy_(dqa.mul_(p.scale))
         return
     bm, bn = cfg_q.pop("BM"), cfg_q.pop("BN")
     _bwd_dq_kernel[(triton.cdiv(p.tq, bm), p.batch * p.hq)](
