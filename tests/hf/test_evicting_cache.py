@@ -161,18 +161,37 @@ def test_the_prompt_is_cut_as_its_forward_ends():
     assert max(int(n.max()) for n in cache.store.lengths) == 5
 
 
-def test_a_policy_that_keeps_everything_runs_no_pass(policy_passes):
-    """``Dense`` keeps every token: no pass over the layers (in a timed prefill it would
-    cost one compiled pass per layer for nothing); the others run theirs."""
+def test_the_store_of_a_cut_prompt_holds_the_budget_not_the_prompt():
+    """The prompt goes into the store cut, so its pool is sized for the budget plus the
+    steps between evictions (1 page of 16 per head), not for the 40-token prompt (3)."""
+    _, ours = _pair()
+    ids = torch.randint(1, VOCAB, (2, 40), generator=torch.Generator().manual_seed(4))
+    cache = EvictingCache(H2O(budget=5, recent=2, every=4), model=ours)
+    with torch.no_grad():
+        ours(input_ids=ids, **{CACHE_ARG: cache}, use_cache=True)
+    assert all(pool.shape[0] - 1 == 2 * 2 * 1 for pool in cache.store.k)  # B x kv heads x 1 page
+    assert all(int(n.max()) == 5 for n in cache.store.lengths)
+
+
+def test_no_pass_in_the_prompt_and_none_for_a_policy_that_keeps_everything(policy_passes):
+    """A Hugging Face model's prompt is cut before it is stored (``PagedStore.prefill_cut``):
+    no eviction pass over the layers in its forward, for any policy. Decoding, ``Dense``
+    (keeps every token) runs none either; the others run theirs on schedule."""
     others = (H2O(budget=4, recent=2), A2SF(budget=4, recent=2, alpha=0.5), SinkWindow(window=4))
     assert Dense().keeps_all and not any(p.keeps_all for p in others)
     _, ours = _pair()
     ids, mask = _padded_batch()
-    for policy, passes in ((Dense(every=1), 0), (SinkWindow(window=4, every=1), 1)):
+    for policy, passes in (
+        (Dense(every=1), 0), (SinkWindow(window=4, every=1), 2), (H2O(budget=4, recent=2), 2)
+    ):
         policy_passes.clear()
         cache = EvictingCache(policy, model=ours)
         with torch.no_grad():
             ours(input_ids=ids, attention_mask=mask, **{CACHE_ARG: cache}, use_cache=True)
+        assert not policy_passes, policy
+        # three decode forwards: a pass before the second and the third (every=1)
+        ours.generate(ids, attention_mask=mask, **{CACHE_ARG: EvictingCache(policy, model=ours)},
+                      max_new_tokens=4, do_sample=False, pad_token_id=0)
         assert len(policy_passes) == passes, policy
 
 

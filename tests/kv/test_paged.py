@@ -3,11 +3,13 @@ pages returned to the pool and reused by another sequence, clear errors when ful
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 from numpy import array as np_array
 from numpy import full as np_full
 
+from lapse.generation import A2SF, H2O, SinkWindow
 from lapse.kv import KVCache, PagedStore
 from lapse.kv.paged import _slots
 
@@ -272,3 +274,74 @@ def test_a_prompt_written_without_indices_equals_the_general_write(monkeypatch, 
             assert torch.equal(fast.extras[i][name], general.extras[i][name]), name
         assert (fast._count[i] == general._count[i]).all() and (fast._pages[i] == general._pages[i]).all()
         assert fast._free[i] == general._free[i]
+
+
+def _held_by_head(store: PagedStore, i: int) -> dict:
+    """``(b, h) -> sorted [(position, k row, v row, score)]`` of the valid slots of layer ``i``."""
+    pages, offsets, valid = _slots(store._tensors(i), *store._meta(i)[:2])
+    k, v = store.k[i][pages, offsets], store.v[i][pages, offsets]  # [B, H, W, D]
+    pos, score = store.extras[i]["pos"][pages, offsets], store.extras[i]["score"][pages, offsets]
+    held = {}
+    for b, h in np.ndindex(*valid.shape[:2]):
+        rows = valid[b, h].nonzero()[:, 0].tolist()
+        held[b, h] = sorted(
+            (int(pos[b, h, j]), k[b, h, j].tolist(), v[b, h, j].tolist(), float(score[b, h, j])) for j in rows
+        )
+    return held
+
+
+@pytest.mark.parametrize(
+    "policy",
+    [
+        None,
+        H2O(budget=6, recent=2),
+        A2SF(budget=0.5, recent=1, alpha=0.9, sinks=1),
+        H2O(budget=5, recent=1, per="layer"),
+        SinkWindow(sinks=2, window=3),
+    ],
+    ids=["keep-all", "h2o", "a2sf-share", "h2o-per-layer", "window"],
+)
+@pytest.mark.parametrize("ragged", [False, True])
+def test_a_prompt_cut_before_it_is_stored_equals_append_then_evict(policy, ragged):
+    """``prefill_cut`` (every layer's keep in one call, only the kept tokens written, from
+    Hugging Face's heads-first layout with left padding) leaves each head holding what
+    ``append`` of the whole prompt and a pass of the policy leave: the same tokens with
+    their keys, values, positions and scores; and the host's pages after a settle."""
+    b, t, h, d, layers = 3, 21, 2, 8, 3
+    g = torch.Generator().manual_seed(1)
+    k, v = torch.randn(layers, b, t, h, d, generator=g), torch.randn(layers, b, t, h, d, generator=g)
+    scores = torch.rand(layers, b, t, h, generator=g)  # [L, B, T, H]: each row's tokens first
+    lengths = torch.tensor([21, 6, 13]) if ragged else None
+    start = None if lengths is None else t - lengths  # left padding: row b's tokens at start[b]
+
+    def store() -> PagedStore:
+        made = PagedStore(layers, max_context=40, page_size=16, score_decay=0.5)
+        made.begin(b, t, torch.device("cpu"), lengths)
+        return made
+
+    general = store()
+    for i in range(layers):
+        general.append(i, k[i], v[i])
+        general.record_prefill_scores(i, scores[i])
+    general.advance()
+    for i in range(layers * (policy is not None)):  # the cut after the forward, as EvictingCache ran it
+        general.apply_policy(i, policy.keep)
+    padded = [x.clone() for x in (k, v)]  # Hugging Face's layout: [B, H, T, D], rows left-padded
+    if start is not None:
+        for x in padded:
+            for row, s in enumerate(start.tolist()):
+                x[:, row] = torch.roll(x[:, row], s, dims=1)
+    keys, values = (x.transpose(2, 3) for x in padded)  # [L, B, H, T, D]
+    cut = store()
+    cut.prefill_cut(
+        range(layers), list(keys), list(values), None if policy is None else policy.keep, list(scores),
+        start, None if policy is None else policy.max_tokens(t),
+    )
+    cut.advance()
+    for i in range(layers):
+        assert _held_by_head(cut, i) == _held_by_head(general, i)
+        cut.settle(), general.settle()
+        assert (cut._count[i] == -(-cut.lengths[i].numpy() // 16)).all()  # the pages its tokens fill
+        if policy is not None:  # (keeping all, the general path keeps a short row's spare pages)
+            assert (cut._count[i] == general._count[i]).all()
+            assert len(cut._free[i]) == len(general._free[i])

@@ -22,10 +22,13 @@ through a thread-local slot and returns the new keys and values unchanged; the a
 function takes the slot and then
 
 - on the prompt (the cache's first forward): runs Hugging Face's own SDPA over the prompt
-  with its mask (exactly what ``sdpa`` computes), then appends the prompt to the store, each
-  left-padded row moved so that its tokens come first (the store's ragged prefill: it holds
-  no padding, so each row is as if run alone), and records the prompt's accumulated
-  attention (:func:`lapse.ops.attention_key_scores`) when the policy ranks by it;
+  with its mask (exactly what ``sdpa`` computes), keeps the layer's keys and values (as
+  ``DynamicCache`` would) and, when the policy ranks by it, the prompt's accumulated
+  attention per key (:func:`lapse.ops.attention_key_scores`, each left-padded row alone).
+  As the last layer ends, the policy cuts every layer at once and only the kept tokens go
+  into the store (:meth:`lapse.kv.PagedStore.prefill_cut`; the store holds no padding, so
+  each row is as if run alone): no pass per layer, nothing dropped is written, and the
+  pool is sized for the budget, not the prompt;
 - on a decode step (one token per row): appends the token and attends over the store with
   the paged decode op (:func:`lapse.ops.forgetting.forgetting_attention_paged_decode`,
   softmax, grouped heads read their kv head's pages), recording the step's attention per
@@ -36,8 +39,8 @@ SDPA, so a model switched to it behaves as before. A cache whose handoff is neve
 (the model's attention is not ``"lapse_paged"``) raises at the next layer.
 
 Eviction runs between forwards, never inside one: the prompt's cut to the budget as the
-prompt's forward ends (its last layer has attended: the store is complete; so a timed
-prefill includes the cut, as kvpress's presses compress inside theirs), then before decode
+prompt's forward ends (its last layer has attended; so a timed prefill includes the cut,
+as kvpress's presses compress inside theirs), then before decode
 step ``i`` when ``i % policy.every == 0`` and ``i > 0``, in eager mode (Hugging Face's
 ``generate`` loop is eager).
 
@@ -175,6 +178,8 @@ class EvictingCache(Cache):
         self._bounds: list[Tensor | None] | None = None  # ACP's U per layer (lapse models)
         self._start: Tensor | None = None  # [B] where each row's tokens start in the prompt's forward
         self._new = 0  # tokens of the forward in progress
+        self._held = _no_prompt()  # a Hugging Face prompt's layers until the cut (_hold_prompt)
+        self._prompt_cut = False  # the prompt went into the store cut (_store_prompt)
         self._checked = False
         if model is not None:
             self._check(model)
@@ -221,6 +226,7 @@ class EvictingCache(Cache):
     def reset(self) -> None:
         """Forgets everything (the next forward is a new prompt)."""
         self.store, self._seen, self._steps, self._handoff, self._start = None, 0, 0, None, None
+        self._held, self._prompt_cut = _no_prompt(), False
 
     def reorder_cache(self, beam_idx: Tensor) -> None:
         raise NotImplementedError(
@@ -256,9 +262,13 @@ class EvictingCache(Cache):
             _check_family(model.config, self.policy, _has_dcp(model))
         self._checked = True
 
-    def _open(self, config, batch: int, prompt_len: int, kv_heads: int) -> PagedStore:
-        """The store for a prompt of ``prompt_len`` (the batch's longest): room for it, and a
-        pool no larger than the policy's bound (plus the steps between evictions) after."""
+    def _open(
+        self, config, batch: int, prompt_len: int, kv_heads: int, whole_prompt: bool = True
+    ) -> PagedStore:
+        """The store for a prompt of ``prompt_len`` (the batch's longest): a pool no larger
+        than the policy's bound plus the steps between evictions, and room for the whole
+        prompt when it goes in before its cut (``whole_prompt``: a lapse model's or a DCP
+        layer's; a Hugging Face layer's prompt goes in cut, :meth:`_store_prompt`)."""
         total = self.max_context or config.max_position_embeddings
         if prompt_len + 1 > total:
             raise ValueError(
@@ -275,7 +285,8 @@ class EvictingCache(Cache):
         policy = self.policy
         policy.check_context(prompt_len, total)
         bound = policy.max_tokens(prompt_len)
-        per_head = total if bound is None else min(total, max(prompt_len, bound + policy.every))
+        held = prompt_len if whole_prompt else 0
+        per_head = total if bound is None else min(total, max(held, bound + policy.every))
         self.store = PagedStore(
             config.num_hidden_layers,
             max_context=total,
@@ -316,7 +327,7 @@ class EvictingCache(Cache):
         if not prompt:
             self._steps += 1
         self._seen += t
-        if prompt:
+        if prompt and not self._prompt_cut:  # a lapse adapter's prompt: in the store, whole
             self._evict()
 
     def lapse_store(self, model: nn.Module, batch: int, t: int) -> PagedStore:
@@ -342,14 +353,16 @@ class EvictingCache(Cache):
             self._begin(module, query, key, attention_mask)
         if getattr(module, "dcp", None) is not None:
             out = self._attend_dcp(module.dcp, query, key, value, hidden)
-        elif self._seen == 0:  # the prompt: Hugging Face's SDPA, then into the store
+        elif self._seen == 0:  # the prompt: Hugging Face's SDPA; the keys kept for the cut
             out, _ = sdpa_attention_forward(
                 module, query, key, value, attention_mask, scaling=scaling, **kwargs
             )
-            self._append_prompt(i, query, key, value, scaling)
+            self._hold_prompt(i, query, key, value, scaling)
         else:
             out = self._decode(i, query, key, value, scaling)
         if i == config.num_hidden_layers - 1:
+            if self._held["layers"]:
+                self._store_prompt()
             self.store.advance()
             self.end_forward(t)
         return out
@@ -364,7 +377,8 @@ class EvictingCache(Cache):
                 self._checked = True
             mask = None if attention_mask is None else _keys_of_last_query(attention_mask, t)
             self._start, lengths = padding_runs(mask, t, fresh=True)
-            self._open(module.config, b, t, key.shape[1]).begin(b, t, query.device, lengths)
+            whole = getattr(module, "dcp", None) is not None  # DCP layers append the whole prompt
+            self._open(module.config, b, t, key.shape[1], whole).begin(b, t, query.device, lengths)
             return
         if t != 1:
             raise ValueError(
@@ -373,28 +387,47 @@ class EvictingCache(Cache):
         self._before_step()
         self.store.begin(b, 1, query.device)
 
-    def _append_prompt(
+    def _hold_prompt(
         self, i: int, query: Tensor, key: Tensor, value: Tensor, scaling: float | None
     ) -> None:
-        """The prompt's keys and values into the store, each row's tokens first; its
-        accumulated attention per key when the policy ranks by it."""
-        q, k, v = (x.transpose(1, 2) for x in (query, key, value))  # [B, T, heads, D]
-        if self._start is not None:
-            q, k, v = (roll_rows(x, self._start) for x in (q, k, v))
-        store = self.store
-        store.append(i, k, v)
-        if store.score_decay is None:
+        """Keeps a layer's prompt keys and values (as ``DynamicCache`` holds them) for the
+        cut as the forward ends, and its accumulated attention per key when the policy
+        ranks by it (each row's tokens first)."""
+        held = self._held
+        held["layers"].append(i)
+        held["keys"].append(key)
+        held["values"].append(value)
+        decay = self.store.score_decay
+        if decay is None:
             return
-        if store.new_lengths is None:  # no padding: the batch in one call
-            scores = attention_key_scores(q, k, scale=scaling, alpha=store.score_decay)
-            store.record_prefill_scores(i, scores)
+        q, k = (x.transpose(1, 2) for x in (query, key))  # [B, T, heads, D]
+        if self._start is not None:
+            q, k = (roll_rows(x, self._start) for x in (q, k))
+        lengths = self.store.new_lengths
+        if lengths is None:  # no padding: the batch in one call
+            held["scores"].append(attention_key_scores(q, k, scale=scaling, alpha=decay))
             return
         scores = torch.zeros(*k.shape[:3], dtype=torch.float32, device=k.device)  # [B, T, H]
-        for b, n in enumerate(store.new_lengths):  # each prompt alone (no padding queries; A2SF's weights)
-            scores[b, :n] = attention_key_scores(
-                q[b : b + 1, :n], k[b : b + 1, :n], scale=scaling, alpha=store.score_decay
-            )[0]
-        store.record_prefill_scores(i, scores)
+        for b, n in enumerate(lengths):  # each prompt alone (no padding queries; A2SF's weights)
+            one = attention_key_scores(q[b : b + 1, :n], k[b : b + 1, :n], scale=scaling, alpha=decay)
+            scores[b, :n] = one[0]
+        held["scores"].append(scores)
+
+    def _store_prompt(self) -> None:
+        """The prompt into the store already cut to the budget
+        (:meth:`~lapse.kv.PagedStore.prefill_cut`: one policy call for every layer, the
+        dropped tokens never written), as the prompt's forward ends."""
+        held, policy, store = self._held, self.policy, self.store
+        store.prefill_cut(
+            held["layers"],
+            held["keys"],
+            held["values"],
+            None if policy.keeps_all else policy.keep,
+            held["scores"] if store.score_decay is not None else None,
+            self._start,
+            policy.max_tokens(store.prompt_len),
+        )
+        self._held, self._prompt_cut = _no_prompt(), True
 
     def _attend_dcp(self, dcp, query: Tensor, key: Tensor, value: Tensor, hidden: Tensor) -> Tensor:
         """A DCP layer's prompt or decode step over the store: the lapse layer's paged path
@@ -427,6 +460,11 @@ class EvictingCache(Cache):
             out, probs = out
             store.record_scores(i, probs)  # [B, H, W]
         return out[:, None]  # [B, 1, HQ, D]
+
+
+def _no_prompt() -> dict[str, list]:
+    """What :meth:`EvictingCache._hold_prompt` keeps per layer: none yet."""
+    return {"layers": [], "keys": [], "values": [], "scores": []}
 
 
 def _lapse_decoder(model: nn.Module) -> Decoder | None:

@@ -248,21 +248,103 @@ class PagedStore(StoreBase):
         lengths came with the allocation (an earlier layer's, :meth:`_allocate`)."""
         b, t, h, _ = k.shape
         rows = self._prompt_pages[layer_idx] * self.page_size
-
-        def write(pool: Tensor, values: Tensor) -> None:  # values [B, H, T, ...]
-            flat = pool.view(-1, *pool.shape[2:])[: b * h * rows]
-            flat.view(b, h, rows, *pool.shape[2:])[:, :, :t].copy_(values)
-
-        write(self.k[layer_idx], k.transpose(1, 2))
-        write(self.v[layer_idx], v.transpose(1, 2))
+        _write_in_order(self.k[layer_idx], k.transpose(1, 2), rows)
+        _write_in_order(self.v[layer_idx], v.transpose(1, 2), rows)
         pools = self.extras[layer_idx]
         for name, value in extras.items():
-            write(pools[name], value.view(b, t, h, -1).transpose(1, 2))
+            _write_in_order(pools[name], value.view(b, t, h, -1).transpose(1, 2), rows)
         # the pools are fresh zeros: the new slots' scores are 0 already
         if cloned:
             return
-        write(pools["pos"], self._positions[:, None, :].expand(b, h, t))
+        _write_in_order(pools["pos"], self._positions[:, None, :].expand(b, h, t), rows)
         self.lengths[layer_idx].add_(t if self._new is None else self._new[:, None].int())
+
+    def prefill_cut(
+        self,
+        layers: Sequence[int],
+        keys: Sequence[Tensor],
+        values: Sequence[Tensor],
+        keep_fn: Callable[[LayerSnapshot], Tensor] | None,
+        scores: Sequence[Tensor] | None = None,
+        start: Tensor | None = None,
+        max_kept: int | None = None,
+    ) -> None:
+        """The prompt of the forward in progress (after :meth:`begin`, before
+        :meth:`advance`), cut by a policy before any of it is stored: what
+        :meth:`append` of every layer's prompt, then :meth:`apply_policy` on each, leave
+        (the same kept tokens with their positions and scores; the slots of a head in the
+        order of their tokens, where a compaction fills holes with later ones), without
+        writing what is dropped or running a pass per layer.
+
+        One call of ``keep_fn`` sees every layer at once: a :class:`LayerSnapshot` whose
+        batch is the layers' batches one after the other (``[len(layers) * B, H, T]``,
+        ``layer_idx`` -1), so a policy must not tell layers apart by ``layer_idx`` (those
+        that do, ACP's, read a lapse model's layers: its decoder appends and evicts as
+        usual). Then each layer's kept tokens go into pages granted in order, one copy per
+        buffer.
+
+        Args:
+            layers: the layers to write (none allocated yet).
+            keys, values: per layer ``[B, H, T, D]`` (heads first, as Hugging Face lays
+                them out); row ``b``'s tokens start at ``start[b]`` (a left-padded prompt),
+                else at 0.
+            keep_fn: a policy's ``keep``; ``None`` keeps every token.
+            scores: per layer ``[B, T, H]`` float32, each row's tokens first (from
+                :func:`lapse.ops.attention_key_scores`), when the store tracks scores.
+            max_kept: the most tokens ``keep_fn`` keeps per head (a policy's
+                ``max_tokens``): the width gathered and written; default ``T``.
+        """
+        if self.length != 0 or any(self.k[i] is not None for i in layers):
+            raise ValueError("prefill_cut writes a prompt into layers not yet written (a fresh store)")
+        if (scores is None) != (self.score_decay is None):
+            raise ValueError("scores must be given exactly when the store tracks them (score_decay)")
+        n_layers, (b, h, t, d) = len(layers), keys[0].shape
+        dev = keys[0].device
+        columns = torch.arange(t, device=dev)
+        n = torch.full((b,), t, device=dev) if self._new is None else self._new  # [B] tokens per row
+        valid = (columns < n[:, None])[:, None, :].expand(b, h, t)  # [B, H, T]
+        stacked = None if scores is None else torch.stack(list(scores)).transpose(2, 3).float()
+        # stacked: [L, B, H, T]
+        if keep_fn is None:
+            keep = valid.expand(n_layers, b, h, t)
+            m = t
+        else:
+            snap = LayerSnapshot(
+                -1,
+                valid.repeat(n_layers, 1, 1),
+                torch.where(valid, columns, -1).repeat(n_layers, 1, 1),  # positions from 0: a prompt
+                stacked.reshape(n_layers * b, h, t) if stacked is not None
+                else torch.zeros(n_layers * b, h, t, device=dev),
+                None,
+                None,
+                self._after.long().repeat(n_layers),  # each row's tokens once this forward is in
+                self.prompt_len,
+                self.capacity,
+                prompt_lens=None if self.prompt_lens is None else self.prompt_lens.repeat(n_layers),
+                extras={},
+            )
+            keep = (keep_fn(snap) & snap.valid).view(n_layers, b, h, t)
+            m = t if max_kept is None else max(1, min(t, max_kept))
+        rank = keep.long().cumsum(-1) - 1  # [L, B, H, T] each kept token's slot
+        keep = keep & (rank < m)  # within the policy's max_tokens by contract
+        counts = keep.sum(-1).int()  # [L, B, H]
+        index = torch.zeros(n_layers, b, h, m + 1, dtype=torch.long, device=dev)
+        index.scatter_(-1, torch.where(keep, rank, m), columns.expand(n_layers, b, h, t))
+        index = index[..., :m]  # [L, B, H, M] the kept tokens, in order (then filler)
+        source = index if start is None else index + start.to(dev)[:, None, None]
+        for j, i in enumerate(layers):
+            gather = source[j][..., None].expand(b, h, m, d)
+            k = keys[j].gather(2, gather)
+            v = values[j].gather(2, source[j][..., None].expand(b, h, m, values[j].shape[-1]))
+            self._allocate(i, k.transpose(1, 2), v.transpose(1, 2), {}, tokens=m)  # pages in order
+            rows, pools = self._prompt_pages[i] * self.page_size, self.extras[i]
+            _write_in_order(self.k[i], k, rows)
+            _write_in_order(self.v[i], v, rows)
+            _write_in_order(pools["pos"], index[j], rows)
+            if stacked is not None:
+                _write_in_order(pools["score"], stacked[j].gather(2, index[j]), rows)
+            self.lengths[i].copy_(counts[j])
+            self._add_pending(i, torch.zeros_like(counts[j]))  # the pages past each count: freed at settle
 
     def view(self, layer_idx: int) -> PagedView:
         extras = self.extras[layer_idx]
@@ -544,20 +626,24 @@ class PagedStore(StoreBase):
         pages = max(1, int(self._count[layer_idx].max()))
         return pages * self.page_size, self.page_size, layer_idx, self.prompt_len, self.capacity
 
-    def _allocate(self, layer_idx: int, k: Tensor, v: Tensor, extras: dict[str, Tensor]) -> bool:
+    def _allocate(
+        self, layer_idx: int, k: Tensor, v: Tensor, extras: dict[str, Tensor], tokens: int | None = None
+    ) -> bool:
         """A layer's pools, table and lengths, and its pages for the forward's ``T``
-        tokens. In a prompt's forward, a layer whose shapes match an earlier one's takes
-        copies of that layer's table, positions and lengths (one operation each, not the
-        four of a table made anew; returns True): they are equal, nothing is evicted
-        inside a forward, and that layer has been written by then (layers append in order)."""
+        tokens (``tokens``: that many instead, for :meth:`prefill_cut`, whose layers keep
+        different tokens). In a prompt's forward, a layer whose shapes match an earlier
+        one's takes copies of that layer's table, positions and lengths (one operation
+        each, not the four of a table made anew; returns True): they are equal, nothing is
+        evicted inside a forward, and that layer has been written by then (layers append
+        in order)."""
         b, _, h, d = k.shape
         s, table = self.page_size, self.width // self.page_size
         n = self.pages if self.pages is not None else b * h * table
         dev = k.device
-        need = -(-self._t // s)
+        need = -(-(self._t if tokens is None else tokens) // s)
         fresh = 0 < need <= table and b * h * need <= n
         shapes = (b, h, dev, need, n)
-        prompt = fresh and self._length == 0  # a prompt whose pages go in order
+        prompt = fresh and self._length == 0 and tokens is None  # a prompt whose pages go in order
         like = None
         if prompt and self._prompt_like is not None and self._prompt_like[0] == shapes:
             like = self._prompt_like[1]
@@ -703,6 +789,15 @@ class _LayerTensors:
     seqlens: Tensor
     c_now: Tensor | None
     prompt_lens: Tensor | None
+
+
+def _write_in_order(pool: Tensor, values: Tensor, rows: int) -> None:
+    """``values`` ``[B, H, T, ...]`` into the first ``T`` slots of each head of a layer
+    whose head ``j`` of ``B x H`` owns rows ``j rows .. (j + 1) rows - 1`` of the pool seen
+    as ``[P * S, ...]`` (pages granted in order, :meth:`PagedStore._grant_prompt`): one copy."""
+    b, h, t = values.shape[:3]
+    flat = pool.view(-1, *pool.shape[2:])[: b * h * rows]
+    flat.view(b, h, rows, *pool.shape[2:])[:, :, :t].copy_(values)
 
 
 def _slots(t: _LayerTensors, width: int, page_size: int) -> tuple[Tensor, Tensor, Tensor]:
