@@ -22,13 +22,15 @@ through a thread-local slot and returns the new keys and values unchanged; the a
 function takes the slot and then
 
 - on the prompt (the cache's first forward): runs Hugging Face's own SDPA over the prompt
-  with its mask (exactly what ``sdpa`` computes), keeps the layer's keys and values (as
-  ``DynamicCache`` would) and, when the policy ranks by it, the prompt's accumulated
-  attention per key (:func:`lapse.ops.attention_key_scores`, each left-padded row alone).
-  As the last layer ends, the policy cuts every layer at once and only the kept tokens go
-  into the store (:meth:`lapse.kv.PagedStore.prefill_cut`; the store holds no padding, so
-  each row is as if run alone): no pass per layer, nothing dropped is written, and the
-  pool is sized for the budget, not the prompt;
+  with its mask (exactly what ``sdpa`` computes), then cuts the layer's prompt to the
+  budget and writes only the kept tokens into the store (:meth:`lapse.kv.PagedStore.plan_cut`,
+  :meth:`~lapse.kv.PagedStore.write_cut`; the store holds no padding, so each row is as
+  if run alone). A policy that ranks by attention decides per layer from the prompt's
+  accumulated attention per key (:func:`lapse.ops.attention_key_scores`, each left-padded
+  row alone); one that does not (``SinkWindow``, ``Dense``) decides once for every layer.
+  So no eviction pass runs in the prefill, nothing dropped is written, the pool is sized
+  for the budget, and a layer's whole prompt is held only while the layer runs (as
+  kvpress's presses cut each layer; a ``DynamicCache`` holds every layer's);
 - on a decode step (one token per row): appends the token and attends over the store with
   the paged decode op (:func:`lapse.ops.forgetting.forgetting_attention_paged_decode`,
   softmax, grouped heads read their kv head's pages), recording the step's attention per
@@ -178,8 +180,8 @@ class EvictingCache(Cache):
         self._bounds: list[Tensor | None] | None = None  # ACP's U per layer (lapse models)
         self._start: Tensor | None = None  # [B] where each row's tokens start in the prompt's forward
         self._new = 0  # tokens of the forward in progress
-        self._held = _no_prompt()  # a Hugging Face prompt's layers until the cut (_hold_prompt)
-        self._prompt_cut = False  # the prompt went into the store cut (_store_prompt)
+        self._plan: tuple[Tensor, Tensor] | None = None  # the prompt's cut when the same for every layer
+        self._prompt_cut = False  # the prompt went into the store cut (_cut_prompt)
         self._checked = False
         if model is not None:
             self._check(model)
@@ -226,7 +228,7 @@ class EvictingCache(Cache):
     def reset(self) -> None:
         """Forgets everything (the next forward is a new prompt)."""
         self.store, self._seen, self._steps, self._handoff, self._start = None, 0, 0, None, None
-        self._held, self._prompt_cut = _no_prompt(), False
+        self._plan, self._prompt_cut = None, False
 
     def reorder_cache(self, beam_idx: Tensor) -> None:
         raise NotImplementedError(
@@ -268,7 +270,7 @@ class EvictingCache(Cache):
         """The store for a prompt of ``prompt_len`` (the batch's longest): a pool no larger
         than the policy's bound plus the steps between evictions, and room for the whole
         prompt when it goes in before its cut (``whole_prompt``: a lapse model's or a DCP
-        layer's; a Hugging Face layer's prompt goes in cut, :meth:`_store_prompt`)."""
+        layer's; a Hugging Face layer's prompt goes in cut, :meth:`_cut_prompt`)."""
         total = self.max_context or config.max_position_embeddings
         if prompt_len + 1 > total:
             raise ValueError(
@@ -353,16 +355,14 @@ class EvictingCache(Cache):
             self._begin(module, query, key, attention_mask)
         if getattr(module, "dcp", None) is not None:
             out = self._attend_dcp(module.dcp, query, key, value, hidden)
-        elif self._seen == 0:  # the prompt: Hugging Face's SDPA; the keys kept for the cut
+        elif self._seen == 0:  # the prompt: Hugging Face's SDPA, then into the store, cut
             out, _ = sdpa_attention_forward(
                 module, query, key, value, attention_mask, scaling=scaling, **kwargs
             )
-            self._hold_prompt(i, query, key, value, scaling)
+            self._cut_prompt(i, query, key, value, scaling)
         else:
             out = self._decode(i, query, key, value, scaling)
         if i == config.num_hidden_layers - 1:
-            if self._held["layers"]:
-                self._store_prompt()
             self.store.advance()
             self.end_forward(t)
         return out
@@ -387,47 +387,46 @@ class EvictingCache(Cache):
         self._before_step()
         self.store.begin(b, 1, query.device)
 
-    def _hold_prompt(
+    def _cut_prompt(
         self, i: int, query: Tensor, key: Tensor, value: Tensor, scaling: float | None
     ) -> None:
-        """Keeps a layer's prompt keys and values (as ``DynamicCache`` holds them) for the
-        cut as the forward ends, and its accumulated attention per key when the policy
-        ranks by it (each row's tokens first)."""
-        held = self._held
-        held["layers"].append(i)
-        held["keys"].append(key)
-        held["values"].append(value)
+        """A layer's prompt into the store cut to the budget as its attention ends
+        (:meth:`~lapse.kv.PagedStore.plan_cut`, :meth:`~lapse.kv.PagedStore.write_cut`): the
+        dropped tokens never written, and the layer's whole prompt held no longer than
+        Hugging Face holds it. A policy that ranks by attention decides per layer from the
+        prompt's accumulated attention per key (each row's tokens first); one that does
+        not decides once, for every layer."""
+        store, policy = self.store, self.policy
+        scores = None if store.score_decay is None else self._prompt_scores(query, key, scaling)
+        plan = self._plan
+        if plan is None or scores is not None:
+            keep = None if policy.keeps_all else policy.keep
+            b, h, t, _ = key.shape
+            stacked = None if scores is None else scores[None]
+            index, counts = store.plan_cut(
+                keep, (b, h, t), key.device, stacked, 1, policy.max_tokens(store.prompt_len)
+            )
+            plan = index[0], counts[0]
+            if scores is None:
+                self._plan = plan
+        store.write_cut(i, key, value, *plan, scores, self._start)
+        self._prompt_cut = True
+
+    def _prompt_scores(self, query: Tensor, key: Tensor, scaling: float | None) -> Tensor:
+        """The prompt's accumulated attention per key ``[B, T, H]`` float32, each row's
+        tokens first (:func:`lapse.ops.attention_key_scores`; a left-padded row alone)."""
         decay = self.store.score_decay
-        if decay is None:
-            return
         q, k = (x.transpose(1, 2) for x in (query, key))  # [B, T, heads, D]
         if self._start is not None:
             q, k = (roll_rows(x, self._start) for x in (q, k))
         lengths = self.store.new_lengths
         if lengths is None:  # no padding: the batch in one call
-            held["scores"].append(attention_key_scores(q, k, scale=scaling, alpha=decay))
-            return
+            return attention_key_scores(q, k, scale=scaling, alpha=decay)
         scores = torch.zeros(*k.shape[:3], dtype=torch.float32, device=k.device)  # [B, T, H]
         for b, n in enumerate(lengths):  # each prompt alone (no padding queries; A2SF's weights)
             one = attention_key_scores(q[b : b + 1, :n], k[b : b + 1, :n], scale=scaling, alpha=decay)
             scores[b, :n] = one[0]
-        held["scores"].append(scores)
-
-    def _store_prompt(self) -> None:
-        """The prompt into the store already cut to the budget
-        (:meth:`~lapse.kv.PagedStore.prefill_cut`: one policy call for every layer, the
-        dropped tokens never written), as the prompt's forward ends."""
-        held, policy, store = self._held, self.policy, self.store
-        store.prefill_cut(
-            held["layers"],
-            held["keys"],
-            held["values"],
-            None if policy.keeps_all else policy.keep,
-            held["scores"] if store.score_decay is not None else None,
-            self._start,
-            policy.max_tokens(store.prompt_len),
-        )
-        self._held, self._prompt_cut = _no_prompt(), True
+        return scores
 
     def _attend_dcp(self, dcp, query: Tensor, key: Tensor, value: Tensor, hidden: Tensor) -> Tensor:
         """A DCP layer's prompt or decode step over the store: the lapse layer's paged path
@@ -460,11 +459,6 @@ class EvictingCache(Cache):
             out, probs = out
             store.record_scores(i, probs)  # [B, H, W]
         return out[:, None]  # [B, 1, HQ, D]
-
-
-def _no_prompt() -> dict[str, list]:
-    """What :meth:`EvictingCache._hold_prompt` keeps per layer: none yet."""
-    return {"layers": [], "keys": [], "values": [], "scores": []}
 
 
 def _lapse_decoder(model: nn.Module) -> Decoder | None:

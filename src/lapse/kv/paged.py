@@ -274,77 +274,112 @@ class PagedStore(StoreBase):
         :meth:`append` of every layer's prompt, then :meth:`apply_policy` on each, leave
         (the same kept tokens with their positions and scores; the slots of a head in the
         order of their tokens, where a compaction fills holes with later ones), without
-        writing what is dropped or running a pass per layer.
-
-        One call of ``keep_fn`` sees every layer at once: a :class:`LayerSnapshot` whose
-        batch is the layers' batches one after the other (``[len(layers) * B, H, T]``,
-        ``layer_idx`` -1), so a policy must not tell layers apart by ``layer_idx`` (those
-        that do, ACP's, read a lapse model's layers: its decoder appends and evicts as
-        usual). Then each layer's kept tokens go into pages granted in order, one copy per
-        buffer.
+        writing what is dropped or running a pass per layer: :meth:`plan_cut` of every
+        layer in one call, then :meth:`write_cut` of each.
 
         Args:
-            layers: the layers to write (none allocated yet).
+            layers: the layers to write (none written yet).
             keys, values: per layer ``[B, H, T, D]`` (heads first, as Hugging Face lays
                 them out); row ``b``'s tokens start at ``start[b]`` (a left-padded prompt),
                 else at 0.
-            keep_fn: a policy's ``keep``; ``None`` keeps every token.
+            keep_fn, max_kept: as for :meth:`plan_cut`.
             scores: per layer ``[B, T, H]`` float32, each row's tokens first (from
                 :func:`lapse.ops.attention_key_scores`), when the store tracks scores.
-            max_kept: the most tokens ``keep_fn`` keeps per head (a policy's
-                ``max_tokens``): the width gathered and written; default ``T``.
         """
-        if self.length != 0 or any(self.k[i] is not None for i in layers):
-            raise ValueError("prefill_cut writes a prompt into layers not yet written (a fresh store)")
-        if (scores is None) != (self.score_decay is None):
-            raise ValueError("scores must be given exactly when the store tracks them (score_decay)")
-        n_layers, (b, h, t, d) = len(layers), keys[0].shape
-        dev = keys[0].device
-        columns = torch.arange(t, device=dev)
-        n = torch.full((b,), t, device=dev) if self._new is None else self._new  # [B] tokens per row
+        b, h, t, _ = keys[0].shape
+        stacked = None if scores is None else torch.stack(list(scores))
+        index, counts = self.plan_cut(keep_fn, (b, h, t), keys[0].device, stacked, len(layers), max_kept)
+        for j, i in enumerate(layers):
+            one = None if scores is None else scores[j]
+            self.write_cut(i, keys[j], values[j], index[j], counts[j], one, start)
+
+    def plan_cut(
+        self,
+        keep_fn: Callable[[LayerSnapshot], Tensor] | None,
+        shape: tuple[int, int, int],
+        device: torch.device,
+        scores: Tensor | None = None,
+        layers: int = 1,
+        max_kept: int | None = None,
+    ) -> tuple[Tensor, Tensor]:
+        """Which tokens of the prompt in progress each head of ``layers`` layers keeps:
+        ``index`` ``[layers, B, H, M]`` (each head's kept tokens in order, then filler) and
+        ``counts`` ``[layers, B, H]`` int32, for :meth:`write_cut`.
+
+        One call of ``keep_fn`` sees the layers at once: a :class:`LayerSnapshot` whose
+        batch is theirs one after the other (``[layers * B, H, T]``, ``layer_idx`` -1),
+        positions from 0 (a prompt) and ``seqlens`` as they are once this forward is in. So a
+        policy must not tell layers apart by ``layer_idx`` (those that do, ACP's, read a lapse
+        model's gates: its decoder appends and evicts as usual). Without scores every layer
+        sees the same snapshot, and one layer's plan serves all.
+
+        Args:
+            keep_fn: a policy's ``keep``; ``None`` keeps every token.
+            shape: ``(B, H, T)`` of the prompt's keys.
+            scores: ``[layers, B, T, H]`` float32, each row's tokens first; ``None``: zeros.
+            max_kept: the most tokens ``keep_fn`` keeps per head (a policy's
+                ``max_tokens``): the width ``M`` written; default ``T``.
+        """
+        b, h, t = shape
+        columns = torch.arange(t, device=device)
+        n = torch.full((b,), t, device=device) if self._new is None else self._new  # [B] tokens per row
         valid = (columns < n[:, None])[:, None, :].expand(b, h, t)  # [B, H, T]
-        stacked = None if scores is None else torch.stack(list(scores)).transpose(2, 3).float()
-        # stacked: [L, B, H, T]
         if keep_fn is None:
-            keep = valid.expand(n_layers, b, h, t)
-            m = t
+            keep, m = valid.expand(layers, b, h, t), t
         else:
             snap = LayerSnapshot(
                 -1,
-                valid.repeat(n_layers, 1, 1),
-                torch.where(valid, columns, -1).repeat(n_layers, 1, 1),  # positions from 0: a prompt
-                stacked.reshape(n_layers * b, h, t) if stacked is not None
-                else torch.zeros(n_layers * b, h, t, device=dev),
+                valid.repeat(layers, 1, 1),
+                torch.where(valid, columns, -1).repeat(layers, 1, 1),
+                torch.zeros(layers * b, h, t, device=device) if scores is None
+                else scores.transpose(2, 3).reshape(layers * b, h, t).float(),
                 None,
                 None,
-                self._after.long().repeat(n_layers),  # each row's tokens once this forward is in
+                self._after.long().repeat(layers),
                 self.prompt_len,
                 self.capacity,
-                prompt_lens=None if self.prompt_lens is None else self.prompt_lens.repeat(n_layers),
+                prompt_lens=None if self.prompt_lens is None else self.prompt_lens.repeat(layers),
                 extras={},
             )
-            keep = (keep_fn(snap) & snap.valid).view(n_layers, b, h, t)
+            keep = (keep_fn(snap) & snap.valid).view(layers, b, h, t)
             m = t if max_kept is None else max(1, min(t, max_kept))
         rank = keep.long().cumsum(-1) - 1  # [L, B, H, T] each kept token's slot
         keep = keep & (rank < m)  # within the policy's max_tokens by contract
-        counts = keep.sum(-1).int()  # [L, B, H]
-        index = torch.zeros(n_layers, b, h, m + 1, dtype=torch.long, device=dev)
-        index.scatter_(-1, torch.where(keep, rank, m), columns.expand(n_layers, b, h, t))
-        index = index[..., :m]  # [L, B, H, M] the kept tokens, in order (then filler)
-        source = index if start is None else index + start.to(dev)[:, None, None]
-        for j, i in enumerate(layers):
-            gather = source[j][..., None].expand(b, h, m, d)
-            k = keys[j].gather(2, gather)
-            v = values[j].gather(2, source[j][..., None].expand(b, h, m, values[j].shape[-1]))
-            self._allocate(i, k.transpose(1, 2), v.transpose(1, 2), {}, tokens=m)  # pages in order
-            rows, pools = self._prompt_pages[i] * self.page_size, self.extras[i]
-            _write_in_order(self.k[i], k, rows)
-            _write_in_order(self.v[i], v, rows)
-            _write_in_order(pools["pos"], index[j], rows)
-            if stacked is not None:
-                _write_in_order(pools["score"], stacked[j].gather(2, index[j]), rows)
-            self.lengths[i].copy_(counts[j])
-            self._add_pending(i, torch.zeros_like(counts[j]))  # the pages past each count: freed at settle
+        index = torch.zeros(layers, b, h, m + 1, dtype=torch.long, device=device)
+        index.scatter_(-1, torch.where(keep, rank, m), columns.expand(layers, b, h, t))
+        return index[..., :m], keep.sum(-1).int()
+
+    def write_cut(
+        self,
+        layer_idx: int,
+        key: Tensor,
+        value: Tensor,
+        index: Tensor,
+        counts: Tensor,
+        scores: Tensor | None = None,
+        start: Tensor | None = None,
+    ) -> None:
+        """A layer's prompt, cut by a :meth:`plan_cut` (``index`` ``[B, H, M]``, ``counts``
+        ``[B, H]``), into the layer not yet written: its pages granted in order, one copy
+        per buffer; the pages past each count go back at the next :meth:`settle`.
+        ``key``, ``value``, ``scores``, ``start`` as for :meth:`prefill_cut`."""
+        if self.length != 0 or self.k[layer_idx] is not None:
+            raise ValueError(f"write_cut writes a prompt into a layer not yet written; layer {layer_idx} is")
+        if (scores is None) != (self.score_decay is None):
+            raise ValueError("scores must be given exactly when the store tracks them (score_decay)")
+        b, h, m = index.shape
+        source = index if start is None else index + start.to(index.device)[:, None, None]
+        k = key.gather(2, source[..., None].expand(b, h, m, key.shape[-1]))  # [B, H, M, D]
+        v = value.gather(2, source[..., None].expand(b, h, m, value.shape[-1]))
+        self._allocate(layer_idx, k.transpose(1, 2), v.transpose(1, 2), {}, tokens=m)  # pages in order
+        rows, pools = self._prompt_pages[layer_idx] * self.page_size, self.extras[layer_idx]
+        _write_in_order(self.k[layer_idx], k, rows)
+        _write_in_order(self.v[layer_idx], v, rows)
+        _write_in_order(pools["pos"], index, rows)
+        if scores is not None:
+            _write_in_order(pools["score"], scores.transpose(1, 2).float().gather(2, index), rows)
+        self.lengths[layer_idx].copy_(counts)
+        self._add_pending(layer_idx, torch.zeros_like(counts))  # the pages past each count: at settle
 
     def view(self, layer_idx: int) -> PagedView:
         extras = self.extras[layer_idx]
