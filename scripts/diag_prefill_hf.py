@@ -50,6 +50,13 @@ def _timed(fn, repeats: int) -> list[float]:
     return times
 
 
+def _device_mallocs() -> int:
+    """cudaMalloc calls of PyTorch's caching allocator so far (0 on the CPU)."""
+    if not torch.cuda.is_available():
+        return 0
+    return torch.cuda.memory_stats().get("num_device_alloc", 0)
+
+
 def _profile(fn, rows: int) -> str:
     from torch.profiler import ProfilerActivity, profile
 
@@ -156,10 +163,13 @@ def main() -> None:
 
         runs = runs[:3]
         passes = (*runs, ("decode-window", decode_window), *((f"{n}-after", f) for n, f in runs))
-    result["samples"] = {}
+    result["samples"], result["device_mallocs"] = {}, {}
     for name, fn in passes:
         try:
+            before = _device_mallocs()
             result["samples"].setdefault(name, []).extend(_timed(fn, args.repeats))
+            # cudaMalloc calls of the caching allocator meanwhile (each can wait for the device)
+            result["device_mallocs"].setdefault(name, []).append(_device_mallocs() - before)
             result["seconds"][name] = statistics.median(result["samples"][name])
         except Exception as e:  # noqa: BLE001 - report and go on
             result["seconds"][name] = f"{type(e).__name__}: {str(e)[:200]}"
@@ -167,8 +177,9 @@ def main() -> None:
         ms = [1000 * t for t in times]
         passes = ", ".join(f"{statistics.median(ms[i : i + args.repeats]):.1f}"
                            for i in range(0, len(ms), args.repeats))
+        mallocs = result["device_mallocs"].get(name, [])
         print(f"{name}: median {statistics.median(ms):.1f} ms (min {min(ms):.1f}, max {max(ms):.1f}, "
-              f"n {len(ms)}); each pass {passes}", flush=True)
+              f"n {len(ms)}); each pass {passes}; cudaMalloc calls per pass {mallocs}", flush=True)
     args.out.write_text(json.dumps(result, indent=1))
     if args.no_profile:
         return
