@@ -221,6 +221,7 @@ def generate(
     on_token: Callable[[Tensor], None] | None = None,
     lengths: Sequence[int] | Tensor | None = None,
     pad_token_id: int | None = None,
+    prefilled: Tensor | None = None,
 ) -> Tensor | tuple[Tensor, Tensor]:
     """Continues every prompt by up to ``max_new_tokens`` tokens.
 
@@ -253,6 +254,12 @@ def generate(
             own last token; the same as generating each prompt on its own.
         pad_token_id: what fills a ragged row after its end in the result (default
             ``stop_tokens[0]``, else 0).
+        prefilled: ``[B, V]`` the logits of each prompt's last token when ``cache``
+            already holds the prompts (cut to the policy's budget when there is one; e.g.
+            a Hugging Face model's prefill through :class:`lapse.hf.EvictingCache`,
+            :func:`lapse.hf.generate`): no prefill and no cut before the first step; the
+            policy runs again every ``policy.every`` steps after it. ``input_ids`` are
+            then only put in front of the new tokens in the result.
 
     Returns:
         ``[B, T + N]`` the prompts followed by the new tokens (``N`` below
@@ -292,9 +299,13 @@ def generate(
                 f"(make it with paged_store_for), got {got}"
             )
         policy.check(model)
+    if prefilled is not None and (cache is None or cache.length == 0 or lengths is not None):
+        raise ValueError("prefilled logits continue a cache that holds the prompts (and take no lengths)")
     step = compiled_decode_one_token() if compile else decode_one_token
-    # the store takes the host list: checked once, no second read-back of the device tensor
-    logits = prefill(model, input_ids, cache, None if lengths is None else host_lengths)  # [B, V]
+    if prefilled is None:  # the store takes the host list: checked once, no second read-back
+        logits = prefill(model, input_ids, cache, None if lengths is None else host_lengths)  # [B, V]
+    else:
+        logits = prefilled
     if compile and cache.capacity < cache.length + max_new_tokens - 1:
         raise ValueError(
             f"a compiled decode step needs the room in advance: the cache has capacity {cache.capacity} "
@@ -316,7 +327,8 @@ def generate(
     if policy is None and isinstance(cache, PagedStore):
         cache.reserve(max_new_tokens - 1)  # pages for every step, before any (compiled) step
     bounds = None if policy is None else logit_bounds(model)
-    replayed = policy is not None and max_new_tokens - 1 > policy.every  # a second pass will come
+    first = policy.every if policy is not None and prefilled is not None else 0  # the first pass's step
+    replayed = policy is not None and max_new_tokens - 1 > first + policy.every  # a second pass will come
     steps = [logits]
     tokens = [draw(logits)]  # [B, 1] each
     # a model without fused projections (a hand-written one in a test, say) decodes as is
@@ -326,9 +338,11 @@ def generate(
             if len(stop_tokens) and i % check_every == 0 and bool(done.all()):
                 break
             if policy is not None and i % policy.every == 0:
-                # the prompt's cut, then every `every`; a CUDA graph of the passes only when it
-                # will be replayed (the first pass runs, then captures: a graph never replayed is pure cost)
-                evict(model, cache, policy, bounds, compile=compile, graph=None if replayed else False)
+                # the prompt's cut (done already when prefilled), then every `every`; a CUDA graph of
+                # the passes only when it will be replayed (the first pass runs, then captures: a
+                # graph never replayed is pure cost)
+                if i > 0 or prefilled is None:
+                    evict(model, cache, policy, bounds, compile=compile, graph=None if replayed else False)
                 cache.reserve(min(policy.every, max_new_tokens - 1 - i))  # pages for the next steps
             logits = step(model, tokens[-1], cache)
             if compile and return_logits:

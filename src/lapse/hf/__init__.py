@@ -14,13 +14,16 @@ eviction policy, for LLaMA-family Hugging Face models (through the ``"lapse_page
 attention function it registers) and the lapse adapter alike; :func:`load_pretrained`
 loads a Hugging Face folder or a GGUF file (the optional ``lapse[hf]`` extra);
 :func:`add_dcp` puts Dynamic Context Pruning on such a model's attention layers;
-:func:`decoder_from_hf` turns one into a lapse decoder (``lapse import``).
+:func:`decoder_from_hf` turns one into a lapse decoder (``lapse import``), and
+:func:`generate` prefills such a model through an :class:`EvictingCache` and decodes from
+that store with lapse's own (compiled) loop on the converted decoder.
 """
 
 from .cache import LapseCache
 from .compat import CACHE_ARG, output_cache
 from .convert import NotRepresentable, decoder_from_hf, lapse_config, lapse_state_dict, load_for_import
 from .dcp import DCPProjections, add_dcp, dcp_modules
+from .decode import generate
 from .evicting import ATTENTION, EvictingCache, register_attention, use_lapse_attention
 from .loading import load_pretrained, resolve_model_path
 from .model import LapseConfig, LapseForCausalLM, register
@@ -40,6 +43,7 @@ __all__ = [
     "add_dcp",
     "dcp_modules",
     "decoder_from_hf",
+    "generate",
     "lapse_config",
     "lapse_state_dict",
     "load_for_import",

@@ -29,6 +29,7 @@ S page size, W table width (slots per head), T new tokens.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 from collections.abc import Callable, Sequence
@@ -178,6 +179,7 @@ class PagedStore(StoreBase):
         # (shapes, layer) of the prompt's first layer with pages in order: what later layers
         # of the same shapes copy their table, positions and lengths from (_allocate)
         self._prompt_like: tuple | None = None
+        self._plan_base: tuple | None = None  # plan_cut's snapshot of the prompt, without scores
 
     # -- the KVCache protocol (begin, state, advance, length: StoreBase) -------------------
 
@@ -321,18 +323,16 @@ class PagedStore(StoreBase):
                 ``max_tokens``): the width ``M`` written; default ``T``.
         """
         b, h, t = shape
-        columns = torch.arange(t, device=device)
-        n = torch.full((b,), t, device=device) if self._new is None else self._new  # [B] tokens per row
-        valid = (columns < n[:, None])[:, None, :].expand(b, h, t)  # [B, H, T]
-        if keep_fn is None:
-            keep, m = valid.expand(layers, b, h, t), t
-        else:
+        key = (b, h, t, layers, device)
+        if self._plan_base is None or self._plan_base[0] != key:  # the same for every layer's call
+            columns = torch.arange(t, device=device)
+            n = torch.full((b,), t, device=device) if self._new is None else self._new  # [B] tokens per row
+            valid = (columns < n[:, None])[:, None, :].expand(b, h, t)  # [B, H, T]
             snap = LayerSnapshot(
                 -1,
                 valid.repeat(layers, 1, 1),
                 torch.where(valid, columns, -1).repeat(layers, 1, 1),
-                torch.zeros(layers * b, h, t, device=device) if scores is None
-                else scores.transpose(2, 3).reshape(layers * b, h, t).float(),
+                torch.zeros(layers * b, h, t, device=device),
                 None,
                 None,
                 self._after.long().repeat(layers),
@@ -341,6 +341,14 @@ class PagedStore(StoreBase):
                 prompt_lens=None if self.prompt_lens is None else self.prompt_lens.repeat(layers),
                 extras={},
             )
+            self._plan_base = key, columns, snap
+        _, columns, snap = self._plan_base
+        if keep_fn is None:
+            keep, m = snap.valid.view(layers, b, h, t), t
+        else:
+            if scores is not None:
+                ranked = scores.transpose(2, 3).reshape(layers * b, h, t).float()
+                snap = dataclasses.replace(snap, scores=ranked)
             keep = (keep_fn(snap) & snap.valid).view(layers, b, h, t)
             m = t if max_kept is None else max(1, min(t, max_kept))
         rank = keep.long().cumsum(-1) - 1  # [L, B, H, T] each kept token's slot
