@@ -16,10 +16,10 @@ prefill's own last prediction, made before any cut, is left out). kvpress compre
 the prefill only (its presses hook the prefill forward; decoding keeps HF's DynamicCache and
 grows it); lapse runs each policy twice: `once` (cut after the prefill, then growing like
 kvpress) and `per-step` (evicting before every step, the cache held at the budget); with
-``--modes ...,compiled``, a third time: the Hugging Face model converted to a lapse
-``Decoder`` (``lapse.hf.convert``, the same weights), cut once after the prefill, and
-decoded by lapse's own loop (compiled steps, CUDA graphs on a GPU) instead of Hugging
-Face's forward, with a dense row of its own.
+``--modes ...,compiled``, a third time: the same prefill (cut once), then decoded by
+lapse's own loop (compiled steps, CUDA graphs on a GPU) on the Hugging Face model converted
+to a lapse ``Decoder`` (``lapse.hf.convert``, the same weights) over the same store, instead
+of Hugging Face's forward (``lapse.hf.generate``), with a dense row of its own.
 
 Measured per (method, budget): mean loss and its difference from the same side's dense
 run; prefill seconds (the prompt's forward, the cut included); decode milliseconds per
@@ -31,7 +31,7 @@ synchronisation, each run is preceded by an untimed one of ``--warmup`` steps (k
 Triton and ``torch.compile`` warmed up), and ``torch.cuda.max_memory_allocated`` (reset
 before each run, the weights included) is reported as the run's peak memory. With
 ``--prefill-repeats R`` each side times R more prefills alone (a fresh cache each; the
-Hugging Face forward of both sides, lapse's compiled mode excepted) and the table gives
+Hugging Face forward of both sides, lapse's compiled mode included) and the table gives
 the median of all R + 1 with their range: one prefill of 40 ms varies by several ms.
 
 The model: by default SmolLM2-135M-Instruct from its GGUF (lapse: ``--hf``, kvpress:
@@ -279,22 +279,25 @@ def run_lapse(args) -> None:
         next_logits(lm, windows[:, : args.prompt], policy_cache(lm, policy, total))
 
     def run_compiled(policy, steps: int) -> tuple[float, float, float, float]:
-        """The converted model through lapse's own loop: prefill into the paged store, the
-        policy's passes on schedule (graphed on CUDA), compiled decode steps (CUDA graphs)."""
-        from lapse.generation import compiled_decode_one_token, evict, paged_store_for, prefill
+        """The prefill as in ``run`` (Hugging Face's forward through ``EvictingCache``, each
+        layer cut as it ends), then lapse's own loop on the converted model over the same
+        store (what ``lapse.hf.generate(..., compile=True)`` does): the policy's passes on
+        schedule (graphed on CUDA), compiled decode steps (CUDA graphs)."""
+        from lapse.generation import compiled_decode_one_token, evict
 
-        # sized for the timed run whatever ``steps``: the warm-up compiles the same shapes
-        store = paged_store_for(converted, args.num, args.prompt, args.steps + 1, policy)
+        cache = policy_cache(lm, policy, total)
         step = compiled_decode_one_token()
         logits = []
         with torch.no_grad(), converted.fused_projections(keep=True):
             _sync(device)
             t0 = time.perf_counter()
-            prefill(converted, windows[:, : args.prompt], store)
+            next_logits(lm, windows[:, : args.prompt], cache)
+            store = cache.store
             for i in range(steps):
-                if i % policy.every == 0:  # the cut (timed with the prefill, as elsewhere), then on schedule
-                    graph = None if policy.every < steps else False  # as generate: a graph if replayed
-                    evict(converted, store, policy, graph=graph)
+                if i % policy.every == 0:  # the prompt's cut is done; then on schedule
+                    if i > 0:
+                        graph = None if i + policy.every < steps else False  # a graph if replayed
+                        evict(converted, store, policy, graph=graph)
                     store.reserve(min(policy.every, steps - i))
                 if i == 0:
                     _sync(device)
@@ -313,7 +316,7 @@ def run_lapse(args) -> None:
             go(policy, max(args.warmup, 2 if mode == "compiled" else 0))  # compiles each store shape once
         _reset_peak(device)
         loss, pre, dec, kv = go(policy, args.steps)
-        repeats = 0 if mode == "compiled" else args.prefill_repeats
+        repeats = args.prefill_repeats  # the compiled mode's prefill is the same Hugging Face forward
         again = _prefill_times(partial(prefill_only, policy), repeats, device)
         results.append(
             _record(

@@ -103,6 +103,29 @@ def test_generate_command_with_hf_model(llama_folder, capsys, policy):
     assert SUMMARY.match(lines[-1]), lines[-1]
 
 
+def test_generate_command_compiled_gives_the_hugging_face_loop_s_text(llama_folder, tmp_path, monkeypatch):
+    """``--compile``: the model's prefill, then lapse's decode loop on the converted model
+    (``lapse.hf.generate``; its step traced by ``aot_eager`` here): the same completions,
+    streamed and in a prompts file (a left-padded batch), as Hugging Face's loop."""
+    import importlib
+
+    from lapse.generation import compiled_decode_one_token
+
+    traced = compiled_decode_one_token(mode=None, backend="aot_eager")
+    monkeypatch.setattr(importlib.import_module("lapse.generation.generate"), "compiled_decode_one_token",
+                        lambda: traced)
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text('{"prompt": "the quick brown fox jumps"}\n{"prompt": "def"}\n')
+    common = ["generate", "--hf", str(llama_folder), "--max-new-tokens", "8", "--policy", "h2o",
+              "--budget", "3", "--recent", "1", "--sinks", "0", "--every", "2"]
+    texts = []
+    for extra in ([], ["--compile"]):
+        out = tmp_path / f"out{len(extra)}.jsonl"
+        main([*common, "--prompts-file", str(prompts), "--out", str(out), *extra])
+        texts.append(out.read_text())
+    assert texts[0] == texts[1] and texts[0].count('"completion"') == 2
+
+
 def test_generate_command_prompts_file_is_a_left_padded_batch(llama_folder, tmp_path, capsys):
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text('{"prompt": "the quick brown fox jumps"}\n{"prompt": "def"}\n')

@@ -67,7 +67,9 @@ class GenerateConfig(PolicyOptions):
     device: str = "auto"
     """``auto``: CUDA when available."""
     compile: bool = False
-    """Compile the decode step (CUDA graphs on a GPU)."""
+    """Compile the decode step (CUDA graphs on a GPU). With ``--hf``: the prompt through
+    the model's own forward, then lapse's decode loop on the model converted to a lapse
+    decoder (``lapse.hf.generate``; ``llama`` and ``mistral`` models)."""
     batch_size: int = 8
     """``--prompts-file``: prompts generated together (of any lengths: a ragged batch)."""
 
@@ -149,7 +151,7 @@ def run_generate(cfg: GenerateConfig) -> dict:
             store = paged_store_for(model, len(batch), max(lengths), cfg.max_new_tokens, policy)
         else:  # a kind whose slots change after they are written: the dense store
             store = DenseStore(model.config.n_layers, capacity=max(lengths) + cfg.max_new_tokens)
-        stream = _Stream(tokenizer, tokenizer.eos_id, echo=cfg.prompt is not None)
+        stream = TextStream(tokenizer, tokenizer.eos_id, echo=cfg.prompt is not None)
         if cfg.prompt is not None:
             print(cfg.prompt, end="", flush=True)
         start = time.perf_counter()
@@ -226,7 +228,7 @@ def read_prompts(path: Path) -> list[str]:
     return prompts
 
 
-class _Stream:
+class TextStream:
     """Prints the new text as tokens arrive (one prompt), holding back bytes that do not
     decode yet; stops printing at the end of text."""
 

@@ -1,5 +1,7 @@
 """``lapse generate --hf PATH``: text from a pretrained Hugging Face model under an eviction
-policy, through ``model.generate`` with an :class:`~lapse.hf.EvictingCache`.
+policy, through ``model.generate`` with an :class:`~lapse.hf.EvictingCache`; with
+``--compile``, the same prefill and then lapse's compiled decode loop on the model converted
+to a lapse decoder (:func:`lapse.hf.generate`).
 
 The same options and closing line as a run (:mod:`lapse.generation.command`); the model and
 its tokenizer come from :func:`lapse.hf.load_pretrained` (a folder, a GGUF file, or the
@@ -16,9 +18,11 @@ from tqdm.auto import tqdm
 from transformers import TextStreamer
 
 from lapse.files import write_text_atomic
-from lapse.generation.command import GenerateConfig, print_summary, read_prompts
+from lapse.generation.command import GenerateConfig, TextStream, print_summary, read_prompts
 
 from .compat import CACHE_ARG
+from .convert import decoder_from_hf
+from .decode import generate
 from .evicting import EvictingCache
 from .loading import load_pretrained
 
@@ -30,6 +34,11 @@ def run_generate_hf(cfg: GenerateConfig) -> dict:
     model, tokenizer = load_pretrained(cfg.hf, cfg.gguf_file, device=device)
     policy = cfg.make_policy()
     EvictingCache(policy, model=model)  # checks the policy against the model before any work
+    decoder = None
+    if cfg.compile:  # the same weights as a lapse decoder (NotRepresentable: a clear reason)
+        param = next(model.parameters())
+        decoder = decoder_from_hf(model).to(device=param.device, dtype=param.dtype).eval()
+    generator = torch.Generator(device=device).manual_seed(cfg.seed)
     limit = cfg.max_context or model.config.max_position_embeddings
     prompts = [cfg.prompt] if cfg.prompt is not None else read_prompts(cfg.prompts_file)
     encoded = []
@@ -63,20 +72,43 @@ def run_generate_hf(cfg: GenerateConfig) -> dict:
             ids[b, t - len(row) :] = torch.tensor(row)
             mask[b, t - len(row) :] = 1
         cache = EvictingCache(policy, model=model, max_context=t + cfg.max_new_tokens)
-        streamer = None
         if cfg.prompt is not None:
             print(cfg.prompt, end="", flush=True)
-            streamer = TextStreamer(tokenizer, skip_prompt=True, skip_special_tokens=True)
         start = time.perf_counter()
-        out = model.generate(
-            ids.to(device),
-            attention_mask=mask.to(device),
-            **{CACHE_ARG: cache},
-            max_new_tokens=cfg.max_new_tokens,
-            pad_token_id=pad,
-            streamer=streamer,
-            **sampling,
-        )
+        if decoder is not None:  # the model's prefill, then lapse's compiled decode loop
+            stream = TextStream(tokenizer, tokenizer.eos_token_id, echo=cfg.prompt is not None)
+            eos = () if tokenizer.eos_token_id is None else (tokenizer.eos_token_id,)
+            out = generate(
+                model,
+                ids.to(device),
+                cfg.max_new_tokens,
+                policy,
+                attention_mask=mask.to(device),
+                decoder=decoder,
+                cache=cache,
+                compile=True,
+                temperature=cfg.temperature,
+                top_k=cfg.top_k,
+                top_p=cfg.top_p,
+                generator=generator,
+                stop_tokens=eos,
+                on_token=stream,
+            )
+            if cfg.prompt is not None:
+                print(flush=True)  # as the streamer of model.generate ends its text
+        else:
+            streamer = None
+            if cfg.prompt is not None:
+                streamer = TextStreamer(tokenizer, skip_prompt=True, skip_special_tokens=True)
+            out = model.generate(
+                ids.to(device),
+                attention_mask=mask.to(device),
+                **{CACHE_ARG: cache},
+                max_new_tokens=cfg.max_new_tokens,
+                pad_token_id=pad,
+                streamer=streamer,
+                **sampling,
+            )
         seconds += time.perf_counter() - start
         for b in range(len(batch)):
             new = out[b, t:].tolist()

@@ -45,6 +45,7 @@ def generate(
     *,
     attention_mask: Tensor | None = None,
     decoder: Decoder | None = None,
+    cache: EvictingCache | None = None,
     compile: bool = False,
     max_context: int | None = None,
     temperature: float = 0.0,
@@ -63,6 +64,8 @@ def generate(
         decoder: ``model`` as a lapse decoder (:func:`lapse.hf.decoder_from_hf`, on the
             model's device and dtype); made here when not given (a copy of the weights:
             give it to reuse it across calls).
+        cache: a fresh :class:`~lapse.hf.EvictingCache` for ``policy`` (to read its store
+            after, e.g. ``cache.store.bytes_held()``); made here when not given.
         compile: compiled decode steps (CUDA graphs on a GPU; the first call compiles).
         max_context: positions a row may reach (default prompt + ``max_new_tokens``).
         temperature, top_k, top_p, generator, stop_tokens, on_token: as for
@@ -72,7 +75,10 @@ def generate(
     if decoder is None:
         param = next(model.parameters())
         decoder = decoder_from_hf(model).to(device=param.device, dtype=param.dtype).eval()
-    cache = EvictingCache(policy, model=model, max_context=max_context or t + max_new_tokens)
+    if cache is None:
+        cache = EvictingCache(policy, model=model, max_context=max_context or t + max_new_tokens)
+    elif cache.policy != policy or cache.is_initialized:
+        raise ValueError("cache must be a fresh EvictingCache made for the same policy")
     positions = None  # a left-padded row's tokens from position 0, as model.generate numbers them
     if attention_mask is not None:
         positions = (attention_mask.long().cumsum(-1) - 1).clamp_min(0)
