@@ -75,3 +75,29 @@ def test_compiled_on_cuda_equals_hugging_face_generate():
         got = generate(model, ids, GREEDY["max_new_tokens"], policy, attention_mask=mask, decoder=decoder,
                        compile=True)
         assert torch.equal(got, _expected(model, ids, mask, policy)), policy
+
+
+def test_rope_tables_are_made_before_the_compiled_step(monkeypatch):
+    """After a Hugging Face prefill the converted decoder has run no eager forward, so its
+    RoPE tables must be made on the host before the first compiled step: made inside, they
+    would be an output of the step's CUDA graph, overwritten by the next replay (on an H100:
+    "accessing tensor output of CUDAGraphs that has been overwritten")."""
+    from lapse.layers.rotary import RotaryEmbedding
+
+    traced = compiled_decode_one_token(mode=None, backend="aot_eager")
+    monkeypatch.setattr(generation, "compiled_decode_one_token", lambda: traced)
+    made_while_compiling = []
+    original = RotaryEmbedding._tables
+
+    def spied(self, max_positions, device):
+        tables = self._tables_by_key.get((self.head_dim, self.base, str(device)))
+        if tables is None or tables[0].shape[0] < max_positions:
+            made_while_compiling.append(torch.compiler.is_compiling())
+        return original(self, max_positions, device)
+
+    monkeypatch.setattr(RotaryEmbedding, "_tables", spied)
+    monkeypatch.setattr(RotaryEmbedding, "_tables_by_key", {})
+    _, model = _pair()
+    ids, mask = _padded_batch()
+    generate(model, ids, 4, Dense(), attention_mask=mask, decoder=decoder_from_hf(model).eval(), compile=True)
+    assert made_while_compiling == [False]

@@ -84,6 +84,9 @@ def compiled_decode_one_token(
         refresh = getattr(model, "refresh_fused_projections", None)  # None: a hand-written model
         if refresh is not None:
             refresh()
+        prepare = getattr(model, "prepare_rope", None)  # the RoPE tables made outside the graph
+        if prepare is not None:
+            prepare(cache.capacity, token.device)
         # specialize_float: Python floats of the model (a layer's scale, norm eps) stay
         # constants. Else Dynamo makes a float that changed between two compiles (models of
         # another head dim) a symbolic input, which the ops' scalar checks cannot read.

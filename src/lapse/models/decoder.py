@@ -26,6 +26,7 @@ from torch import Tensor, nn
 
 from lapse.kv import KVCache
 from lapse.layers import RMSNorm, SwiGLU
+from lapse.layers.rotary import RotaryEmbedding
 
 from .config import ModelConfig
 from .registry import build_attention
@@ -175,6 +176,20 @@ class Decoder(nn.Module):
         for block in self.blocks:
             block.attn.refresh_fused()
             block.mlp.refresh_fused()
+
+    def prepare_rope(self, max_positions: int, device: torch.device) -> None:
+        """Makes the RoPE tables of every layer for ``max_positions`` now, on the host. A
+        table first made inside a compiled step would be an output of its CUDA graph, which
+        the next replay overwrites (a step whose prompt went in through another model, say
+        a Hugging Face prefill: :func:`lapse.hf.generate`); ``lapse.generation.
+        compiled_decode_one_token`` calls this before each step (a dictionary lookup once
+        the tables are there)."""
+        if self.__dict__.get("_rope_ready") == (max_positions, str(device)):
+            return
+        for module in self.modules():
+            if isinstance(module, RotaryEmbedding):
+                module._tables(max_positions, device)
+        self.__dict__["_rope_ready"] = (max_positions, str(device))
 
     def set_collect_stats(self, enabled: bool) -> None:
         """Keep each layer's statistics of the next forwards (ACP's, for forgetting
