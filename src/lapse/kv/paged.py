@@ -293,7 +293,7 @@ class PagedStore(StoreBase):
         index, counts = self.plan_cut(keep_fn, (b, h, t), keys[0].device, stacked, len(layers), max_kept)
         for j, i in enumerate(layers):
             one = None if scores is None else scores[j]
-            self.write_cut(i, keys[j], values[j], index[j], counts[j], one, start)
+            self.write_cut(i, keys[j], values[j], None if index is None else index[j], counts[j], one, start)
 
     def plan_cut(
         self,
@@ -305,8 +305,9 @@ class PagedStore(StoreBase):
         max_kept: int | None = None,
     ) -> tuple[Tensor, Tensor]:
         """Which tokens of the prompt in progress each head of ``layers`` layers keeps:
-        ``index`` ``[layers, B, H, M]`` (each head's kept tokens in order, then filler) and
-        ``counts`` ``[layers, B, H]`` int32, for :meth:`write_cut`.
+        ``index`` ``[layers, B, H, M]`` (each head's kept tokens in order, then filler;
+        ``None``: every token, no policy and no padding) and ``counts`` ``[layers, B, H]``
+        int32, for :meth:`write_cut`.
 
         One call of ``keep_fn`` sees the layers at once: a :class:`LayerSnapshot` whose
         batch is theirs one after the other (``[layers * B, H, T]``, ``layer_idx`` -1),
@@ -344,6 +345,8 @@ class PagedStore(StoreBase):
             self._plan_base = key, columns, snap
         _, columns, snap = self._plan_base
         if keep_fn is None:
+            if self._new is None:  # every token of every head, in order: no index work
+                return None, torch.full((layers, b, h), t, dtype=torch.int32, device=device)
             keep, m = snap.valid.view(layers, b, h, t), t
         else:
             if scores is not None:
@@ -362,32 +365,41 @@ class PagedStore(StoreBase):
         layer_idx: int,
         key: Tensor,
         value: Tensor,
-        index: Tensor,
+        index: Tensor | None,
         counts: Tensor,
         scores: Tensor | None = None,
         start: Tensor | None = None,
     ) -> None:
-        """A layer's prompt, cut by a :meth:`plan_cut` (``index`` ``[B, H, M]``, ``counts``
-        ``[B, H]``), into the layer not yet written: its pages granted in order, one copy
-        per buffer; the pages past each count go back at the next :meth:`settle`.
+        """A layer's prompt, cut by a :meth:`plan_cut` (``index`` ``[B, H, M]`` or ``None``
+        for every token, ``counts`` ``[B, H]``), into the layer not yet written: its pages
+        granted in order, one copy per buffer (no gather for every token); the pages past
+        each count go back at the next :meth:`settle`.
         ``key``, ``value``, ``scores``, ``start`` as for :meth:`prefill_cut`."""
         if self.length != 0 or self.k[layer_idx] is not None:
             raise ValueError(f"write_cut writes a prompt into a layer not yet written; layer {layer_idx} is")
         if (scores is None) != (self.score_decay is None):
             raise ValueError("scores must be given exactly when the store tracks them (score_decay)")
-        b, h, m = index.shape
-        source = index if start is None else index + start.to(index.device)[:, None, None]
-        k = key.gather(2, source[..., None].expand(b, h, m, key.shape[-1]))  # [B, H, M, D]
-        v = value.gather(2, source[..., None].expand(b, h, m, value.shape[-1]))
+        whole = index is None  # every token of every head, in order
+        if whole:
+            b, h, m = key.shape[:3]
+            index = torch.arange(m, device=key.device).expand(b, h, m)
+            k, v = key, value
+        else:
+            b, h, m = index.shape
+            source = index if start is None else index + start.to(index.device)[:, None, None]
+            k = key.gather(2, source[..., None].expand(b, h, m, key.shape[-1]))  # [B, H, M, D]
+            v = value.gather(2, source[..., None].expand(b, h, m, value.shape[-1]))
         self._allocate(layer_idx, k.transpose(1, 2), v.transpose(1, 2), {}, tokens=m)  # pages in order
         rows, pools = self._prompt_pages[layer_idx] * self.page_size, self.extras[layer_idx]
         _write_in_order(self.k[layer_idx], k, rows)
         _write_in_order(self.v[layer_idx], v, rows)
         _write_in_order(pools["pos"], index, rows)
         if scores is not None:
-            _write_in_order(pools["score"], scores.transpose(1, 2).float().gather(2, index), rows)
+            scores = scores.transpose(1, 2).float()  # [B, H, T]
+            _write_in_order(pools["score"], scores if whole else scores.gather(2, index), rows)
         self.lengths[layer_idx].copy_(counts)
-        self._add_pending(layer_idx, torch.zeros_like(counts))  # the pages past each count: at settle
+        if not whole:
+            self._add_pending(layer_idx, torch.zeros_like(counts))  # the pages past each count: at settle
 
     def view(self, layer_idx: int) -> PagedView:
         extras = self.extras[layer_idx]
