@@ -40,11 +40,12 @@ With no ``EvictingCache`` in the slot (another cache, or none) ``"lapse_paged"``
 SDPA, so a model switched to it behaves as before. A cache whose handoff is never taken
 (the model's attention is not ``"lapse_paged"``) raises at the next layer.
 
-Eviction runs between forwards, never inside one: the prompt's cut to the budget as the
-prompt's forward ends (its last layer has attended; so a timed prefill includes the cut,
-as kvpress's presses compress inside theirs), then before decode
-step ``i`` when ``i % policy.every == 0`` and ``i > 0``, in eager mode (Hugging Face's
-``generate`` loop is eager).
+Eviction passes run between forwards, never inside one. The prompt is cut inside its
+forward, each layer as its attention ends (a lapse model's prompt, in the store whole, by a
+pass as the forward ends), so a timed prefill includes the cut, as kvpress's presses
+compress inside theirs. Then a pass runs before decode step ``i`` when
+``i % policy.every == 0`` and ``i > 0``, in eager mode (Hugging Face's ``generate`` loop is
+eager).
 
 For a :class:`~lapse.hf.LapseForCausalLM`, the lapse model's own layers append to the same
 store and run the same paged op (and FoX's gates, so ``ACPBoundary`` works there); the
@@ -180,7 +181,7 @@ class EvictingCache(Cache):
         self._bounds: list[Tensor | None] | None = None  # ACP's U per layer (lapse models)
         self._start: Tensor | None = None  # [B] where each row's tokens start in the prompt's forward
         self._new = 0  # tokens of the forward in progress
-        self._plan: tuple[Tensor, Tensor] | None = None  # the prompt's cut when the same for every layer
+        self._plan: tuple[Tensor | None, Tensor] | None = None  # the prompt's cut, the same for every layer
         self._prompt_cut = False  # the prompt went into the store cut (_cut_prompt)
         self._checked = False
         if model is not None:

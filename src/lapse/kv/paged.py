@@ -303,7 +303,7 @@ class PagedStore(StoreBase):
         scores: Tensor | None = None,
         layers: int = 1,
         max_kept: int | None = None,
-    ) -> tuple[Tensor, Tensor]:
+    ) -> tuple[Tensor | None, Tensor]:
         """Which tokens of the prompt in progress each head of ``layers`` layers keeps:
         ``index`` ``[layers, B, H, M]`` (each head's kept tokens in order, then filler;
         ``None``: every token, no policy and no padding) and ``counts`` ``[layers, B, H]``

@@ -25,8 +25,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from lapse.kv import KVCache
-from lapse.layers import RMSNorm, SwiGLU
-from lapse.layers.rotary import RotaryEmbedding
+from lapse.layers import RMSNorm, RotaryEmbedding, SwiGLU
 
 from .config import ModelConfig
 from .registry import build_attention
