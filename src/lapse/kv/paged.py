@@ -685,12 +685,13 @@ class PagedStore(StoreBase):
         self, layer_idx: int, k: Tensor, v: Tensor, extras: dict[str, Tensor], tokens: int | None = None
     ) -> bool:
         """A layer's pools, table and lengths, and its pages for the forward's ``T``
-        tokens (``tokens``: that many instead, for :meth:`prefill_cut`, whose layers keep
-        different tokens). In a prompt's forward, a layer whose shapes match an earlier
-        one's takes copies of that layer's table, positions and lengths (one operation
-        each, not the four of a table made anew; returns True): they are equal, nothing is
-        evicted inside a forward, and that layer has been written by then (layers append
-        in order)."""
+        tokens (``tokens``: that many instead, a prompt cut by :meth:`write_cut`). In a
+        prompt's forward, a layer whose shapes match an earlier one's takes copies of that
+        layer's table, positions and lengths (one operation each, not the four of a table
+        made anew; returns True): they are equal, nothing is evicted inside a forward, and
+        that layer has been written by then (layers append in order). :meth:`write_cut`
+        then writes its own positions and lengths over the copies (a cut keeps other
+        tokens in each layer); the table, pages granted in order, is the same."""
         b, _, h, d = k.shape
         s, table = self.page_size, self.width // self.page_size
         n = self.pages if self.pages is not None else b * h * table
@@ -698,7 +699,7 @@ class PagedStore(StoreBase):
         need = -(-(self._t if tokens is None else tokens) // s)
         fresh = 0 < need <= table and b * h * need <= n
         shapes = (b, h, dev, need, n)
-        prompt = fresh and self._length == 0 and tokens is None  # a prompt whose pages go in order
+        prompt = fresh and self._length == 0  # a prompt whose pages go in order
         like = None
         if prompt and self._prompt_like is not None and self._prompt_like[0] == shapes:
             like = self._prompt_like[1]
