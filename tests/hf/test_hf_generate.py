@@ -101,3 +101,17 @@ def test_rope_tables_are_made_before_the_compiled_step(monkeypatch):
     ids, mask = _padded_batch()
     generate(model, ids, 4, Dense(), attention_mask=mask, decoder=decoder_from_hf(model).eval(), compile=True)
     assert made_while_compiling == [False]
+
+
+def test_a_shared_decoder_holds_no_copy_of_the_weights():
+    """``decoder_from_hf(model, share=True)`` (what ``generate`` makes when given no decoder)
+    uses the model's own tensors: no second copy of the weights, the same logits as the
+    float32 copy ``lapse import`` makes."""
+    _, model = _pair()
+    shared, copied = decoder_from_hf(model, share=True), decoder_from_hf(model)
+    theirs = {t.data_ptr() for t in model.parameters()}
+    assert all(p.data_ptr() in theirs for p in shared.parameters())
+    assert not any(p.data_ptr() in theirs for p in copied.parameters())
+    ids = torch.randint(1, 90, (2, 9))
+    with torch.no_grad():
+        torch.testing.assert_close(shared(ids)[0], copied(ids)[0], rtol=0, atol=0)

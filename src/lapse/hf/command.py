@@ -36,8 +36,7 @@ def run_generate_hf(cfg: GenerateConfig) -> dict:
     EvictingCache(policy, model=model)  # checks the policy against the model before any work
     decoder = None
     if cfg.compile:  # the same weights as a lapse decoder (NotRepresentable: a clear reason)
-        param = next(model.parameters())
-        decoder = decoder_from_hf(model).to(device=param.device, dtype=param.dtype).eval()
+        decoder = decoder_from_hf(model, share=True)
     generator = torch.Generator(device=device).manual_seed(cfg.seed)
     limit = cfg.max_context or model.config.max_position_embeddings
     prompts = [cfg.prompt] if cfg.prompt is not None else read_prompts(cfg.prompts_file)

@@ -114,10 +114,12 @@ def _rope_base(config: PretrainedConfig, kind: str) -> float:
     return float(theta)
 
 
-def lapse_state_dict(model: PreTrainedModel, config: ModelConfig) -> dict[str, Tensor]:
+def lapse_state_dict(model: PreTrainedModel, config: ModelConfig, share: bool = False) -> dict[str, Tensor]:
     """The weights of a Hugging Face LLaMA-family ``model`` under lapse's parameter names,
-    float32; a tied output head is copied into ``lm_head``. :class:`NotRepresentable` when the
-    model holds a tensor with no lapse counterpart (a bias, a QK-norm, ...)."""
+    float32; a tied output head is copied into ``lm_head``. ``share``: the model's own
+    tensors instead (its dtype, no copy; a tied head is the embedding itself).
+    :class:`NotRepresentable` when the model holds a tensor with no lapse counterpart (a
+    bias, a QK-norm, ...)."""
     hf = dict(model.state_dict())
     names = {"embed.weight": "model.embed_tokens.weight", "norm.weight": "model.norm.weight"}
     for i in range(config.n_layers):
@@ -136,17 +138,22 @@ def lapse_state_dict(model: PreTrainedModel, config: ModelConfig) -> dict[str, T
     extra = sorted(set(hf) - set(names.values()) - {"lm_head.weight"})
     if extra:
         raise NotRepresentable(f"the model has weights lapse has no place for: {', '.join(extra[:4])}")
+    if share:
+        return {ours: hf[theirs].detach() for ours, theirs in names.items()}
     # clone: the tied head must not share memory with the embedding (safetensors refuses that)
     dense = torch.contiguous_format
     return {ours: hf[theirs].detach().float().clone(memory_format=dense) for ours, theirs in names.items()}
 
 
-def decoder_from_hf(model: PreTrainedModel) -> Decoder:
-    """A float32 lapse :class:`~lapse.models.Decoder` computing what ``model`` computes."""
+def decoder_from_hf(model: PreTrainedModel, share: bool = False) -> Decoder:
+    """A float32 lapse :class:`~lapse.models.Decoder` computing what ``model`` computes.
+    ``share``: its parameters are the model's own tensors (the model's dtype and device, no
+    copy: for inference beside the model, :func:`lapse.hf.generate`; a change to either
+    model's weights changes both)."""
     config = lapse_config(model.config)
     with torch.device("meta"):  # every weight is overwritten: skip the init
         decoder = Decoder(config)
-    decoder.load_state_dict(lapse_state_dict(model, config), assign=True)
+    decoder.load_state_dict(lapse_state_dict(model, config, share), assign=True)
     return decoder.eval()
 
 

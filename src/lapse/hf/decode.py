@@ -10,7 +10,7 @@ the same function): :func:`lapse.generation.generate` with ``prefilled`` logits,
 steps compiled and replayed as CUDA graphs with ``compile=True``, the policy's passes on
 the same schedule as the cache's (every ``policy.every`` steps after the prompt's cut)::
 
-    decoder = lapse.hf.decoder_from_hf(model)           # once per model: a copy of its weights
+    decoder = lapse.hf.decoder_from_hf(model, share=True)   # once per model: its own weights
     out = lapse.hf.generate(model, ids, 64, H2O(budget=0.1), attention_mask=mask,
                             decoder=decoder, compile=True)
 
@@ -62,8 +62,8 @@ def generate(
         model: a Hugging Face LLaMA-family causal LM.
         policy: an eviction policy (:mod:`lapse.generation.policies`; ``Dense`` keeps all).
         decoder: ``model`` as a lapse decoder (:func:`lapse.hf.decoder_from_hf`, on the
-            model's device and dtype); made here when not given (a copy of the weights:
-            give it to reuse it across calls).
+            model's device and dtype); made here when not given, sharing the model's
+            weights (``share=True``: no copy).
         cache: a fresh :class:`~lapse.hf.EvictingCache` for ``policy`` (to read its store
             after, e.g. ``cache.store.bytes_held()``); made here when not given.
         compile: compiled decode steps (CUDA graphs on a GPU; the first call compiles).
@@ -73,8 +73,7 @@ def generate(
     """
     t = input_ids.shape[-1]
     if decoder is None:
-        param = next(model.parameters())
-        decoder = decoder_from_hf(model).to(device=param.device, dtype=param.dtype).eval()
+        decoder = decoder_from_hf(model, share=True)
     if cache is None:
         cache = EvictingCache(policy, model=model, max_context=max_context or t + max_new_tokens)
     elif cache.policy != policy or cache.is_initialized:
