@@ -70,11 +70,11 @@ def test_compiled_on_cuda_equals_hugging_face_generate():
     _, model = _pair()
     model = model.cuda()
     ids, mask = (x.cuda() for x in _padded_batch())
-    decoder = decoder_from_hf(model).cuda().eval()
-    for policy in POLICIES:
-        got = generate(model, ids, GREEDY["max_new_tokens"], policy, attention_mask=mask, decoder=decoder,
-                       compile=True)
-        assert torch.equal(got, _expected(model, ids, mask, policy)), policy
+    for decoder in (decoder_from_hf(model).cuda().eval(), decoder_from_hf(model, share=True)):
+        for policy in POLICIES:
+            got = generate(model, ids, GREEDY["max_new_tokens"], policy, attention_mask=mask, decoder=decoder,
+                           compile=True)
+            assert torch.equal(got, _expected(model, ids, mask, policy)), policy
 
 
 def test_rope_tables_are_made_before_the_compiled_step(monkeypatch):
