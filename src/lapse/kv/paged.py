@@ -382,7 +382,10 @@ class PagedStore(StoreBase):
         whole = index is None  # every token of every head, in order
         if whole:
             b, h, m = key.shape[:3]
-            index = torch.arange(m, device=key.device).expand(b, h, m)
+            base = self._plan_base  # plan_cut's positions 0 .. T-1, made once per prompt
+            if base is None or base[1].shape[0] != m:
+                base = None, torch.arange(m, device=key.device)
+            index = base[1].expand(b, h, m)
             k, v = key, value
         else:
             b, h, m = index.shape

@@ -183,12 +183,13 @@ class Decoder(nn.Module):
         a Hugging Face prefill: :func:`lapse.hf.generate`); ``lapse.generation.
         compiled_decode_one_token`` calls this before each step (a dictionary lookup once
         the tables are there)."""
-        if self.__dict__.get("_rope_ready") == (max_positions, str(device)):
+        ready = (max_positions, device)
+        if self.__dict__.get("_rope_ready") == ready:
             return
         for module in self.modules():
             if isinstance(module, RotaryEmbedding):
                 module._tables(max_positions, device)
-        self.__dict__["_rope_ready"] = (max_positions, str(device))
+        self.__dict__["_rope_ready"] = ready
 
     def set_collect_stats(self, enabled: bool) -> None:
         """Keep each layer's statistics of the next forwards (ACP's, for forgetting
