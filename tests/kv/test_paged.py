@@ -8,6 +8,7 @@ import pytest
 import torch
 from numpy import array as np_array
 from numpy import full as np_full
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from lapse.generation import A2SF, H2O, SinkWindow
 from lapse.kv import KVCache, PagedStore
@@ -280,7 +281,8 @@ def _held_by_head(store: PagedStore, i: int) -> dict:
     """``(b, h) -> sorted [(position, k row, v row, score)]`` of the valid slots of layer ``i``."""
     pages, offsets, valid = _slots(store._tensors(i), *store._meta(i)[:2])
     k, v = store.k[i][pages, offsets], store.v[i][pages, offsets]  # [B, H, W, D]
-    pos, score = store.extras[i]["pos"][pages, offsets], store.extras[i]["score"][pages, offsets]
+    pos = store.extras[i]["pos"][pages, offsets]
+    score = store.extras[i]["score"][pages, offsets] if "score" in store.extras[i] else torch.zeros_like(pos)
     held = {}
     for b, h in np.ndindex(*valid.shape[:2]):
         rows = valid[b, h].nonzero()[:, 0].tolist()
@@ -345,3 +347,78 @@ def test_a_prompt_cut_before_it_is_stored_equals_append_then_evict(policy, ragge
         if policy is not None:  # (keeping all, the general path keeps a short row's spare pages)
             assert (cut._count[i] == general._count[i]).all()
             assert len(cut._free[i]) == len(general._free[i])
+
+
+class _Dispatched(TorchDispatchMode):
+    """The aten operations dispatched meanwhile, by name."""
+
+    def __init__(self):
+        super().__init__()
+        self.ops: list[str] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.ops.append(func.__name__)
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("policy", [None, SinkWindow(sinks=2, window=3)], ids=["keep-all", "window"])
+def test_a_plan_shared_by_every_layer_writes_each_later_layer_with_its_keys_and_values_only(policy):
+    """``write_cut`` of every layer from one plan (the very same ``index`` and ``counts``, as
+    ``EvictingCache`` passes a plan without scores): the first call allocates every layer and
+    writes the plan's positions and lengths into each; a later layer then dispatches one
+    operation per buffer that launches work (a gather, or a copy for a whole prompt), nothing
+    else. The store equals ``prefill_cut``'s (a plan per layer), and no two layers' buffers
+    share memory (a compiled step takes them as separate static inputs)."""
+    b, t, h, d, layers = 2, 21, 2, 8, 3
+    g = torch.Generator().manual_seed(4)
+    keys, values = torch.randn(layers, b, h, t, d, generator=g), torch.randn(layers, b, h, t, d, generator=g)
+    keep = None if policy is None else policy.keep
+    m = None if policy is None else policy.max_tokens(t)
+
+    def store() -> PagedStore:
+        made = PagedStore(layers, max_context=40, page_size=16)
+        made.begin(b, t, torch.device("cpu"))
+        return made
+
+    reference = store()
+    reference.prefill_cut(range(layers), list(keys), list(values), keep, None, None, m)
+    reference.advance()
+    shared = store()
+    index, counts = shared.plan_cut(keep, (b, h, t), torch.device("cpu"), None, 1, m)
+    plan = None if index is None else index[0], counts[0]
+    shared.write_cut(0, keys[0], values[0], *plan)
+    for i in range(1, layers):
+        key, value = keys[i], values[i]
+        with _Dispatched() as seen:
+            shared.write_cut(i, key, value, *plan)
+        work = [op for op in seen.ops if op.split(".")[0] not in ("view", "slice", "expand", "unsqueeze")]
+        assert work == (["copy_.default"] * 2 if policy is None else ["gather.out"] * 2), work
+    shared.advance()
+    for i in range(layers):
+        assert _held_by_head(shared, i) == _held_by_head(reference, i)
+        assert torch.equal(shared.page_table[i], reference.page_table[i])
+    buffers = [(x.untyped_storage().data_ptr(), name) for name in ("k", "v", "page_table", "lengths")
+               for x in getattr(shared, name)]
+    buffers += [(x.untyped_storage().data_ptr(), "extras") for e in shared.extras for x in e.values()]
+    assert len({ptr for ptr, _ in buffers}) == len(buffers)
+
+
+def test_a_layer_of_other_shapes_than_the_first_gets_buffers_of_its_own():
+    """``write_cut`` allocates every layer at the first call, shaped as the first layer; a
+    layer whose keys differ (here its head dim) is allocated anew and holds its own tokens."""
+    b, t, h = 1, 18, 2
+    g = torch.Generator().manual_seed(5)
+    store = PagedStore(2, max_context=32, page_size=16)
+    store.begin(b, t, torch.device("cpu"))
+    index, counts = store.plan_cut(None, (b, h, t), torch.device("cpu"))
+    small, wide = torch.randn(b, h, t, 4, generator=g), torch.randn(b, h, t, 8, generator=g)
+    store.write_cut(0, small, -small, index, counts[0])
+    store.write_cut(1, wide, -wide, index, counts[0])
+    store.advance()
+    assert store.k[0].shape[-1] == 4 and store.k[1].shape[-1] == 8
+    for i, x in enumerate((small, wide)):
+        pages, offsets, valid = _slots(store._tensors(i), *store._meta(i)[:2])
+        assert valid[:, :, :t].all() and not valid[:, :, t:].any()
+        assert torch.equal(store.k[i][pages, offsets][:, :, :t], x)
+    with pytest.raises(ValueError, match="not yet written"):
+        store.write_cut(1, wide, -wide, index, counts[0])

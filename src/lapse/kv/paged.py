@@ -180,6 +180,8 @@ class PagedStore(StoreBase):
         # of the same shapes copy their table, positions and lengths from (_allocate)
         self._prompt_like: tuple | None = None
         self._plan_base: tuple | None = None  # plan_cut's snapshot of the prompt, without scores
+        self._cut: _Cut | None = None  # the prompt's first write_cut: its shapes and plan (_open_cut)
+        self._cut_ready: set[int] = set()  # layers _open_cut allocated that write_cut has not written
 
     # -- the KVCache protocol (begin, state, advance, length: StoreBase) -------------------
 
@@ -372,37 +374,107 @@ class PagedStore(StoreBase):
     ) -> None:
         """A layer's prompt, cut by a :meth:`plan_cut` (``index`` ``[B, H, M]`` or ``None``
         for every token, ``counts`` ``[B, H]``), into the layer not yet written: its pages
-        granted in order, one copy per buffer (no gather for every token); the pages past
-        each count go back at the next :meth:`settle`.
-        ``key``, ``value``, ``scores``, ``start`` as for :meth:`prefill_cut`."""
-        if self.length != 0 or self.k[layer_idx] is not None:
+        granted in order, the kept keys and values gathered straight into them (one
+        operation per buffer; a whole prompt, one copy); the pages past each count go back
+        at the next :meth:`settle`. ``key``, ``value``, ``scores``, ``start`` as for
+        :meth:`prefill_cut`.
+
+        The prompt's first call allocates every layer's buffers at once (:meth:`_open_cut`)
+        and writes the positions and lengths of its plan into every layer; a later layer
+        given the very same ``index`` and ``counts`` objects (a plan without scores, made
+        once) writes only its keys and values. So a layer of a prefill costs its own
+        writes and nothing else on the host, where Hugging Face's forward itself is the
+        bound."""
+        if self.length != 0 or (self.k[layer_idx] is not None and layer_idx not in self._cut_ready):
             raise ValueError(f"write_cut writes a prompt into a layer not yet written; layer {layer_idx} is")
         if (scores is None) != (self.score_decay is None):
             raise ValueError("scores must be given exactly when the store tracks them (score_decay)")
         whole = index is None  # every token of every head, in order
-        if whole:
-            b, h, m = key.shape[:3]
-            base = self._plan_base  # plan_cut's positions 0 .. T-1, made once per prompt
-            if base is None or base[1].shape[0] != m:
-                base = None, torch.arange(m, device=key.device)
-            index = base[1].expand(b, h, m)
-            k, v = key, value
-        else:
-            b, h, m = index.shape
-            source = index if start is None else index + start.to(index.device)[:, None, None]
-            k = key.gather(2, source[..., None].expand(b, h, m, key.shape[-1]))  # [B, H, M, D]
-            v = value.gather(2, source[..., None].expand(b, h, m, value.shape[-1]))
-        self._allocate(layer_idx, k.transpose(1, 2), v.transpose(1, 2), {}, tokens=m)  # pages in order
+        b, h = key.shape[:2]
+        m = key.shape[2] if whole else index.shape[2]
+        shapes = (b, h, m, key.shape[-1], value.shape[-1], key.dtype, value.dtype, key.device)
+        if self._cut is None and all(x is None for x in self.k):  # the prompt's first layer
+            self._open_cut(shapes, index, counts)
+        cut = self._cut
+        shared = False
+        if layer_idx in self._cut_ready:
+            self._cut_ready.discard(layer_idx)
+            shared = cut.shapes == shapes and index is cut.index and counts is cut.counts
+            if cut.shapes != shapes:  # not the first layer's shapes: buffers of its own
+                self.k[layer_idx] = None
+        if self.k[layer_idx] is None:
+            self._allocate(layer_idx, key.transpose(1, 2), value.transpose(1, 2), {}, tokens=m)
         rows, pools = self._prompt_pages[layer_idx] * self.page_size, self.extras[layer_idx]
-        _write_in_order(self.k[layer_idx], k, rows)
-        _write_in_order(self.v[layer_idx], v, rows)
-        _write_in_order(pools["pos"], index, rows)
+        if whole:
+            _write_in_order(self.k[layer_idx], key, rows)
+            _write_in_order(self.v[layer_idx], value, rows)
+        else:
+            source = (index if start is None else index + start.to(index.device)[:, None, None])[..., None]
+            rows_of = source.expand(b, h, m, key.shape[-1])
+            for pool, x in ((self.k[layer_idx], key), (self.v[layer_idx], value)):
+                if x.shape[-1] != rows_of.shape[-1]:
+                    rows_of = source.expand(b, h, m, x.shape[-1])
+                torch.gather(x, 2, rows_of, out=_in_order(pool, b, h, rows)[:, :, :m])  # [B, H, M, D]
+        if not shared:
+            _write_in_order(pools["pos"], self._cut_positions(index, b, h, m, key.device), rows)
+            self.lengths[layer_idx].copy_(counts)
         if scores is not None:
             scores = scores.transpose(1, 2).float()  # [B, H, T]
             _write_in_order(pools["score"], scores if whole else scores.gather(2, index), rows)
-        self.lengths[layer_idx].copy_(counts)
-        if not whole:
-            self._add_pending(layer_idx, torch.zeros_like(counts))  # the pages past each count: at settle
+        if not whole:  # the pages past each count: at settle
+            self._add_pending(layer_idx, cut.front if cut is not None and cut.shapes == shapes
+                              else torch.zeros_like(counts))
+
+    def _cut_positions(self, index: Tensor | None, b: int, h: int, m: int, device: torch.device) -> Tensor:
+        """The positions a cut writes, ``[B, H, M]``: the plan's ``index`` (a prompt's
+        positions start at 0), or ``0 .. M-1`` for every token (plan_cut's, made once)."""
+        if index is not None:
+            return index
+        base = self._plan_base
+        columns = base[1] if base is not None and base[1].shape[0] == m else torch.arange(m, device=device)
+        return columns.expand(b, h, m)
+
+    def _open_cut(self, shapes: tuple, index: Tensor | None, counts: Tensor) -> None:
+        """At a prompt's first :meth:`write_cut`: every layer's pools, table and lengths
+        (each layer its own tensors, so no two inputs of a compiled step alias), zeroed and
+        filled with one foreach operation per kind instead of several operations per layer;
+        the pages of ``M`` tokens granted to every head in order; the positions and lengths
+        of this plan in every layer. Nothing when the cut does not fit the general case's
+        fast path (:meth:`_allocate` then serves each layer)."""
+        b, h, m, d, dv, kd, vd, dev = shapes
+        s, table = self.page_size, self.width // self.page_size
+        n = self.pages if self.pages is not None else b * h * table
+        need = -(-m // s)
+        if not (0 < need <= table and b * h * need <= n and self._length == 0):
+            return
+        layers = range(self.n_layers)
+
+        def empty(*shape, dtype) -> list[Tensor]:
+            return [torch.empty(*shape, dtype=dtype, device=dev) for _ in layers]
+
+        ks, vs = empty(n + 1, s, d, dtype=kd), empty(n + 1, s, dv, dtype=vd)
+        pos, lengths = empty(n + 1, s, dtype=torch.int32), empty(b, h, dtype=torch.int32)
+        scores = empty(n + 1, s, dtype=torch.float32) if self.score_decay is not None else []
+        tables = empty(b, h, table, dtype=torch.int32)
+        torch._foreach_zero_([*ks, *vs, *pos, *scores])
+        template = torch.full((b, h, table), -1, dtype=torch.int32, device=dev)
+        template[:, :, :need] = torch.arange(b * h * need, dtype=torch.int32, device=dev).view(b, h, need)
+        torch._foreach_copy_(tables, [template] * self.n_layers)
+        torch._foreach_copy_(lengths, [counts] * self.n_layers)
+        rows = need * s
+        placed = self._cut_positions(index, b, h, m, dev).to(torch.int32)
+        torch._foreach_copy_([_in_order(p, b, h, rows)[:, :, :m] for p in pos], [placed] * self.n_layers)
+        for i in layers:
+            for t in (ks[i], vs[i], pos[i], lengths[i], tables[i], *scores[i : i + 1]):
+                torch._dynamo.mark_static_address(t)
+            self.k[i], self.v[i], self.page_table[i], self.lengths[i] = ks[i], vs[i], tables[i], lengths[i]
+            self.extras[i] = {"pos": pos[i]} if not scores else {"pos": pos[i], "score": scores[i]}
+            self._free[i] = _PageStack(n)
+            self._count[i] = np.zeros((b, h), dtype=np.int64)
+            self._pages[i] = np.full((b, h, table), -1, dtype=np.int64)
+            self._grant_prompt(i, need, table_made=True)
+        self._cut = _Cut(shapes, index, counts, torch.zeros_like(counts))
+        self._cut_ready = set(layers)
 
     def view(self, layer_idx: int) -> PagedView:
         extras = self.extras[layer_idx]
@@ -850,13 +922,31 @@ class _LayerTensors:
     prompt_lens: Tensor | None
 
 
-def _write_in_order(pool: Tensor, values: Tensor, rows: int) -> None:
-    """``values`` ``[B, H, T, ...]`` into the first ``T`` slots of each head of a layer
-    whose head ``j`` of ``B x H`` owns rows ``j rows .. (j + 1) rows - 1`` of the pool seen
-    as ``[P * S, ...]`` (pages granted in order, :meth:`PagedStore._grant_prompt`): one copy."""
-    b, h, t = values.shape[:3]
+@dataclass(eq=False)
+class _Cut:
+    """A prompt's first :meth:`PagedStore.write_cut`: ``(B, H, M, D, Dv, dtypes, device)``,
+    the plan written into every layer (``index``, ``counts``), and a ``[B, H]`` zero (no page
+    dropped at the front) every layer's pending drops share."""
+
+    shapes: tuple
+    index: Tensor | None
+    counts: Tensor
+    front: Tensor
+
+
+def _in_order(pool: Tensor, b: int, h: int, rows: int) -> Tensor:
+    """The pool of a layer whose head ``j`` of ``B x H`` owns rows ``j rows .. (j + 1) rows
+    - 1`` of the pool seen as ``[P * S, ...]`` (pages granted in order,
+    :meth:`PagedStore._grant_prompt`), as ``[B, H, rows, ...]`` (a view)."""
     flat = pool.view(-1, *pool.shape[2:])[: b * h * rows]
-    flat.view(b, h, rows, *pool.shape[2:])[:, :, :t].copy_(values)
+    return flat.view(b, h, rows, *pool.shape[2:])
+
+
+def _write_in_order(pool: Tensor, values: Tensor, rows: int) -> None:
+    """``values`` ``[B, H, T, ...]`` into the first ``T`` slots of each head of such a
+    layer (:func:`_in_order`): one copy."""
+    b, h, t = values.shape[:3]
+    _in_order(pool, b, h, rows)[:, :, :t].copy_(values)
 
 
 def _slots(t: _LayerTensors, width: int, page_size: int) -> tuple[Tensor, Tensor, Tensor]:
