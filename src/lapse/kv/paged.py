@@ -422,8 +422,8 @@ class PagedStore(StoreBase):
             scores = scores.transpose(1, 2).float()  # [B, H, T]
             _write_in_order(pools["score"], scores if whole else scores.gather(2, index), rows)
         if not whole:  # the pages past each count: at settle
-            self._add_pending(layer_idx, cut.front if cut is not None and cut.shapes == shapes
-                              else torch.zeros_like(counts))
+            own = cut is None or cut.shapes != shapes
+            self._add_pending(layer_idx, torch.zeros_like(counts) if own else cut.front)
 
     def _cut_positions(self, index: Tensor | None, b: int, h: int, m: int, device: torch.device) -> Tensor:
         """The positions a cut writes, ``[B, H, M]``: the plan's ``index`` (a prompt's
