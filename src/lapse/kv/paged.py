@@ -400,7 +400,9 @@ class PagedStore(StoreBase):
         if layer_idx in self._cut_ready:
             self._cut_ready.discard(layer_idx)
             shared = cut.shapes == shapes and index is cut.index and counts is cut.counts
-            if cut.shapes != shapes:  # not the first layer's shapes: buffers of its own
+            if cut.shapes == shapes:
+                self._adopt_cut(layer_idx)
+            else:  # not the first layer's shapes: buffers of its own
                 self.k[layer_idx] = None
         if self.k[layer_idx] is None:
             self._allocate(layer_idx, key.transpose(1, 2), value.transpose(1, 2), {}, tokens=m)
@@ -434,6 +436,18 @@ class PagedStore(StoreBase):
         columns = base[1] if base is not None and base[1].shape[0] == m else torch.arange(m, device=device)
         return columns.expand(b, h, m)
 
+    def _adopt_cut(self, layer_idx: int) -> None:
+        """A layer that :meth:`_open_cut` allocated, as :meth:`write_cut` reaches it: its
+        buffers marked static (a compiled step's CUDA graphs read them in place) and the
+        host's page lists, copies of the first layer's (the same grant)."""
+        free, count, pages = self._cut.host
+        self._free[layer_idx], self._count[layer_idx] = free.copy(), count.copy()
+        self._pages[layer_idx] = pages.copy()
+        self._prompt_pages[layer_idx] = self._prompt_pages[0]
+        tensors = (self.k[layer_idx], self.v[layer_idx], self.page_table[layer_idx], self.lengths[layer_idx])
+        for t in (*tensors, *self.extras[layer_idx].values()):
+            torch._dynamo.mark_static_address(t)
+
     def _open_cut(self, shapes: tuple, index: Tensor | None, counts: Tensor) -> None:
         """At a prompt's first :meth:`write_cut`: every layer's pools, table and lengths
         (each layer its own tensors, so no two inputs of a compiled step alias), zeroed and
@@ -465,15 +479,15 @@ class PagedStore(StoreBase):
         placed = self._cut_positions(index, b, h, m, dev).to(torch.int32)
         torch._foreach_copy_([_in_order(p, b, h, rows)[:, :, :m] for p in pos], [placed] * self.n_layers)
         for i in layers:
-            for t in (ks[i], vs[i], pos[i], lengths[i], tables[i], *scores[i : i + 1]):
-                torch._dynamo.mark_static_address(t)
             self.k[i], self.v[i], self.page_table[i], self.lengths[i] = ks[i], vs[i], tables[i], lengths[i]
             self.extras[i] = {"pos": pos[i]} if not scores else {"pos": pos[i], "score": scores[i]}
-            self._free[i] = _PageStack(n)
-            self._count[i] = np.zeros((b, h), dtype=np.int64)
-            self._pages[i] = np.full((b, h, table), -1, dtype=np.int64)
-            self._grant_prompt(i, need, table_made=True)
-        self._cut = _Cut(shapes, index, counts, torch.zeros_like(counts))
+        # the host's lists of a layer granted `need` pages per head in order: made for the
+        # first layer, copied into each layer as write_cut reaches it (_adopt_cut)
+        self._free[0], self._count[0] = _PageStack(n), np.zeros((b, h), dtype=np.int64)
+        self._pages[0] = np.full((b, h, table), -1, dtype=np.int64)
+        self._grant_prompt(0, need, table_made=True)
+        host = (self._free[0], self._count[0], self._pages[0])
+        self._cut = _Cut(shapes, index, counts, torch.zeros_like(counts), host)
         self._cut_ready = set(layers)
 
     def view(self, layer_idx: int) -> PagedView:
@@ -895,6 +909,11 @@ class _PageStack:
         self._top -= n
         return self._pages[self._top : self._top + n][::-1].copy()
 
+    def copy(self) -> _PageStack:
+        other = _PageStack.__new__(_PageStack)
+        other._pages, other._top = self._pages.copy(), self._top
+        return other
+
     def tolist(self) -> list[int]:
         """The free pages, bottom first."""
         return self._pages[: self._top].tolist()
@@ -925,13 +944,15 @@ class _LayerTensors:
 @dataclass(eq=False)
 class _Cut:
     """A prompt's first :meth:`PagedStore.write_cut`: ``(B, H, M, D, Dv, dtypes, device)``,
-    the plan written into every layer (``index``, ``counts``), and a ``[B, H]`` zero (no page
-    dropped at the front) every layer's pending drops share."""
+    the plan written into every layer (``index``, ``counts``), a ``[B, H]`` zero (no page
+    dropped at the front) every layer's pending drops share, and the host's page lists of a
+    layer so granted (free stack, counts, pages), which each layer copies."""
 
     shapes: tuple
     index: Tensor | None
     counts: Tensor
     front: Tensor
+    host: tuple
 
 
 def _in_order(pool: Tensor, b: int, h: int, rows: int) -> Tensor:
