@@ -1,0 +1,75 @@
+"""Where an H2O prefill's extra time per layer goes (issue 15): the prompt's key scores
+(`lapse.ops.attention_key_scores`) with and without the rows' log-sum-exp given, against
+the attention itself, one layer of the SmolLM2-135M shape (9 query heads, 3 kv heads, D 64),
+4 x 4096, bf16. Times are CUDA-event medians of 20 after a warm-up, ms.
+
+    bash scripts/gpu.sh python3 scripts/bench_prompt_scores.py --out scores.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+
+import torch
+import torch.nn.functional as F
+
+from lapse.ops import attention_key_scores
+from lapse.ops.forgetting import forgetting_attention
+
+
+def _ms(fn, repeats: int = 20) -> float:
+    fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(repeats):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end))
+    return statistics.median(times)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--batch", type=int, default=4)
+    ap.add_argument("--seq", type=int, default=4096)
+    ap.add_argument("--out", default="prompt-scores.json")
+    args = ap.parse_args()
+    b, t, hq, h, d = args.batch, args.seq, 9, 3, 64
+    g = torch.Generator(device="cuda").manual_seed(0)
+    q, k, v = (torch.randn(b, t, n, d, device="cuda", dtype=torch.bfloat16, generator=g) for n in (hq, h, h))
+    zeros = torch.zeros(b, t, hq, device="cuda")
+    qh, kh, vh = (x.transpose(1, 2) for x in (q, k, v))  # [B, heads, T, D]
+    _, lse = forgetting_attention(q, k, v, zeros, return_lse=True)
+    rows = {
+        "sdpa (default backend, GQA)": lambda: F.scaled_dot_product_attention(
+            qh, kh, vh, is_causal=True, enable_gqa=True
+        ),
+        "lapse forgetting_attention, log_fgate 0, lse": lambda: forgetting_attention(
+            q, k, v, zeros, return_lse=True
+        ),
+        "key scores, lse computed": lambda: attention_key_scores(q, k),
+        "key scores, lse given": lambda: attention_key_scores(q, k, lse=lse),
+    }
+    result = {
+        "device": torch.cuda.get_device_name(),
+        "torch": torch.__version__,
+        "shape": [b, t, hq, h, d],
+        "ms": {},
+    }
+    for name, fn in rows.items():
+        result["ms"][name] = _ms(fn)
+        print(f"{name}: {result['ms'][name]:.3f} ms", flush=True)
+    full, given = attention_key_scores(q, k), attention_key_scores(q, k, lse=lse)
+    result["max_rel_diff_lse_given"] = float(((full - given).abs().max() / full.abs().max()).item())
+    print("scores with lse given vs computed, max relative difference:", result["max_rel_diff_lse_given"])
+    with open(args.out, "w") as f:
+        json.dump(result, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
