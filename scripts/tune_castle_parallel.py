@@ -118,9 +118,16 @@ def main() -> None:
     p.add_argument("--heads", type=int, default=8)
     p.add_argument("--window", type=int, default=512)
     p.add_argument("--out", default=None)
+    p.add_argument("--passes", nargs="+", choices=("fwd", "bwd"), default=["fwd", "bwd"])
+    p.add_argument("--fwd-bt", type=int, nargs="+", default=[32, 64, 128])
+    p.add_argument("--bwd-bt", type=int, nargs="+", default=[32, 64])
+    p.add_argument("--bwd-warps", type=int, nargs="+", default=[4, 8])
+    p.add_argument("--bwd-stages", type=int, nargs="+", default=[1, 2])
     args = p.parse_args()
-    args.fwd_grid = list(itertools.product((32, 64, 128), (4, 8), (1, 2, 3)))
-    args.bwd_grid = list(itertools.product((32, 64), (4, 8), (1, 2)))
+    args.fwd_grid = list(itertools.product(args.fwd_bt, (4, 8), (1, 2, 3))) if "fwd" in args.passes else []
+    args.bwd_grid = (
+        list(itertools.product(args.bwd_bt, args.bwd_warps, args.bwd_stages)) if "bwd" in args.passes else []
+    )
     rows = tune(args)
     if args.out:
         with open(args.out, "w") as f:

@@ -274,16 +274,19 @@ def parallel_config(d: int, interpret: bool, backward: bool = False) -> dict:
     ``docs/bench/castle/h100-tune-parallel.log``): backward at D 64 with 32-position
     blocks, 4 warps, 2 stages 5.1 ms against 16.6 ms for the first guess (64, 8 warps, 1
     stage), 2.9 against 5.9 ms under SWL 512; forward at D 128 with 4 warps, 1 stage 2.66
-    against 3.51 ms. The forward holds one float32 ``[BT, D]`` tile across its loop
-    (``U_J``), the backward five (``U_J, R_J``, ``dK^C, dV^C, dQ^U``), hence its smaller
-    blocks. The interpreter gets 16-position blocks, so small test shapes span several
-    blocks."""
+    against 3.51 ms; backward at D 128 with 4 warps, 1 stage: 7.27 against 9.11 ms for 8
+    warps under SWL 512, a tie without a window (18.57 against 18.63; 2026-11-26,
+    ``docs/bench/castle/h100-tune-bwd-bt16.json``, where 16-position blocks differ from
+    these by 2e-2 relative in the gradients and are not used). The forward holds one
+    float32 ``[BT, D]`` tile across its loop (``U_J``), the backward five (``U_J, R_J``,
+    ``dK^C, dV^C, dQ^U``), hence its smaller blocks. The interpreter gets 16-position
+    blocks, so small test shapes span several blocks."""
     if interpret:
         return dict(BT=16, num_warps=1, num_stages=1)
     if backward:
         if d <= 64:
             return dict(BT=32, num_warps=4, num_stages=2)
-        return dict(BT=32, num_warps=8, num_stages=1)
+        return dict(BT=32, num_warps=4, num_stages=1)
     if d <= 64:
         return dict(BT=64, num_warps=4, num_stages=2)
     if d <= 128:
