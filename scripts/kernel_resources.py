@@ -111,7 +111,7 @@ def castle() -> None:
         for window in (False, True):
             base = dict(D=d, BD=d, USE_WINDOW=window, DOT_PREC="tf32")
             for name, kernel, backward in (("fwd", tp._fwd_kernel, False), ("bwd", tp._bwd_kernel, True)):
-                cfg = tp.parallel_config(d, False, backward)
+                cfg = tp.parallel_config(d, False, backward, 512 if window else None)
                 opts = [(cfg["BT"], cfg["num_warps"], cfg["num_stages"], "default")]
                 opts += [(bt, w, st, "") for bt in (16, 32, 64) for w in (4, 8) for st in (1, 2)]
                 for bt, w, st, tag in opts:

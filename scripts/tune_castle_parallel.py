@@ -81,7 +81,7 @@ def tune(args) -> list[dict]:
         do_t = do.transpose(1, 2)
         sdpa_fwd = _ms(lambda: F.scaled_dot_product_attention(*qkv, is_causal=True))
         sdpa_all = _ms(lambda: F.scaled_dot_product_attention(*qkv_g, is_causal=True).backward(do_t))
-        base_f, base_b = parallel_config(d, False), parallel_config(d, False, backward=True)
+        base_f, base_b = parallel_config(d, False), parallel_config(d, False, backward=True, window=window)
         _, bwd_ref, (o_ref, g_bufs) = _runners(xs, do, window, base_f, base_b)
         bwd_ref()
         g_ref = [g.clone() for g in g_bufs]

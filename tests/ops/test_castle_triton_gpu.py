@@ -20,6 +20,7 @@ BACKENDS = ["triton", "triton-parallel"]  # the wavefront and the key-major sche
 GPU_CASES = [
     Case(b=2, t=2048, h=8, hc=8, hu=8, d=64),
     Case(b=1, t=4096, h=8, hc=2, hu=2, d=128, window=512),
+    Case(b=1, t=2048, h=8, hc=4, hu=8, d=128),  # D 128 without a window: 16-position backward blocks
     Case(b=2, t=1000, h=4, hc=4, hu=1, d=96, window=3),
     Case(b=1, t=2048, h=4, hc=4, hu=4, d=48, window=4096),
     Case(b=1, t=1, h=4, hc=2, hu=2, d=64),

@@ -132,7 +132,7 @@ class _TritonParallelCastle(torch.autograd.Function):
         dkc, dvc, dqu = (_empty(b, h, t, d, dtype=f32, device=dev) for _ in range(3))
         grads = (dqc, dkc, dvc, dqu, dku, dvu)
         launch_parallel_bwd(qc, kc, vc, qu, ku, vu, do, lse2, _delta(do, o, dlse), u_end, grads,
-                            scale, window, parallel_config(d, _interpret(qc), backward=True))
+                            scale, window, parallel_config(d, _interpret(qc), backward=True, window=window))
         return (*_input_grads(grads, qc, kc, vc, ku, vu), None, None)
 
 

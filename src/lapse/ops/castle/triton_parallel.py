@@ -268,16 +268,19 @@ def _bwd_kernel(
     tl.store(DQU + o_col, b_dqu, mask=m_sd)
 
 
-def parallel_config(d: int, interpret: bool, backward: bool = False) -> dict:
+def parallel_config(d: int, interpret: bool, backward: bool = False, window: int | None = None) -> dict:
     """Block size, warps and stages by head dim, measured on an H100
     (``scripts/tune_castle_parallel.py``, T 4096, B x T = 16k, 8 heads, bf16; raw
     ``docs/bench/castle/h100-tune-parallel.log``): backward at D 64 with 32-position
     blocks, 4 warps, 2 stages 5.1 ms against 16.6 ms for the first guess (64, 8 warps, 1
     stage), 2.9 against 5.9 ms under SWL 512; forward at D 128 with 4 warps, 1 stage 2.66
-    against 3.51 ms; backward at D 128 with 4 warps, 1 stage: 7.27 against 9.11 ms for 8
-    warps under SWL 512, a tie without a window (18.57 against 18.63; 2026-11-26,
-    ``docs/bench/castle/h100-tune-bwd-bt16.json``, where 16-position blocks differ from
-    these by 2e-2 relative in the gradients and are not used). The forward holds one
+    against 3.51 ms. Backward at D 128 (2026-11-26, ``docs/bench/castle/h100-tune-bwd-*.json``):
+    without a window 16-position blocks, 4 warps, 2 stages take 7.3 / 14.7 / 28.5 ms at
+    T 2k / 4k / 8k against 9.2 / 18.6 / 37.2 for 32-position blocks; under SWL 512 the
+    32-position blocks with 4 warps, 1 stage are the faster at 4k and 8k (7.27 against 9.11
+    ms for 8 warps at 4k). Other blockings round the float32 ``U`` to bf16 at other
+    points, so their bf16 gradients differ by ~2e-2 relative (both within the GPU tests'
+    float64 rule). The forward holds one
     float32 ``[BT, D]`` tile across its loop (``U_J``), the backward five (``U_J, R_J``,
     ``dK^C, dV^C, dQ^U``), hence its smaller blocks. The interpreter gets 16-position
     blocks, so small test shapes span several blocks."""
@@ -286,6 +289,8 @@ def parallel_config(d: int, interpret: bool, backward: bool = False) -> dict:
     if backward:
         if d <= 64:
             return dict(BT=32, num_warps=4, num_stages=2)
+        if window is None:
+            return dict(BT=16, num_warps=4, num_stages=2)
         return dict(BT=32, num_warps=4, num_stages=1)
     if d <= 64:
         return dict(BT=64, num_warps=4, num_stages=2)
