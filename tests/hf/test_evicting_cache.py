@@ -211,6 +211,20 @@ def test_sampling_runs_under_a_policy_and_dense_samples_as_dynamic_cache():
     assert out.shape == (3, 24) and max(cache.after_evictions) <= 6
 
 
+def test_mask_sizes_from_a_query_length_or_a_cache_position():
+    """``get_mask_sizes`` takes the forward's new positions as a count (transformers 5.3 and
+    later) or as its ``cache_position`` tensor (5.0-5.2, which kvpress 0.5.5 also accepts):
+    the same sizes either way, before and after the prompt."""
+    _, ours = _pair()
+    ids, mask = _padded_batch()
+    cache = EvictingCache(H2O(budget=4, recent=2), model=ours)
+    assert cache.get_mask_sizes(7) == cache.get_mask_sizes(torch.arange(7)) == (7, 0)
+    with torch.no_grad():
+        ours(input_ids=ids, attention_mask=mask, **{CACHE_ARG: cache}, use_cache=True)
+    t = ids.shape[1]
+    assert cache.get_mask_sizes(1) == cache.get_mask_sizes(torch.arange(t, t + 1)) == (t + 1, 0)
+
+
 def test_sink_window_equals_decoding_under_the_matching_mask():
     """SinkWindow(sinks=s, window=w, every=1): the query at position p sees positions < s and
     [p - w, p]; the reference is HF's own decoding over a DynamicCache with that 4D mask."""

@@ -208,7 +208,12 @@ class EvictingCache(Cache):
         """Positions seen per row, padding included (as ``DynamicCache`` counts them)."""
         return self._seen
 
-    def get_mask_sizes(self, query_length: int, layer_idx: int = 0) -> tuple[int, int]:
+    def get_mask_sizes(self, query_length: int | Tensor, layer_idx: int = 0) -> tuple[int, int]:
+        """``(kv_length, kv_offset)`` of the mask for a forward of ``query_length`` new
+        positions (transformers before 5.3 passes the forward's ``cache_position``, a
+        tensor of that length, instead)."""
+        if isinstance(query_length, Tensor):
+            query_length = query_length.shape[0]
         return self._seen + query_length, 0
 
     def get_max_length(self, layer_idx: int | None = None) -> int:
