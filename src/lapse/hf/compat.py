@@ -4,7 +4,7 @@
 ``generate``, ``prepare_inputs_for_generation`` and the model forwards, and the field of
 their outputs (``CausalLMOutputWithPast.cache``). The old keyword still works there for a
 while, with a ``FutureWarning``; before 5.24 only the old one does. lapse supports both
-sides of the rename (``transformers>=5.0,<6``), so this module decides once, from the
+sides of the rename (``transformers>=5.4,<6``), so this module decides once, from the
 fields of the installed ``CausalLMOutputWithPast`` (not from the version string), which
 name to use:
 
