@@ -361,15 +361,16 @@ class _Dispatched(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
+@pytest.mark.parametrize("layers", [1, 3])
 @pytest.mark.parametrize("policy", [None, SinkWindow(sinks=2, window=3)], ids=["keep-all", "window"])
-def test_a_plan_shared_by_every_layer_writes_each_later_layer_with_its_keys_and_values_only(policy):
+def test_a_plan_shared_by_every_layer_writes_each_later_layer_with_its_keys_and_values_only(policy, layers):
     """``write_cut`` of every layer from one plan (the very same ``index`` and ``counts``, as
     ``EvictingCache`` passes a plan without scores): the first call allocates every layer and
     writes the plan's positions and lengths into each; a later layer then dispatches one
     operation per buffer that launches work (a gather, or a copy for a whole prompt), nothing
     else. The store equals ``prefill_cut``'s (a plan per layer), and no two layers' buffers
     share memory (a compiled step takes them as separate static inputs)."""
-    b, t, h, d, layers = 2, 21, 2, 8, 3
+    b, t, h, d = 2, 21, 2, 8
     g = torch.Generator().manual_seed(4)
     keys, values = torch.randn(layers, b, h, t, d, generator=g), torch.randn(layers, b, h, t, d, generator=g)
     keep = None if policy is None else policy.keep

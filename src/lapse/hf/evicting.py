@@ -412,7 +412,7 @@ class EvictingCache(Cache):
             index, counts = store.plan_cut(
                 keep, (b, h, t), key.device, stacked, 1, policy.max_tokens(store.prompt_len)
             )
-            plan = None if index is None else index[0], counts[0]
+            plan = (None if index is None else index[0]), counts[0]
             if scores is None:
                 self._plan = plan
         store.write_cut(i, key, value, *plan, scores, self._start)

@@ -471,9 +471,6 @@ class PagedStore(StoreBase):
         scores = empty(n + 1, s, dtype=torch.float32) if self.score_decay is not None else []
         tables = empty(b, h, table, dtype=torch.int32)
         torch._foreach_zero_([*ks, *vs, *pos, *scores])
-        template = torch.full((b, h, table), -1, dtype=torch.int32, device=dev)
-        template[:, :, :need] = torch.arange(b * h * need, dtype=torch.int32, device=dev).view(b, h, need)
-        torch._foreach_copy_(tables, [template] * self.n_layers)
         torch._foreach_copy_(lengths, [counts] * self.n_layers)
         rows = need * s
         placed = self._cut_positions(index, b, h, m, dev).to(torch.int32)
@@ -481,11 +478,15 @@ class PagedStore(StoreBase):
         for i in layers:
             self.k[i], self.v[i], self.page_table[i], self.lengths[i] = ks[i], vs[i], tables[i], lengths[i]
             self.extras[i] = {"pos": pos[i]} if not scores else {"pos": pos[i], "score": scores[i]}
-        # the host's lists of a layer granted `need` pages per head in order: made for the
-        # first layer, copied into each layer as write_cut reaches it (_adopt_cut)
+        # the first layer's grant of `need` pages per head in order (its table made on the
+        # device, its host lists), which every other layer copies: the tables now, the host
+        # lists as write_cut reaches each layer (_adopt_cut)
         self._free[0], self._count[0] = _PageStack(n), np.zeros((b, h), dtype=np.int64)
         self._pages[0] = np.full((b, h, table), -1, dtype=np.int64)
-        self._grant_prompt(0, need, table_made=True)
+        tables[0].fill_(-1)
+        self._grant_prompt(0, need)
+        if self.n_layers > 1:
+            torch._foreach_copy_(tables[1:], [tables[0]] * (self.n_layers - 1))
         host = (self._free[0], self._count[0], self._pages[0])
         self._cut = _Cut(shapes, index, counts, torch.zeros_like(counts), host)
         self._cut_ready = set(layers)
