@@ -70,6 +70,9 @@ def main() -> None:
     ap.add_argument("--warps", nargs="+", type=int, default=[4, 8])
     ap.add_argument("--stages", nargs="+", type=int, default=[2, 3])
     ap.add_argument("--tma", nargs="+", type=int, default=[0, 1])
+    ap.add_argument("--gluon", action="store_true",
+                    help="also gluon_fwd.py's Hopper kernel (dense): BM 128, BN 64/128, 4/8 warps, 2/3 buffers")
+    ap.add_argument("--only-gluon", action="store_true", help="the default and the Gluon options only")
     ap.add_argument("--out", default="fox_fwd.json")
     args = ap.parse_args()
     set_value_checks(False)
@@ -88,10 +91,16 @@ def main() -> None:
             triton_fwd.launch_fwd(q, k, v, c_hi, c_lo, bsx, None, p, o, lse)
             o_ref = o.float().clone()
             default = triton_fwd.fwd_config(d, 2, acp)
-            grid = [None, *itertools.product(args.block_m, args.block_n, args.warps, args.stages, args.tma)]
+            grid = [None]
+            if not args.only_gluon:
+                grid += itertools.product(args.block_m, args.block_n, args.warps, args.stages, args.tma)
+            if (args.gluon or args.only_gluon) and not acp:
+                grid += [("gluon", bn, w, st) for bn in (64, 128) for w in (4, 8) for st in (2, 3)]
             for opt in grid:
                 if opt is None:
                     cfg = dict(default)
+                elif opt[0] == "gluon":
+                    cfg = dict(GLUON=True, BM=128, BN=opt[1], num_warps=opt[2], STAGES=opt[3])
                 else:
                     bm, bn, w, st, tma = opt
                     if acp and 64 % bn:

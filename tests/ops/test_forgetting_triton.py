@@ -322,3 +322,49 @@ def test_backward_with_dq_through_atomics_gpu(case, monkeypatch):
     cu_t = None if cu is None else torch.tensor(cu, dtype=torch.int32, device="cuda")
     q, k, v, lg, do = _inputs(b, tq, tk, hq, h, d, gate, torch.bfloat16, "cuda", seed=d)
     _compare(q, k, v, lg, do, torch.bfloat16, acp, cu_t, None)
+
+
+def _gluon_forward(monkeypatch):
+    """Makes the forward take ``gluon_fwd.py``'s Hopper kernel wherever it serves the
+    inputs (dense, T_q == T_k, no varlen); the backward stays the Triton one."""
+    from lapse.ops.forgetting import gluon_fwd, triton_fwd
+
+    plain = triton_fwd.fwd_config
+
+    def gluon(d, dtype_bytes, acp=False):
+        return plain(d, dtype_bytes, acp) if acp else dict(GLUON=True, **gluon_fwd.gluon_config(d))
+
+    monkeypatch.setattr(triton_fwd, "fwd_config", gluon)
+
+
+def test_gluon_config_falls_back_off_hopper(monkeypatch):
+    """Where the Gluon kernel cannot run (here: the CPU interpreter), a ``GLUON`` config
+    runs the Triton kernel with its default options, to the same float64 rule."""
+    if torch.cuda.is_available():
+        pytest.skip("CPU interpreter test")
+    _gluon_forward(monkeypatch)
+    q, k, v, lg, do = _inputs(1, 70, 70, 2, 1, 64, "mixed", torch.float32, "cpu", seed=3)
+    _compare(q, k, v, lg, do, torch.float32)
+
+
+GLUON_CASES = [
+    (2, 1024, 1024, 8, 8, 64, "mixed", None, None),
+    (3, 257, 257, 4, 2, 64, "extreme", None, None),
+    (1, 1, 1, 2, 1, 64, "mixed", None, None),
+    (1, 4096, 4096, 4, 4, 128, "mixed", None, None),
+    (2, 1000, 1000, 6, 3, 128, "fast", None, None),
+    (1, 200, 200, 2, 2, 48, "mixed", None, None),  # D 48: not served, the Triton kernel runs
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", GLUON_CASES, ids=[_id(c) for c in GLUON_CASES])
+def test_gluon_forward_gpu(case, monkeypatch):
+    """The Gluon forward (Hopper) against the float64 oracle, outputs poisoned first; the
+    Triton backward then runs on its o and lse, so the lse is checked through it too."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    _gluon_forward(monkeypatch)
+    b, tq, tk, hq, h, d, gate, acp, cu = case
+    q, k, v, lg, do = _inputs(b, tq, tk, hq, h, d, gate, torch.bfloat16, "cuda", seed=d + tq)
+    _compare(q, k, v, lg, do, torch.bfloat16)

@@ -255,8 +255,18 @@ def launch_fwd(q, k, v, c_hi, c_lo, block_start, cu, p, o, lse2, config=None):
     ``config`` (default :func:`fwd_config`) may ask for ``TMA=True``: keys and values read
     through tensor descriptors (Hopper's tensor-memory engine), taken where
     :func:`_tma_ready` holds and, on a GPU, on compute capability 9 or later (else the
-    pointer loads; the CPU interpreter takes it when asked, for the tests)."""
+    pointer loads; the CPU interpreter takes it when asked, for the tests). ``GLUON=True``
+    runs ``gluon_fwd.py``'s Hopper kernel (its options: ``BM, BN, num_warps, STAGES``)
+    where it serves the inputs, else this kernel with the default options."""
     cfg = dict(config or fwd_config(p.d, q.element_size(), block_start is not None))
+    if cfg.pop("GLUON", False):
+        from . import gluon_fwd  # Hopper only; Gluon has no CPU interpreter
+
+        if gluon_fwd.supported(q, k, v, block_start, cu, p):
+            gluon_fwd.launch(q, k, v, c_hi, c_lo, p, o, lse2, cfg)
+            return
+        cfg = dict(fwd_config(p.d, q.element_size(), block_start is not None))
+        cfg.pop("GLUON", None)
     use_tma = bool(cfg.pop("TMA", False)) and _tma_ready(k, v) and _tma_device(q)
     token = None
     if use_tma and q.is_cuda:  # Triton's allocator for this launch only (a context variable)

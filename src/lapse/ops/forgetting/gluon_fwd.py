@@ -1,0 +1,207 @@
+"""The dense FoX forward on Hopper in Gluon, with the next tile's ``Q K^T`` in flight
+during this tile's softmax (issue 16).
+
+Triton's own compiler waits on every ``Q K^T`` product right after issuing it: in
+``triton_fwd.py`` compiled for sm_90, even a loop that computes the next tile's logits
+one step ahead gets ``wgmma.wait_group 0`` straight after the product, so the tensor
+cores sit idle while the softmax runs. Gluon (Triton's lower-level dialect, shipped with
+Triton) issues the products asynchronously and lets the kernel say when to wait. Per key
+tile ``j`` the order is (``wait(n)``: until at most ``n`` products are in flight)::
+
+    issue S_{j+1} = Q K_{j+1}^T          in flight: S_j, PV_{j-1}, S_{j+1}
+    wait(2)   -> S_j done                 prefetch K_{j+STAGES} into S_j's buffer
+    softmax of S_j (bias, max, exp2)      runs beside PV_{j-1} and S_{j+1}
+    wait(1)   -> PV_{j-1} done            prefetch V_{j-1+STAGES}
+    acc *= alpha; issue PV_j = P_j V_j
+
+Keys and values come through the tensor-memory engine (TMA) into ``STAGES`` buffers with
+one barrier each. The last step issues one product past the end (the last tile again:
+its result is dropped) so every step has the same shape.
+
+Scope: dense (no ACP), ``T_q == T_k``, no varlen, bf16 or fp16, D 64 or 128, tensors
+``[B, T, H, D]`` contiguous. ``triton_fwd.launch_fwd`` takes this path where
+:func:`supported` holds and the config asks for it; the Triton kernel is the fallback
+and the reference the GPU tests hold it to. There is no CPU interpreter for Gluon.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
+from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+from ..backend import LOG2E
+
+_LOG2E: gl.constexpr = gl.constexpr(LOG2E)
+
+
+@gluon.jit
+def _softmax_step(b_s, m_i, l_i, b_cq, o_m, p_chi, p_clo, c_ref, j, n_full, T, qk_scale,
+                  BN: gl.constexpr, s_layout: gl.constexpr):
+    """Tile ``j``'s probabilities (unnormalised, against the running max) and the new
+    row state: ``(p, alpha, m, l)``."""
+    col: gl.constexpr = gl.SliceLayout(0, s_layout)
+    o_n = j * BN + gl.arange(0, BN, layout=col)
+    m_n = o_n < T
+    b_ck = ((gl.load(p_chi + o_n, mask=m_n, other=0.0) - c_ref) + gl.load(p_clo + o_n, mask=m_n, other=0.0)) * _LOG2E
+    b_s = b_s * qk_scale + (b_cq[:, None] - b_ck[None, :])
+    if j >= n_full:  # the tiles that reach the diagonal: causal mask
+        b_s = gl.where(o_n[None, :] <= o_m[:, None], b_s, float("-inf"))
+    m_new = gl.maximum(m_i, gl.max(b_s, 1))
+    b_p = gl.exp2(b_s - m_new[:, None])
+    alpha = gl.exp2(m_i - m_new)
+    l_i = l_i * alpha + gl.sum(b_p, 1)
+    return b_p, alpha, m_new, l_i
+
+
+@gluon.jit
+def _load_tile(desc, smem, bar, row, col, pred):
+    mbarrier.expect(bar, desc.block_type.nbytes, pred=pred)
+    tma.async_copy_global_to_shared(desc, [row, col], bar, smem, pred=pred)
+
+
+@gluon.jit
+def _fwd_kernel(q_desc, k_desc, v_desc, CHI, CLO, O, LSE, qk_scale, T, TC, HQ, GROUP,
+                D: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr, STAGES: gl.constexpr,
+                num_warps: gl.constexpr):
+    # the last query tiles have the most keys: schedule them first
+    i_m = gl.num_programs(0) - 1 - gl.program_id(0)
+    i_bh = gl.program_id(1)
+    i_b = i_bh // HQ
+    i_h = i_bh % HQ
+    i_hk = i_h // GROUP
+    m0 = i_m * BM
+    row0 = i_b * T  # this sequence's first row in the [B * T, H * D] views
+
+    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
+                                                       instr_shape=[16, BN, 16])
+    o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
+                                                       instr_shape=[16, D, 16])
+    p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
+    row_s: gl.constexpr = gl.SliceLayout(1, s_layout)
+    row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
+    col_o: gl.constexpr = gl.SliceLayout(0, o_layout)
+    dtype: gl.constexpr = q_desc.dtype
+
+    q_smem = gl.allocate_shared_memory(dtype, [BM, D], q_desc.layout)
+    k_smem = gl.allocate_shared_memory(dtype, [STAGES, BN, D], k_desc.layout)
+    v_smem = gl.allocate_shared_memory(dtype, [STAGES, BN, D], v_desc.layout)
+    bar_q = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    bar_k = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    bar_v = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    mbarrier.init(bar_q, count=1)
+    for s in gl.static_range(STAGES):
+        mbarrier.init(bar_k.index(s), count=1)
+        mbarrier.init(bar_v.index(s), count=1)
+
+    n = gl.cdiv(gl.minimum(m0 + BM, T), BN)  # key tiles of this query tile (causal)
+    n_full = m0 // BN  # tiles before the diagonal: no mask
+    _load_tile(q_desc, q_smem, bar_q, row0 + m0, i_h * D, True)
+    for s in gl.static_range(STAGES):
+        _load_tile(k_desc, k_smem.index(s), bar_k.index(s), row0 + s * BN, i_hk * D, s < n)
+        _load_tile(v_desc, v_smem.index(s), bar_v.index(s), row0 + s * BN, i_hk * D, s < n)
+
+    # the bias: cumulative gates relative to the tile's first query (triton_fwd.py)
+    p_chi = CHI + (i_b * HQ + i_h) * TC
+    p_clo = CLO + (i_b * HQ + i_h) * TC
+    c_ref = gl.load(p_chi + m0)
+    o_m = m0 + gl.arange(0, BM, layout=row_s)
+    o_mc = gl.minimum(o_m, T - 1)
+    b_cq = ((gl.load(p_chi + o_mc) - c_ref) + gl.load(p_clo + o_mc)) * _LOG2E
+
+    zero_s = gl.zeros([BM, BN], gl.float32, s_layout)
+    acc = gl.zeros([BM, D], gl.float32, o_layout)
+    m_i = gl.full([BM], float("-inf"), gl.float32, row_s)
+    l_i = gl.zeros([BM], gl.float32, row_s)
+
+    mbarrier.wait(bar_q, 0)
+    mbarrier.wait(bar_k.index(0), 0)
+    s_tok = warpgroup_mma(q_smem, k_smem.index(0).permute((1, 0)), zero_s, use_acc=False, is_async=True)
+
+    # step 0: nothing to rescale, no PV in flight
+    jn = gl.minimum(1, n - 1)
+    mbarrier.wait(bar_k.index(jn % STAGES), (jn // STAGES) & 1)
+    s_next = warpgroup_mma(q_smem, k_smem.index(jn % STAGES).permute((1, 0)), zero_s, use_acc=False,
+                           is_async=True)
+    b_s = warpgroup_mma_wait(1, deps=(s_tok, ))
+    _load_tile(k_desc, k_smem.index(0), bar_k.index(0), row0 + STAGES * BN, i_hk * D, STAGES < n)
+    b_p, alpha, m_i, l_i = _softmax_step(b_s, m_i, l_i, b_cq, o_m, p_chi, p_clo, c_ref, 0, n_full, T,
+                                         qk_scale, BN, s_layout)
+    mbarrier.wait(bar_v.index(0), 0)
+    pv_tok = warpgroup_mma(gl.convert_layout(b_p.to(dtype), p_layout), v_smem.index(0), acc, is_async=True)
+    s_tok = s_next
+
+    for j in range(1, n):
+        st = j % STAGES
+        jn = gl.minimum(j + 1, n - 1)
+        mbarrier.wait(bar_k.index(jn % STAGES), (jn // STAGES) & 1)
+        s_next = warpgroup_mma(q_smem, k_smem.index(jn % STAGES).permute((1, 0)), zero_s, use_acc=False,
+                               is_async=True)
+        b_s = warpgroup_mma_wait(2, deps=(s_tok, ))
+        # S_j is done: its key buffer takes tile j + STAGES
+        _load_tile(k_desc, k_smem.index(st), bar_k.index(st), row0 + (j + STAGES) * BN, i_hk * D,
+                   j + STAGES < n)
+        b_p, alpha, m_i, l_i = _softmax_step(b_s, m_i, l_i, b_cq, o_m, p_chi, p_clo, c_ref, j, n_full, T,
+                                             qk_scale, BN, s_layout)
+        acc = warpgroup_mma_wait(1, deps=(pv_tok, ))
+        # PV_{j-1} is done: its value buffer takes tile j - 1 + STAGES
+        sp = (j - 1) % STAGES
+        _load_tile(v_desc, v_smem.index(sp), bar_v.index(sp), row0 + (j - 1 + STAGES) * BN, i_hk * D,
+                   j - 1 + STAGES < n)
+        acc = acc * gl.convert_layout(alpha, row_o)[:, None]
+        mbarrier.wait(bar_v.index(st), (j // STAGES) & 1)
+        pv_tok = warpgroup_mma(gl.convert_layout(b_p.to(dtype), p_layout), v_smem.index(st), acc,
+                               is_async=True)
+        s_tok = s_next
+
+    acc, b_s = warpgroup_mma_wait(0, deps=(pv_tok, s_tok))
+    mbarrier.invalidate(bar_q)
+    for s in gl.static_range(STAGES):
+        mbarrier.invalidate(bar_k.index(s))
+        mbarrier.invalidate(bar_v.index(s))
+
+    l_o = gl.convert_layout(l_i, row_o)
+    b_o = acc / l_o[:, None]
+    o_mo = m0 + gl.arange(0, BM, layout=row_o)
+    o_d = gl.arange(0, D, layout=col_o)
+    p_o = O + ((row0 + o_mo[:, None]) * HQ + i_h) * D + o_d[None, :]
+    gl.store(p_o, b_o.to(dtype), mask=(o_mo < T)[:, None])
+    # log-sum-exp in base 2 of the true logits (the ref shift cancels between c_i and c_j)
+    gl.store(LSE + (i_b * HQ + i_h) * TC + o_m, m_i + gl.log2(l_i), mask=o_m < T)
+
+
+def gluon_config(d: int) -> dict:
+    """Tiles, warps and buffers by head dim (first guess; ``scripts/tune_fox_fwd.py``)."""
+    if d <= 64:
+        return dict(BM=128, BN=64, num_warps=8, STAGES=3)
+    return dict(BM=128, BN=64, num_warps=8, STAGES=2)
+
+
+def supported(q, k, v, block_start, cu, p) -> bool:
+    """Whether :func:`launch` serves these inputs (else the Triton kernel does)."""
+    return (q.is_cuda and torch.cuda.get_device_capability(q.device)[0] == 9
+            and block_start is None and cu is None and p.tq == p.tk
+            and q.dtype in (torch.bfloat16, torch.float16) and q.dtype == k.dtype == v.dtype
+            and p.d in (64, 128) and all(x.is_contiguous() for x in (q, k, v)))
+
+
+def launch(q, k, v, c_hi, c_lo, p, o, lse2, config=None) -> None:
+    """Writes ``o`` ``[B, T, HQ, D]`` and the base-2 lse ``[B, HQ, Tc]`` (:func:`supported`
+    inputs only)."""
+    cfg = dict(config or gluon_config(p.d))
+    bm, bn = cfg.pop("BM"), cfg.pop("BN")
+    b, t, hq, d = q.shape
+    h = k.shape[2]
+    el = gl.bfloat16 if q.dtype == torch.bfloat16 else gl.float16
+    q2, k2, v2 = q.view(b * t, hq * d), k.view(b * t, h * d), v.view(b * t, h * d)
+    q_desc = TensorDescriptor(q2, list(q2.shape), list(q2.stride()), [bm, d],
+                              gl.NVMMASharedLayout.get_default_for([bm, d], el))
+    kv_layout = gl.NVMMASharedLayout.get_default_for([bn, d], el)
+    k_desc = TensorDescriptor(k2, list(k2.shape), list(k2.stride()), [bn, d], kv_layout)
+    v_desc = TensorDescriptor(v2, list(v2.shape), list(v2.stride()), [bn, d], kv_layout)
+    grid = (triton.cdiv(t, bm), b * hq)
+    _fwd_kernel[grid](q_desc, k_desc, v_desc, c_hi, c_lo, o, lse2, p.scale * LOG2E, t, c_hi.shape[-1], hq,
+                      hq // h, D=d, BM=bm, BN=bn, **cfg)
