@@ -71,7 +71,8 @@ def main() -> None:
     ap.add_argument("--stages", nargs="+", type=int, default=[2, 3])
     ap.add_argument("--tma", nargs="+", type=int, default=[0, 1])
     ap.add_argument("--gluon", action="store_true",
-                    help="also gluon_fwd.py's Hopper kernel (dense): BM 128, BN 64/128, 4/8 warps, 2/3 buffers")
+                    help="also gluon_fwd.py's Hopper kernel (dense): BM 128, BN 64/128, one compute partition of 8 "
+                         "warps or two of 4, 2/3 buffers")
     ap.add_argument("--only-gluon", action="store_true", help="the default and the Gluon options only")
     ap.add_argument("--out", default="fox_fwd.json")
     args = ap.parse_args()
@@ -95,12 +96,13 @@ def main() -> None:
             if not args.only_gluon:
                 grid += itertools.product(args.block_m, args.block_n, args.warps, args.stages, args.tma)
             if (args.gluon or args.only_gluon) and not acp:
-                grid += [("gluon", bn, w, st) for bn in (64, 128) for w in (4, 8) for st in (2, 3)]
+                grid += [("gluon", bn, w, st, sp) for bn in (64, 128) for w, sp in ((8, False), (4, True))
+                         for st in (2, 3)]
             for opt in grid:
                 if opt is None:
                     cfg = dict(default)
                 elif opt[0] == "gluon":
-                    cfg = dict(GLUON=True, BM=128, BN=opt[1], num_warps=opt[2], STAGES=opt[3])
+                    cfg = dict(GLUON=True, BM=128, BN=opt[1], num_warps=opt[2], STAGES=opt[3], SPLIT=opt[4])
                 else:
                     bm, bn, w, st, tma = opt
                     if acp and 64 % bn:

@@ -324,15 +324,21 @@ def test_backward_with_dq_through_atomics_gpu(case, monkeypatch):
     _compare(q, k, v, lg, do, torch.bfloat16, acp, cu_t, None)
 
 
-def _gluon_forward(monkeypatch):
+def _gluon_forward(monkeypatch, split=None):
     """Makes the forward take ``gluon_fwd.py``'s Hopper kernel wherever it serves the
-    inputs (dense, T_q == T_k, no varlen); the backward stays the Triton one."""
+    inputs (dense, T_q == T_k, no varlen); the backward stays the Triton one. ``split``:
+    one compute partition of 8 warps (False) or two of 4 (True); None, the default."""
     from lapse.ops.forgetting import gluon_fwd, triton_fwd
 
     plain = triton_fwd.fwd_config
 
     def gluon(d, dtype_bytes, acp=False):
-        return plain(d, dtype_bytes, acp) if acp else dict(GLUON=True, **gluon_fwd.gluon_config(d))
+        if acp or d not in (64, 128):
+            return plain(d, dtype_bytes, acp)
+        cfg = dict(GLUON=True, **gluon_fwd.gluon_config(d))
+        if split is not None:
+            cfg.update(SPLIT=split, num_warps=4 if split else 8, COMPUTE_REGS=232 if split else 0)
+        return cfg
 
     monkeypatch.setattr(triton_fwd, "fwd_config", gluon)
 
@@ -358,13 +364,14 @@ GLUON_CASES = [
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("split", [False, True], ids=["one-partition", "two-partitions"])
 @pytest.mark.parametrize("case", GLUON_CASES, ids=[_id(c) for c in GLUON_CASES])
-def test_gluon_forward_gpu(case, monkeypatch):
+def test_gluon_forward_gpu(case, split, monkeypatch):
     """The Gluon forward (Hopper) against the float64 oracle, outputs poisoned first; the
     Triton backward then runs on its o and lse, so the lse is checked through it too."""
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA")
-    _gluon_forward(monkeypatch)
+    _gluon_forward(monkeypatch, split)
     b, tq, tk, hq, h, d, gate, acp, cu = case
     q, k, v, lg, do = _inputs(b, tq, tk, hq, h, d, gate, torch.bfloat16, "cuda", seed=d + tq)
     _compare(q, k, v, lg, do, torch.bfloat16)

@@ -39,16 +39,20 @@ _LOG2E: gl.constexpr = gl.constexpr(LOG2E)
 
 
 @gluon.jit
-def _softmax_step(b_s, m_i, l_i, b_cq, o_m, p_chi, p_clo, c_ref, j, n_full, T, qk_scale,
-                  BN: gl.constexpr, s_layout: gl.constexpr):
-    """Tile ``j``'s probabilities (unnormalised, against the running max) and the new
-    row state: ``(p, alpha, m, l)``."""
-    col: gl.constexpr = gl.SliceLayout(0, s_layout)
-    o_n = j * BN + gl.arange(0, BN, layout=col)
+def _key_bias(p_chi, p_clo, c_ref, j, T, BN: gl.constexpr, s_layout: gl.constexpr):
+    """Tile ``j``'s key positions and their ``c_j`` (base 2, relative to ``c_ref``)."""
+    o_n = j * BN + gl.arange(0, BN, layout=gl.SliceLayout(0, s_layout))
     m_n = o_n < T
     b_ck = ((gl.load(p_chi + o_n, mask=m_n, other=0.0) - c_ref) + gl.load(p_clo + o_n, mask=m_n, other=0.0)) * _LOG2E
+    return o_n, b_ck
+
+
+@gluon.jit
+def _softmax_step(b_s, m_i, l_i, b_cq, b_ck, o_m, o_n, masked, qk_scale):
+    """A tile's probabilities (unnormalised, against the running max) and the new row
+    state: ``(p, alpha, m, l)``."""
     b_s = b_s * qk_scale + (b_cq[:, None] - b_ck[None, :])
-    if j >= n_full:  # the tiles that reach the diagonal: causal mask
+    if masked:  # the tiles that reach the diagonal: causal mask
         b_s = gl.where(o_n[None, :] <= o_m[:, None], b_s, float("-inf"))
     m_new = gl.maximum(m_i, gl.max(b_s, 1))
     b_p = gl.exp2(b_s - m_new[:, None])
@@ -58,24 +62,29 @@ def _softmax_step(b_s, m_i, l_i, b_cq, o_m, p_chi, p_clo, c_ref, j, n_full, T, q
 
 
 @gluon.jit
-def _load_tile(desc, smem, bar, row, col, pred):
-    mbarrier.expect(bar, desc.block_type.nbytes, pred=pred)
-    tma.async_copy_global_to_shared(desc, [row, col], bar, smem, pred=pred)
+def _loader(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, k_ready, v_ready, k_empty, v_empty,
+            q_row, kv_row, q_col, kv_col, n, BN: gl.constexpr, STAGES: gl.constexpr):
+    """The load partition (one warp): Q once, then every key and value tile through TMA,
+    each into its ring buffer once the compute partition has released it."""
+    mbarrier.expect(q_ready, q_desc.block_type.nbytes)
+    tma.async_copy_global_to_shared(q_desc, [q_row, q_col], q_ready, q_smem)
+    for j in range(n):
+        st = j % STAGES
+        ph = ((j // STAGES) & 1) ^ 1  # the release of this buffer's previous tile
+        mbarrier.wait(k_empty.index(st), ph, pred=j >= STAGES)
+        mbarrier.expect(k_ready.index(st), k_desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(k_desc, [kv_row + j * BN, kv_col], k_ready.index(st), k_smem.index(st))
+        mbarrier.wait(v_empty.index(st), ph, pred=j >= STAGES)
+        mbarrier.expect(v_ready.index(st), v_desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(v_desc, [kv_row + j * BN, kv_col], v_ready.index(st), v_smem.index(st))
 
 
 @gluon.jit
-def _fwd_kernel(q_desc, k_desc, v_desc, CHI, CLO, O, LSE, qk_scale, T, TC, HQ, GROUP,
-                D: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr, STAGES: gl.constexpr,
-                num_warps: gl.constexpr):
-    # the last query tiles have the most keys: schedule them first
-    i_m = gl.num_programs(0) - 1 - gl.program_id(0)
-    i_bh = gl.program_id(1)
-    i_b = i_bh // HQ
-    i_h = i_bh % HQ
-    i_hk = i_h // GROUP
-    m0 = i_m * BM
-    row0 = i_b * T  # this sequence's first row in the [B * T, H * D] views
-
+def _compute(q_smem, k_smem, v_smem, q_ready, k_ready, v_ready, k_empty, v_empty, CHI, CLO, O, LSE,
+             qk_scale, T, TC, HQ, i_b, i_h, m0, n,
+             D: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr, STAGES: gl.constexpr,
+             num_warps: gl.constexpr):
+    """The compute partition: logits, softmax, ``P V`` and the output rows."""
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
                                                        instr_shape=[16, BN, 16])
     o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
@@ -84,25 +93,8 @@ def _fwd_kernel(q_desc, k_desc, v_desc, CHI, CLO, O, LSE, qk_scale, T, TC, HQ, G
     row_s: gl.constexpr = gl.SliceLayout(1, s_layout)
     row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
     col_o: gl.constexpr = gl.SliceLayout(0, o_layout)
-    dtype: gl.constexpr = q_desc.dtype
-
-    q_smem = gl.allocate_shared_memory(dtype, [BM, D], q_desc.layout)
-    k_smem = gl.allocate_shared_memory(dtype, [STAGES, BN, D], k_desc.layout)
-    v_smem = gl.allocate_shared_memory(dtype, [STAGES, BN, D], v_desc.layout)
-    bar_q = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-    bar_k = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    bar_v = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    mbarrier.init(bar_q, count=1)
-    for s in gl.static_range(STAGES):
-        mbarrier.init(bar_k.index(s), count=1)
-        mbarrier.init(bar_v.index(s), count=1)
-
-    n = gl.cdiv(gl.minimum(m0 + BM, T), BN)  # key tiles of this query tile (causal)
+    dtype: gl.constexpr = q_smem.dtype
     n_full = m0 // BN  # tiles before the diagonal: no mask
-    _load_tile(q_desc, q_smem, bar_q, row0 + m0, i_h * D, True)
-    for s in gl.static_range(STAGES):
-        _load_tile(k_desc, k_smem.index(s), bar_k.index(s), row0 + s * BN, i_hk * D, s < n)
-        _load_tile(v_desc, v_smem.index(s), bar_v.index(s), row0 + s * BN, i_hk * D, s < n)
 
     # the bias: cumulative gates relative to the tile's first query (triton_fwd.py)
     p_chi = CHI + (i_b * HQ + i_h) * TC
@@ -117,67 +109,108 @@ def _fwd_kernel(q_desc, k_desc, v_desc, CHI, CLO, O, LSE, qk_scale, T, TC, HQ, G
     m_i = gl.full([BM], float("-inf"), gl.float32, row_s)
     l_i = gl.zeros([BM], gl.float32, row_s)
 
-    mbarrier.wait(bar_q, 0)
-    mbarrier.wait(bar_k.index(0), 0)
+    o_n, b_ck = _key_bias(p_chi, p_clo, c_ref, 0, T, BN, s_layout)
+    mbarrier.wait(q_ready, 0)
+    mbarrier.wait(k_ready.index(0), 0)
     s_tok = warpgroup_mma(q_smem, k_smem.index(0).permute((1, 0)), zero_s, use_acc=False, is_async=True)
 
     # step 0: nothing to rescale, no PV in flight
     jn = gl.minimum(1, n - 1)
-    mbarrier.wait(bar_k.index(jn % STAGES), (jn // STAGES) & 1)
+    mbarrier.wait(k_ready.index(jn % STAGES), (jn // STAGES) & 1)
     s_next = warpgroup_mma(q_smem, k_smem.index(jn % STAGES).permute((1, 0)), zero_s, use_acc=False,
                            is_async=True)
+    o_nn, b_ckn = _key_bias(p_chi, p_clo, c_ref, jn, T, BN, s_layout)
     b_s = warpgroup_mma_wait(1, deps=(s_tok, ))
-    _load_tile(k_desc, k_smem.index(0), bar_k.index(0), row0 + STAGES * BN, i_hk * D, STAGES < n)
-    b_p, alpha, m_i, l_i = _softmax_step(b_s, m_i, l_i, b_cq, o_m, p_chi, p_clo, c_ref, 0, n_full, T,
-                                         qk_scale, BN, s_layout)
-    mbarrier.wait(bar_v.index(0), 0)
+    mbarrier.arrive(k_empty.index(0), count=1, pred=n > 1)
+    b_p, alpha, m_i, l_i = _softmax_step(b_s, m_i, l_i, b_cq, b_ck, o_m, o_n, n_full == 0, qk_scale)
+    mbarrier.wait(v_ready.index(0), 0)
     pv_tok = warpgroup_mma(gl.convert_layout(b_p.to(dtype), p_layout), v_smem.index(0), acc, is_async=True)
     s_tok = s_next
+    o_n, b_ck = o_nn, b_ckn
 
     for j in range(1, n):
         st = j % STAGES
         jn = gl.minimum(j + 1, n - 1)
-        mbarrier.wait(bar_k.index(jn % STAGES), (jn // STAGES) & 1)
+        mbarrier.wait(k_ready.index(jn % STAGES), (jn // STAGES) & 1)
         s_next = warpgroup_mma(q_smem, k_smem.index(jn % STAGES).permute((1, 0)), zero_s, use_acc=False,
                                is_async=True)
+        o_nn, b_ckn = _key_bias(p_chi, p_clo, c_ref, jn, T, BN, s_layout)
         b_s = warpgroup_mma_wait(2, deps=(s_tok, ))
-        # S_j is done: its key buffer takes tile j + STAGES
-        _load_tile(k_desc, k_smem.index(st), bar_k.index(st), row0 + (j + STAGES) * BN, i_hk * D,
-                   j + STAGES < n)
-        b_p, alpha, m_i, l_i = _softmax_step(b_s, m_i, l_i, b_cq, o_m, p_chi, p_clo, c_ref, j, n_full, T,
-                                             qk_scale, BN, s_layout)
+        mbarrier.arrive(k_empty.index(st), count=1, pred=j + 1 < n)  # S_j done: release K_j
+        b_p, alpha, m_i, l_i = _softmax_step(b_s, m_i, l_i, b_cq, b_ck, o_m, o_n, j >= n_full, qk_scale)
         acc = warpgroup_mma_wait(1, deps=(pv_tok, ))
-        # PV_{j-1} is done: its value buffer takes tile j - 1 + STAGES
-        sp = (j - 1) % STAGES
-        _load_tile(v_desc, v_smem.index(sp), bar_v.index(sp), row0 + (j - 1 + STAGES) * BN, i_hk * D,
-                   j - 1 + STAGES < n)
+        mbarrier.arrive(v_empty.index((j - 1) % STAGES), count=1)  # PV_{j-1} done: release V_{j-1}
         acc = acc * gl.convert_layout(alpha, row_o)[:, None]
-        mbarrier.wait(bar_v.index(st), (j // STAGES) & 1)
+        mbarrier.wait(v_ready.index(st), (j // STAGES) & 1)
         pv_tok = warpgroup_mma(gl.convert_layout(b_p.to(dtype), p_layout), v_smem.index(st), acc,
                                is_async=True)
         s_tok = s_next
+        o_n, b_ck = o_nn, b_ckn
 
     acc, b_s = warpgroup_mma_wait(0, deps=(pv_tok, s_tok))
-    mbarrier.invalidate(bar_q)
-    for s in gl.static_range(STAGES):
-        mbarrier.invalidate(bar_k.index(s))
-        mbarrier.invalidate(bar_v.index(s))
-
     l_o = gl.convert_layout(l_i, row_o)
     b_o = acc / l_o[:, None]
     o_mo = m0 + gl.arange(0, BM, layout=row_o)
     o_d = gl.arange(0, D, layout=col_o)
-    p_o = O + ((row0 + o_mo[:, None]) * HQ + i_h) * D + o_d[None, :]
+    p_o = O + ((i_b * T + o_mo[:, None]) * HQ + i_h) * D + o_d[None, :]
     gl.store(p_o, b_o.to(dtype), mask=(o_mo < T)[:, None])
     # log-sum-exp in base 2 of the true logits (the ref shift cancels between c_i and c_j)
     gl.store(LSE + (i_b * HQ + i_h) * TC + o_m, m_i + gl.log2(l_i), mask=o_m < T)
 
 
+@gluon.jit
+def _fwd_kernel(q_desc, k_desc, v_desc, CHI, CLO, O, LSE, qk_scale, T, TC, HQ, GROUP,
+                D: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr, STAGES: gl.constexpr,
+                SPLIT: gl.constexpr, COMPUTE_REGS: gl.constexpr, num_warps: gl.constexpr):
+    # the last query tiles have the most keys: schedule them first
+    i_m = gl.num_programs(0) - 1 - gl.program_id(0)
+    i_bh = gl.program_id(1)
+    i_b = i_bh // HQ
+    i_h = i_bh % HQ
+    m0 = i_m * BM
+    n = gl.cdiv(gl.minimum(m0 + BM, T), BN)  # key tiles of this query tile (causal)
+    dtype: gl.constexpr = q_desc.dtype
+    q_smem = gl.allocate_shared_memory(dtype, [BM, D], q_desc.layout)
+    k_smem = gl.allocate_shared_memory(dtype, [STAGES, BN, D], k_desc.layout)
+    v_smem = gl.allocate_shared_memory(dtype, [STAGES, BN, D], v_desc.layout)
+    q_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    k_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    v_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    k_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    v_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    mbarrier.init(q_ready, count=1)
+    for s in gl.static_range(STAGES):
+        mbarrier.init(k_ready.index(s), count=1)
+        mbarrier.init(v_ready.index(s), count=1)
+        mbarrier.init(k_empty.index(s), count=2 if SPLIT else 1)  # one arrive per compute partition
+        mbarrier.init(v_empty.index(s), count=2 if SPLIT else 1)
+    # rows of this sequence in the [B * T, H * D] views
+    if SPLIT:  # two compute partitions of 4 warps, each with half the query rows
+        HM: gl.constexpr = BM // 2
+        gl.warp_specialize([
+            (_compute, (q_smem.slice(0, HM), k_smem, v_smem, q_ready, k_ready, v_ready, k_empty, v_empty, CHI,
+                        CLO, O, LSE, qk_scale, T, TC, HQ, i_b, i_h, m0, n, D, HM, BN, STAGES, num_warps)),
+            (_compute, (q_smem.slice(HM, HM), k_smem, v_smem, q_ready, k_ready, v_ready, k_empty, v_empty,
+                        CHI, CLO, O, LSE, qk_scale, T, TC, HQ, i_b, i_h, m0 + HM, n, D, HM, BN, STAGES, 4)),
+            (_loader, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, k_ready, v_ready, k_empty,
+                       v_empty, i_b * T + m0, i_b * T, i_h * D, (i_h // GROUP) * D, n, BN, STAGES)),
+        ], [4, 1], [COMPUTE_REGS, 24])
+    else:
+        gl.warp_specialize([
+            (_compute, (q_smem, k_smem, v_smem, q_ready, k_ready, v_ready, k_empty, v_empty, CHI, CLO, O, LSE,
+                        qk_scale, T, TC, HQ, i_b, i_h, m0, n, D, BM, BN, STAGES, num_warps)),
+            (_loader, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, k_ready, v_ready, k_empty,
+                       v_empty, i_b * T + m0, i_b * T, i_h * D, (i_h // GROUP) * D, n, BN, STAGES)),
+        ], [1], [24])
+
+
 def gluon_config(d: int) -> dict:
-    """Tiles, warps and buffers by head dim (first guess; ``scripts/tune_fox_fwd.py``)."""
+    """Tiles, warps and buffers by head dim (first guess; ``scripts/tune_fox_fwd.py``).
+    ``SPLIT``: two compute partitions of 4 warps (``num_warps`` 4) instead of one of
+    ``num_warps``; ``COMPUTE_REGS`` the second one's registers per thread."""
     if d <= 64:
-        return dict(BM=128, BN=64, num_warps=8, STAGES=3)
-    return dict(BM=128, BN=64, num_warps=8, STAGES=2)
+        return dict(BM=128, BN=64, num_warps=8, STAGES=3, SPLIT=False, COMPUTE_REGS=0)
+    return dict(BM=128, BN=64, num_warps=8, STAGES=2, SPLIT=False, COMPUTE_REGS=0)
 
 
 def supported(q, k, v, block_start, cu, p) -> bool:
@@ -193,6 +226,8 @@ def launch(q, k, v, c_hi, c_lo, p, o, lse2, config=None) -> None:
     inputs only)."""
     cfg = dict(config or gluon_config(p.d))
     bm, bn = cfg.pop("BM"), cfg.pop("BN")
+    cfg.setdefault("SPLIT", False)
+    cfg.setdefault("COMPUTE_REGS", 232 if cfg["SPLIT"] else 0)
     b, t, hq, d = q.shape
     h = k.shape[2]
     el = gl.bfloat16 if q.dtype == torch.bfloat16 else gl.float16
