@@ -71,8 +71,8 @@ def main() -> None:
     ap.add_argument("--stages", nargs="+", type=int, default=[2, 3])
     ap.add_argument("--tma", nargs="+", type=int, default=[0, 1])
     ap.add_argument("--gluon", action="store_true",
-                    help="also gluon_fwd.py's Hopper kernel (dense): BM 128, BN 64/128, one compute partition of 8 "
-                         "warps or two of 4, 2/3 buffers")
+                    help="also gluon_fwd.py's Hopper kernel (dense): BM 128, BN 64/128, one compute "
+                         "partition of 8 warps or two of 4, 2/3 buffers")
     ap.add_argument("--only-gluon", action="store_true", help="the default and the Gluon options only")
     ap.add_argument("--out", default="fox_fwd.json")
     args = ap.parse_args()

@@ -14,9 +14,21 @@ tile ``j`` the order is (``wait(n)``: until at most ``n`` products are in flight
     wait(1)   -> PV_{j-1} done            prefetch V_{j-1+STAGES}
     acc *= alpha; issue PV_j = P_j V_j
 
-Keys and values come through the tensor-memory engine (TMA) into ``STAGES`` buffers with
-one barrier each. The last step issues one product past the end (the last tile again:
-its result is dropped) so every step has the same shape.
+A one-warp load partition (``gl.warp_specialize``) brings Q once and every key and value
+tile through the tensor-memory engine (TMA) into ``STAGES`` ring buffers, each with a
+"ready" barrier (the copy landed) and an "empty" one (the compute partition released
+it). The keys' bias ``c_j`` is loaded one tile ahead. The last step issues one product
+past the end (the last tile again: its result is dropped) so every step has the same
+shape. ``SPLIT`` runs two compute partitions of 4 warps, each with half the query rows,
+against one of ``num_warps``.
+
+Status (issue 16, ``BENCHMARKS.md``, fourteenth session): correct (its GPU tests hold it
+to the float64 oracle; on the Triton kernel's tiles its output equals the Triton
+kernel's bit for bit) but not yet faster. On an H200 (bf16, B x T = 32k) its best
+options take 1.95 / 7.10 ms at D 64 and 1.27 / 4.42 ms at D 128 (T 4k / 16k) against the
+Triton kernel's 1.45 / 5.11 and 1.24 / 4.06. So it stays opt-in (``GLUON=True`` in the
+forward's config), the start for the ping-pong of two compute partitions that the
+Triton compiler cannot express.
 
 Scope: dense (no ACP), ``T_q == T_k``, no varlen, bf16 or fp16, D 64 or 128, tensors
 ``[B, T, H, D]`` contiguous. ``triton_fwd.launch_fwd`` takes this path where
@@ -43,7 +55,8 @@ def _key_bias(p_chi, p_clo, c_ref, j, T, BN: gl.constexpr, s_layout: gl.constexp
     """Tile ``j``'s key positions and their ``c_j`` (base 2, relative to ``c_ref``)."""
     o_n = j * BN + gl.arange(0, BN, layout=gl.SliceLayout(0, s_layout))
     m_n = o_n < T
-    b_ck = ((gl.load(p_chi + o_n, mask=m_n, other=0.0) - c_ref) + gl.load(p_clo + o_n, mask=m_n, other=0.0)) * _LOG2E
+    b_ck = (gl.load(p_chi + o_n, mask=m_n, other=0.0) - c_ref) + gl.load(p_clo + o_n, mask=m_n, other=0.0)
+    b_ck = b_ck * _LOG2E
     return o_n, b_ck
 
 
@@ -73,10 +86,12 @@ def _loader(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, k_ready, v_
         ph = ((j // STAGES) & 1) ^ 1  # the release of this buffer's previous tile
         mbarrier.wait(k_empty.index(st), ph, pred=j >= STAGES)
         mbarrier.expect(k_ready.index(st), k_desc.block_type.nbytes)
-        tma.async_copy_global_to_shared(k_desc, [kv_row + j * BN, kv_col], k_ready.index(st), k_smem.index(st))
+        tma.async_copy_global_to_shared(k_desc, [kv_row + j * BN, kv_col], k_ready.index(st),
+                                        k_smem.index(st))
         mbarrier.wait(v_empty.index(st), ph, pred=j >= STAGES)
         mbarrier.expect(v_ready.index(st), v_desc.block_type.nbytes)
-        tma.async_copy_global_to_shared(v_desc, [kv_row + j * BN, kv_col], v_ready.index(st), v_smem.index(st))
+        tma.async_copy_global_to_shared(v_desc, [kv_row + j * BN, kv_col], v_ready.index(st),
+                                        v_smem.index(st))
 
 
 @gluon.jit
@@ -205,12 +220,14 @@ def _fwd_kernel(q_desc, k_desc, v_desc, CHI, CLO, O, LSE, qk_scale, T, TC, HQ, G
 
 
 def gluon_config(d: int) -> dict:
-    """Tiles, warps and buffers by head dim (first guess; ``scripts/tune_fox_fwd.py``).
-    ``SPLIT``: two compute partitions of 4 warps (``num_warps`` 4) instead of one of
-    ``num_warps``; ``COMPUTE_REGS`` the second one's registers per thread."""
+    """Tiles, warps and buffers by head dim: the fastest of ``scripts/tune_fox_fwd.py
+    --only-gluon`` on an H200 (``docs/bench/session14/h200-gluon-fwd-v2.json``; 128-key
+    tiles spill at both head dims). ``SPLIT``: two compute partitions of 4 warps
+    (``num_warps`` 4) instead of one of ``num_warps``; ``COMPUTE_REGS`` the second one's
+    registers per thread."""
     if d <= 64:
-        return dict(BM=128, BN=64, num_warps=8, STAGES=3, SPLIT=False, COMPUTE_REGS=0)
-    return dict(BM=128, BN=64, num_warps=8, STAGES=2, SPLIT=False, COMPUTE_REGS=0)
+        return dict(BM=128, BN=64, num_warps=8, STAGES=2, SPLIT=False, COMPUTE_REGS=0)
+    return dict(BM=128, BN=64, num_warps=8, STAGES=3, SPLIT=False, COMPUTE_REGS=0)
 
 
 def supported(q, k, v, block_start, cu, p) -> bool:

@@ -260,9 +260,11 @@ def launch_fwd(q, k, v, c_hi, c_lo, block_start, cu, p, o, lse2, config=None):
     where it serves the inputs, else this kernel with the default options."""
     cfg = dict(config or fwd_config(p.d, q.element_size(), block_start is not None))
     if cfg.pop("GLUON", False):
-        from . import gluon_fwd  # Hopper only; Gluon has no CPU interpreter
-
-        if gluon_fwd.supported(q, k, v, block_start, cu, p):
+        try:  # Hopper only; Gluon has no CPU interpreter, and older Tritons lack its Hopper API
+            from . import gluon_fwd
+        except ImportError:
+            gluon_fwd = None
+        if gluon_fwd is not None and gluon_fwd.supported(q, k, v, block_start, cu, p):
             gluon_fwd.launch(q, k, v, c_hi, c_lo, p, o, lse2, cfg)
             return
         cfg = dict(fwd_config(p.d, q.element_size(), block_start is not None))
