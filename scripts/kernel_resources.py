@@ -8,6 +8,7 @@ promise, whatever the timing says about its configuration.
 
     python scripts/kernel_resources.py                 # the default configs
     python scripts/kernel_resources.py --sweep          # and the options of tune_fox_fwd.py
+    python scripts/kernel_resources.py --gluon          # gluon_fwd.py's options, and its MMA waits
 
 The integer arguments are marked divisible by 16 (strides, lengths), as Triton
 specializes them at a real launch of the issue-2 workload.
@@ -51,16 +52,21 @@ def resources(kernel, ptrs: dict, const: dict, warps: int, stages: int, arch: in
                     attrs={(i,): [["tt.divisibility", 16]] for i in aligned})
     k = triton.compile(src, target=GPUTarget("cuda", arch, 32),
                        options=dict(num_warps=warps, num_stages=stages))
+    return f"{_ptxas(k.asm['ptx'], arch)}; shared {k.metadata.shared} B"
+
+
+def _ptxas(ptx: str, arch: int) -> str:
+    """Registers and spills of ``ptx`` by Triton's bundled ``ptxas -v``."""
     ptxas = os.path.join(os.path.dirname(triton.__file__), "backends/nvidia/bin/ptxas")
     with tempfile.NamedTemporaryFile(suffix=".ptx", mode="w") as f:
-        f.write(k.asm["ptx"])
+        f.write(ptx)
         f.flush()
         out = subprocess.run([ptxas, f"-arch=sm_{arch}a", "-v", f.name, "-o", os.devnull],
                              capture_output=True, text=True)
     lines = [x.split("info    : ")[-1].strip() for x in (out.stdout + out.stderr).splitlines()]
     used = next((x for x in lines if x.startswith("Used")), "?").split(",")[0]
     spill = next((x for x in lines if "spill" in x), "?")
-    return f"{used}; {spill}; shared {k.metadata.shared} B"
+    return f"{used}; {spill}"
 
 
 def main() -> None:
@@ -68,9 +74,13 @@ def main() -> None:
     ap.add_argument("--sweep", action="store_true", help="also the forward options tune_fox_fwd.py times")
     ap.add_argument("--bwd-sweep", action="store_true", help="also dK/dV and dQ tiles, warps and stages")
     ap.add_argument("--castle", action="store_true", help="CASTLE's key-major kernels instead")
+    ap.add_argument("--gluon", action="store_true", help="gluon_fwd.py's Hopper forward instead")
     args = ap.parse_args()
     if args.castle:
         castle()
+        return
+    if args.gluon:
+        gluon()
         return
     for d in (64, 128):
         kv, q = triton_bwd.bwd_config(d)
@@ -101,6 +111,52 @@ def main() -> None:
                         info = f"{type(e).__name__}: {str(e)[:80]}"
                     print(f"{name} D {d} acp {int(acp)} BM {bm} BN {bn} warps {w} stages {st} {tag}: {info}",
                           flush=True)
+
+def gluon() -> None:
+    """``gluon_fwd.py``'s forward at the options ``tune_fox_fwd.py --only-gluon`` times: its
+    resources and the ``wgmma.wait_group`` counts in program order (2 and 1 in the loop:
+    the next tile's ``Q K^T`` and this tile's ``P V`` stay in flight)."""
+    import re
+
+    import torch
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon._runtime import GluonASTSource
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+    from triton.runtime.jit import mangle_type
+
+    from lapse.ops.forgetting import gluon_fwd
+
+    kernel = gluon_fwd._fwd_kernel
+    names = list(inspect.signature(kernel.fn).parameters)
+    x = torch.empty(64, 512, dtype=torch.bfloat16)  # only the descriptors' types matter
+
+    def desc(rows, d):
+        layout = gl.NVMMASharedLayout.get_default_for([rows, d], gl.bfloat16)
+        return mangle_type(TensorDescriptor(x, list(x.shape), list(x.stride()), [rows, d], layout))
+
+    for d in (64, 128):
+        for bn in (64, 128):
+            for warps, split in ((8, False), (4, True)):
+                for stages in (2, 3):
+                    const = dict(D=d, BM=128, BN=bn, STAGES=stages, SPLIT=split,
+                                 COMPUTE_REGS=232 if split else 0, num_warps=warps)
+                    types = dict(q_desc=desc(128, d), k_desc=desc(bn, d), v_desc=desc(bn, d), CHI="*fp32",
+                                 CLO="*fp32", O="*bf16", LSE="*fp32", qk_scale="fp32")
+                    sig = {n: types.get(n, "constexpr" if n in const else "i32") for n in names}
+                    aligned = [i for i, n in enumerate(names) if n in ("CHI", "CLO", "O", "LSE", "T", "TC")]
+                    src = GluonASTSource(fn=kernel, signature=sig, constexprs=const,
+                                         attrs={(i,): [["tt.divisibility", 16]] for i in aligned})
+                    tag = f"gluon D {d} BN {bn} warps {warps} split {int(split)} stages {stages}"
+                    try:
+                        k = triton.compile(src, target=GPUTarget("cuda", 90, 32),
+                                           options=dict(num_warps=warps))
+                    except Exception as e:  # noqa: BLE001 - a shape the compiler refuses: say so
+                        print(f"{tag}: {type(e).__name__}: {str(e)[:80]}", flush=True)
+                        continue
+                    waits = re.findall(r"wgmma.wait_group.sync.aligned\s+(\d+)", k.asm["ptx"])
+                    print(f"{tag}: {_ptxas(k.asm['ptx'], 90)}; shared {k.metadata.shared} B; waits "
+                          f"{' '.join(waits)}", flush=True)
+
 
 def castle() -> None:
     """CASTLE's key-major forward and backward (``ops/castle/triton_parallel.py``) at their
