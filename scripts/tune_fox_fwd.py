@@ -28,6 +28,14 @@ from lapse.ops.forgetting.pruning import triton_block_start
 from lapse.ops.forgetting.triton_ops import triton_gate_cumsum
 
 
+# gluon_fwd.py's options (BM, warps, buffers, two compute partitions, registers per thread at
+# launch): one 8-warp partition, two 4-warp ones, or one 4-warp partition with 128 registers
+# at launch so that two programs share a multiprocessor (BN 64: 128-key tiles spill)
+GLUON_OPTIONS = [(128, 8, 2, False, None), (128, 8, 3, False, None), (128, 4, 2, True, None),
+                 (64, 4, 2, False, 128), (64, 4, 3, False, 128), (128, 4, 2, False, 128),
+                 (128, 4, 2, False, None)]
+
+
 def _workload(b, t, h, d, seed=0):
     g = torch.Generator(device="cuda").manual_seed(seed)
     q = F.rms_norm(torch.randn(b, t, h, d, device="cuda", generator=g), (d,)).bfloat16()
@@ -71,8 +79,7 @@ def main() -> None:
     ap.add_argument("--stages", nargs="+", type=int, default=[2, 3])
     ap.add_argument("--tma", nargs="+", type=int, default=[0, 1])
     ap.add_argument("--gluon", action="store_true",
-                    help="also gluon_fwd.py's Hopper kernel (dense): BM 128, BN 64/128, one compute "
-                         "partition of 8 warps or two of 4, 2/3 buffers")
+                    help="also gluon_fwd.py's Hopper kernel (dense), the options GLUON_OPTIONS")
     ap.add_argument("--only-gluon", action="store_true", help="the default and the Gluon options only")
     ap.add_argument("--out", default="fox_fwd.json")
     args = ap.parse_args()
@@ -96,13 +103,13 @@ def main() -> None:
             if not args.only_gluon:
                 grid += itertools.product(args.block_m, args.block_n, args.warps, args.stages, args.tma)
             if (args.gluon or args.only_gluon) and not acp:
-                grid += [("gluon", bn, w, st, sp) for bn in (64, 128) for w, sp in ((8, False), (4, True))
-                         for st in (2, 3)]
+                grid += [("gluon", dict(BM=bm, BN=64, num_warps=w, STAGES=st, SPLIT=sp, maxnreg=r))
+                         for bm, w, st, sp, r in GLUON_OPTIONS]
             for opt in grid:
                 if opt is None:
                     cfg = dict(default)
                 elif opt[0] == "gluon":
-                    cfg = dict(GLUON=True, BM=128, BN=opt[1], num_warps=opt[2], STAGES=opt[3], SPLIT=opt[4])
+                    cfg = dict(GLUON=True, **opt[1])
                 else:
                     bm, bn, w, st, tma = opt
                     if acp and 64 % bn:

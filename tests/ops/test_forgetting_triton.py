@@ -324,10 +324,17 @@ def test_backward_with_dq_through_atomics_gpu(case, monkeypatch):
     _compare(q, k, v, lg, do, torch.bfloat16, acp, cu_t, None)
 
 
-def _gluon_forward(monkeypatch, split=None):
+GLUON_VARIANTS = {  # gluon_fwd.py's partitionings (its default is one of them)
+    "8-warps": dict(BM=128, num_warps=8, SPLIT=False, COMPUTE_REGS=0),
+    "2x4-warps": dict(BM=128, num_warps=4, SPLIT=True, COMPUTE_REGS=232),
+    "4-warps-2-programs": dict(BM=64, num_warps=4, SPLIT=False, COMPUTE_REGS=0, maxnreg=128),
+}
+
+
+def _gluon_forward(monkeypatch, variant=None):
     """Makes the forward take ``gluon_fwd.py``'s Hopper kernel wherever it serves the
-    inputs (dense, T_q == T_k, no varlen); the backward stays the Triton one. ``split``:
-    one compute partition of 8 warps (False) or two of 4 (True); None, the default."""
+    inputs (dense, T_q == T_k, no varlen); the backward stays the Triton one. ``variant``:
+    a key of ``GLUON_VARIANTS``, or None for the default options."""
     from lapse.ops.forgetting import gluon_fwd, triton_fwd
 
     plain = triton_fwd.fwd_config
@@ -336,8 +343,7 @@ def _gluon_forward(monkeypatch, split=None):
         if acp or d not in (64, 128):
             return plain(d, dtype_bytes, acp)
         cfg = dict(GLUON=True, **gluon_fwd.gluon_config(d))
-        if split is not None:
-            cfg.update(SPLIT=split, num_warps=4 if split else 8, COMPUTE_REGS=232 if split else 0)
+        cfg.update(GLUON_VARIANTS.get(variant, {}))
         return cfg
 
     monkeypatch.setattr(triton_fwd, "fwd_config", gluon)
@@ -364,14 +370,14 @@ GLUON_CASES = [
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("split", [False, True], ids=["one-partition", "two-partitions"])
+@pytest.mark.parametrize("variant", list(GLUON_VARIANTS))
 @pytest.mark.parametrize("case", GLUON_CASES, ids=[_id(c) for c in GLUON_CASES])
-def test_gluon_forward_gpu(case, split, monkeypatch):
+def test_gluon_forward_gpu(case, variant, monkeypatch):
     """The Gluon forward (Hopper) against the float64 oracle, outputs poisoned first; the
     Triton backward then runs on its o and lse, so the lse is checked through it too."""
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA")
-    _gluon_forward(monkeypatch, split)
+    _gluon_forward(monkeypatch, variant)
     b, tq, tk, hq, h, d, gate, acp, cu = case
     q, k, v, lg, do = _inputs(b, tq, tk, hq, h, d, gate, torch.bfloat16, "cuda", seed=d + tq)
     _compare(q, k, v, lg, do, torch.bfloat16)

@@ -245,6 +245,8 @@ def launch(q, k, v, c_hi, c_lo, p, o, lse2, config=None) -> None:
     bm, bn = cfg.pop("BM"), cfg.pop("BN")
     cfg.setdefault("SPLIT", False)
     cfg.setdefault("COMPUTE_REGS", 232 if cfg["SPLIT"] else 0)
+    if cfg.get("maxnreg") is None:  # registers per thread at launch (the partitions then move them)
+        cfg.pop("maxnreg", None)
     b, t, hq, d = q.shape
     h = k.shape[2]
     el = gl.bfloat16 if q.dtype == torch.bfloat16 else gl.float16
