@@ -27,7 +27,6 @@ from lapse.ops.forgetting.common import acp_delta, validate
 from lapse.ops.forgetting.pruning import triton_block_start
 from lapse.ops.forgetting.triton_ops import triton_gate_cumsum
 
-
 # gluon_fwd.py's options (BM, warps, buffers, two compute partitions, registers per thread at
 # launch): one 8-warp partition, two 4-warp ones, or one 4-warp partition with 128 registers
 # at launch so that two programs share a multiprocessor (BN 64: 128-key tiles spill)
