@@ -27,12 +27,12 @@ from lapse.ops.forgetting.common import acp_delta, validate
 from lapse.ops.forgetting.pruning import triton_block_start
 from lapse.ops.forgetting.triton_ops import triton_gate_cumsum
 
-# gluon_fwd.py's options (BM, warps, buffers, two compute partitions, registers per thread at
-# launch): one 8-warp partition, two 4-warp ones, or one 4-warp partition with 128 registers
-# at launch so that two programs share a multiprocessor (BN 64: 128-key tiles spill)
-GLUON_OPTIONS = [(128, 8, 2, False, None), (128, 8, 3, False, None), (128, 4, 2, True, None),
-                 (64, 4, 2, False, 128), (64, 4, 3, False, 128), (128, 4, 2, False, 128),
-                 (128, 4, 2, False, None)]
+# gluon_fwd.py's options (BM, BN, warps, buffers, two compute partitions, registers per thread
+# at launch): one 8-warp partition, two 4-warp ones, or one 4-warp partition with 128
+# registers at launch so that two programs share a multiprocessor (this session's
+# BM 128 with 4 warps and one partition spilled: 2.9-19.8 ms, dropped)
+GLUON_OPTIONS = [(128, 64, 8, 2, False, None), (128, 64, 4, 2, True, None), (64, 64, 4, 2, False, 128),
+                 (64, 64, 4, 3, False, 128)]
 
 
 def _workload(b, t, h, d, seed=0):
@@ -80,6 +80,9 @@ def main() -> None:
     ap.add_argument("--gluon", action="store_true",
                     help="also gluon_fwd.py's Hopper kernel (dense), the options GLUON_OPTIONS")
     ap.add_argument("--only-gluon", action="store_true", help="the default and the Gluon options only")
+    ap.add_argument("--bias-off", action="store_true",
+                    help="also the default and the Gluon options without the FoX bias: plain causal "
+                         "softmax attention in the same kernels (timing only; their outputs differ)")
     ap.add_argument("--out", default="fox_fwd.json")
     args = ap.parse_args()
     set_value_checks(False)
@@ -102,11 +105,17 @@ def main() -> None:
             if not args.only_gluon:
                 grid += itertools.product(args.block_m, args.block_n, args.warps, args.stages, args.tma)
             if (args.gluon or args.only_gluon) and not acp:
-                grid += [("gluon", dict(BM=bm, BN=64, num_warps=w, STAGES=st, SPLIT=sp, maxnreg=r))
-                         for bm, w, st, sp, r in GLUON_OPTIONS]
+                grid += [("gluon", dict(BM=bm, BN=bn, num_warps=w, STAGES=st, SPLIT=sp, maxnreg=r))
+                         for bm, bn, w, st, sp, r in GLUON_OPTIONS]
+            if args.bias_off and not acp:  # the same kernels without the FoX bias (timing only)
+                grid += [("nobias", None)] + [("nobias", dict(GLUON=True, BM=bm, BN=bn, num_warps=w, STAGES=st,
+                                                             SPLIT=sp, maxnreg=r))
+                                               for bm, bn, w, st, sp, r in GLUON_OPTIONS]
             for opt in grid:
                 if opt is None:
                     cfg = dict(default)
+                elif opt[0] == "nobias":
+                    cfg = dict(opt[1] or default, BIAS=False)
                 elif opt[0] == "gluon":
                     cfg = dict(GLUON=True, **opt[1])
                 else:

@@ -61,10 +61,15 @@ def _key_bias(p_chi, p_clo, c_ref, j, T, BN: gl.constexpr, s_layout: gl.constexp
 
 
 @gluon.jit
-def _softmax_step(b_s, m_i, l_i, b_cq, b_ck, o_m, o_n, masked, qk_scale):
+def _softmax_step(b_s, m_i, l_i, b_ck, o_m, o_n, masked, qk_scale, BIAS: gl.constexpr):
     """A tile's probabilities (unnormalised, against the running max) and the new row
-    state: ``(p, alpha, m, l)``."""
-    b_s = b_s * qk_scale + (b_cq[:, None] - b_ck[None, :])
+    state: ``(p, alpha, m, l)``. The logits leave out the query's own ``c_i`` (a per-row
+    constant the softmax does not see; the lse takes it back): one fused multiply-add per
+    pair for the scale and the bias."""
+    if BIAS:
+        b_s = b_s * qk_scale - b_ck[None, :]
+    else:  # plain causal softmax attention: a timing diagnostic only (issue 16)
+        b_s = b_s * qk_scale
     if masked:  # the tiles that reach the diagonal: causal mask
         b_s = gl.where(o_n[None, :] <= o_m[:, None], b_s, float("-inf"))
     m_new = gl.maximum(m_i, gl.max(b_s, 1))
@@ -98,7 +103,7 @@ def _loader(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, k_ready, v_
 def _compute(q_smem, k_smem, v_smem, q_ready, k_ready, v_ready, k_empty, v_empty, CHI, CLO, O, LSE,
              qk_scale, T, TC, HQ, i_b, i_h, m0, n,
              D: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr, STAGES: gl.constexpr,
-             num_warps: gl.constexpr):
+             num_warps: gl.constexpr, BIAS: gl.constexpr):
     """The compute partition: logits, softmax, ``P V`` and the output rows."""
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
                                                        instr_shape=[16, BN, 16])
@@ -137,7 +142,8 @@ def _compute(q_smem, k_smem, v_smem, q_ready, k_ready, v_ready, k_empty, v_empty
     o_nn, b_ckn = _key_bias(p_chi, p_clo, c_ref, jn, T, BN, s_layout)
     b_s = warpgroup_mma_wait(1, deps=(s_tok, ))
     mbarrier.arrive(k_empty.index(0), count=1, pred=n > 1)
-    b_p, alpha, m_i, l_i = _softmax_step(b_s, m_i, l_i, b_cq, b_ck, o_m, o_n, n_full == 0, qk_scale)
+    b_p, alpha, m_i, l_i = _softmax_step(b_s, m_i, l_i, b_ck, o_m, o_n, n_full == 0, qk_scale,
+                                         BIAS)
     mbarrier.wait(v_ready.index(0), 0)
     pv_tok = warpgroup_mma(gl.convert_layout(b_p.to(dtype), p_layout), v_smem.index(0), acc, is_async=True)
     s_tok = s_next
@@ -152,7 +158,8 @@ def _compute(q_smem, k_smem, v_smem, q_ready, k_ready, v_ready, k_empty, v_empty
         o_nn, b_ckn = _key_bias(p_chi, p_clo, c_ref, jn, T, BN, s_layout)
         b_s = warpgroup_mma_wait(2, deps=(s_tok, ))
         mbarrier.arrive(k_empty.index(st), count=1, pred=j + 1 < n)  # S_j done: release K_j
-        b_p, alpha, m_i, l_i = _softmax_step(b_s, m_i, l_i, b_cq, b_ck, o_m, o_n, j >= n_full, qk_scale)
+        b_p, alpha, m_i, l_i = _softmax_step(b_s, m_i, l_i, b_ck, o_m, o_n, j >= n_full,
+                                             qk_scale, BIAS)
         acc = warpgroup_mma_wait(1, deps=(pv_tok, ))
         mbarrier.arrive(v_empty.index((j - 1) % STAGES), count=1)  # PV_{j-1} done: release V_{j-1}
         acc = acc * gl.convert_layout(alpha, row_o)[:, None]
@@ -170,13 +177,14 @@ def _compute(q_smem, k_smem, v_smem, q_ready, k_ready, v_ready, k_empty, v_empty
     p_o = O + ((i_b * T + o_mo[:, None]) * HQ + i_h) * D + o_d[None, :]
     gl.store(p_o, b_o.to(dtype), mask=(o_mo < T)[:, None])
     # log-sum-exp in base 2 of the true logits (the ref shift cancels between c_i and c_j)
-    gl.store(LSE + (i_b * HQ + i_h) * TC + o_m, m_i + gl.log2(l_i), mask=o_m < T)
+    gl.store(LSE + (i_b * HQ + i_h) * TC + o_m, m_i + gl.log2(l_i) + b_cq, mask=o_m < T)
 
 
 @gluon.jit
 def _fwd_kernel(q_desc, k_desc, v_desc, CHI, CLO, O, LSE, qk_scale, T, TC, HQ, GROUP,
                 D: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr, STAGES: gl.constexpr,
-                SPLIT: gl.constexpr, COMPUTE_REGS: gl.constexpr, num_warps: gl.constexpr):
+                SPLIT: gl.constexpr, COMPUTE_REGS: gl.constexpr, num_warps: gl.constexpr,
+                BIAS: gl.constexpr = True):
     # the last query tiles have the most keys: schedule them first
     i_m = gl.num_programs(0) - 1 - gl.program_id(0)
     i_bh = gl.program_id(1)
@@ -204,16 +212,18 @@ def _fwd_kernel(q_desc, k_desc, v_desc, CHI, CLO, O, LSE, qk_scale, T, TC, HQ, G
         HM: gl.constexpr = BM // 2
         gl.warp_specialize([
             (_compute, (q_smem.slice(0, HM), k_smem, v_smem, q_ready, k_ready, v_ready, k_empty, v_empty, CHI,
-                        CLO, O, LSE, qk_scale, T, TC, HQ, i_b, i_h, m0, n, D, HM, BN, STAGES, num_warps)),
+                        CLO, O, LSE, qk_scale, T, TC, HQ, i_b, i_h, m0, n, D, HM, BN, STAGES, num_warps,
+                        BIAS)),
             (_compute, (q_smem.slice(HM, HM), k_smem, v_smem, q_ready, k_ready, v_ready, k_empty, v_empty,
-                        CHI, CLO, O, LSE, qk_scale, T, TC, HQ, i_b, i_h, m0 + HM, n, D, HM, BN, STAGES, 4)),
+                        CHI, CLO, O, LSE, qk_scale, T, TC, HQ, i_b, i_h, m0 + HM, n, D, HM, BN, STAGES, 4,
+                        BIAS)),
             (_loader, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, k_ready, v_ready, k_empty,
                        v_empty, i_b * T + m0, i_b * T, i_h * D, (i_h // GROUP) * D, n, BN, STAGES)),
         ], [4, 1], [COMPUTE_REGS, 24])
     else:
         gl.warp_specialize([
             (_compute, (q_smem, k_smem, v_smem, q_ready, k_ready, v_ready, k_empty, v_empty, CHI, CLO, O, LSE,
-                        qk_scale, T, TC, HQ, i_b, i_h, m0, n, D, BM, BN, STAGES, num_warps)),
+                        qk_scale, T, TC, HQ, i_b, i_h, m0, n, D, BM, BN, STAGES, num_warps, BIAS)),
             (_loader, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, k_ready, v_ready, k_empty,
                        v_empty, i_b * T + m0, i_b * T, i_h * D, (i_h // GROUP) * D, n, BN, STAGES)),
         ], [1], [24])

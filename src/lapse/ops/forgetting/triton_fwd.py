@@ -66,6 +66,7 @@ def _fwd_inner(
     lo, hi, tk, qk_scale,
     o_d, m_d,
     BN: tl.constexpr, MASKED: tl.constexpr, DOT_PREC: tl.constexpr, USE_TMA: tl.constexpr,
+    BIAS: tl.constexpr = True,
 ):
     # p_k, p_v: pointers to the (sequence, kv head)'s first key and value, or with USE_TMA
     # their tensor descriptors
@@ -78,10 +79,13 @@ def _fwd_inner(
         else:
             b_kt = tl.load(p_k + o_n[None, :] * stride_kt + o_d[:, None],
                            mask=m_d[:, None] & m_n[None, :], other=0.0)
-        b_ck = ((tl.load(p_chi + o_n, mask=m_n, other=0.0) - c_ref)
-                + tl.load(p_clo + o_n, mask=m_n, other=0.0)) * LOG2E_TL
         # [BM, BN], base-2 logits
-        b_s = tl.dot(b_q, b_kt, input_precision=DOT_PREC) * qk_scale + (b_cq[:, None] - b_ck[None, :])
+        if BIAS:
+            b_ck = ((tl.load(p_chi + o_n, mask=m_n, other=0.0) - c_ref)
+                    + tl.load(p_clo + o_n, mask=m_n, other=0.0)) * LOG2E_TL
+            b_s = tl.dot(b_q, b_kt, input_precision=DOT_PREC) * qk_scale + (b_cq[:, None] - b_ck[None, :])
+        else:  # plain causal softmax attention: a timing diagnostic only (issue 16)
+            b_s = tl.dot(b_q, b_kt, input_precision=DOT_PREC) * qk_scale
         if MASKED:
             keep = (o_n[None, :] <= o_abs[:, None]) & (o_n[None, :] >= b_kstart[:, None])
             b_s = tl.where(keep, b_s, float("-inf"))
@@ -116,7 +120,7 @@ def _fwd_kernel(
     qk_scale, TQ, TK, TC, HQ, GROUP, MB,
     D: tl.constexpr, BD: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
     G: tl.constexpr, IS_VARLEN: tl.constexpr, USE_ACP: tl.constexpr, DOT_PREC: tl.constexpr,
-    USE_TMA: tl.constexpr,
+    USE_TMA: tl.constexpr, BIAS: tl.constexpr = True,
 ):
     # the last query tiles have the most keys: schedule them first to shorten the tail
     i_m = (tl.num_programs(0) - 1 - tl.program_id(0)).to(tl.int64)
@@ -177,13 +181,13 @@ def _fwd_kernel(
     m_i = tl.full([BM], float("-inf"), dtype=tl.float32)
     acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, b_q, b_cq, o_abs, b_kstart, p_k, p_v, p_chi, p_clo,
                                c_ref, stride_kt, stride_vt, ks_lo, ks_hi, tk, qk_scale, o_d, m_d,
-                               BN, True, DOT_PREC, USE_TMA)
+                               BN, True, DOT_PREC, USE_TMA, BIAS)
     acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, b_q, b_cq, o_abs, b_kstart, p_k, p_v, p_chi, p_clo,
                                c_ref, stride_kt, stride_vt, ks_hi, mid, tk, qk_scale, o_d, m_d,
-                               BN, False, DOT_PREC, USE_TMA)
+                               BN, False, DOT_PREC, USE_TMA, BIAS)
     acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, b_q, b_cq, o_abs, b_kstart, p_k, p_v, p_chi, p_clo,
                                c_ref, stride_kt, stride_vt, mid, last_abs + 1, tk, qk_scale, o_d,
-                               m_d, BN, True, DOT_PREC, USE_TMA)
+                               m_d, BN, True, DOT_PREC, USE_TMA, BIAS)
     # every valid row has its own key (D_ii = 0), so l_i > 0 there
     l_safe = tl.where(m_m, l_i, 1.0)
     b_o = acc / l_safe[:, None]
