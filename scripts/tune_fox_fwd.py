@@ -108,9 +108,9 @@ def main() -> None:
                 grid += [("gluon", dict(BM=bm, BN=bn, num_warps=w, STAGES=st, SPLIT=sp, maxnreg=r))
                          for bm, bn, w, st, sp, r in GLUON_OPTIONS]
             if args.bias_off and not acp:  # the same kernels without the FoX bias (timing only)
-                grid += [("nobias", None)] + [("nobias", dict(GLUON=True, BM=bm, BN=bn, num_warps=w, STAGES=st,
-                                                             SPLIT=sp, maxnreg=r))
-                                               for bm, bn, w, st, sp, r in GLUON_OPTIONS]
+                grid += [("nobias", None)]
+                grid += [("nobias", dict(GLUON=True, BM=bm, BN=bn, num_warps=w, STAGES=st, SPLIT=sp, maxnreg=r))
+                         for bm, bn, w, st, sp, r in GLUON_OPTIONS]
             for opt in grid:
                 if opt is None:
                     cfg = dict(default)
