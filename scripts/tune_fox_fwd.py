@@ -83,8 +83,6 @@ def main() -> None:
     ap.add_argument("--bias-off", action="store_true",
                     help="also the default and the Gluon options without the FoX bias: plain causal "
                          "softmax attention in the same kernels (timing only; their outputs differ)")
-    ap.add_argument("--bias-mma", action="store_true",
-                    help="also the default options with the bias added by the tensor cores (BIAS=2)")
     ap.add_argument("--out", default="fox_fwd.json")
     args = ap.parse_args()
     set_value_checks(False)
@@ -109,8 +107,6 @@ def main() -> None:
             if (args.gluon or args.only_gluon) and not acp:
                 grid += [("gluon", dict(BM=bm, BN=bn, num_warps=w, STAGES=st, SPLIT=sp, maxnreg=r))
                          for bm, bn, w, st, sp, r in GLUON_OPTIONS]
-            if args.bias_mma:  # the Triton kernel with the bias added by the tensor cores
-                grid += [("nobias", dict(default, BIAS=2))]
             if args.bias_off and not acp:  # the same kernels without the FoX bias (timing only)
                 grid += [("nobias", None)]
                 grid += [("nobias", dict(GLUON=True, BM=bm, BN=bn, num_warps=w, STAGES=st, SPLIT=sp,
@@ -119,8 +115,7 @@ def main() -> None:
                 if opt is None:
                     cfg = dict(default)
                 elif opt[0] == "nobias":
-                    cfg = dict(opt[1] or default)
-                    cfg.setdefault("BIAS", 0)
+                    cfg = dict(opt[1] or default, BIAS=False)
                 elif opt[0] == "gluon":
                     cfg = dict(GLUON=True, **opt[1])
                 else:

@@ -382,37 +382,3 @@ def test_gluon_forward_gpu(case, variant, monkeypatch):
     q, k, v, lg, do = _inputs(b, tq, tk, hq, h, d, gate, torch.bfloat16, "cuda", seed=d + tq)
     _compare(q, k, v, lg, do, torch.bfloat16)
 
-
-def _mma_bias(monkeypatch):
-    """Makes the Triton forward add the keys' bias with the tensor cores (``BIAS=2``)."""
-    from lapse.ops.forgetting import triton_fwd
-
-    plain = triton_fwd.fwd_config
-    monkeypatch.setattr(triton_fwd, "fwd_config", lambda *a, **kw: dict(plain(*a, **kw), BIAS=2))
-
-
-@pytest.mark.parametrize("case", CPU_CASES, ids=[_id(c) for c in CPU_CASES])
-def test_forward_with_the_bias_in_the_product_matches_naive(case, monkeypatch):
-    """``BIAS=2`` (the keys' bias split into three numbers and added inside ``Q K^T`` by a
-    16-wide product) held to the float64 oracle like the vector bias: GQA, Tq < Tk, ACP,
-    packed sequences, -inf gates (floored: the split must carry 1000-per-token jumps),
-    outputs poisoned first."""
-    if torch.cuda.is_available():
-        pytest.skip("interpreter shapes; the GPU runs test_forward_with_the_bias_in_the_product_gpu")
-    _mma_bias(monkeypatch)
-    b, tq, tk, hq, h, d, gate, acp, cu = case
-    cu_t = None if cu is None else torch.tensor(cu, dtype=torch.int32)
-    q, k, v, lg, do = _inputs(b, tq, tk, hq, h, d, gate, torch.float32, "cpu", seed=tq + 2 * tk + d)
-    _compare(q, k, v, lg, do, torch.float32, acp, cu_t, None)
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("case", GPU_CASES, ids=[_id(c) for c in GPU_CASES])
-def test_forward_with_the_bias_in_the_product_gpu(case, monkeypatch):
-    if not torch.cuda.is_available():
-        pytest.skip("needs CUDA")
-    _mma_bias(monkeypatch)
-    b, tq, tk, hq, h, d, gate, acp, cu = case
-    cu_t = None if cu is None else torch.tensor(cu, dtype=torch.int32, device="cuda")
-    q, k, v, lg, do = _inputs(b, tq, tk, hq, h, d, gate, torch.bfloat16, "cuda", seed=d)
-    _compare(q, k, v, lg, do, torch.bfloat16, acp, cu_t, None)

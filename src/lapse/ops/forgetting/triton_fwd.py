@@ -58,36 +58,6 @@ def _gate_cumsum_kernel(
 
 
 @triton.jit
-def bias_operand(p_chi, p_clo, c_ref, o_n, m_n, qk_scale, dt: tl.constexpr, BN: tl.constexpr):
-    """The keys' bias as a ``[16, BN]`` matrix operand for the tensor cores (``BIAS=2``).
-
-    A row-block of ones (``bias_ones``) times it adds ``x_j = -(c_j - c_ref) log2(e) /
-    qk_scale`` to every logit of column ``j`` inside the ``Q K^T`` product, so the scaled
-    product already carries the bias and the softmax needs one multiply-add per pair, as
-    plain softmax attention does. ``x_j`` is split into three numbers of ``dt`` (rows 0-2;
-    the rest 0) whose sum keeps float32's precision; the product accumulates in float32.
-    Far keys are clamped at ``x * qk_scale = -1000`` (``exp2`` of it is 0)."""
-    b_x = -((tl.load(p_chi + o_n, mask=m_n, other=0.0) - c_ref)
-            + tl.load(p_clo + o_n, mask=m_n, other=0.0)) * (LOG2E_TL / qk_scale)
-    b_x = tl.maximum(b_x, -1000.0 / qk_scale)
-    b_hi = b_x.to(dt)
-    b_r = b_x - b_hi.to(tl.float32)
-    b_mid = b_r.to(dt)
-    b_lo = (b_r - b_mid.to(tl.float32)).to(dt)
-    o_a = tl.arange(0, 16)[:, None]
-    zero = tl.zeros([16, BN], dtype=dt)
-    return tl.where(o_a == 0, b_hi[None, :], tl.where(o_a == 1, b_mid[None, :],
-                                                      tl.where(o_a == 2, b_lo[None, :], zero)))
-
-
-@triton.jit
-def bias_ones(dt: tl.constexpr, BM: tl.constexpr):
-    """``[BM, 16]``: ones in columns 0-2, the left operand that adds :func:`bias_operand`."""
-    o_a = tl.arange(0, 16)[None, :] + tl.zeros([BM, 16], dtype=tl.int32)
-    return tl.where(o_a < 3, 1.0, 0.0).to(dt)
-
-
-@triton.jit
 def _fwd_inner(
     acc, l_i, m_i,
     b_q, b_cq, o_abs, b_kstart,
@@ -96,7 +66,7 @@ def _fwd_inner(
     lo, hi, tk, qk_scale,
     o_d, m_d,
     BN: tl.constexpr, MASKED: tl.constexpr, DOT_PREC: tl.constexpr, USE_TMA: tl.constexpr,
-    BIAS: tl.constexpr = 1,
+    BIAS: tl.constexpr = True,
 ):
     # p_k, p_v: pointers to the (sequence, kv head)'s first key and value, or with USE_TMA
     # their tensor descriptors
@@ -110,13 +80,7 @@ def _fwd_inner(
             b_kt = tl.load(p_k + o_n[None, :] * stride_kt + o_d[:, None],
                            mask=m_d[:, None] & m_n[None, :], other=0.0)
         # [BM, BN], base-2 logits
-        if BIAS == 2:  # the keys' bias added by the tensor cores
-            b_s = tl.dot(b_q, b_kt, input_precision=DOT_PREC)
-            b_s = tl.dot(bias_ones(b_q.dtype, b_q.shape[0]),
-                         bias_operand(p_chi, p_clo, c_ref, o_n, m_n, qk_scale, b_q.dtype, BN), b_s,
-                         input_precision=DOT_PREC)
-            b_s = b_s * qk_scale + b_cq[:, None]
-        elif BIAS == 1:
+        if BIAS:
             b_ck = ((tl.load(p_chi + o_n, mask=m_n, other=0.0) - c_ref)
                     + tl.load(p_clo + o_n, mask=m_n, other=0.0)) * LOG2E_TL
             b_s = tl.dot(b_q, b_kt, input_precision=DOT_PREC) * qk_scale + (b_cq[:, None] - b_ck[None, :])
@@ -156,7 +120,7 @@ def _fwd_kernel(
     qk_scale, TQ, TK, TC, HQ, GROUP, MB,
     D: tl.constexpr, BD: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
     G: tl.constexpr, IS_VARLEN: tl.constexpr, USE_ACP: tl.constexpr, DOT_PREC: tl.constexpr,
-    USE_TMA: tl.constexpr, BIAS: tl.constexpr = 1,
+    USE_TMA: tl.constexpr, BIAS: tl.constexpr = True,
 ):
     # the last query tiles have the most keys: schedule them first to shorten the tail
     i_m = (tl.num_programs(0) - 1 - tl.program_id(0)).to(tl.int64)
@@ -329,13 +293,10 @@ def _tma_device(x) -> bool:
 
 
 def _launch_fwd(q, k, v, c_hi, c_lo, block_start, cu, p, o, lse2, cfg, use_tma):
-    """The launch of :func:`launch_fwd` (``cfg`` its options, ``TMA`` taken out). ``BIAS``:
-    1 the keys' bias as a vector added to every logit, 2 added by the tensor cores
-    (:func:`bias_operand`; not for float16, whose range cannot hold its split), 0 none
-    (plain softmax attention: timing only)."""
+    """The launch of :func:`launch_fwd` (``cfg`` its options, ``TMA`` taken out). ``BIAS=False``
+    leaves out the FoX bias: plain causal softmax attention in the same kernel, a timing
+    diagnostic of what the bias costs (``tune_fox_fwd.py --bias-off``), never for results."""
     bm, bn = cfg.pop("BM"), cfg.pop("BN")
-    if cfg.get("BIAS") == 2 and q.dtype == torch.float16:
-        cfg["BIAS"] = 1
     grid = (triton.cdiv(p.tq, bm), p.batch * p.hq)
     mb = block_start.shape[-1] if block_start is not None else 1
     _fwd_kernel[grid](
