@@ -65,6 +65,10 @@ def main() -> None:
                     help="T x D; heads 24 at D 64, 12 at D 128, B = 32768 / T")
     ap.add_argument("--out", default="fox_bwd.json")
     ap.add_argument("--sweep", action="store_true", help="also the separate kernels' options")
+    ap.add_argument("--no-fused", action="store_true", help="leave out the fused kernel's options")
+    ap.add_argument("--bias-off", action="store_true",
+                    help="also the default kernels without the FoX bias and the gate's sums: plain "
+                         "causal softmax attention's backward in the same kernels (timing only)")
     args = ap.parse_args()
     set_value_checks(False)
     rows = []
@@ -80,6 +84,7 @@ def main() -> None:
         def sdpa():
             F.scaled_dot_product_attention(qt, kt, vt, is_causal=True).backward(do.transpose(1, 2))
         sdpa_ms = _ms(sdpa)
+        sdpa_fwd_ms = _ms(lambda: F.scaled_dot_product_attention(qt, kt, vt, is_causal=True))
         for acp in (False, True):
             bsx, bex = (bs, be) if acp else (None, None)
             o, lse2 = torch.empty_like(q), torch.empty_like(c_hi)
@@ -97,8 +102,11 @@ def main() -> None:
 
             ref = run((kv0, q0))
             options = [("default", kv0, q0)]
-            options += [("fused", dict(BM=bm, BN=bn, num_warps=w, num_stages=st, FUSE_DQ=True), q0)
-                        for bm, bn, w, st in FUSED[d] if not (acp and 64 % bm)]
+            if not args.no_fused:
+                options += [("fused", dict(BM=bm, BN=bn, num_warps=w, num_stages=st, FUSE_DQ=True), q0)
+                            for bm, bn, w, st in FUSED[d] if not (acp and 64 % bm)]
+            if args.bias_off:
+                options += [("nobias", dict(kv0, BIAS=False), dict(q0, BIAS=False))]
             if args.sweep:
                 options += [("dkdv", dict(BM=bm, BN=bn, num_warps=w, num_stages=st), q0)
                             for bm, bn, w, st in DKDV[d] if not (acp and 64 % bm)]
@@ -106,7 +114,7 @@ def main() -> None:
                             for bm, bn, w, st in DQ[d] if not (acp and 64 % bn)]
             for varied, kv, qc in options:
                 row = dict(T=t, D=d, H=h, B=b, acp=acp, varied=varied, dkdv=kv, dq=qc,
-                           sdpa_default_fwdbwd_ms=sdpa_ms)
+                           sdpa_default_fwdbwd_ms=sdpa_ms, sdpa_default_fwd_ms=sdpa_fwd_ms)
                 try:
                     got = run((kv, qc))
                     row["nan"] = any(bool(x.isnan().any()) for x in got)

@@ -98,7 +98,7 @@ def _dkdv_inner(
     lo, hi, tq, off, qk_scale,
     o_d, m_d,
     BM: tl.constexpr, G: tl.constexpr, MASKED: tl.constexpr, USE_ACP: tl.constexpr,
-    DOT_PREC: tl.constexpr, FUSE_DQ: tl.constexpr,
+    DOT_PREC: tl.constexpr, FUSE_DQ: tl.constexpr, BIAS: tl.constexpr = True,
 ):
     for start in range(lo, hi, BM):
         o_m = start + tl.arange(0, BM)
@@ -112,10 +112,13 @@ def _dkdv_inner(
         b_delta = tl.load(p_delta + o_m, mask=m_m, other=0.0)
         o_abs = o_m + off
         o_absc = tl.minimum(o_abs, tq + off - 1)
-        b_cq = ((tl.load(p_chi + o_absc) - c_ref) + tl.load(p_clo + o_absc)) * LOG2E_TL
         # [BN, BM] transposed scores, base 2
-        b_st = tl.dot(b_k, tl.trans(b_q), input_precision=DOT_PREC) * qk_scale \
-            + (b_cq[None, :] - b_ck[:, None])
+        if BIAS:
+            b_cq = ((tl.load(p_chi + o_absc) - c_ref) + tl.load(p_clo + o_absc)) * LOG2E_TL
+            b_st = tl.dot(b_k, tl.trans(b_q), input_precision=DOT_PREC) * qk_scale \
+                + (b_cq[None, :] - b_ck[:, None])
+        else:  # plain causal softmax attention: a timing diagnostic only (issue 16)
+            b_st = tl.dot(b_k, tl.trans(b_q), input_precision=DOT_PREC) * qk_scale
         if MASKED:
             keep = (o_n[:, None] <= o_abs[None, :]) & m_m[None, :]
             if USE_ACP:
@@ -127,7 +130,8 @@ def _dkdv_inner(
         # [BN, BM]
         b_dpt = tl.dot(b_v, tl.trans(b_do), input_precision=DOT_PREC)
         b_dst = b_pt * (b_dpt - b_delta[None, :])
-        b_dcc += tl.sum(b_dst, 1)
+        if BIAS:
+            b_dcc += tl.sum(b_dst, 1)
         b_dst_lo = b_dst.to(b_q.dtype)
         b_dk = tl.dot(b_dst_lo, b_q, b_dk, input_precision=DOT_PREC)
         if FUSE_DQ:  # this tile's share of dQ (unscaled) and of the row sums of dS
@@ -151,7 +155,7 @@ def _bwd_dkdv_kernel(
     qk_scale, scale, TQ, TK, TC, HQ, H, MB, NB,
     D: tl.constexpr, BD: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
     G: tl.constexpr, GROUP: tl.constexpr, IS_VARLEN: tl.constexpr, USE_ACP: tl.constexpr,
-    DOT_PREC: tl.constexpr, FUSE_DQ: tl.constexpr,
+    DOT_PREC: tl.constexpr, FUSE_DQ: tl.constexpr, BIAS: tl.constexpr = True,
 ):
     i_n = tl.program_id(0).to(tl.int64)
     i_bh = tl.program_id(1).to(tl.int64)
@@ -223,17 +227,17 @@ def _bwd_dkdv_kernel(
                                         p_delta, p_chi, p_clo, p_bs, c_ref, p_dqa, p_dcra,
                                         stride_qt, stride_dot, stride_dqat,
                                         q_lo, a, tq, off, qk_scale, o_d, m_d,
-                                        BM, G, True, USE_ACP, DOT_PREC, FUSE_DQ)
+                                        BM, G, True, USE_ACP, DOT_PREC, FUSE_DQ, BIAS)
         b_dk, b_dv, b_dcc = _dkdv_inner(b_dk, b_dv, b_dcc, b_k, b_v, b_ck, o_n, p_q, p_do, p_lse,
                                         p_delta, p_chi, p_clo, p_bs, c_ref, p_dqa, p_dcra,
                                         stride_qt, stride_dot, stride_dqat,
                                         a, b, tq, off, qk_scale, o_d, m_d,
-                                        BM, G, False, USE_ACP, DOT_PREC, FUSE_DQ)
+                                        BM, G, False, USE_ACP, DOT_PREC, FUSE_DQ, BIAS)
         b_dk, b_dv, b_dcc = _dkdv_inner(b_dk, b_dv, b_dcc, b_k, b_v, b_ck, o_n, p_q, p_do, p_lse,
                                         p_delta, p_chi, p_clo, p_bs, c_ref, p_dqa, p_dcra,
                                         stride_qt, stride_dot, stride_dqat,
                                         b, q_end, tq, off, qk_scale, o_d, m_d,
-                                        BM, G, True, USE_ACP, DOT_PREC, FUSE_DQ)
+                                        BM, G, True, USE_ACP, DOT_PREC, FUSE_DQ, BIAS)
         tl.store(DCC + (i_bt * HQ + i_h) * TC + bos + o_n, b_dcc, mask=m_n)
     p_dk = DK + i_bt * stride_dkb + (bos + o_n[:, None]) * stride_dkt + i_hk * stride_dkh + o_d[None, :]
     p_dv = DV + i_bt * stride_dvb + (bos + o_n[:, None]) * stride_dvt + i_hk * stride_dvh + o_d[None, :]
@@ -249,7 +253,7 @@ def _dq_inner(
     stride_kt, stride_vt,
     lo, hi, tk, qk_scale,
     o_d, m_d,
-    BN: tl.constexpr, MASKED: tl.constexpr, DOT_PREC: tl.constexpr,
+    BN: tl.constexpr, MASKED: tl.constexpr, DOT_PREC: tl.constexpr, BIAS: tl.constexpr = True,
 ):
     for start in range(lo, hi, BN):
         o_n = start + tl.arange(0, BN)
@@ -259,17 +263,21 @@ def _dq_inner(
                        mask=m_d[:, None] & m_n[None, :], other=0.0)
         b_vt = tl.load(p_v + o_n[None, :] * stride_vt + o_d[:, None],
                        mask=m_d[:, None] & m_n[None, :], other=0.0)
-        b_ck = ((tl.load(p_chi + o_n, mask=m_n, other=0.0) - c_ref)
-                + tl.load(p_clo + o_n, mask=m_n, other=0.0)) * LOG2E_TL
         # [BM, BN]
-        b_s = tl.dot(b_q, b_kt, input_precision=DOT_PREC) * qk_scale + (b_cq[:, None] - b_ck[None, :])
+        if BIAS:
+            b_ck = ((tl.load(p_chi + o_n, mask=m_n, other=0.0) - c_ref)
+                    + tl.load(p_clo + o_n, mask=m_n, other=0.0)) * LOG2E_TL
+            b_s = tl.dot(b_q, b_kt, input_precision=DOT_PREC) * qk_scale + (b_cq[:, None] - b_ck[None, :])
+        else:  # plain causal softmax attention: a timing diagnostic only (issue 16)
+            b_s = tl.dot(b_q, b_kt, input_precision=DOT_PREC) * qk_scale
         if MASKED:
             keep = (o_n[None, :] <= o_abs[:, None]) & (o_n[None, :] >= b_kstart[:, None])
             b_s = tl.where(keep, b_s, float("-inf"))
         b_p = tl.math.exp2(b_s - b_lse[:, None])
         b_dp = tl.dot(b_do, b_vt, input_precision=DOT_PREC)
         b_ds = b_p * (b_dp - b_delta[:, None])
-        b_dcr += tl.sum(b_ds, 1)
+        if BIAS:
+            b_dcr += tl.sum(b_ds, 1)
         b_dq = tl.dot(b_ds.to(b_kt.dtype), tl.trans(b_kt), b_dq, input_precision=DOT_PREC)
     return b_dq, b_dcr
 
@@ -285,6 +293,7 @@ def _bwd_dq_kernel(
     qk_scale, scale, TQ, TK, TC, HQ, GROUP, MB,
     D: tl.constexpr, BD: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
     G: tl.constexpr, IS_VARLEN: tl.constexpr, USE_ACP: tl.constexpr, DOT_PREC: tl.constexpr,
+    BIAS: tl.constexpr = True,
 ):
     # the last query tiles have the most keys: schedule them first to shorten the tail
     i_m = (tl.num_programs(0) - 1 - tl.program_id(0)).to(tl.int64)
@@ -342,13 +351,13 @@ def _bwd_dq_kernel(
     b_dcr = tl.zeros([BM], dtype=tl.float32)
     b_dq, b_dcr = _dq_inner(b_dq, b_dcr, b_q, b_do, b_lse, b_delta, b_cq, o_abs, b_kstart, p_k, p_v,
                             p_chi, p_clo, c_ref, stride_kt, stride_vt, ks_lo, ks_hi, tk, qk_scale,
-                            o_d, m_d, BN, True, DOT_PREC)
+                            o_d, m_d, BN, True, DOT_PREC, BIAS)
     b_dq, b_dcr = _dq_inner(b_dq, b_dcr, b_q, b_do, b_lse, b_delta, b_cq, o_abs, b_kstart, p_k, p_v,
                             p_chi, p_clo, c_ref, stride_kt, stride_vt, ks_hi, mid, tk, qk_scale,
-                            o_d, m_d, BN, False, DOT_PREC)
+                            o_d, m_d, BN, False, DOT_PREC, BIAS)
     b_dq, b_dcr = _dq_inner(b_dq, b_dcr, b_q, b_do, b_lse, b_delta, b_cq, o_abs, b_kstart, p_k, p_v,
                             p_chi, p_clo, c_ref, stride_kt, stride_vt, mid, last_abs + 1, tk,
-                            qk_scale, o_d, m_d, BN, True, DOT_PREC)
+                            qk_scale, o_d, m_d, BN, True, DOT_PREC, BIAS)
     p_dq = DQ + i_bt * stride_dqb + (bos + o_m[:, None]) * stride_dqt + i_h * stride_dqh + o_d[None, :]
     tl.store(p_dq, (b_dq * scale).to(DQ.dtype.element_ty), mask=m_md)
     tl.store(DCR + p_row + o_m, b_dcr, mask=m_m)
