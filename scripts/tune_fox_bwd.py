@@ -67,8 +67,9 @@ def main() -> None:
     ap.add_argument("--sweep", action="store_true", help="also the separate kernels' options")
     ap.add_argument("--no-fused", action="store_true", help="leave out the fused kernel's options")
     ap.add_argument("--bias-off", action="store_true",
-                    help="also the default kernels without the FoX bias and the gate's sums: plain "
-                         "causal softmax attention's backward in the same kernels (timing only)")
+                    help="also the default kernels without the FoX bias and/or the gate's sums, in "
+                         "one kernel or both (bias-0-0: plain causal softmax attention's backward in "
+                         "the same kernels; timing only)")
     args = ap.parse_args()
     set_value_checks(False)
     rows = []
@@ -105,8 +106,9 @@ def main() -> None:
             if not args.no_fused:
                 options += [("fused", dict(BM=bm, BN=bn, num_warps=w, num_stages=st, FUSE_DQ=True), q0)
                             for bm, bn, w, st in FUSED[d] if not (acp and 64 % bm)]
-            if args.bias_off:
-                options += [("nobias", dict(kv0, BIAS=False), dict(q0, BIAS=False))]
+            if args.bias_off:  # BIAS: 1 all, 0 none, 2 the gate's sums only, 3 the bias only
+                options += [(f"bias-{a}-{b}", dict(kv0, BIAS=a), dict(q0, BIAS=b))
+                            for a, b in ((0, 0), (2, 2), (3, 3), (0, 1), (1, 0))]
             if args.sweep:
                 options += [("dkdv", dict(BM=bm, BN=bn, num_warps=w, num_stages=st), q0)
                             for bm, bn, w, st in DKDV[d] if not (acp and 64 % bm)]

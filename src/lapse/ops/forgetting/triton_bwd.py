@@ -98,7 +98,7 @@ def _dkdv_inner(
     lo, hi, tq, off, qk_scale,
     o_d, m_d,
     BM: tl.constexpr, G: tl.constexpr, MASKED: tl.constexpr, USE_ACP: tl.constexpr,
-    DOT_PREC: tl.constexpr, FUSE_DQ: tl.constexpr, BIAS: tl.constexpr = True,
+    DOT_PREC: tl.constexpr, FUSE_DQ: tl.constexpr, BIAS: tl.constexpr = 1,
 ):
     for start in range(lo, hi, BM):
         o_m = start + tl.arange(0, BM)
@@ -113,7 +113,7 @@ def _dkdv_inner(
         o_abs = o_m + off
         o_absc = tl.minimum(o_abs, tq + off - 1)
         # [BN, BM] transposed scores, base 2
-        if BIAS:
+        if BIAS % 2 == 1:
             b_cq = ((tl.load(p_chi + o_absc) - c_ref) + tl.load(p_clo + o_absc)) * LOG2E_TL
             b_st = tl.dot(b_k, tl.trans(b_q), input_precision=DOT_PREC) * qk_scale \
                 + (b_cq[None, :] - b_ck[:, None])
@@ -130,7 +130,7 @@ def _dkdv_inner(
         # [BN, BM]
         b_dpt = tl.dot(b_v, tl.trans(b_do), input_precision=DOT_PREC)
         b_dst = b_pt * (b_dpt - b_delta[None, :])
-        if BIAS:
+        if BIAS >= 1 and BIAS != 3:
             b_dcc += tl.sum(b_dst, 1)
         b_dst_lo = b_dst.to(b_q.dtype)
         b_dk = tl.dot(b_dst_lo, b_q, b_dk, input_precision=DOT_PREC)
@@ -155,7 +155,7 @@ def _bwd_dkdv_kernel(
     qk_scale, scale, TQ, TK, TC, HQ, H, MB, NB,
     D: tl.constexpr, BD: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
     G: tl.constexpr, GROUP: tl.constexpr, IS_VARLEN: tl.constexpr, USE_ACP: tl.constexpr,
-    DOT_PREC: tl.constexpr, FUSE_DQ: tl.constexpr, BIAS: tl.constexpr = True,
+    DOT_PREC: tl.constexpr, FUSE_DQ: tl.constexpr, BIAS: tl.constexpr = 1,
 ):
     i_n = tl.program_id(0).to(tl.int64)
     i_bh = tl.program_id(1).to(tl.int64)
@@ -253,7 +253,7 @@ def _dq_inner(
     stride_kt, stride_vt,
     lo, hi, tk, qk_scale,
     o_d, m_d,
-    BN: tl.constexpr, MASKED: tl.constexpr, DOT_PREC: tl.constexpr, BIAS: tl.constexpr = True,
+    BN: tl.constexpr, MASKED: tl.constexpr, DOT_PREC: tl.constexpr, BIAS: tl.constexpr = 1,
 ):
     for start in range(lo, hi, BN):
         o_n = start + tl.arange(0, BN)
@@ -264,7 +264,7 @@ def _dq_inner(
         b_vt = tl.load(p_v + o_n[None, :] * stride_vt + o_d[:, None],
                        mask=m_d[:, None] & m_n[None, :], other=0.0)
         # [BM, BN]
-        if BIAS:
+        if BIAS % 2 == 1:
             b_ck = ((tl.load(p_chi + o_n, mask=m_n, other=0.0) - c_ref)
                     + tl.load(p_clo + o_n, mask=m_n, other=0.0)) * LOG2E_TL
             b_s = tl.dot(b_q, b_kt, input_precision=DOT_PREC) * qk_scale + (b_cq[:, None] - b_ck[None, :])
@@ -276,7 +276,7 @@ def _dq_inner(
         b_p = tl.math.exp2(b_s - b_lse[:, None])
         b_dp = tl.dot(b_do, b_vt, input_precision=DOT_PREC)
         b_ds = b_p * (b_dp - b_delta[:, None])
-        if BIAS:
+        if BIAS >= 1 and BIAS != 3:
             b_dcr += tl.sum(b_ds, 1)
         b_dq = tl.dot(b_ds.to(b_kt.dtype), tl.trans(b_kt), b_dq, input_precision=DOT_PREC)
     return b_dq, b_dcr
@@ -293,7 +293,7 @@ def _bwd_dq_kernel(
     qk_scale, scale, TQ, TK, TC, HQ, GROUP, MB,
     D: tl.constexpr, BD: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
     G: tl.constexpr, IS_VARLEN: tl.constexpr, USE_ACP: tl.constexpr, DOT_PREC: tl.constexpr,
-    BIAS: tl.constexpr = True,
+    BIAS: tl.constexpr = 1,
 ):
     # the last query tiles have the most keys: schedule them first to shorten the tail
     i_m = (tl.num_programs(0) - 1 - tl.program_id(0)).to(tl.int64)
@@ -385,7 +385,10 @@ def bwd_config(d: int, group: int = 1, acp: bool = False) -> tuple[dict, dict]:
 def launch_bwd(q, k, v, do, lse2, delta, c_hi, c_lo, block_start, block_end, cu, p,
                dq, dk, dv, dcc, dcr, configs=None):
     """Runs the backward kernels; dk/dv/dq in the inputs' dtypes, dcc/dcr float32 [B, HQ, Tc].
-    ``FUSE_DQ=True`` in the dK/dV config: one kernel, dQ through atomics (module doc)."""
+    ``FUSE_DQ=True`` in the dK/dV config: one kernel, dQ through atomics (module doc).
+    ``BIAS`` in either config is a timing diagnostic (``tune_fox_bwd.py --bias-off``), never
+    for results: 1 (default) the FoX backward, 0 plain softmax attention's (no bias, no
+    gate sums), 2 the gate sums without the bias, 3 the bias without the gate sums."""
     cfg_kv, cfg_q = configs or bwd_config(p.d, p.hq // p.h, block_start is not None)
     cfg_kv, cfg_q = dict(cfg_kv), dict(cfg_q)
     fuse = bool(cfg_kv.pop("FUSE_DQ", False))
