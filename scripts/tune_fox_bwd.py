@@ -109,7 +109,6 @@ def main() -> None:
             if args.bias_off:  # BIAS: 1 all, 0 none, 2 the gate's sums only, 3 the bias only
                 options += [(f"bias-{a}-{b}", dict(kv0, BIAS=a), dict(q0, BIAS=b))
                             for a, b in ((0, 0), (2, 2), (3, 3), (0, 1), (1, 0))]
-                options += [("row-bias-off", dict(kv0, ROW_BIAS=False), dict(q0, ROW_BIAS=False))]
             if args.sweep:
                 options += [("dkdv", dict(BM=bm, BN=bn, num_warps=w, num_stages=st), q0)
                             for bm, bn, w, st in DKDV[d] if not (acp and 64 % bm)]

@@ -98,7 +98,7 @@ def _dkdv_inner(
     lo, hi, tq, off, qk_scale,
     o_d, m_d,
     BM: tl.constexpr, G: tl.constexpr, MASKED: tl.constexpr, USE_ACP: tl.constexpr,
-    DOT_PREC: tl.constexpr, FUSE_DQ: tl.constexpr, BIAS: tl.constexpr = 1, ROW_BIAS: tl.constexpr = False,
+    DOT_PREC: tl.constexpr, FUSE_DQ: tl.constexpr, BIAS: tl.constexpr = 1,
 ):
     for start in range(lo, hi, BM):
         o_m = start + tl.arange(0, BM)
@@ -113,11 +113,7 @@ def _dkdv_inner(
         o_abs = o_m + off
         o_absc = tl.minimum(o_abs, tq + off - 1)
         # [BN, BM] transposed scores, base 2
-        if BIAS % 2 == 1 and ROW_BIAS:  # less the query's c_i, which joins the lse instead
-            b_cq = ((tl.load(p_chi + o_absc) - c_ref) + tl.load(p_clo + o_absc)) * LOG2E_TL
-            b_lse = b_lse - b_cq
-            b_st = tl.dot(b_k, tl.trans(b_q), input_precision=DOT_PREC) * qk_scale - b_ck[:, None]
-        elif BIAS % 2 == 1:
+        if BIAS % 2 == 1:
             b_cq = ((tl.load(p_chi + o_absc) - c_ref) + tl.load(p_clo + o_absc)) * LOG2E_TL
             b_st = tl.dot(b_k, tl.trans(b_q), input_precision=DOT_PREC) * qk_scale \
                 + (b_cq[None, :] - b_ck[:, None])
@@ -159,7 +155,7 @@ def _bwd_dkdv_kernel(
     qk_scale, scale, TQ, TK, TC, HQ, H, MB, NB,
     D: tl.constexpr, BD: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
     G: tl.constexpr, GROUP: tl.constexpr, IS_VARLEN: tl.constexpr, USE_ACP: tl.constexpr,
-    DOT_PREC: tl.constexpr, FUSE_DQ: tl.constexpr, BIAS: tl.constexpr = 1, ROW_BIAS: tl.constexpr = False,
+    DOT_PREC: tl.constexpr, FUSE_DQ: tl.constexpr, BIAS: tl.constexpr = 1,
 ):
     i_n = tl.program_id(0).to(tl.int64)
     i_bh = tl.program_id(1).to(tl.int64)
@@ -231,17 +227,17 @@ def _bwd_dkdv_kernel(
                                         p_delta, p_chi, p_clo, p_bs, c_ref, p_dqa, p_dcra,
                                         stride_qt, stride_dot, stride_dqat,
                                         q_lo, a, tq, off, qk_scale, o_d, m_d,
-                                        BM, G, True, USE_ACP, DOT_PREC, FUSE_DQ, BIAS, ROW_BIAS)
+                                        BM, G, True, USE_ACP, DOT_PREC, FUSE_DQ, BIAS)
         b_dk, b_dv, b_dcc = _dkdv_inner(b_dk, b_dv, b_dcc, b_k, b_v, b_ck, o_n, p_q, p_do, p_lse,
                                         p_delta, p_chi, p_clo, p_bs, c_ref, p_dqa, p_dcra,
                                         stride_qt, stride_dot, stride_dqat,
                                         a, b, tq, off, qk_scale, o_d, m_d,
-                                        BM, G, False, USE_ACP, DOT_PREC, FUSE_DQ, BIAS, ROW_BIAS)
+                                        BM, G, False, USE_ACP, DOT_PREC, FUSE_DQ, BIAS)
         b_dk, b_dv, b_dcc = _dkdv_inner(b_dk, b_dv, b_dcc, b_k, b_v, b_ck, o_n, p_q, p_do, p_lse,
                                         p_delta, p_chi, p_clo, p_bs, c_ref, p_dqa, p_dcra,
                                         stride_qt, stride_dot, stride_dqat,
                                         b, q_end, tq, off, qk_scale, o_d, m_d,
-                                        BM, G, True, USE_ACP, DOT_PREC, FUSE_DQ, BIAS, ROW_BIAS)
+                                        BM, G, True, USE_ACP, DOT_PREC, FUSE_DQ, BIAS)
         tl.store(DCC + (i_bt * HQ + i_h) * TC + bos + o_n, b_dcc, mask=m_n)
     p_dk = DK + i_bt * stride_dkb + (bos + o_n[:, None]) * stride_dkt + i_hk * stride_dkh + o_d[None, :]
     p_dv = DV + i_bt * stride_dvb + (bos + o_n[:, None]) * stride_dvt + i_hk * stride_dvh + o_d[None, :]
@@ -258,7 +254,6 @@ def _dq_inner(
     lo, hi, tk, qk_scale,
     o_d, m_d,
     BN: tl.constexpr, MASKED: tl.constexpr, DOT_PREC: tl.constexpr, BIAS: tl.constexpr = 1,
-    ROW_BIAS: tl.constexpr = False,
 ):
     for start in range(lo, hi, BN):
         o_n = start + tl.arange(0, BN)
@@ -272,10 +267,7 @@ def _dq_inner(
         if BIAS % 2 == 1:
             b_ck = ((tl.load(p_chi + o_n, mask=m_n, other=0.0) - c_ref)
                     + tl.load(p_clo + o_n, mask=m_n, other=0.0)) * LOG2E_TL
-            if ROW_BIAS:  # less the query's c_i, which is in b_lse (:func:`_bwd_dq_kernel`)
-                b_s = tl.dot(b_q, b_kt, input_precision=DOT_PREC) * qk_scale - b_ck[None, :]
-            else:
-                b_s = tl.dot(b_q, b_kt, input_precision=DOT_PREC) * qk_scale + (b_cq[:, None] - b_ck[None, :])
+            b_s = tl.dot(b_q, b_kt, input_precision=DOT_PREC) * qk_scale + (b_cq[:, None] - b_ck[None, :])
         else:  # plain causal softmax attention: a timing diagnostic only (issue 16)
             b_s = tl.dot(b_q, b_kt, input_precision=DOT_PREC) * qk_scale
         if MASKED:
@@ -301,7 +293,7 @@ def _bwd_dq_kernel(
     qk_scale, scale, TQ, TK, TC, HQ, GROUP, MB,
     D: tl.constexpr, BD: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
     G: tl.constexpr, IS_VARLEN: tl.constexpr, USE_ACP: tl.constexpr, DOT_PREC: tl.constexpr,
-    BIAS: tl.constexpr = 1, ROW_BIAS: tl.constexpr = False,
+    BIAS: tl.constexpr = 1,
 ):
     # the last query tiles have the most keys: schedule them first to shorten the tail
     i_m = (tl.num_programs(0) - 1 - tl.program_id(0)).to(tl.int64)
@@ -342,8 +334,6 @@ def _bwd_dq_kernel(
     c_ref = tl.load(p_chi + first_abs)
     o_absc = tl.minimum(o_abs, tk - 1)
     b_cq = ((tl.load(p_chi + o_absc) - c_ref) + tl.load(p_clo + o_absc)) * LOG2E_TL
-    if BIAS % 2 == 1 and ROW_BIAS:  # the query's c_i is a per-row term: it joins the lse
-        b_lse = b_lse - b_cq
     if USE_ACP:
         p_bs = BSTART + (i_b * HQ + i_h) * MB
         b_kstart = tl.load(p_bs + o_m // G, mask=m_m, other=0) * G
@@ -361,13 +351,13 @@ def _bwd_dq_kernel(
     b_dcr = tl.zeros([BM], dtype=tl.float32)
     b_dq, b_dcr = _dq_inner(b_dq, b_dcr, b_q, b_do, b_lse, b_delta, b_cq, o_abs, b_kstart, p_k, p_v,
                             p_chi, p_clo, c_ref, stride_kt, stride_vt, ks_lo, ks_hi, tk, qk_scale,
-                            o_d, m_d, BN, True, DOT_PREC, BIAS, ROW_BIAS)
+                            o_d, m_d, BN, True, DOT_PREC, BIAS)
     b_dq, b_dcr = _dq_inner(b_dq, b_dcr, b_q, b_do, b_lse, b_delta, b_cq, o_abs, b_kstart, p_k, p_v,
                             p_chi, p_clo, c_ref, stride_kt, stride_vt, ks_hi, mid, tk, qk_scale,
-                            o_d, m_d, BN, False, DOT_PREC, BIAS, ROW_BIAS)
+                            o_d, m_d, BN, False, DOT_PREC, BIAS)
     b_dq, b_dcr = _dq_inner(b_dq, b_dcr, b_q, b_do, b_lse, b_delta, b_cq, o_abs, b_kstart, p_k, p_v,
                             p_chi, p_clo, c_ref, stride_kt, stride_vt, mid, last_abs + 1, tk,
-                            qk_scale, o_d, m_d, BN, True, DOT_PREC, BIAS, ROW_BIAS)
+                            qk_scale, o_d, m_d, BN, True, DOT_PREC, BIAS)
     p_dq = DQ + i_bt * stride_dqb + (bos + o_m[:, None]) * stride_dqt + i_h * stride_dqh + o_d[None, :]
     tl.store(p_dq, (b_dq * scale).to(DQ.dtype.element_ty), mask=m_md)
     tl.store(DCR + p_row + o_m, b_dcr, mask=m_m)
@@ -398,13 +388,7 @@ def launch_bwd(q, k, v, do, lse2, delta, c_hi, c_lo, block_start, block_end, cu,
     ``FUSE_DQ=True`` in the dK/dV config: one kernel, dQ through atomics (module doc).
     ``BIAS`` in either config is a timing diagnostic (``tune_fox_bwd.py --bias-off``), never
     for results: 1 (default) the FoX backward, 0 plain softmax attention's (no bias, no
-    gate sums), 2 the gate sums without the bias, 3 the bias without the gate sums.
-    ``ROW_BIAS`` (default: for 16-bit inputs) moves the query's ``c_i`` out of every pair's
-    logit into the row's lse: one subtraction a pair less. It rounds the sum
-    ``(lse_i - c_i) + c_j`` where the pair's ``c_i - c_j`` would cancel exactly first, which
-    costs float32 precision where gates jump by ~20 per token (the tests' "extreme" gates:
-    dQ 2.7e-5 against the float64 oracle where the float32 rule allows 2e-5) and nothing
-    visible at 16-bit precision."""
+    gate sums), 2 the gate sums without the bias, 3 the bias without the gate sums."""
     cfg_kv, cfg_q = configs or bwd_config(p.d, p.hq // p.h, block_start is not None)
     cfg_kv, cfg_q = dict(cfg_kv), dict(cfg_q)
     fuse = bool(cfg_kv.pop("FUSE_DQ", False))
@@ -415,8 +399,6 @@ def launch_bwd(q, k, v, do, lse2, delta, c_hi, c_lo, block_start, block_end, cu,
     dummy = c_hi
     common = dict(D=p.d, BD=bd, G=64, IS_VARLEN=cu is not None, USE_ACP=use_acp,
                   DOT_PREC="ieee" if q.dtype.itemsize == 4 else "tf32")
-    for cfg in (cfg_kv, cfg_q):  # the row's c_i with the lse for 16-bit inputs (module doc)
-        cfg.setdefault("ROW_BIAS", q.dtype.itemsize == 2)
     bm, bn = cfg_kv.pop("BM"), cfg_kv.pop("BN")
     dqa = torch.zeros(q.shape, dtype=torch.float32, device=q.device) if fuse else dummy
     if fuse:
