@@ -114,7 +114,8 @@ def _dkdv_inner(
         o_absc = tl.minimum(o_abs, tq + off - 1)
         # [BN, BM] transposed scores, base 2
         if BIAS % 2 == 1:
-            b_cq = ((tl.load(p_chi + o_absc) - c_ref) + tl.load(p_clo + o_absc)) * LOG2E_TL
+            # the query's c_lo is in its lse (launch_bwd): one load a step less
+            b_cq = (tl.load(p_chi + o_absc) - c_ref) * LOG2E_TL
             b_st = tl.dot(b_k, tl.trans(b_q), input_precision=DOT_PREC) * qk_scale \
                 + (b_cq[None, :] - b_ck[:, None])
         else:  # plain causal softmax attention: a timing diagnostic only (issue 16)
@@ -333,7 +334,7 @@ def _bwd_dq_kernel(
     last_abs = tl.minimum(i_m * BM + BM, tq) - 1 + off
     c_ref = tl.load(p_chi + first_abs)
     o_absc = tl.minimum(o_abs, tk - 1)
-    b_cq = ((tl.load(p_chi + o_absc) - c_ref) + tl.load(p_clo + o_absc)) * LOG2E_TL
+    b_cq = (tl.load(p_chi + o_absc) - c_ref) * LOG2E_TL  # c_lo: in the lse (launch_bwd)
     if USE_ACP:
         p_bs = BSTART + (i_b * HQ + i_h) * MB
         b_kstart = tl.load(p_bs + o_m // G, mask=m_m, other=0) * G
@@ -399,6 +400,12 @@ def launch_bwd(q, k, v, do, lse2, delta, c_hi, c_lo, block_start, block_end, cu,
     dummy = c_hi
     common = dict(D=p.d, BD=bd, G=64, IS_VARLEN=cu is not None, USE_ACP=use_acp,
                   DOT_PREC="ieee" if q.dtype.itemsize == 4 else "tf32")
+    # the queries' c_lo moves into their lse: lse_i - c_lo_i log2(e) (both small, so exact
+    # to float32 rounding), and the kernels read c_hi alone for a query
+    off = 0 if cu is not None else p.tk - p.tq
+    tq = q.shape[1]
+    lse2 = lse2.clone()
+    lse2[..., :tq] -= c_lo[..., off:off + tq] * LOG2E
     bm, bn = cfg_kv.pop("BM"), cfg_kv.pop("BN")
     dqa = torch.zeros(q.shape, dtype=torch.float32, device=q.device) if fuse else dummy
     if fuse:
