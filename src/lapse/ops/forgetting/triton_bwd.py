@@ -98,7 +98,7 @@ def _dkdv_inner(
     lo, hi, tq, off, qk_scale,
     o_d, m_d,
     BM: tl.constexpr, G: tl.constexpr, MASKED: tl.constexpr, USE_ACP: tl.constexpr,
-    DOT_PREC: tl.constexpr, FUSE_DQ: tl.constexpr, BIAS: tl.constexpr = 1,
+    DOT_PREC: tl.constexpr, FUSE_DQ: tl.constexpr, BIAS: tl.constexpr = 1, ROWS4: tl.constexpr = False,
 ):
     for start in range(lo, hi, BM):
         o_m = start + tl.arange(0, BM)
@@ -108,14 +108,21 @@ def _dkdv_inner(
                       mask=m_m[:, None] & m_d[None, :], other=0.0)
         b_do = tl.load(p_do + o_m[:, None] * stride_dot + o_d[None, :],
                        mask=m_m[:, None] & m_d[None, :], other=0.0)
-        b_lse = tl.load(p_lse + o_m, mask=m_m, other=0.0)
-        b_delta = tl.load(p_delta + o_m, mask=m_m, other=0.0)
         o_abs = o_m + off
-        o_absc = tl.minimum(o_abs, tq + off - 1)
+        if ROWS4:  # each row's (lse - c_lo, delta, c_hi, 0) in one 16-byte load (launch_bwd)
+            o_4 = tl.arange(0, 4)[None, :]
+            b_r = tl.load(p_lse + o_m[:, None] * 4 + o_4, mask=m_m[:, None], other=0.0)
+            b_lse = tl.sum(tl.where(o_4 == 0, b_r, 0.0), 1)
+            b_delta = tl.sum(tl.where(o_4 == 1, b_r, 0.0), 1)
+            b_chi = tl.sum(tl.where(o_4 == 2, b_r, 0.0), 1)
+        else:
+            b_lse = tl.load(p_lse + o_m, mask=m_m, other=0.0)
+            b_delta = tl.load(p_delta + o_m, mask=m_m, other=0.0)
+            b_chi = tl.load(p_chi + tl.minimum(o_abs, tq + off - 1))
         # [BN, BM] transposed scores, base 2
         if BIAS % 2 == 1:
             # the query's c_lo is in its lse (launch_bwd): one load a step less
-            b_cq = (tl.load(p_chi + o_absc) - c_ref) * LOG2E_TL
+            b_cq = (b_chi - c_ref) * LOG2E_TL
             b_st = tl.dot(b_k, tl.trans(b_q), input_precision=DOT_PREC) * qk_scale \
                 + (b_cq[None, :] - b_ck[:, None])
         else:  # plain causal softmax attention: a timing diagnostic only (issue 16)
@@ -156,7 +163,7 @@ def _bwd_dkdv_kernel(
     qk_scale, scale, TQ, TK, TC, HQ, H, MB, NB,
     D: tl.constexpr, BD: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
     G: tl.constexpr, GROUP: tl.constexpr, IS_VARLEN: tl.constexpr, USE_ACP: tl.constexpr,
-    DOT_PREC: tl.constexpr, FUSE_DQ: tl.constexpr, BIAS: tl.constexpr = 1,
+    DOT_PREC: tl.constexpr, FUSE_DQ: tl.constexpr, BIAS: tl.constexpr = 1, ROWS4: tl.constexpr = False,
 ):
     i_n = tl.program_id(0).to(tl.int64)
     i_bh = tl.program_id(1).to(tl.int64)
@@ -218,7 +225,7 @@ def _bwd_dkdv_kernel(
                 + tl.load(p_clo + o_n, mask=m_n, other=0.0)) * LOG2E_TL
         p_q = Q + i_bt * stride_qb + bos * stride_qt + i_h * stride_qh
         p_do = DO + i_bt * stride_dob + bos * stride_dot + i_h * stride_doh
-        p_lse = LSE + (i_bt * HQ + i_h) * TC + bos
+        p_lse = LSE + ((i_bt * HQ + i_h) * TC + bos) * (4 if ROWS4 else 1)
         p_delta = DELTA + (i_bt * HQ + i_h) * TC + bos
         p_bs = BSTART + (i_b * HQ + i_h) * MB
         p_dqa = DQA + i_bt * stride_dqab + bos * stride_dqat + i_h * stride_dqah
@@ -228,17 +235,17 @@ def _bwd_dkdv_kernel(
                                         p_delta, p_chi, p_clo, p_bs, c_ref, p_dqa, p_dcra,
                                         stride_qt, stride_dot, stride_dqat,
                                         q_lo, a, tq, off, qk_scale, o_d, m_d,
-                                        BM, G, True, USE_ACP, DOT_PREC, FUSE_DQ, BIAS)
+                                        BM, G, True, USE_ACP, DOT_PREC, FUSE_DQ, BIAS, ROWS4)
         b_dk, b_dv, b_dcc = _dkdv_inner(b_dk, b_dv, b_dcc, b_k, b_v, b_ck, o_n, p_q, p_do, p_lse,
                                         p_delta, p_chi, p_clo, p_bs, c_ref, p_dqa, p_dcra,
                                         stride_qt, stride_dot, stride_dqat,
                                         a, b, tq, off, qk_scale, o_d, m_d,
-                                        BM, G, False, USE_ACP, DOT_PREC, FUSE_DQ, BIAS)
+                                        BM, G, False, USE_ACP, DOT_PREC, FUSE_DQ, BIAS, ROWS4)
         b_dk, b_dv, b_dcc = _dkdv_inner(b_dk, b_dv, b_dcc, b_k, b_v, b_ck, o_n, p_q, p_do, p_lse,
                                         p_delta, p_chi, p_clo, p_bs, c_ref, p_dqa, p_dcra,
                                         stride_qt, stride_dot, stride_dqat,
                                         b, q_end, tq, off, qk_scale, o_d, m_d,
-                                        BM, G, True, USE_ACP, DOT_PREC, FUSE_DQ, BIAS)
+                                        BM, G, True, USE_ACP, DOT_PREC, FUSE_DQ, BIAS, ROWS4)
         tl.store(DCC + (i_bt * HQ + i_h) * TC + bos + o_n, b_dcc, mask=m_n)
     p_dk = DK + i_bt * stride_dkb + (bos + o_n[:, None]) * stride_dkt + i_hk * stride_dkh + o_d[None, :]
     p_dv = DV + i_bt * stride_dvb + (bos + o_n[:, None]) * stride_dvt + i_hk * stride_dvh + o_d[None, :]
@@ -406,13 +413,18 @@ def launch_bwd(q, k, v, do, lse2, delta, c_hi, c_lo, block_start, block_end, cu,
     tq = q.shape[1]
     lse2 = lse2.clone()
     lse2[..., :tq] -= c_lo[..., off:off + tq] * LOG2E
+    rows4 = cfg_kv.pop("ROWS4", True)
+    if rows4:  # the dK/dV loop's per-row inputs side by side: (lse - c_lo, delta, c_hi, 0)
+        rows = torch.zeros(*lse2.shape, 4, dtype=torch.float32, device=lse2.device)
+        rows[..., 0], rows[..., 1] = lse2, delta
+        rows[..., :tq, 2] = c_hi[..., off:off + tq]
     bm, bn = cfg_kv.pop("BM"), cfg_kv.pop("BN")
     dqa = torch.zeros(q.shape, dtype=torch.float32, device=q.device) if fuse else dummy
     if fuse:
         dcr.zero_()
     sa = dqa.stride()[:3] if fuse else (0, 0, 0)
     _bwd_dkdv_kernel[(triton.cdiv(p.tk, bn), p.batch * p.h)](
-        q, k, v, do, lse2, delta, c_hi, c_lo,
+        q, k, v, do, rows if rows4 else lse2, delta, c_hi, c_lo,
         block_start if use_acp else dummy, block_end if use_acp else dummy,
         cu if cu is not None else dummy, dk, dv, dcc, dqa, dcr,
         q.stride(0), q.stride(1), q.stride(2),
@@ -423,7 +435,7 @@ def launch_bwd(q, k, v, do, lse2, delta, c_hi, c_lo, block_start, block_end, cu,
         dv.stride(0), dv.stride(1), dv.stride(2),
         *sa,
         p.scale * LOG2E, p.scale, p.tq, p.tk, c_hi.shape[-1], p.hq, p.h,
-        mb, nb, BM=bm, BN=bn, GROUP=p.hq // p.h, FUSE_DQ=fuse, **common, **cfg_kv,
+        mb, nb, BM=bm, BN=bn, GROUP=p.hq // p.h, FUSE_DQ=fuse, ROWS4=rows4, **common, **cfg_kv,
     )
     if fuse:
         dq.copy_(dqa.mul_(p.scale))
