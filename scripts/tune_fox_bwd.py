@@ -67,7 +67,8 @@ def main() -> None:
     ap.add_argument("--sweep", action="store_true", help="also the separate kernels' options")
     ap.add_argument("--no-fused", action="store_true", help="leave out the fused kernel's options")
     ap.add_argument("--rows4-off", action="store_true",
-                    help="also the dK/dV kernel reading lse, delta and c_hi as three loads (ROWS4=False)")
+                    help="also the dK/dV kernel reading lse, delta and c_hi as three loads (ROWS4=False) "
+                         "and the dQ kernel reading c_hi and c_lo as two (PAIRS=False)")
     ap.add_argument("--bias-off", action="store_true",
                     help="also the default kernels without the FoX bias and/or the gate's sums, in "
                          "one kernel or both (bias-0-0: plain causal softmax attention's backward in "
@@ -110,6 +111,7 @@ def main() -> None:
                             for bm, bn, w, st in FUSED[d] if not (acp and 64 % bm)]
             if args.rows4_off:
                 options += [("rows4-off", dict(kv0, ROWS4=False), q0)]
+                options += [("pairs-off", kv0, dict(q0, PAIRS=False))]
             if args.bias_off:  # BIAS: 1 all, 0 none, 2 the gate's sums only, 3 the bias only
                 options += [(f"bias-{a}-{b}", dict(kv0, BIAS=a), dict(q0, BIAS=b))
                             for a, b in ((0, 0), (2, 2), (3, 3), (0, 1), (1, 0))]

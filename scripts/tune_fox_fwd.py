@@ -83,6 +83,9 @@ def main() -> None:
     ap.add_argument("--bias-off", action="store_true",
                     help="also the default and the Gluon options without the FoX bias: plain causal "
                          "softmax attention in the same kernels (timing only; their outputs differ)")
+    ap.add_argument("--pairs-off", action="store_true",
+                    help="also the default options reading the keys' c_hi and c_lo as two loads "
+                         "(PAIRS=False)")
     ap.add_argument("--out", default="fox_fwd.json")
     args = ap.parse_args()
     set_value_checks(False)
@@ -107,6 +110,8 @@ def main() -> None:
             if (args.gluon or args.only_gluon) and not acp:
                 grid += [("gluon", dict(BM=bm, BN=bn, num_warps=w, STAGES=st, SPLIT=sp, maxnreg=r))
                          for bm, bn, w, st, sp, r in GLUON_OPTIONS]
+            if args.pairs_off:  # the keys' c_hi and c_lo as two loads
+                grid += [("variant", dict(default, PAIRS=False))]
             if args.bias_off and not acp:  # the same kernels without the FoX bias (timing only)
                 grid += [("nobias", None)]
                 grid += [("nobias", dict(GLUON=True, BM=bm, BN=bn, num_warps=w, STAGES=st, SPLIT=sp,
@@ -114,6 +119,8 @@ def main() -> None:
             for opt in grid:
                 if opt is None:
                     cfg = dict(default)
+                elif opt[0] == "variant":
+                    cfg = dict(opt[1])
                 elif opt[0] == "nobias":
                     cfg = dict(opt[1] or default, BIAS=False)
                 elif opt[0] == "gluon":

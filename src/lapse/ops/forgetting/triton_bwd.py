@@ -23,6 +23,7 @@ import triton
 import triton.language as tl
 
 from ..backend import LOG2E, LOG2E_TL
+from .triton_fwd import key_bias
 
 
 @triton.jit
@@ -262,6 +263,7 @@ def _dq_inner(
     lo, hi, tk, qk_scale,
     o_d, m_d,
     BN: tl.constexpr, MASKED: tl.constexpr, DOT_PREC: tl.constexpr, BIAS: tl.constexpr = 1,
+    PAIRS: tl.constexpr = False,
 ):
     for start in range(lo, hi, BN):
         o_n = start + tl.arange(0, BN)
@@ -273,8 +275,7 @@ def _dq_inner(
                        mask=m_d[:, None] & m_n[None, :], other=0.0)
         # [BM, BN]
         if BIAS % 2 == 1:
-            b_ck = ((tl.load(p_chi + o_n, mask=m_n, other=0.0) - c_ref)
-                    + tl.load(p_clo + o_n, mask=m_n, other=0.0)) * LOG2E_TL
+            b_ck = key_bias(p_chi, p_clo, o_n, m_n, c_ref, PAIRS)
             b_s = tl.dot(b_q, b_kt, input_precision=DOT_PREC) * qk_scale + (b_cq[:, None] - b_ck[None, :])
         else:  # plain causal softmax attention: a timing diagnostic only (issue 16)
             b_s = tl.dot(b_q, b_kt, input_precision=DOT_PREC) * qk_scale
@@ -301,7 +302,7 @@ def _bwd_dq_kernel(
     qk_scale, scale, TQ, TK, TC, HQ, GROUP, MB,
     D: tl.constexpr, BD: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
     G: tl.constexpr, IS_VARLEN: tl.constexpr, USE_ACP: tl.constexpr, DOT_PREC: tl.constexpr,
-    BIAS: tl.constexpr = 1,
+    BIAS: tl.constexpr = 1, PAIRS: tl.constexpr = False,
 ):
     # the last query tiles have the most keys: schedule them first to shorten the tail
     i_m = (tl.num_programs(0) - 1 - tl.program_id(0)).to(tl.int64)
@@ -336,7 +337,7 @@ def _bwd_dq_kernel(
     b_lse = tl.load(LSE + p_row + o_m, mask=m_m, other=0.0)
     b_delta = tl.load(DELTA + p_row + o_m, mask=m_m, other=0.0)
     p_chi = CHI + p_row
-    p_clo = CLO + p_row
+    p_clo = CLO + p_row * (2 if PAIRS else 1)  # PAIRS: (c_hi, c_lo) side by side
     first_abs = i_m * BM + off
     last_abs = tl.minimum(i_m * BM + BM, tq) - 1 + off
     c_ref = tl.load(p_chi + first_abs)
@@ -359,13 +360,13 @@ def _bwd_dq_kernel(
     b_dcr = tl.zeros([BM], dtype=tl.float32)
     b_dq, b_dcr = _dq_inner(b_dq, b_dcr, b_q, b_do, b_lse, b_delta, b_cq, o_abs, b_kstart, p_k, p_v,
                             p_chi, p_clo, c_ref, stride_kt, stride_vt, ks_lo, ks_hi, tk, qk_scale,
-                            o_d, m_d, BN, True, DOT_PREC, BIAS)
+                            o_d, m_d, BN, True, DOT_PREC, BIAS, PAIRS)
     b_dq, b_dcr = _dq_inner(b_dq, b_dcr, b_q, b_do, b_lse, b_delta, b_cq, o_abs, b_kstart, p_k, p_v,
                             p_chi, p_clo, c_ref, stride_kt, stride_vt, ks_hi, mid, tk, qk_scale,
-                            o_d, m_d, BN, False, DOT_PREC, BIAS)
+                            o_d, m_d, BN, False, DOT_PREC, BIAS, PAIRS)
     b_dq, b_dcr = _dq_inner(b_dq, b_dcr, b_q, b_do, b_lse, b_delta, b_cq, o_abs, b_kstart, p_k, p_v,
                             p_chi, p_clo, c_ref, stride_kt, stride_vt, mid, last_abs + 1, tk,
-                            qk_scale, o_d, m_d, BN, True, DOT_PREC, BIAS)
+                            qk_scale, o_d, m_d, BN, True, DOT_PREC, BIAS, PAIRS)
     p_dq = DQ + i_bt * stride_dqb + (bos + o_m[:, None]) * stride_dqt + i_h * stride_dqh + o_d[None, :]
     tl.store(p_dq, (b_dq * scale).to(DQ.dtype.element_ty), mask=m_md)
     tl.store(DCR + p_row + o_m, b_dcr, mask=m_m)
@@ -441,8 +442,10 @@ def launch_bwd(q, k, v, do, lse2, delta, c_hi, c_lo, block_start, block_end, cu,
         dq.copy_(dqa.mul_(p.scale))
         return
     bm, bn = cfg_q.pop("BM"), cfg_q.pop("BN")
+    pairs = cfg_q.pop("PAIRS", True)
     _bwd_dq_kernel[(triton.cdiv(p.tq, bm), p.batch * p.hq)](
-        q, k, v, do, lse2, delta, c_hi, c_lo, block_start if use_acp else dummy,
+        q, k, v, do, lse2, delta, c_hi, torch.stack((c_hi, c_lo), -1) if pairs else c_lo,
+        block_start if use_acp else dummy,
         cu if cu is not None else dummy, dq, dcr,
         q.stride(0), q.stride(1), q.stride(2),
         k.stride(0), k.stride(1), k.stride(2),
@@ -450,7 +453,7 @@ def launch_bwd(q, k, v, do, lse2, delta, c_hi, c_lo, block_start, block_end, cu,
         do.stride(0), do.stride(1), do.stride(2),
         dq.stride(0), dq.stride(1), dq.stride(2),
         p.scale * LOG2E, p.scale, p.tq, p.tk, c_hi.shape[-1], p.hq,
-        p.hq // p.h, mb, BM=bm, BN=bn, **common, **cfg_q,
+        p.hq // p.h, mb, BM=bm, BN=bn, PAIRS=pairs, **common, **cfg_q,
     )
 
 

@@ -58,6 +58,22 @@ def _gate_cumsum_kernel(
 
 
 @triton.jit
+def key_bias(p_chi, p_clo, o_n, m_n, c_ref, PAIRS: tl.constexpr):
+    """``c_j - c_ref`` in base 2 for the keys ``o_n``: from ``c_hi`` and ``c_lo`` (two loads),
+    or with ``PAIRS`` from ``(c_hi, c_lo)`` side by side at ``p_clo`` (one 8-byte load a key:
+    each small load a loop pipelines costs a buffer, a copy and a wait per step)."""
+    if PAIRS:
+        o_2 = tl.arange(0, 2)[None, :]
+        b_c = tl.load(p_clo + o_n[:, None] * 2 + o_2, mask=m_n[:, None], other=0.0)
+        b_hi = tl.sum(tl.where(o_2 == 0, b_c, 0.0), 1)
+        b_lo = tl.sum(tl.where(o_2 == 1, b_c, 0.0), 1)
+    else:
+        b_hi = tl.load(p_chi + o_n, mask=m_n, other=0.0)
+        b_lo = tl.load(p_clo + o_n, mask=m_n, other=0.0)
+    return ((b_hi - c_ref) + b_lo) * LOG2E_TL
+
+
+@triton.jit
 def _fwd_inner(
     acc, l_i, m_i,
     b_q, b_cq, o_abs, b_kstart,
@@ -66,7 +82,7 @@ def _fwd_inner(
     lo, hi, tk, qk_scale,
     o_d, m_d,
     BN: tl.constexpr, MASKED: tl.constexpr, DOT_PREC: tl.constexpr, USE_TMA: tl.constexpr,
-    BIAS: tl.constexpr = True,
+    BIAS: tl.constexpr = True, PAIRS: tl.constexpr = False,
 ):
     # p_k, p_v: pointers to the (sequence, kv head)'s first key and value, or with USE_TMA
     # their tensor descriptors
@@ -81,8 +97,7 @@ def _fwd_inner(
                            mask=m_d[:, None] & m_n[None, :], other=0.0)
         # [BM, BN], base-2 logits
         if BIAS:
-            b_ck = ((tl.load(p_chi + o_n, mask=m_n, other=0.0) - c_ref)
-                    + tl.load(p_clo + o_n, mask=m_n, other=0.0)) * LOG2E_TL
+            b_ck = key_bias(p_chi, p_clo, o_n, m_n, c_ref, PAIRS)
             b_s = tl.dot(b_q, b_kt, input_precision=DOT_PREC) * qk_scale + (b_cq[:, None] - b_ck[None, :])
         else:  # plain causal softmax attention: a timing diagnostic only (issue 16)
             b_s = tl.dot(b_q, b_kt, input_precision=DOT_PREC) * qk_scale
@@ -120,7 +135,7 @@ def _fwd_kernel(
     qk_scale, TQ, TK, TC, HQ, GROUP, MB,
     D: tl.constexpr, BD: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
     G: tl.constexpr, IS_VARLEN: tl.constexpr, USE_ACP: tl.constexpr, DOT_PREC: tl.constexpr,
-    USE_TMA: tl.constexpr, BIAS: tl.constexpr = True,
+    USE_TMA: tl.constexpr, BIAS: tl.constexpr = True, PAIRS: tl.constexpr = False,
 ):
     # the last query tiles have the most keys: schedule them first to shorten the tail
     i_m = (tl.num_programs(0) - 1 - tl.program_id(0)).to(tl.int64)
@@ -150,12 +165,13 @@ def _fwd_kernel(
     p_q = Q + i_bt * stride_qb + (bos + o_m[:, None]) * stride_qt + i_h * stride_qh + o_d[None, :]
     b_q = tl.load(p_q, mask=m_m[:, None] & m_d[None, :], other=0.0)
     p_chi = CHI + (i_bt * HQ + i_h) * TC + bos
-    p_clo = CLO + (i_bt * HQ + i_h) * TC + bos
+    p_clo = CLO + ((i_bt * HQ + i_h) * TC + bos) * (2 if PAIRS else 1)  # PAIRS: (c_hi, c_lo)
     first_abs = i_m * BM + off
     last_abs = tl.minimum(i_m * BM + BM, tq) - 1 + off
     c_ref = tl.load(p_chi + first_abs)
     o_absc = tl.minimum(o_abs, tk - 1)
-    b_cq = ((tl.load(p_chi + o_absc) - c_ref) + tl.load(p_clo + o_absc)) * LOG2E_TL
+    b_cq = ((tl.load(p_chi + o_absc) - c_ref)
+            + tl.load(p_clo + (o_absc * 2 + 1 if PAIRS else o_absc))) * LOG2E_TL
 
     if USE_ACP:
         p_bs = BSTART + (i_b * HQ + i_h) * MB
@@ -181,13 +197,13 @@ def _fwd_kernel(
     m_i = tl.full([BM], float("-inf"), dtype=tl.float32)
     acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, b_q, b_cq, o_abs, b_kstart, p_k, p_v, p_chi, p_clo,
                                c_ref, stride_kt, stride_vt, ks_lo, ks_hi, tk, qk_scale, o_d, m_d,
-                               BN, True, DOT_PREC, USE_TMA, BIAS)
+                               BN, True, DOT_PREC, USE_TMA, BIAS, PAIRS)
     acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, b_q, b_cq, o_abs, b_kstart, p_k, p_v, p_chi, p_clo,
                                c_ref, stride_kt, stride_vt, ks_hi, mid, tk, qk_scale, o_d, m_d,
-                               BN, False, DOT_PREC, USE_TMA, BIAS)
+                               BN, False, DOT_PREC, USE_TMA, BIAS, PAIRS)
     acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, b_q, b_cq, o_abs, b_kstart, p_k, p_v, p_chi, p_clo,
                                c_ref, stride_kt, stride_vt, mid, last_abs + 1, tk, qk_scale, o_d,
-                               m_d, BN, True, DOT_PREC, USE_TMA, BIAS)
+                               m_d, BN, True, DOT_PREC, USE_TMA, BIAS, PAIRS)
     # every valid row has its own key (D_ii = 0), so l_i > 0 there
     l_safe = tl.where(m_m, l_i, 1.0)
     b_o = acc / l_safe[:, None]
@@ -297,10 +313,12 @@ def _launch_fwd(q, k, v, c_hi, c_lo, block_start, cu, p, o, lse2, cfg, use_tma):
     leaves out the FoX bias: plain causal softmax attention in the same kernel, a timing
     diagnostic of what the bias costs (``tune_fox_fwd.py --bias-off``), never for results."""
     bm, bn = cfg.pop("BM"), cfg.pop("BN")
+    pairs = cfg.pop("PAIRS", True)
     grid = (triton.cdiv(p.tq, bm), p.batch * p.hq)
     mb = block_start.shape[-1] if block_start is not None else 1
     _fwd_kernel[grid](
-        q, k, v, c_hi, c_lo, block_start if block_start is not None else c_hi, o, lse2,
+        q, k, v, c_hi, torch.stack((c_hi, c_lo), -1) if pairs else c_lo,
+        block_start if block_start is not None else c_hi, o, lse2,
         cu if cu is not None else c_hi,
         q.stride(0), q.stride(1), q.stride(2),
         k.stride(0), k.stride(1), k.stride(2),
@@ -310,6 +328,6 @@ def _launch_fwd(q, k, v, c_hi, c_lo, block_start, cu, p, o, lse2, cfg, use_tma):
         D=p.d, BD=max(16, triton.next_power_of_2(p.d)), BM=bm, BN=bn, G=64,
         IS_VARLEN=cu is not None, USE_ACP=block_start is not None,
         DOT_PREC="ieee" if q.dtype.itemsize == 4 else "tf32",
-        USE_TMA=use_tma,
+        USE_TMA=use_tma, PAIRS=pairs,
         **cfg,
     )
