@@ -382,3 +382,48 @@ def test_gluon_forward_gpu(case, variant, monkeypatch):
     q, k, v, lg, do = _inputs(b, tq, tk, hq, h, d, gate, torch.bfloat16, "cuda", seed=d + tq)
     _compare(q, k, v, lg, do, torch.bfloat16)
 
+
+
+def _flip_load_options(monkeypatch):
+    """Every kernel with its per-row / per-key inputs read the other way than its table
+    says: the forward's and the dQ kernel's ``PAIRS`` flipped, the dK/dV kernel's
+    ``ROWS4`` off (three loads), so the options the tables do not pick stay tested."""
+    from lapse.ops.forgetting import triton_bwd, triton_fwd
+
+    fwd, bwd = triton_fwd.fwd_config, triton_bwd.bwd_config
+
+    def fwd_flipped(*a, **kw):
+        cfg = fwd(*a, **kw)
+        return dict(cfg, PAIRS=not cfg.get("PAIRS", False))
+
+    def bwd_flipped(*a, **kw):
+        kv, q = bwd(*a, **kw)
+        return dict(kv, ROWS4=False), dict(q, PAIRS=not q.get("PAIRS", False))
+
+    monkeypatch.setattr(triton_fwd, "fwd_config", fwd_flipped)
+    monkeypatch.setattr(triton_bwd, "bwd_config", bwd_flipped)
+
+
+@pytest.mark.parametrize("case", CPU_CASES, ids=[_id(c) for c in CPU_CASES])
+def test_other_load_options_match_naive(case, monkeypatch):
+    """The load options the tables do not pick (``PAIRS`` flipped, ``ROWS4`` off) held to
+    the float64 oracle like the defaults, outputs poisoned first."""
+    if torch.cuda.is_available():
+        pytest.skip("interpreter shapes; the GPU runs test_other_load_options_gpu")
+    _flip_load_options(monkeypatch)
+    b, tq, tk, hq, h, d, gate, acp, cu = case
+    cu_t = None if cu is None else torch.tensor(cu, dtype=torch.int32)
+    q, k, v, lg, do = _inputs(b, tq, tk, hq, h, d, gate, torch.float32, "cpu", seed=3 * tq + tk + d)
+    _compare(q, k, v, lg, do, torch.float32, acp, cu_t, None)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", GPU_CASES, ids=[_id(c) for c in GPU_CASES])
+def test_other_load_options_gpu(case, monkeypatch):
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    _flip_load_options(monkeypatch)
+    b, tq, tk, hq, h, d, gate, acp, cu = case
+    cu_t = None if cu is None else torch.tensor(cu, dtype=torch.int32, device="cuda")
+    q, k, v, lg, do = _inputs(b, tq, tk, hq, h, d, gate, torch.bfloat16, "cuda", seed=d)
+    _compare(q, k, v, lg, do, torch.bfloat16, acp, cu_t, None)

@@ -379,14 +379,20 @@ def bwd_config(d: int, group: int = 1, acp: bool = False) -> tuple[dict, dict]:
     With grouped-query heads (the dK/dV kernel loops over the group) 128-key tiles were
     4% faster dense (--tune-gqa, 24 query heads over 6; fwd+bwd 1.22x -> 1.18x SDPA) but
     with ACP the coarser tiles skip less (efficiency 0.86 -> 0.80), so ACP keeps 64.
+
+    ``ROWS4`` (the dK/dV kernel's per-row inputs in one load) on an H200
+    (``docs/bench/session14/h200-bwd-rows4.json``): the backward at T 4k / 16k, D 64, 4.621 /
+    16.851 ms against 4.974 / 17.966 for three loads (D 128: 3.645 / 13.148 against 3.727 /
+    13.470). ``PAIRS`` in the dQ kernel (``h200-bwd-pairs.json``): D 64 4.425 / 16.243
+    against 4.589 / 16.669; at D 128 it loses (3.655 / 13.494 against 3.612 / 13.112).
     """
     if d <= 64:
         kv_bn = 128 if group > 1 and not acp else 64
-        return (dict(BM=32, BN=kv_bn, num_warps=4, num_stages=3),
-                dict(BM=64, BN=64, num_warps=4, num_stages=3))
+        return (dict(BM=32, BN=kv_bn, num_warps=4, num_stages=3, ROWS4=True),
+                dict(BM=64, BN=64, num_warps=4, num_stages=3, PAIRS=True))
     if d <= 128:
-        return (dict(BM=32, BN=64, num_warps=4, num_stages=3),
-                dict(BM=64, BN=64, num_warps=4, num_stages=2))
+        return (dict(BM=32, BN=64, num_warps=4, num_stages=3, ROWS4=True),
+                dict(BM=64, BN=64, num_warps=4, num_stages=2, PAIRS=False))
     return (dict(BM=16, BN=32, num_warps=4, num_stages=1),
             dict(BM=32, BN=16, num_warps=4, num_stages=1))
 
@@ -414,7 +420,7 @@ def launch_bwd(q, k, v, do, lse2, delta, c_hi, c_lo, block_start, block_end, cu,
     tq = q.shape[1]
     lse2 = lse2.clone()
     lse2[..., :tq] -= c_lo[..., off:off + tq] * LOG2E
-    rows4 = cfg_kv.pop("ROWS4", True)
+    rows4 = cfg_kv.pop("ROWS4", False)
     if rows4:  # the dK/dV loop's per-row inputs side by side: (lse - c_lo, delta, c_hi, 0)
         rows = torch.zeros(*lse2.shape, 4, dtype=torch.float32, device=lse2.device)
         rows[..., 0], rows[..., 1] = lse2, delta
@@ -442,7 +448,7 @@ def launch_bwd(q, k, v, do, lse2, delta, c_hi, c_lo, block_start, block_end, cu,
         dq.copy_(dqa.mul_(p.scale))
         return
     bm, bn = cfg_q.pop("BM"), cfg_q.pop("BN")
-    pairs = cfg_q.pop("PAIRS", True)
+    pairs = cfg_q.pop("PAIRS", False)
     _bwd_dq_kernel[(triton.cdiv(p.tq, bm), p.batch * p.hq)](
         q, k, v, do, lse2, delta, c_hi, torch.stack((c_hi, c_lo), -1) if pairs else c_lo,
         block_start if use_acp else dummy,

@@ -241,15 +241,21 @@ def fwd_config(d: int, dtype_bytes: int, acp: bool = False) -> dict:
       pointer loads: 1.264 / 4.483);
     - D 128 ACP: 64 x 64, 4 warps, 3 stages, pointer loads: 0.672 / 1.888 (the 128-row
       tiles, with or without TMA, 0.81 / 2.04 or slower).
+
+    ``PAIRS`` (the keys' ``c_hi, c_lo`` in one load, :func:`key_bias`), measured on an H200
+    (``docs/bench/session14/h200-fwd-pairs.json``), ms at T 4k / 16k with / without: D 128
+    dense 1.126 / 3.680 against 1.238 / 4.061; D 64 ACP 0.754 / 1.859 against 0.763 / 1.927;
+    it loses at D 64 dense (1.477 / 5.216 against 1.455 / 5.107) and D 128 ACP (0.776 /
+    1.948 against 0.660 / 1.780).
     """
     if d <= 64:
         if acp:
-            return dict(BM=128, BN=64, num_warps=4, num_stages=3, TMA=True)
-        return dict(BM=128, BN=64, num_warps=4, num_stages=2, TMA=True)
+            return dict(BM=128, BN=64, num_warps=4, num_stages=3, TMA=True, PAIRS=True)
+        return dict(BM=128, BN=64, num_warps=4, num_stages=2, TMA=True, PAIRS=False)
     if d <= 128:
         if acp:
-            return dict(BM=64, BN=64, num_warps=4, num_stages=3)
-        return dict(BM=128, BN=128, num_warps=8, num_stages=3, TMA=True)
+            return dict(BM=64, BN=64, num_warps=4, num_stages=3, PAIRS=False)
+        return dict(BM=128, BN=128, num_warps=8, num_stages=3, TMA=True, PAIRS=True)
     return dict(BM=64, BN=32, num_warps=4, num_stages=2)
 
 
@@ -313,7 +319,7 @@ def _launch_fwd(q, k, v, c_hi, c_lo, block_start, cu, p, o, lse2, cfg, use_tma):
     leaves out the FoX bias: plain causal softmax attention in the same kernel, a timing
     diagnostic of what the bias costs (``tune_fox_fwd.py --bias-off``), never for results."""
     bm, bn = cfg.pop("BM"), cfg.pop("BN")
-    pairs = cfg.pop("PAIRS", True)
+    pairs = cfg.pop("PAIRS", False)
     grid = (triton.cdiv(p.tq, bm), p.batch * p.hq)
     mb = block_start.shape[-1] if block_start is not None else 1
     _fwd_kernel[grid](
