@@ -325,8 +325,8 @@ def test_backward_with_dq_through_atomics_gpu(case, monkeypatch):
 
 
 GLUON_VARIANTS = {  # gluon_fwd.py's partitionings (its default is one of them)
-    "8-warps": dict(BM=128, num_warps=8, SPLIT=False, COMPUTE_REGS=0),
-    "2x4-warps": dict(BM=128, num_warps=4, SPLIT=True, COMPUTE_REGS=232),
+    "8-warps": dict(BM=128, num_warps=8, SPLIT=False, COMPUTE_REGS=0, maxnreg=None),
+    "2x4-warps": dict(BM=128, num_warps=4, SPLIT=True, COMPUTE_REGS=232, maxnreg=None),
     "4-warps-2-programs": dict(BM=64, num_warps=4, SPLIT=False, COMPUTE_REGS=0, maxnreg=128),
 }
 

@@ -22,12 +22,12 @@ past the end (the last tile again: its result is dropped) so every step has the 
 shape. ``SPLIT`` runs two compute partitions of 4 warps, each with half the query rows,
 against one of ``num_warps``.
 
-Status (issue 16, ``BENCHMARKS.md``, fourteenth session): correct (its GPU tests hold it
-to the float64 oracle; on the Triton kernel's tiles its output equals the Triton
-kernel's bit for bit) but not yet faster. On an H200 (bf16, B x T = 32k) its best
-options take 1.95 / 7.10 ms at D 64 and 1.27 / 4.42 ms at D 128 (T 4k / 16k) against the
-Triton kernel's 1.45 / 5.11 and 1.24 / 4.06. So it stays opt-in (``GLUON=True`` in the
-forward's config), the start for the ping-pong of two compute partitions that the
+Status (issue 16, ``BENCHMARKS.md``, "Fourteenth session"): correct (its GPU tests hold
+it to the float64 oracle) but not yet faster than the Triton kernel. On an H200 (bf16,
+B x T = 32k, T 4k / 16k) its best options (4 warps, 64-row tiles, two programs a
+multiprocessor) take 1.69 / 6.12 ms at D 64 and 1.18 / 4.37 ms at D 128 against the
+Triton kernel's 1.45 / 5.11 and 1.24 / 4.11. So it stays opt-in (``GLUON=True`` in the
+forward's config): the start for FA3's ping-pong of two compute partitions, which the
 Triton compiler cannot express.
 
 Scope: dense (no ACP), ``T_q == T_k``, no varlen, bf16 or fp16, D 64 or 128, tensors
@@ -231,13 +231,13 @@ def _fwd_kernel(q_desc, k_desc, v_desc, CHI, CLO, O, LSE, qk_scale, T, TC, HQ, G
 
 def gluon_config(d: int) -> dict:
     """Tiles, warps and buffers by head dim: the fastest of ``scripts/tune_fox_fwd.py
-    --only-gluon`` on an H200 (``docs/bench/session14/h200-gluon-fwd-v2.json``; 128-key
-    tiles spill at both head dims). ``SPLIT``: two compute partitions of 4 warps
-    (``num_warps`` 4) instead of one of ``num_warps``; ``COMPUTE_REGS`` the second one's
-    registers per thread."""
-    if d <= 64:
-        return dict(BM=128, BN=64, num_warps=8, STAGES=2, SPLIT=False, COMPUTE_REGS=0)
-    return dict(BM=128, BN=64, num_warps=8, STAGES=3, SPLIT=False, COMPUTE_REGS=0)
+    --only-gluon`` on an H200 (``docs/bench/session14/h200-gluon-fwd-v4-fastbias.json``):
+    one 4-warp compute partition on 64-row tiles with 128 registers per thread at launch
+    (``maxnreg``), so that two programs share a multiprocessor. ``SPLIT``: two compute
+    partitions of 4 warps instead of one of ``num_warps``; ``COMPUTE_REGS`` the second
+    one's registers per thread."""
+    return dict(BM=64, BN=64, num_warps=4, STAGES=3 if d <= 64 else 2, SPLIT=False, COMPUTE_REGS=0,
+                maxnreg=128)
 
 
 def supported(q, k, v, block_start, cu, p) -> bool:
