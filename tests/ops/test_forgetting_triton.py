@@ -104,6 +104,24 @@ def _compare(q, k, v, lg, do, dtype, acp=None, cu=None, expect_pruned=None):
             f"{name}: kernel error {err:.2e} > {factor} x baseline {err_base:.2e} + floor")
 
 
+
+def _check_cpu(case, seed):
+    """One CPU_CASES case through the Triton path (interpreter, float32) against the oracle."""
+    b, tq, tk, hq, h, d, gate, acp, cu = case
+    cu_t = None if cu is None else torch.tensor(cu, dtype=torch.int32)
+    q, k, v, lg, do = _inputs(b, tq, tk, hq, h, d, gate, torch.float32, "cpu", seed=seed)
+    _compare(q, k, v, lg, do, torch.float32, acp, cu_t, None)
+
+
+def _check_gpu(case):
+    """One GPU_CASES case through the Triton path (bf16) against the oracle."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    b, tq, tk, hq, h, d, gate, acp, cu = case
+    cu_t = None if cu is None else torch.tensor(cu, dtype=torch.int32, device="cuda")
+    q, k, v, lg, do = _inputs(b, tq, tk, hq, h, d, gate, torch.bfloat16, "cuda", seed=d)
+    _compare(q, k, v, lg, do, torch.bfloat16, acp, cu_t, None)
+
 CPU_CASES = [
     # (B, Tq, Tk, HQ, H, D, gate, acp, cu_seqlens)
     (1, 1, 1, 2, 1, 48, "mixed", None, None),
@@ -197,12 +215,7 @@ GPU_CASES = [
 @pytest.mark.gpu
 @pytest.mark.parametrize("case", GPU_CASES, ids=[_id(c) for c in GPU_CASES])
 def test_triton_gpu(case):
-    if not torch.cuda.is_available():
-        pytest.skip("needs CUDA")
-    b, tq, tk, hq, h, d, gate, acp, cu = case
-    cu_t = None if cu is None else torch.tensor(cu, dtype=torch.int32, device="cuda")
-    q, k, v, lg, do = _inputs(b, tq, tk, hq, h, d, gate, torch.bfloat16, "cuda", seed=d)
-    _compare(q, k, v, lg, do, torch.bfloat16, acp, cu_t, None)
+    _check_gpu(case)
 
 
 def _last_rows_error(t, hq, d, rate, rows, acp):
@@ -306,22 +319,14 @@ def test_backward_with_dq_through_atomics_matches_naive(case, monkeypatch):
     if torch.cuda.is_available():
         pytest.skip("interpreter shapes; the GPU runs test_backward_with_dq_through_atomics_gpu")
     _fuse_dq(monkeypatch)
-    b, tq, tk, hq, h, d, gate, acp, cu = case
-    cu_t = None if cu is None else torch.tensor(cu, dtype=torch.int32)
-    q, k, v, lg, do = _inputs(b, tq, tk, hq, h, d, gate, torch.float32, "cpu", seed=tq + tk + d)
-    _compare(q, k, v, lg, do, torch.float32, acp, cu_t, None)
+    _check_cpu(case, seed=case[1] + case[2] + case[5])
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("case", GPU_CASES, ids=[_id(c) for c in GPU_CASES])
 def test_backward_with_dq_through_atomics_gpu(case, monkeypatch):
-    if not torch.cuda.is_available():
-        pytest.skip("needs CUDA")
     _fuse_dq(monkeypatch)
-    b, tq, tk, hq, h, d, gate, acp, cu = case
-    cu_t = None if cu is None else torch.tensor(cu, dtype=torch.int32, device="cuda")
-    q, k, v, lg, do = _inputs(b, tq, tk, hq, h, d, gate, torch.bfloat16, "cuda", seed=d)
-    _compare(q, k, v, lg, do, torch.bfloat16, acp, cu_t, None)
+    _check_gpu(case)
 
 
 GLUON_VARIANTS = {  # gluon_fwd.py's partitionings (its default is one of them)
@@ -411,19 +416,11 @@ def test_other_load_options_match_naive(case, monkeypatch):
     if torch.cuda.is_available():
         pytest.skip("interpreter shapes; the GPU runs test_other_load_options_gpu")
     _flip_load_options(monkeypatch)
-    b, tq, tk, hq, h, d, gate, acp, cu = case
-    cu_t = None if cu is None else torch.tensor(cu, dtype=torch.int32)
-    q, k, v, lg, do = _inputs(b, tq, tk, hq, h, d, gate, torch.float32, "cpu", seed=3 * tq + tk + d)
-    _compare(q, k, v, lg, do, torch.float32, acp, cu_t, None)
+    _check_cpu(case, seed=3 * case[1] + case[2] + case[5])
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("case", GPU_CASES, ids=[_id(c) for c in GPU_CASES])
 def test_other_load_options_gpu(case, monkeypatch):
-    if not torch.cuda.is_available():
-        pytest.skip("needs CUDA")
     _flip_load_options(monkeypatch)
-    b, tq, tk, hq, h, d, gate, acp, cu = case
-    cu_t = None if cu is None else torch.tensor(cu, dtype=torch.int32, device="cuda")
-    q, k, v, lg, do = _inputs(b, tq, tk, hq, h, d, gate, torch.bfloat16, "cuda", seed=d)
-    _compare(q, k, v, lg, do, torch.bfloat16, acp, cu_t, None)
+    _check_gpu(case)
