@@ -86,10 +86,8 @@ def tune(args) -> list[dict]:
         bwd_ref()
         g_ref = [g.clone() for g in g_bufs]
         for kind, grid in (("fwd", args.fwd_grid), ("bwd", args.bwd_grid)):
-            for bt, warps, stages, rows2 in grid:
+            for bt, warps, stages in grid:
                 cfg = dict(BT=bt, num_warps=warps, num_stages=stages)
-                if kind == "bwd":
-                    cfg["ROWS2"] = bool(rows2)
                 row = {"t": t, "d": d, "h": h, "window": window, "pass": kind, **cfg}
                 try:
                     fwd, bwd, (o, grads) = _runners(
@@ -125,15 +123,11 @@ def main() -> None:
     p.add_argument("--bwd-bt", type=int, nargs="+", default=[32, 64])
     p.add_argument("--bwd-warps", type=int, nargs="+", default=[4, 8])
     p.add_argument("--bwd-stages", type=int, nargs="+", default=[1, 2])
-    p.add_argument("--rows2", type=int, nargs="+", default=[1],
-                   help="backward: each row's (lse2, delta) in one load (1, the default) or two (0)")
     args = p.parse_args()
     args.fwd_grid = list(itertools.product(args.fwd_bt, (4, 8), (1, 2, 3))) if "fwd" in args.passes else []
     args.bwd_grid = (
-        list(itertools.product(args.bwd_bt, args.bwd_warps, args.bwd_stages, args.rows2))
-        if "bwd" in args.passes else []
+        list(itertools.product(args.bwd_bt, args.bwd_warps, args.bwd_stages)) if "bwd" in args.passes else []
     )
-    args.fwd_grid = [(*x, 1) for x in args.fwd_grid]
     rows = tune(args)
     if args.out:
         with open(args.out, "w") as f:

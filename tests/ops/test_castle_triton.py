@@ -117,25 +117,3 @@ def test_triton_backward_tiles_differently(monkeypatch, window):
         monkeypatch.setattr(triton_ops, "block_config", lambda d, interpret, backward=False, bt=bwd_bt:
                             dict(BT=bt, num_warps=1) if backward else block_config(d, interpret))
         compare(case, torch.float32, "triton", FLOOR[torch.float32], seed=12)
-
-
-@pytest.mark.parametrize("case", CASES[:6], ids=lambda c: c.id)
-def test_triton_parallel_backward_with_separate_row_loads(case, monkeypatch):
-    """``ROWS2=False``: the key-major backward reading each row's lse and delta as two
-    loads instead of its default one (``(lse2, delta)`` side by side), to the same rule."""
-    _cpu_only()
-    plain = triton_ops.parallel_config
-    taken = []
-
-    def two_loads(*a, **kw):
-        cfg = plain(*a, **kw)
-        if not kw.get("backward"):
-            return cfg
-        taken.append(True)
-        return dict(cfg, ROWS2=False)
-
-    monkeypatch.setattr(triton_ops, "parallel_config", two_loads)
-    grad_floor = GRAD_FLOOR_T1 if case.t == 1 else 0.0
-    compare(case, torch.float32, "triton-parallel", FLOOR[torch.float32], seed=case.t + 2 * case.d,
-            grad_floor=grad_floor)
-    assert taken, "the backward did not take the two-load option"

@@ -28,7 +28,6 @@ products.
 
 from __future__ import annotations
 
-import torch
 import triton
 import triton.language as tl
 
@@ -171,17 +170,10 @@ def _fwd_kernel(
 
 @triton.jit
 def _bwd_tile(b_qc, b_kc, b_vc, b_do, b_su, LSE2, DELTA, i_bh, o_i, o_s, m_i, T, scale,
-              DOT_PREC: tl.constexpr, ROWS2: tl.constexpr):
-    """``(P, dZ, dS)`` ``[BT_i, BT_s]`` of pair (I, J). ``ROWS2``: each row's ``(lse2,
-    delta)`` side by side at ``LSE2`` (one 8-byte load, not two small pipelined ones)."""
-    if ROWS2:
-        o_2 = tl.arange(0, 2)[None, :]
-        b_r = tl.load(LSE2 + (i_bh * T + o_i[:, None]) * 2 + o_2, mask=m_i[:, None], other=0.0)
-        b_lse2 = tl.sum(tl.where(o_2 == 0, b_r, 0.0), 1)
-        b_delta = tl.sum(tl.where(o_2 == 1, b_r, 0.0), 1)
-    else:
-        b_lse2 = tl.load(LSE2 + i_bh * T + o_i, mask=m_i, other=0.0)
-        b_delta = tl.load(DELTA + i_bh * T + o_i, mask=m_i, other=0.0)
+              DOT_PREC: tl.constexpr):
+    """``(P, dZ, dS)`` ``[BT_i, BT_s]`` of pair (I, J)."""
+    b_lse2 = tl.load(LSE2 + i_bh * T + o_i, mask=m_i, other=0.0)
+    b_delta = tl.load(DELTA + i_bh * T + o_i, mask=m_i, other=0.0)
     b_sc = tl.dot(b_qc, tl.trans(b_kc), input_precision=DOT_PREC) * scale
     b_ss = tl.sigmoid(b_su)
     b_z = (b_sc - b_su * b_ss) * LOG2E_TL
@@ -199,7 +191,7 @@ def _bwd_kernel(
     DQC, DKC, DVC, DQU, DKU, DVU,
     T, H, GROUP_C, GROUP_U, NB, scale, window,
     D: tl.constexpr, BD: tl.constexpr, BT: tl.constexpr,
-    USE_WINDOW: tl.constexpr, DOT_PREC: tl.constexpr, ROWS2: tl.constexpr = False,
+    USE_WINDOW: tl.constexpr, DOT_PREC: tl.constexpr,
 ):
     i_j, i_bh, i_b, i_h, i_hu, hu, o_s, o_d, m_d, m_sd, i_last, b_kc, b_vc, b_qu = _column(
         KC, VC, QU, T, H, GROUP_C, GROUP_U, NB, window, D, BD, BT, USE_WINDOW)
@@ -221,7 +213,7 @@ def _bwd_kernel(
         b_do = tl.load(DO + o_row, mask=m_id, other=0.0)
         b_su = tl.dot(b_qc, tl.trans(b_u.to(dt)), input_precision=DOT_PREC) * scale
         b_p, b_dz, b_ds = _bwd_tile(b_qc, b_kc, b_vc, b_do, b_su, LSE2, DELTA, i_bh, o_i, o_s, m_i,
-                                    T, scale, DOT_PREC, ROWS2)
+                                    T, scale, DOT_PREC)
         b_dvc = tl.dot(tl.trans(b_p.to(dt)), b_do, b_dvc, input_precision=DOT_PREC)
         b_dkc += tl.dot(tl.trans(b_dz.to(dt)), b_qc, input_precision=DOT_PREC) * scale
         b_r += tl.dot(tl.trans(b_ds.to(dt)), b_qc, input_precision=DOT_PREC) * scale
@@ -251,7 +243,7 @@ def _bwd_kernel(
         b_su = tl.dot(b_qc, tl.trans(b_u.to(dt)), input_precision=DOT_PREC) * scale
         b_su = tl.dot(b_a.to(dt), tl.trans(b_g.to(dt)), b_su, input_precision=DOT_PREC)
         b_p, b_dz, b_ds = _bwd_tile(b_qc, b_kc, b_vc, b_do, b_su, LSE2, DELTA, i_bh, o_i, o_s, m_i,
-                                    T, scale, DOT_PREC, ROWS2)
+                                    T, scale, DOT_PREC)
         b_dvc = tl.dot(tl.trans(b_p.to(dt)), b_do, b_dvc, input_precision=DOT_PREC)
         b_dkc += tl.dot(tl.trans(b_dz.to(dt)), b_qc, input_precision=DOT_PREC) * scale
         b_r += tl.dot(tl.trans(b_ds.to(dt)), b_qc, input_precision=DOT_PREC) * scale
@@ -337,9 +329,6 @@ def launch_parallel_bwd(qc, kc, vc, qu, ku, vu, do, lse2, delta, u_end, grads, s
     """One launch. ``grads = (dqc, dkc, dvc, dqu, dku, dvu)`` float32 ``[B, H, T, D]`` per
     query head: ``dqc, dku, dvu`` must be zero (added into atomically), the others are
     written whole."""
-    cfg = dict(cfg)
-    rows2 = cfg.pop("ROWS2", True)
     grid, args, meta = _common(qc, kc, ku, window, cfg)
-    rows = torch.stack((lse2, delta), -1) if rows2 else lse2  # [B, H, T, 2]: one load a pair
-    _bwd_kernel[grid](qc, kc, vc, qu, ku, vu, do, rows, delta, u_end, *grads, *args, scale,
-                      window or 0, ROWS2=rows2, **meta)
+    _bwd_kernel[grid](qc, kc, vc, qu, ku, vu, do, lse2, delta, u_end, *grads, *args, scale,
+                      window or 0, **meta)
