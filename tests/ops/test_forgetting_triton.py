@@ -424,3 +424,33 @@ def test_other_load_options_match_naive(case, monkeypatch):
 def test_other_load_options_gpu(case, monkeypatch):
     _flip_load_options(monkeypatch)
     _check_gpu(case)
+
+
+def test_bias_off_is_plain_softmax_attention():
+    """The timing switch ``BIAS=False`` (forward) / ``BIAS=0`` (backward) computes what
+    BENCHMARKS.md says it times: plain causal softmax attention, the gate ignored, here
+    against PyTorch's SDPA in float32 (GQA, T not a multiple of any tile). The backward's
+    lse carries the queries' ``c_lo`` (launch_bwd folds it in), a ~1e-7 relative shift."""
+    if torch.cuda.is_available():
+        pytest.skip("CPU interpreter test")
+    from lapse.ops.forgetting import triton_bwd, triton_fwd
+    from lapse.ops.forgetting.triton_ops import triton_gate_cumsum
+
+    q, k, v, lg, do = _inputs(1, 70, 70, 4, 2, 32, "fast", torch.float32, "cpu", seed=11)
+    p = validate(q, k, v, lg, None, None, "triton")
+    c_hi, c_lo = triton_gate_cumsum(lg, p)
+    o, lse2 = torch.full_like(q, float("nan")), torch.full_like(c_hi, float("nan"))
+    triton_fwd.launch_fwd(q, k, v, c_hi, c_lo, None, None, p, o, lse2,
+                          dict(triton_fwd.fwd_config(32, 4), BIAS=False))
+    qt, kt, vt = (x.transpose(1, 2).detach().requires_grad_() for x in (q, k, v))
+    ref = F.scaled_dot_product_attention(qt, kt, vt, is_causal=True, enable_gqa=True)
+    ref.backward(do.transpose(1, 2))
+    assert _rel(o, ref.transpose(1, 2)) < 1e-6
+    delta = torch.full_like(lse2, float("nan"))
+    triton_bwd.launch_delta(o, do, p, delta)
+    grads = [torch.full_like(x, float("nan")) for x in (q, k, v)] + [torch.zeros_like(lse2) for _ in range(2)]
+    kv, qc = triton_bwd.bwd_config(32, 2)
+    triton_bwd.launch_bwd(q, k, v, do, lse2, delta, c_hi, c_lo, None, None, None, p, *grads,
+                          (dict(kv, BIAS=0), dict(qc, BIAS=0)))
+    for got, want in zip(grads[:3], (qt.grad, kt.grad, vt.grad), strict=True):
+        assert _rel(got, want.transpose(1, 2)) < 1e-5
