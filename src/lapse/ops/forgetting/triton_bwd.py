@@ -14,6 +14,12 @@ The gate gradient is ``dc_i = rowsum_i(dS) - colsum_i(dS)`` then a reverse cumul
 (host side, float64). Both kernels skip exactly the tiles the forward skipped: for a key
 tile the kept query rows are a contiguous range ending at ``block_end * ACP_BLOCK``.
 The same three-loop split as the forward keeps the interior loop free of masks.
+
+Each small vector load a loop pipelines costs a shared-memory buffer, a copy and a wait
+per step, so the per-row inputs of the dK/dV loop come packed, ``(lse - c_lo log2 e,
+delta, c_hi, 0)`` in one 16-byte load (``ROWS4``; the queries' ``c_lo`` folded into their
+lse before the launch), and the dQ kernel may read each key's ``(c_hi, c_lo)`` in one
+8-byte load (``PAIRS``, :func:`triton_fwd.key_bias`): BENCHMARKS.md, "Fourteenth session".
 """
 
 from __future__ import annotations
@@ -121,7 +127,7 @@ def _dkdv_inner(
             b_delta = tl.load(p_delta + o_m, mask=m_m, other=0.0)
             b_chi = tl.load(p_chi + tl.minimum(o_abs, tq + off - 1))
         # [BN, BM] transposed scores, base 2
-        if BIAS % 2 == 1:
+        if BIAS == 1 or BIAS == 3:  # the bias (3: without the gate sums)
             # the query's c_lo is in its lse (launch_bwd): one load a step less
             b_cq = (b_chi - c_ref) * LOG2E_TL
             b_st = tl.dot(b_k, tl.trans(b_q), input_precision=DOT_PREC) * qk_scale \
@@ -139,7 +145,7 @@ def _dkdv_inner(
         # [BN, BM]
         b_dpt = tl.dot(b_v, tl.trans(b_do), input_precision=DOT_PREC)
         b_dst = b_pt * (b_dpt - b_delta[None, :])
-        if BIAS >= 1 and BIAS != 3:
+        if BIAS == 1 or BIAS == 2:  # the gate sums (2: without the bias)
             b_dcc += tl.sum(b_dst, 1)
         b_dst_lo = b_dst.to(b_q.dtype)
         b_dk = tl.dot(b_dst_lo, b_q, b_dk, input_precision=DOT_PREC)
@@ -274,7 +280,7 @@ def _dq_inner(
         b_vt = tl.load(p_v + o_n[None, :] * stride_vt + o_d[:, None],
                        mask=m_d[:, None] & m_n[None, :], other=0.0)
         # [BM, BN]
-        if BIAS % 2 == 1:
+        if BIAS == 1 or BIAS == 3:  # the bias (3: without the gate sums)
             b_ck = key_bias(p_chi, p_clo, o_n, m_n, c_ref, PAIRS)
             b_s = tl.dot(b_q, b_kt, input_precision=DOT_PREC) * qk_scale + (b_cq[:, None] - b_ck[None, :])
         else:  # plain causal softmax attention: a timing diagnostic only (issue 16)
@@ -285,7 +291,7 @@ def _dq_inner(
         b_p = tl.math.exp2(b_s - b_lse[:, None])
         b_dp = tl.dot(b_do, b_vt, input_precision=DOT_PREC)
         b_ds = b_p * (b_dp - b_delta[:, None])
-        if BIAS >= 1 and BIAS != 3:
+        if BIAS == 1 or BIAS == 2:  # the gate sums (2: without the bias)
             b_dcr += tl.sum(b_ds, 1)
         b_dq = tl.dot(b_ds.to(b_kt.dtype), tl.trans(b_kt), b_dq, input_precision=DOT_PREC)
     return b_dq, b_dcr
