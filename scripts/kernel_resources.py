@@ -42,9 +42,13 @@ FLOATS = ("qk_scale", "scale")
 def resources(kernel, ptrs: dict, const: dict, warps: int, stages: int, arch: int = 90) -> str:
     """``ptxas -v``'s summary of ``kernel`` compiled with ``const`` for sm_``arch``."""
     names = list(inspect.signature(kernel.fn).parameters)
-    # a group size the kernel takes as a compile-time constant: 1 (no GQA), unless given
+    # a group size the kernel takes as a compile-time constant: 1 (no GQA), unless given;
+    # compile-time switches with defaults (BIAS, ROWS4, PAIRS, ...) at their defaults, unless
+    # given (left out, they would become run-time arguments and both branches would compile)
+    defaults = {x.name: x.default for x in kernel.params
+                if x.is_constexpr and x.default is not inspect.Parameter.empty}
     const = {**({"GROUP": 1} if any(x.name == "GROUP" and x.is_constexpr for x in kernel.params) else {}),
-             **const}
+             **defaults, **const}
     sig = {n: ptrs.get(n, "constexpr" if n in const else ("fp32" if n in FLOATS else "i32")) for n in names}
     aligned = [i for i, n in enumerate(names)
                if n in ptrs or n.startswith("stride") or n in ("TQ", "TK", "TC", "T")]
@@ -83,16 +87,16 @@ def main() -> None:
         gluon()
         return
     for d in (64, 128):
-        kv, q = triton_bwd.bwd_config(d)
         for acp in (False, True):
             f = triton_fwd.fwd_config(d, 2, acp)
+            kv, q = triton_bwd.bwd_config(d, 1, acp)
             base = dict(D=d, BD=d, G=64, IS_VARLEN=False, USE_ACP=acp, DOT_PREC="tf32")
             opts = [(f["BM"], f["BN"], f["num_warps"], f["num_stages"], f.get("TMA", False), "default")]
             if args.sweep:
                 opts += [(128, bn, w, st, tma, "") for bn in (64, 128) for w in (4, 8) for st in (2, 3)
                          for tma in (False, True) if not (acp and bn > 64)]
             for bm, bn, w, st, tma, tag in opts:
-                const = dict(base, BM=bm, BN=bn, USE_TMA=tma)
+                const = dict(base, BM=bm, BN=bn, USE_TMA=tma, PAIRS=f.get("PAIRS", False))
                 info = resources(triton_fwd._fwd_kernel, PTRS_FWD, const, w, st)
                 print(f"fwd D {d} acp {int(acp)} BM {bm} BN {bn} warps {w} stages {st} tma {int(tma)} "
                       f"{tag}: {info}", flush=True)
@@ -104,9 +108,11 @@ def main() -> None:
                     tiles = [(bm, bn) for bm in (16, 32, 64) for bn in (32, 64, 128)] if name == "dkdv" \
                         else [(bm, bn) for bm in (32, 64, 128) for bn in (32, 64)]
                     opts += [(bm, bn, w, st, "") for bm, bn in tiles for w in (4, 8) for st in (2, 3)]
+                switches = dict(FUSE_DQ=False, ROWS4=cfg.get("ROWS4", False)) if name == "dkdv" \
+                    else dict(PAIRS=cfg.get("PAIRS", False))
                 for bm, bn, w, st, tag in opts:
                     try:
-                        info = resources(kernel, PTRS_BWD, dict(base, BM=bm, BN=bn), w, st)
+                        info = resources(kernel, PTRS_BWD, dict(base, BM=bm, BN=bn, **switches), w, st)
                     except Exception as e:  # noqa: BLE001 - a shape the compiler refuses: say so
                         info = f"{type(e).__name__}: {str(e)[:80]}"
                     print(f"{name} D {d} acp {int(acp)} BM {bm} BN {bn} warps {w} stages {st} {tag}: {info}",
