@@ -45,9 +45,7 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-from ..backend import LOG2E
-
-_LOG2E: gl.constexpr = gl.constexpr(LOG2E)
+from ..backend import LOG2E, LOG2E_TL
 
 
 @gluon.jit
@@ -56,7 +54,7 @@ def _key_bias(p_chi, p_clo, c_ref, j, T, BN: gl.constexpr, s_layout: gl.constexp
     o_n = j * BN + gl.arange(0, BN, layout=gl.SliceLayout(0, s_layout))
     m_n = o_n < T
     b_ck = (gl.load(p_chi + o_n, mask=m_n, other=0.0) - c_ref) + gl.load(p_clo + o_n, mask=m_n, other=0.0)
-    b_ck = b_ck * _LOG2E
+    b_ck = b_ck * LOG2E_TL
     return o_n, b_ck
 
 
@@ -122,7 +120,7 @@ def _compute(q_smem, k_smem, v_smem, q_ready, k_ready, v_ready, k_empty, v_empty
     c_ref = gl.load(p_chi + m0)
     o_m = m0 + gl.arange(0, BM, layout=row_s)
     o_mc = gl.minimum(o_m, T - 1)
-    b_cq = ((gl.load(p_chi + o_mc) - c_ref) + gl.load(p_clo + o_mc)) * _LOG2E
+    b_cq = ((gl.load(p_chi + o_mc) - c_ref) + gl.load(p_clo + o_mc)) * LOG2E_TL
 
     zero_s = gl.zeros([BM, BN], gl.float32, s_layout)
     acc = gl.zeros([BM, D], gl.float32, o_layout)
