@@ -122,8 +122,6 @@ def tune(t=16384, hq=24, h=24, d=64, tokens=32768):
     o = torch.empty_like(q)
     lse2 = torch.empty_like(c_hi)
     triton_fwd.launch_fwd(q, k, v, c_hi, c_lo, None, None, p, o, lse2)
-    dl = torch.empty_like(lse2)
-    triton_bwd.launch_delta(o, do, p, dl)
     out = []
     fwd_cfgs = [(128, 64, 4, 3), (128, 64, 8, 3), (128, 32, 4, 3), (64, 64, 4, 3), (128, 64, 4, 4),
                 (128, 64, 8, 4), (128, 64, 4, 2), (64, 32, 4, 4)]
@@ -158,7 +156,7 @@ def tune(t=16384, hq=24, h=24, d=64, tokens=32768):
                 pair = (cfg, base_q) if name == "dkdv" else (base_kv, cfg)
                 try:
                     ms = bench(lambda acp=acp, pair=pair: triton_bwd.launch_bwd(
-                        q, k, v, do, lse2, dl, c_hi, c_lo, bs if acp else None, be if acp else None,
+                        q, k, v, o, do, lse2, None, c_hi, c_lo, bs if acp else None, be if acp else None,
                         None, p, dq, dk, dv, dcc, dcr, pair))
                 except Exception as e:  # noqa: BLE001
                     ms = float("nan")
@@ -177,8 +175,6 @@ def tune_gqa_dkdv(t=16384, hq=24, h=6, d=64, tokens=32768):
     c_hi, c_lo = triton_gate_cumsum(lg, p)
     o, lse2 = torch.empty_like(q), torch.empty_like(c_hi)
     triton_fwd.launch_fwd(q, k, v, c_hi, c_lo, None, None, p, o, lse2)
-    dl = torch.empty_like(lse2)
-    triton_bwd.launch_delta(o, do, p, dl)
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
     dcc, dcr = torch.empty_like(lse2), torch.empty_like(lse2)
     _, cfg_q = triton_bwd.bwd_config(d)
@@ -186,8 +182,8 @@ def tune_gqa_dkdv(t=16384, hq=24, h=6, d=64, tokens=32768):
     for bm, bn, w, st in [(32, 64, 4, 3), (32, 128, 4, 3), (64, 128, 8, 3), (32, 128, 8, 3),
                           (64, 64, 4, 3), (16, 128, 4, 3)]:
         cfg = dict(BM=bm, BN=bn, num_warps=w, num_stages=st)
-        ms = bench(lambda cfg=cfg: triton_bwd.launch_bwd(q, k, v, do, lse2, dl, c_hi, c_lo, None, None,
-                                                 None, p, dq, dk, dv, dcc, dcr, (cfg, cfg_q)))
+        ms = bench(lambda cfg=cfg: triton_bwd.launch_bwd(q, k, v, o, do, lse2, None, c_hi, c_lo,
+                                                 None, None, None, p, dq, dk, dv, dcc, dcr, (cfg, cfg_q)))
         out.append((cfg, ms))
         print(f"gqa bwd dkdv {cfg}: {ms:.3f} ms", flush=True)
     return out

@@ -93,19 +93,19 @@ def main() -> None:
             bsx, bex = (bs, be) if acp else (None, None)
             o, lse2 = torch.empty_like(q), torch.empty_like(c_hi)
             triton_fwd.launch_fwd(q, k, v, c_hi, c_lo, bsx, None, p, o, lse2)
-            dl = torch.empty_like(lse2)
-            triton_bwd.launch_delta(o, do, p, dl)
             kv0, q0 = triton_bwd.bwd_config(d, 1, acp)
             grads = [torch.empty_like(x) for x in (q, k, v)] + [torch.empty_like(lse2) for _ in range(2)]
 
             def run(cfgs):
                 for x in grads:
                     x.fill_(float("nan"))
-                triton_bwd.launch_bwd(q, k, v, do, lse2, dl, c_hi, c_lo, bsx, bex, None, p, *grads, cfgs)
+                triton_bwd.launch_bwd(q, k, v, o, do, lse2, None, c_hi, c_lo, bsx, bex, None, p, *grads, cfgs)
                 return [x.clone() for x in grads[:3]]
 
             ref = run((kv0, q0))
             options = [("default", kv0, q0)]
+            # the rows (delta, lse less c_lo) made by the dQ kernel run first, or by a launch of their own
+            options += [("make-rows", kv0, dict(q0, MAKE_ROWS=not q0.get("MAKE_ROWS", False)))]
             if not args.no_fused:
                 options += [("fused", dict(BM=bm, BN=bn, num_warps=w, num_stages=st, FUSE_DQ=True), q0)
                             for bm, bn, w, st in FUSED[d] if not (acp and 64 % bm)]
@@ -128,7 +128,7 @@ def main() -> None:
                     row["nan"] = any(bool(x.isnan().any()) for x in got)
                     row["rel_diff"] = max(_rel(x, r) for x, r in zip(got, ref, strict=True))
                     row["bwd_ms"] = _ms(lambda: triton_bwd.launch_bwd(
-                        q, k, v, do, lse2, dl, c_hi, c_lo, bsx, bex, None, p, *grads, (kv, qc)))
+                        q, k, v, o, do, lse2, None, c_hi, c_lo, bsx, bex, None, p, *grads, (kv, qc)))
                 except Exception as e:  # noqa: BLE001 - out of resources: report and go on
                     row["error"] = f"{type(e).__name__}: {str(e)[:160]}"
                 rows.append(row)

@@ -176,6 +176,43 @@ def test_boundary_kernel_matches_reference():
         assert torch.equal(got, ref)
 
 
+@pytest.mark.parametrize("case", [(2, 2100, 2100, 3, None), (1, 700, 700, 40, [0, 1, 300, 300, 700]),
+                                  (2, 5, 5, 1, None), (1, 50000, 50000, 2, None), (2, 300, 1500, 3, None)],
+                         ids=["chunks", "two-head-blocks-varlen-with-empty", "short", "long", "tq<tk"])
+def test_gate_scans_match_float64(case):
+    """Both gate scans of gate_scan.py (chunk sums, then each chunk continues from the
+    others') against the float64 references: the cumulative log gate, whose ``hi + lo``
+    must give it back to float64 rounding, and the gradient's reverse cumulative sum of
+    ``rowsum - colsum`` (Tq < Tk through the row sums' offset). Several chunks, more heads
+    than one program holds, packed sequences with an empty one, -inf and floored gates."""
+    from lapse.ops.forgetting.common import LOG_GATE_FLOOR, gate_grad_from_dc
+    from lapse.ops.forgetting.gate_scan import gate_cumsum, gate_grad
+
+    b, tq, tk, hq, cu = case
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    g = torch.Generator().manual_seed(tk + hq)
+    lg = F.logsigmoid(4 * torch.randn(b, tk, hq, generator=g)).to(dev)
+    lg[0, tk // 3] = float("-inf")
+    lg[-1, tk // 2, 0] = 2 * LOG_GATE_FLOOR
+    cu_t = None if cu is None else torch.tensor(cu, dtype=torch.int32, device=dev)
+    x = torch.zeros(b, tq, hq, 8, device=dev)
+    kx = torch.zeros(b, tk, hq, 8, device=dev)
+    p = validate(x, kx, kx, lg, None, cu_t, "triton")
+    c_hi, c_lo = gate_cumsum(lg, p, LOG_GATE_FLOOR)
+    want = cumulative_log_gates(lg, cu_t).transpose(1, 2)  # [B, HQ, T] float64
+    got = c_hi.double() + c_lo.double()
+    assert ((got - want).abs() <= 1e-12 * want.abs().clamp_min(1.0)).all()
+    dcc = torch.randn(b, hq, tk, generator=g).to(dev)
+    dcr = torch.full_like(dcc, float("nan"))
+    dcr[..., :tq] = torch.randn(b, hq, tq, generator=g).to(dev)
+    dc = -dcc.double()
+    dc[..., tk - tq:] += dcr[..., :tq].double()
+    want = gate_grad_from_dc(dc.transpose(1, 2), lg.double(), cu_t).float()
+    got = gate_grad(dcc, dcr, lg, p, LOG_GATE_FLOOR)
+    assert got.shape == lg.shape and not got.isnan().any()
+    assert ((got - want).abs() <= 1e-6 * want.abs().clamp_min(1.0)).all()
+
+
 @pytest.mark.parametrize("case", [(2, 63, 63, 4, 2, 64, None), (1, 40, 257, 2, 1, 48, None),
                                   (1, 257, 257, 4, 2, 96, [0, 1, 70, 70, 257])],
                          ids=["gqa", "tq<tk", "varlen-with-empty"])
@@ -392,7 +429,9 @@ def test_gluon_forward_gpu(case, variant, monkeypatch):
 def _flip_load_options(monkeypatch):
     """Every kernel with its per-row / per-key inputs read the other way than its table
     says: the forward's and the dQ kernel's ``PAIRS`` flipped, the dK/dV kernel's
-    ``ROWS4`` off (three loads), so the options the tables do not pick stay tested."""
+    ``ROWS4`` off (three loads), the queries' rows made the other way (``MAKE_ROWS``
+    flipped: by the dQ kernel run first, or by a launch of their own), so the options
+    the tables do not pick stay tested."""
     from lapse.ops.forgetting import triton_bwd, triton_fwd
 
     fwd, bwd = triton_fwd.fwd_config, triton_bwd.bwd_config
@@ -403,7 +442,8 @@ def _flip_load_options(monkeypatch):
 
     def bwd_flipped(*a, **kw):
         kv, q = bwd(*a, **kw)
-        return dict(kv, ROWS4=False), dict(q, PAIRS=not q.get("PAIRS", False))
+        return dict(kv, ROWS4=False), dict(q, PAIRS=not q.get("PAIRS", False),
+                                           MAKE_ROWS=not q.get("MAKE_ROWS", False))
 
     monkeypatch.setattr(triton_fwd, "fwd_config", fwd_flipped)
     monkeypatch.setattr(triton_bwd, "bwd_config", bwd_flipped)
@@ -446,11 +486,9 @@ def test_bias_off_is_plain_softmax_attention():
     ref = F.scaled_dot_product_attention(qt, kt, vt, is_causal=True, enable_gqa=True)
     ref.backward(do.transpose(1, 2))
     assert _rel(o, ref.transpose(1, 2)) < 1e-6
-    delta = torch.full_like(lse2, float("nan"))
-    triton_bwd.launch_delta(o, do, p, delta)
     grads = [torch.full_like(x, float("nan")) for x in (q, k, v)] + [torch.zeros_like(lse2) for _ in range(2)]
     kv, qc = triton_bwd.bwd_config(32, 2)
-    triton_bwd.launch_bwd(q, k, v, do, lse2, delta, c_hi, c_lo, None, None, None, p, *grads,
+    triton_bwd.launch_bwd(q, k, v, o, do, lse2, None, c_hi, c_lo, None, None, None, p, *grads,
                           (dict(kv, BIAS=0), dict(qc, BIAS=0)))
     for got, want in zip(grads[:3], (qt.grad, kt.grad, vt.grad), strict=True):
         assert _rel(got, want.transpose(1, 2)) < 1e-5

@@ -11,15 +11,17 @@ also adds each tile's ``dS K`` and row sums of dS into float32 buffers with atom
 S and dP are computed once per tile instead of twice (5 matrix products per tile, not 7);
 dQ is then that buffer times the scale. Its sums' order varies from run to run.
 The gate gradient is ``dc_i = rowsum_i(dS) - colsum_i(dS)`` then a reverse cumulative sum
-(host side, float64). Both kernels skip exactly the tiles the forward skipped: for a key
+(``gate_scan.py``, float64). Both kernels skip exactly the tiles the forward skipped: for a key
 tile the kept query rows are a contiguous range ending at ``block_end * ACP_BLOCK``.
 The same three-loop split as the forward keeps the interior loop free of masks.
 
-Each small vector load a loop pipelines costs a shared-memory buffer, a copy and a wait
-per step, so the per-row inputs of the dK/dV loop come packed, ``(lse - c_lo log2 e,
-delta, c_hi, 0)`` in one 16-byte load (``ROWS4``; the queries' ``c_lo`` folded into their
-lse before the launch), and the dQ kernel may read each key's ``(c_hi, c_lo)`` in one
-8-byte load (``PAIRS``, :func:`triton_fwd.key_bias`): BENCHMARKS.md, "Fourteenth session".
+Each query's inputs, ``Delta = rowsum(dO * O)`` and its lse less its ``c_lo log2 e``, are
+made once (:func:`_query_rows`): by the dQ kernel, run first (``MAKE_ROWS``), or by a
+launch of their own before the others. Each small vector load a loop pipelines costs a
+shared-memory buffer, a copy and a wait per step, so the dK/dV loop reads a query's
+``(lse - c_lo log2 e, delta, c_hi, 0)`` in one 16-byte load (``ROWS4``), and the dQ kernel
+may read each key's ``(c_hi, c_lo)`` in one 8-byte load (``PAIRS``,
+:func:`triton_fwd.key_bias`): BENCHMARKS.md, "Fourteenth session".
 """
 
 from __future__ import annotations
@@ -33,10 +35,28 @@ from .triton_fwd import key_bias
 
 
 @triton.jit
-def _delta_kernel(O, DO, DELTA, CU, stride_ob, stride_ot, stride_oh, stride_dob, stride_dot,
-                  stride_doh, TQ, TC, HQ, D: tl.constexpr, BD: tl.constexpr, BT: tl.constexpr,
-                  IS_VARLEN: tl.constexpr):
-    # Delta_i = rowsum(dO_i * O_i) in float32
+def _query_rows(b_o, b_do, p_lse, p_dlse, p_rows, b_chi, b_clo, o_m, m_m, HAS_DLSE: tl.constexpr):
+    """Rows ``o_m``'s backward inputs from their outputs: ``Delta = rowsum(dO * O)`` (less
+    ``dlse``, a gradient of the lse, which adds ``P_ij dlse_i`` to dS), and the base-2 lse
+    less the query's ``c_lo log2 e`` (so the kernels read ``c_hi`` alone for a query: both
+    small, exact to float32 rounding). Stores ``(lse - c_lo, delta, c_hi, 0)`` at
+    ``p_rows`` (16 bytes a row) and returns ``(lse - c_lo, delta)``."""
+    b_delta = tl.sum(b_o.to(tl.float32) * b_do.to(tl.float32), 1)
+    if HAS_DLSE:
+        b_delta -= tl.load(p_dlse + o_m, mask=m_m, other=0.0)
+    b_lse = tl.load(p_lse + o_m, mask=m_m, other=0.0) - b_clo * LOG2E_TL
+    o_4 = tl.arange(0, 4)[None, :]
+    b_r = tl.where(o_4 == 0, b_lse[:, None], tl.where(o_4 == 1, b_delta[:, None],
+                                                      tl.where(o_4 == 2, b_chi[:, None], 0.0)))
+    tl.store(p_rows + o_m[:, None] * 4 + o_4, b_r, mask=m_m[:, None])
+    return b_lse, b_delta
+
+
+@triton.jit
+def _rows_kernel(O, DO, LSE, DLSE, CHI, CLO, ROWS, CU, stride_ob, stride_ot, stride_oh, stride_dob,
+                 stride_dot, stride_doh, TQ, TK, TC, TQD, HQ, D: tl.constexpr, BD: tl.constexpr,
+                 BT: tl.constexpr, IS_VARLEN: tl.constexpr, HAS_DLSE: tl.constexpr):
+    # the rows of _query_rows for BT queries (when the dQ kernel does not make them itself)
     i_t = tl.program_id(0).to(tl.int64)
     i_bh = tl.program_id(1).to(tl.int64)
     i_b = i_bh // HQ
@@ -44,62 +64,34 @@ def _delta_kernel(O, DO, DELTA, CU, stride_ob, stride_ot, stride_oh, stride_dob,
     if IS_VARLEN:
         bos = tl.load(CU + i_b).to(tl.int64)
         tq = tl.load(CU + i_b + 1).to(tl.int64) - bos
+        tk = tq
         i_bt = i_b * 0
     else:
         bos = i_b * 0
         tq = TQ
+        tk = TK
         i_bt = i_b
     o_t = i_t * BT + tl.arange(0, BT)
     m_t = o_t < tq
     o_d = tl.arange(0, BD)
     m = m_t[:, None] & (o_d < D)[None, :]
     b_o = tl.load(O + i_bt * stride_ob + (bos + o_t[:, None]) * stride_ot + i_h * stride_oh
-                  + o_d[None, :], mask=m, other=0.0).to(tl.float32)
+                  + o_d[None, :], mask=m, other=0.0)
     b_do = tl.load(DO + i_bt * stride_dob + (bos + o_t[:, None]) * stride_dot + i_h * stride_doh
-                   + o_d[None, :], mask=m, other=0.0).to(tl.float32)
-    tl.store(DELTA + (i_bt * HQ + i_h) * TC + bos + o_t, tl.sum(b_o * b_do, 1), mask=m_t)
-
-
-@triton.jit
-def _gate_grad_kernel(DCC, DCR, LG, DLG, CU, TQ, TK, TC, HQ, floor,
-                      BT: tl.constexpr, IS_VARLEN: tl.constexpr):
-    # dc_t = rowsum_t(dS) - colsum_t(dS); d log f_t = sum_{i >= t} dc_i (float64, per sequence)
-    i_bh = tl.program_id(0).to(tl.int64)
-    i_b = i_bh // HQ
-    i_h = i_bh % HQ
-    if IS_VARLEN:
-        bos = tl.load(CU + i_b).to(tl.int64)
-        tk = tl.load(CU + i_b + 1).to(tl.int64) - bos
-        tq = tk
-        i_bt = i_b * 0
-    else:
-        bos = i_b * 0
-        tk = TK
-        tq = TQ
-        i_bt = i_b
-    off = tk - tq
+                   + o_d[None, :], mask=m, other=0.0)
     p_row = (i_bt * HQ + i_h) * TC + bos
-    p_g = (i_bt * TC + bos) * HQ + i_h
-    carry = tl.zeros([1], dtype=tl.float64)
-    n_chunks = (tk + BT - 1) // BT
-    for i in range(0, n_chunks):
-        o_t = (n_chunks - 1 - i) * BT + tl.arange(0, BT)
-        m_t = o_t < tk
-        b_dc = -tl.load(DCC + p_row + o_t, mask=m_t, other=0.0).to(tl.float64)
-        m_q = m_t & (o_t >= off)
-        b_dc += tl.load(DCR + p_row + o_t - off, mask=m_q, other=0.0).to(tl.float64)
-        b_dr = tl.cumsum(b_dc, 0, reverse=True) + carry
-        carry += tl.sum(b_dc, 0)
-        b_g = tl.load(LG + p_g + o_t * HQ, mask=m_t, other=0.0)
-        b_dr = tl.where(b_g < floor, 0.0, b_dr)
-        tl.store(DLG + p_g + o_t * HQ, b_dr.to(tl.float32), mask=m_t)
+    o_abs = tl.minimum(o_t + tk - tq, tk - 1)  # the query's key position
+    b_chi = tl.load(CHI + p_row + o_abs, mask=m_t, other=0.0)
+    b_clo = tl.load(CLO + p_row + o_abs, mask=m_t, other=0.0)
+    _query_rows(b_o, b_do, LSE + p_row, DLSE + (i_bt * HQ + i_h) * TQD + bos, ROWS + p_row * 4,
+                b_chi, b_clo, o_t, m_t, HAS_DLSE)
 
 
 @triton.jit
 def _dkdv_inner(
     b_dk, b_dv, b_dcc,
     b_k, b_v, b_ck, o_n,
-    p_q, p_do, p_lse, p_delta, p_chi, p_clo, p_bs, c_ref,
+    p_q, p_do, p_rows, p_chi, p_bs, c_ref,
     p_dqa, p_dcra,
     stride_qt, stride_dot, stride_dqat,
     lo, hi, tq, off, qk_scale,
@@ -116,19 +108,19 @@ def _dkdv_inner(
         b_do = tl.load(p_do + o_m[:, None] * stride_dot + o_d[None, :],
                        mask=m_m[:, None] & m_d[None, :], other=0.0)
         o_abs = o_m + off
-        if ROWS4:  # each row's (lse - c_lo, delta, c_hi, 0) in one 16-byte load (launch_bwd)
+        if ROWS4:  # each row's (lse - c_lo, delta, c_hi, 0) in one 16-byte load (_query_rows)
             o_4 = tl.arange(0, 4)[None, :]
-            b_r = tl.load(p_lse + o_m[:, None] * 4 + o_4, mask=m_m[:, None], other=0.0)
+            b_r = tl.load(p_rows + o_m[:, None] * 4 + o_4, mask=m_m[:, None], other=0.0)
             b_lse = tl.sum(tl.where(o_4 == 0, b_r, 0.0), 1)
             b_delta = tl.sum(tl.where(o_4 == 1, b_r, 0.0), 1)
             b_chi = tl.sum(tl.where(o_4 == 2, b_r, 0.0), 1)
-        else:
-            b_lse = tl.load(p_lse + o_m, mask=m_m, other=0.0)
-            b_delta = tl.load(p_delta + o_m, mask=m_m, other=0.0)
+        else:  # three loads a step
+            b_lse = tl.load(p_rows + o_m * 4, mask=m_m, other=0.0)
+            b_delta = tl.load(p_rows + o_m * 4 + 1, mask=m_m, other=0.0)
             b_chi = tl.load(p_chi + tl.minimum(o_abs, tq + off - 1))
         # [BN, BM] transposed scores, base 2
         if BIAS == 1 or BIAS == 3:  # the bias (3: without the gate sums)
-            # the query's c_lo is in its lse (launch_bwd): one load a step less
+            # the query's c_lo is in its lse (_query_rows): one load a step less
             b_cq = (b_chi - c_ref) * LOG2E_TL
             b_st = tl.dot(b_k, tl.trans(b_q), input_precision=DOT_PREC) * qk_scale \
                 + (b_cq[None, :] - b_ck[:, None])
@@ -159,7 +151,7 @@ def _dkdv_inner(
 
 @triton.jit
 def _bwd_dkdv_kernel(
-    Q, K, V, DO, LSE, DELTA, CHI, CLO, BSTART, BEND, CU, DK, DV, DCC, DQA, DCRA,
+    Q, K, V, DO, ROWS, CHI, CLO, BSTART, BEND, CU, DK, DV, DCC, DQA, DCRA,
     stride_qb, stride_qt, stride_qh,
     stride_kb, stride_kt, stride_kh,
     stride_vb, stride_vt, stride_vh,
@@ -232,24 +224,23 @@ def _bwd_dkdv_kernel(
                 + tl.load(p_clo + o_n, mask=m_n, other=0.0)) * LOG2E_TL
         p_q = Q + i_bt * stride_qb + bos * stride_qt + i_h * stride_qh
         p_do = DO + i_bt * stride_dob + bos * stride_dot + i_h * stride_doh
-        p_lse = LSE + ((i_bt * HQ + i_h) * TC + bos) * (4 if ROWS4 else 1)
-        p_delta = DELTA + (i_bt * HQ + i_h) * TC + bos
+        p_rows = ROWS + ((i_bt * HQ + i_h) * TC + bos) * 4
         p_bs = BSTART + (i_b * HQ + i_h) * MB
         p_dqa = DQA + i_bt * stride_dqab + bos * stride_dqat + i_h * stride_dqah
         p_dcra = DCRA + (i_bt * HQ + i_h) * TC + bos
         b_dcc = tl.zeros([BN], dtype=tl.float32)
-        b_dk, b_dv, b_dcc = _dkdv_inner(b_dk, b_dv, b_dcc, b_k, b_v, b_ck, o_n, p_q, p_do, p_lse,
-                                        p_delta, p_chi, p_clo, p_bs, c_ref, p_dqa, p_dcra,
+        b_dk, b_dv, b_dcc = _dkdv_inner(b_dk, b_dv, b_dcc, b_k, b_v, b_ck, o_n, p_q, p_do, p_rows,
+                                        p_chi, p_bs, c_ref, p_dqa, p_dcra,
                                         stride_qt, stride_dot, stride_dqat,
                                         q_lo, a, tq, off, qk_scale, o_d, m_d,
                                         BM, G, True, USE_ACP, DOT_PREC, FUSE_DQ, BIAS, ROWS4)
-        b_dk, b_dv, b_dcc = _dkdv_inner(b_dk, b_dv, b_dcc, b_k, b_v, b_ck, o_n, p_q, p_do, p_lse,
-                                        p_delta, p_chi, p_clo, p_bs, c_ref, p_dqa, p_dcra,
+        b_dk, b_dv, b_dcc = _dkdv_inner(b_dk, b_dv, b_dcc, b_k, b_v, b_ck, o_n, p_q, p_do, p_rows,
+                                        p_chi, p_bs, c_ref, p_dqa, p_dcra,
                                         stride_qt, stride_dot, stride_dqat,
                                         a, b, tq, off, qk_scale, o_d, m_d,
                                         BM, G, False, USE_ACP, DOT_PREC, FUSE_DQ, BIAS, ROWS4)
-        b_dk, b_dv, b_dcc = _dkdv_inner(b_dk, b_dv, b_dcc, b_k, b_v, b_ck, o_n, p_q, p_do, p_lse,
-                                        p_delta, p_chi, p_clo, p_bs, c_ref, p_dqa, p_dcra,
+        b_dk, b_dv, b_dcc = _dkdv_inner(b_dk, b_dv, b_dcc, b_k, b_v, b_ck, o_n, p_q, p_do, p_rows,
+                                        p_chi, p_bs, c_ref, p_dqa, p_dcra,
                                         stride_qt, stride_dot, stride_dqat,
                                         b, q_end, tq, off, qk_scale, o_d, m_d,
                                         BM, G, True, USE_ACP, DOT_PREC, FUSE_DQ, BIAS, ROWS4)
@@ -299,16 +290,18 @@ def _dq_inner(
 
 @triton.jit
 def _bwd_dq_kernel(
-    Q, K, V, DO, LSE, DELTA, CHI, CLO, BSTART, CU, DQ, DCR,
+    Q, K, V, O, DO, LSE, DLSE, ROWS, CHI, CLO, BSTART, CU, DQ, DCR,
     stride_qb, stride_qt, stride_qh,
     stride_kb, stride_kt, stride_kh,
     stride_vb, stride_vt, stride_vh,
+    stride_ob, stride_ot, stride_oh,
     stride_dob, stride_dot, stride_doh,
     stride_dqb, stride_dqt, stride_dqh,
-    qk_scale, scale, TQ, TK, TC, HQ, GROUP, MB,
+    qk_scale, scale, TQ, TK, TC, TQD, HQ, GROUP, MB,
     D: tl.constexpr, BD: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
     G: tl.constexpr, IS_VARLEN: tl.constexpr, USE_ACP: tl.constexpr, DOT_PREC: tl.constexpr,
-    BIAS: tl.constexpr = 1, PAIRS: tl.constexpr = False,
+    BIAS: tl.constexpr = 1, PAIRS: tl.constexpr = False, MAKE_ROWS: tl.constexpr = False,
+    HAS_DLSE: tl.constexpr = False,
 ):
     # the last query tiles have the most keys: schedule them first to shorten the tail
     i_m = (tl.num_programs(0) - 1 - tl.program_id(0)).to(tl.int64)
@@ -340,15 +333,23 @@ def _bwd_dq_kernel(
     b_do = tl.load(DO + i_bt * stride_dob + (bos + o_m[:, None]) * stride_dot + i_h * stride_doh
                    + o_d[None, :], mask=m_md, other=0.0)
     p_row = (i_bt * HQ + i_h) * TC + bos
-    b_lse = tl.load(LSE + p_row + o_m, mask=m_m, other=0.0)
-    b_delta = tl.load(DELTA + p_row + o_m, mask=m_m, other=0.0)
     p_chi = CHI + p_row
     p_clo = CLO + p_row * (2 if PAIRS else 1)  # PAIRS: (c_hi, c_lo) side by side
     first_abs = i_m * BM + off
     last_abs = tl.minimum(i_m * BM + BM, tq) - 1 + off
     c_ref = tl.load(p_chi + first_abs)
     o_absc = tl.minimum(o_abs, tk - 1)
-    b_cq = (tl.load(p_chi + o_absc) - c_ref) * LOG2E_TL  # c_lo: in the lse (launch_bwd)
+    b_chiq = tl.load(p_chi + o_absc)
+    b_cq = (b_chiq - c_ref) * LOG2E_TL  # c_lo: in the lse (_query_rows)
+    if MAKE_ROWS:  # this kernel runs first and makes the rows the dK/dV kernel reads
+        b_o = tl.load(O + i_bt * stride_ob + (bos + o_m[:, None]) * stride_ot + i_h * stride_oh
+                      + o_d[None, :], mask=m_md, other=0.0)
+        b_clo = tl.load(p_clo + (o_absc * 2 + 1 if PAIRS else o_absc))
+        b_lse, b_delta = _query_rows(b_o, b_do, LSE + p_row, DLSE + (i_bt * HQ + i_h) * TQD + bos,
+                                     ROWS + p_row * 4, b_chiq, b_clo, o_m, m_m, HAS_DLSE)
+    else:  # from the rows _rows_kernel made
+        b_lse = tl.load(ROWS + (p_row + o_m) * 4, mask=m_m, other=0.0)
+        b_delta = tl.load(ROWS + (p_row + o_m) * 4 + 1, mask=m_m, other=0.0)
     if USE_ACP:
         p_bs = BSTART + (i_b * HQ + i_h) * MB
         b_kstart = tl.load(p_bs + o_m // G, mask=m_m, other=0) * G
@@ -403,9 +404,14 @@ def bwd_config(d: int, group: int = 1, acp: bool = False) -> tuple[dict, dict]:
             dict(BM=32, BN=16, num_warps=4, num_stages=1))
 
 
-def launch_bwd(q, k, v, do, lse2, delta, c_hi, c_lo, block_start, block_end, cu, p,
+def launch_bwd(q, k, v, o, do, lse2, dlse, c_hi, c_lo, block_start, block_end, cu, p,
                dq, dk, dv, dcc, dcr, configs=None):
     """Runs the backward kernels; dk/dv/dq in the inputs' dtypes, dcc/dcr float32 [B, HQ, Tc].
+
+    ``o`` and the base-2 ``lse2`` ``[B, HQ, Tc]`` are the forward's; ``dlse`` ``[B, HQ, Tq]``
+    (or None) a gradient of the natural-log lse it returned. Each query's backward inputs
+    (:func:`_query_rows`) are made by the dQ kernel, which then runs first (``MAKE_ROWS``
+    in the dQ config), or else by one launch of ``_rows_kernel`` before the others.
     ``FUSE_DQ=True`` in the dK/dV config: one kernel, dQ through atomics (module doc).
     ``BIAS`` in either config is a timing diagnostic (``tune_fox_bwd.py --bias-off``), never
     for results: 1 (default) the FoX backward, 0 plain softmax attention's (no bias, no
@@ -413,79 +419,74 @@ def launch_bwd(q, k, v, do, lse2, delta, c_hi, c_lo, block_start, block_end, cu,
     cfg_kv, cfg_q = configs or bwd_config(p.d, p.hq // p.h, block_start is not None)
     cfg_kv, cfg_q = dict(cfg_kv), dict(cfg_q)
     fuse = bool(cfg_kv.pop("FUSE_DQ", False))
+    make_rows = bool(cfg_q.pop("MAKE_ROWS", False)) and not fuse
     bd = max(16, triton.next_power_of_2(p.d))
     use_acp = block_start is not None
-    mb = block_start.shape[-1] if use_acp else 1
-    nb = block_end.shape[-1] if use_acp else 1
     dummy = c_hi
-    common = dict(D=p.d, BD=bd, G=64, IS_VARLEN=cu is not None, USE_ACP=use_acp,
+    varlen = cu is not None
+    common = dict(D=p.d, BD=bd, G=64, IS_VARLEN=varlen, USE_ACP=use_acp,
                   DOT_PREC="ieee" if q.dtype.itemsize == 4 else "tf32")
-    # the queries' c_lo moves into their lse: lse_i - c_lo_i log2(e) (both small, so exact
-    # to float32 rounding), and the kernels read c_hi alone for a query
-    off = 0 if cu is not None else p.tk - p.tq
-    tq = q.shape[1]
-    lse2 = lse2.clone()
-    lse2[..., :tq] -= c_lo[..., off:off + tq] * LOG2E
-    rows4 = cfg_kv.pop("ROWS4", False)
-    if rows4:  # the dK/dV loop's per-row inputs side by side: (lse - c_lo, delta, c_hi, 0)
-        rows = torch.zeros(*lse2.shape, 4, dtype=torch.float32, device=lse2.device)
-        rows[..., 0], rows[..., 1] = lse2, delta
-        rows[..., :tq, 2] = c_hi[..., off:off + tq]
+    tc = c_hi.shape[-1]
+    rows = torch.empty(*lse2.shape, 4, dtype=torch.float32, device=lse2.device)
+    dl = dlse.float().contiguous() if dlse is not None else dummy
+    launch_q = _dq_launcher(q, k, v, o, do, lse2, dl, rows, c_hi, c_lo, block_start, cu, p, dq, dcr,
+                            cfg_q, common, dict(MAKE_ROWS=make_rows, HAS_DLSE=dlse is not None))
+    if make_rows:
+        launch_q()
+    else:
+        bt = max(16, 4096 // bd)
+        _rows_kernel[(triton.cdiv(p.tq, bt), p.batch * p.hq)](
+            o, do, lse2, dl, c_hi, c_lo, rows, cu if varlen else dummy,
+            o.stride(0), o.stride(1), o.stride(2), do.stride(0), do.stride(1), do.stride(2),
+            p.tq, p.tk, tc, q.shape[1], p.hq, D=p.d, BD=bd, BT=bt, IS_VARLEN=varlen,
+            HAS_DLSE=dlse is not None,
+        )
     bm, bn = cfg_kv.pop("BM"), cfg_kv.pop("BN")
     dqa = torch.zeros(q.shape, dtype=torch.float32, device=q.device) if fuse else dummy
     if fuse:
         dcr.zero_()
-    sa = dqa.stride()[:3] if fuse else (0, 0, 0)
     _bwd_dkdv_kernel[(triton.cdiv(p.tk, bn), p.batch * p.h)](
-        q, k, v, do, rows if rows4 else lse2, delta, c_hi, c_lo,
+        q, k, v, do, rows, c_hi, c_lo,
         block_start if use_acp else dummy, block_end if use_acp else dummy,
-        cu if cu is not None else dummy, dk, dv, dcc, dqa, dcr,
+        cu if varlen else dummy, dk, dv, dcc, dqa, dcr,
         q.stride(0), q.stride(1), q.stride(2),
         k.stride(0), k.stride(1), k.stride(2),
         v.stride(0), v.stride(1), v.stride(2),
         do.stride(0), do.stride(1), do.stride(2),
         dk.stride(0), dk.stride(1), dk.stride(2),
         dv.stride(0), dv.stride(1), dv.stride(2),
-        *sa,
-        p.scale * LOG2E, p.scale, p.tq, p.tk, c_hi.shape[-1], p.hq, p.h,
-        mb, nb, BM=bm, BN=bn, GROUP=p.hq // p.h, FUSE_DQ=fuse, ROWS4=rows4, **common, **cfg_kv,
+        *(dqa.stride()[:3] if fuse else (0, 0, 0)),
+        p.scale * LOG2E, p.scale, p.tq, p.tk, tc, p.hq, p.h,
+        block_start.shape[-1] if use_acp else 1, block_end.shape[-1] if use_acp else 1,
+        BM=bm, BN=bn, GROUP=p.hq // p.h, FUSE_DQ=fuse, **common, **cfg_kv,
     )
     if fuse:
         dq.copy_(dqa.mul_(p.scale))
-        return
+    elif not make_rows:
+        launch_q()
+
+
+def _dq_launcher(q, k, v, o, do, lse2, dl, rows, c_hi, c_lo, block_start, cu, p, dq, dcr, cfg_q,
+                 common, switches):
+    """The dQ kernel's launch, as a function :func:`launch_bwd` calls first or last."""
+    cfg_q = dict(cfg_q)
     bm, bn = cfg_q.pop("BM"), cfg_q.pop("BN")
     pairs = cfg_q.pop("PAIRS", False)
-    _bwd_dq_kernel[(triton.cdiv(p.tq, bm), p.batch * p.hq)](
-        q, k, v, do, lse2, delta, c_hi, torch.stack((c_hi, c_lo), -1) if pairs else c_lo,
-        block_start if use_acp else dummy,
-        cu if cu is not None else dummy, dq, dcr,
-        q.stride(0), q.stride(1), q.stride(2),
-        k.stride(0), k.stride(1), k.stride(2),
-        v.stride(0), v.stride(1), v.stride(2),
-        do.stride(0), do.stride(1), do.stride(2),
-        dq.stride(0), dq.stride(1), dq.stride(2),
-        p.scale * LOG2E, p.scale, p.tq, p.tk, c_hi.shape[-1], p.hq,
-        p.hq // p.h, mb, BM=bm, BN=bn, PAIRS=pairs, **common, **cfg_q,
-    )
+    use_acp = block_start is not None
 
+    def launch():
+        _bwd_dq_kernel[(triton.cdiv(p.tq, bm), p.batch * p.hq)](
+            q, k, v, o, do, lse2, dl, rows, c_hi, torch.stack((c_hi, c_lo), -1) if pairs else c_lo,
+            block_start if use_acp else c_hi, cu if cu is not None else c_hi, dq, dcr,
+            q.stride(0), q.stride(1), q.stride(2),
+            k.stride(0), k.stride(1), k.stride(2),
+            v.stride(0), v.stride(1), v.stride(2),
+            o.stride(0), o.stride(1), o.stride(2),
+            do.stride(0), do.stride(1), do.stride(2),
+            dq.stride(0), dq.stride(1), dq.stride(2),
+            p.scale * LOG2E, p.scale, p.tq, p.tk, c_hi.shape[-1], q.shape[1], p.hq,
+            p.hq // p.h, block_start.shape[-1] if use_acp else 1, BM=bm, BN=bn, PAIRS=pairs,
+            **switches, **common, **cfg_q,
+        )
 
-def launch_delta(o, do, p, delta):
-    """delta [B, HQ, Tc] float32 = rowsum(dO * O) (positions < Tq of each sequence)."""
-    bd = max(16, triton.next_power_of_2(p.d))
-    bt = max(16, 4096 // bd)
-    _delta_kernel[(triton.cdiv(p.tq, bt), p.batch * p.hq)](
-        o, do, delta, p.cu_seqlens if p.cu_seqlens is not None else delta,
-        o.stride(0), o.stride(1), o.stride(2), do.stride(0), do.stride(1), do.stride(2),
-        p.tq, delta.shape[-1], p.hq, D=p.d, BD=bd, BT=bt, IS_VARLEN=p.cu_seqlens is not None,
-    )
-
-
-def launch_gate_grad(dcc, dcr, log_fgate, p, floor: float):
-    """d log_fgate [B, Tc, HQ] float32 from the column and row sums of dS."""
-    dlg = torch.empty_like(log_fgate)
-    lg = log_fgate.contiguous()
-    _gate_grad_kernel[(p.batch * p.hq,)](
-        dcc, dcr, lg, dlg, p.cu_seqlens if p.cu_seqlens is not None else lg,
-        p.tq, p.tk, dcc.shape[-1], p.hq, floor, BT=1024, IS_VARLEN=p.cu_seqlens is not None,
-    )
-    return dlg
+    return launch

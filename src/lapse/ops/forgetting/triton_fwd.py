@@ -26,38 +26,6 @@ from ..backend import LOG2E, LOG2E_TL
 
 
 @triton.jit
-def _gate_cumsum_kernel(
-    LG, CHI, CLO, CU, TK, TC, HQ, floor,
-    BT: tl.constexpr, IS_VARLEN: tl.constexpr,
-):
-    # c = cumsum(max(log f, floor)) in float64 per (sequence, head), written as hi + lo
-    i_bh = tl.program_id(0).to(tl.int64)
-    i_b = i_bh // HQ
-    i_h = i_bh % HQ
-    if IS_VARLEN:
-        bos = tl.load(CU + i_b).to(tl.int64)
-        tk = tl.load(CU + i_b + 1).to(tl.int64) - bos
-        i_bt = i_b * 0
-    else:
-        bos = i_b * 0
-        tk = TK
-        i_bt = i_b
-    p_g = LG + (i_bt * TC + bos) * HQ + i_h
-    p_c = (i_bt * HQ + i_h) * TC + bos
-    carry = tl.zeros([1], dtype=tl.float64)
-    for t0 in range(0, tk, BT):
-        o_t = t0 + tl.arange(0, BT)
-        m_t = o_t < tk
-        b_r = tl.maximum(tl.load(p_g + o_t * HQ, mask=m_t, other=0.0).to(tl.float64), floor)
-        b_c = tl.cumsum(b_r, 0) + carry
-        carry += tl.sum(b_r, 0)
-        b_hi = b_c.to(tl.float32)
-        b_lo = (b_c - b_hi.to(tl.float64)).to(tl.float32)
-        tl.store(CHI + p_c + o_t, b_hi, mask=m_t)
-        tl.store(CLO + p_c + o_t, b_lo, mask=m_t)
-
-
-@triton.jit
 def key_bias(p_chi, p_clo, o_n, m_n, c_ref, PAIRS: tl.constexpr):
     """``c_j - c_ref`` in base 2 for the keys ``o_n``: from ``c_hi`` and ``c_lo`` (two loads),
     or with ``PAIRS`` from ``(c_hi, c_lo)`` side by side at ``p_clo`` (one 8-byte load a key:
@@ -212,19 +180,6 @@ def _fwd_kernel(
     # log-sum-exp in base 2 of the true logits (the ref shift cancels between c_i and c_j)
     p_lse = LSE + (i_bt * HQ + i_h) * TC + bos + o_m
     tl.store(p_lse, m_i + tl.math.log2(l_safe), mask=m_m)
-
-
-def gate_cumsum(log_fgate, p, floor: float):
-    """(c_hi, c_lo) float32 ``[B, HQ, Tc]``: the cumulative log gate split as in common.py."""
-    b, tc, hq = log_fgate.shape
-    c_hi = torch.empty(b, hq, tc, dtype=torch.float32, device=log_fgate.device)
-    c_lo = torch.empty_like(c_hi)
-    lg = log_fgate.contiguous()
-    _gate_cumsum_kernel[(p.batch * hq,)](
-        lg, c_hi, c_lo, p.cu_seqlens if p.cu_seqlens is not None else lg, p.tk, tc, hq, floor,
-        BT=1024, IS_VARLEN=p.cu_seqlens is not None, num_warps=4,
-    )
-    return c_hi, c_lo
 
 
 def fwd_config(d: int, dtype_bytes: int, acp: bool = False) -> dict:

@@ -7,9 +7,10 @@ from torch import Tensor
 
 from ..backend import LN2
 from .common import LOG_GATE_FLOOR, Problem
+from .gate_scan import gate_cumsum, gate_grad
 from .pruning import block_end_from_start
-from .triton_bwd import launch_bwd, launch_delta, launch_gate_grad
-from .triton_fwd import gate_cumsum, launch_fwd
+from .triton_bwd import launch_bwd
+from .triton_fwd import launch_fwd
 
 # Tests set this to fill every kernel output with NaN before the launch, so that a tile a
 # kernel skipped (ACP) and left unwritten shows up instead of passing on stale zeros.
@@ -46,19 +47,13 @@ class _TritonForgettingAttention(torch.autograd.Function):
         q, k, v, o, lse2, c_hi, c_lo, log_fgate, block_start = ctx.saved_tensors
         p = ctx.p
         do = torch.zeros_like(o) if do is None else _last_dim_contiguous(do)
-        tq = q.shape[1]
-        delta = _empty_like(lse2)
-        launch_delta(o, do, p, delta)
-        if dlse is not None:
-            # a gradient of lse_i adds P_ij * dlse_i to dS_ij: the same as lowering Delta_i
-            delta[..., :tq] -= dlse.float()
         block_end = block_end_from_start(block_start, p) if block_start is not None else None
         dq, dk, dv = _empty_like(q), _empty_like(k), _empty_like(v)
         dcc = _empty_like(lse2)  # column sums of dS, per key position
         dcr = _empty_like(lse2)  # row sums of dS, per query index
-        launch_bwd(q, k, v, do, lse2, delta, c_hi, c_lo, block_start, block_end, p.cu_seqlens,
+        launch_bwd(q, k, v, o, do, lse2, dlse, c_hi, c_lo, block_start, block_end, p.cu_seqlens,
                    p, dq, dk, dv, dcc, dcr)
-        dlog = launch_gate_grad(dcc, dcr, log_fgate, p, LOG_GATE_FLOOR)
+        dlog = gate_grad(dcc, dcr, log_fgate, p, LOG_GATE_FLOOR)
         return dq, dk, dv, dlog, None, None, None, None
 
 
