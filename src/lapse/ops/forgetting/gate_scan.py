@@ -30,8 +30,14 @@ def _seq(CU, i_b, TK, TQ, IS_VARLEN: tl.constexpr):
     if IS_VARLEN:
         bos = tl.load(CU + i_b).to(tl.int64)
         tk = tl.load(CU + i_b + 1).to(tl.int64) - bos
-        return bos, tk, tk, i_b * 0
-    return i_b * 0, TK, TQ, i_b
+        tq = tk
+        i_bt = i_b * 0
+    else:
+        bos = i_b * 0
+        tk = i_b * 0 + TK
+        tq = i_b * 0 + TQ
+        i_bt = i_b
+    return bos, tk, tq, i_bt
 
 
 @triton.jit

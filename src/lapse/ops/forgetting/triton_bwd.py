@@ -392,16 +392,22 @@ def bwd_config(d: int, group: int = 1, acp: bool = False) -> tuple[dict, dict]:
     16.851 ms against 4.974 / 17.966 for three loads (D 128: 3.645 / 13.148 against 3.727 /
     13.470). ``PAIRS`` in the dQ kernel (``h200-bwd-pairs.json``): D 64 4.425 / 16.243
     against 4.589 / 16.669; at D 128 it loses (3.655 / 13.494 against 3.612 / 13.112).
+
+    ``MAKE_ROWS`` (the dQ kernel runs first and makes each query's delta and lse, instead of
+    a launch of their own; ``docs/bench/session15/h200-bwd-make-rows.json``, H200, ms at
+    T 4k / 16k): D 64 dense 4.375 / 16.071 against 4.423 / 16.112, ACP 2.068 / 5.841 against
+    2.122 / 5.901; D 128 dense 3.606 / 13.204 against 3.693 / 13.227, ACP 1.860 / 5.269
+    against 1.915 / 5.789.
     """
     if d <= 64:
         kv_bn = 128 if group > 1 and not acp else 64
         return (dict(BM=32, BN=kv_bn, num_warps=4, num_stages=3, ROWS4=True),
-                dict(BM=64, BN=64, num_warps=4, num_stages=3, PAIRS=True))
+                dict(BM=64, BN=64, num_warps=4, num_stages=3, PAIRS=True, MAKE_ROWS=True))
     if d <= 128:
         return (dict(BM=32, BN=64, num_warps=4, num_stages=3, ROWS4=True),
-                dict(BM=64, BN=64, num_warps=4, num_stages=2, PAIRS=False))
+                dict(BM=64, BN=64, num_warps=4, num_stages=2, PAIRS=False, MAKE_ROWS=True))
     return (dict(BM=16, BN=32, num_warps=4, num_stages=1),
-            dict(BM=32, BN=16, num_warps=4, num_stages=1))
+            dict(BM=32, BN=16, num_warps=4, num_stages=1, MAKE_ROWS=True))
 
 
 def launch_bwd(q, k, v, o, do, lse2, dlse, c_hi, c_lo, block_start, block_end, cu, p,
