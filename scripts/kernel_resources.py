@@ -30,7 +30,8 @@ from lapse.ops.forgetting import triton_bwd, triton_fwd
 
 PTRS_FWD = {"Q": "*bf16", "K": "*bf16", "V": "*bf16", "CHI": "*fp32", "CLO": "*fp32", "BSTART": "*i32",
             "O": "*bf16", "LSE": "*fp32", "CU": "*i32"}
-PTRS_BWD = {"Q": "*bf16", "K": "*bf16", "V": "*bf16", "DO": "*bf16", "LSE": "*fp32", "DELTA": "*fp32",
+PTRS_BWD = {"Q": "*bf16", "K": "*bf16", "V": "*bf16", "O": "*bf16", "DO": "*bf16", "LSE": "*fp32",
+            "DLSE": "*fp32", "ROWS": "*fp32",
             "CHI": "*fp32", "CLO": "*fp32", "BSTART": "*i32", "BEND": "*i32", "CU": "*i32", "DK": "*bf16",
             "DV": "*bf16", "DQ": "*bf16", "DCC": "*fp32", "DCR": "*fp32", "DQA": "*fp32", "DCRA": "*fp32"}
 PTRS_CASTLE = {**{n: "*bf16" for n in ("QC", "KC", "VC", "QU", "KU", "VU", "DO")},
@@ -39,8 +40,10 @@ PTRS_CASTLE = {**{n: "*bf16" for n in ("QC", "KC", "VC", "QU", "KU", "VU", "DO")
 FLOATS = ("qk_scale", "scale")
 
 
-def resources(kernel, ptrs: dict, const: dict, warps: int, stages: int, arch: int = 90) -> str:
-    """``ptxas -v``'s summary of ``kernel`` compiled with ``const`` for sm_``arch``."""
+def resources(kernel, ptrs: dict, const: dict, warps: int, stages: int, arch: int = 90,
+              maxnreg: int | None = None) -> str:
+    """``ptxas -v``'s summary of ``kernel`` compiled with ``const`` for sm_``arch`` (registers
+    capped at ``maxnreg`` a thread where given)."""
     names = list(inspect.signature(kernel.fn).parameters)
     # a group size the kernel takes as a compile-time constant: 1 (no GQA), unless given;
     # compile-time switches with defaults (BIAS, ROWS4, PAIRS, ...) at their defaults, unless
@@ -55,7 +58,7 @@ def resources(kernel, ptrs: dict, const: dict, warps: int, stages: int, arch: in
     src = ASTSource(fn=kernel, signature=sig, constexprs=const,
                     attrs={(i,): [["tt.divisibility", 16]] for i in aligned})
     k = triton.compile(src, target=GPUTarget("cuda", arch, 32),
-                       options=dict(num_warps=warps, num_stages=stages))
+                       options=dict(num_warps=warps, num_stages=stages, maxnreg=maxnreg))
     return f"{_ptxas(k.asm['ptx'], arch)}; shared {k.metadata.shared} B"
 
 
@@ -109,10 +112,11 @@ def main() -> None:
                         else [(bm, bn) for bm in (32, 64, 128) for bn in (32, 64)]
                     opts += [(bm, bn, w, st, "") for bm, bn in tiles for w in (4, 8) for st in (2, 3)]
                 switches = dict(FUSE_DQ=False, ROWS4=cfg.get("ROWS4", False)) if name == "dkdv" \
-                    else dict(PAIRS=cfg.get("PAIRS", False))
+                    else dict(PAIRS=cfg.get("PAIRS", False), MAKE_ROWS=cfg.get("MAKE_ROWS", False))
                 for bm, bn, w, st, tag in opts:
                     try:
-                        info = resources(kernel, PTRS_BWD, dict(base, BM=bm, BN=bn, **switches), w, st)
+                        info = resources(kernel, PTRS_BWD, dict(base, BM=bm, BN=bn, **switches), w, st,
+                                         maxnreg=cfg.get("maxnreg") if tag else None)
                     except Exception as e:  # noqa: BLE001 - a shape the compiler refuses: say so
                         info = f"{type(e).__name__}: {str(e)[:80]}"
                     print(f"{name} D {d} acp {int(acp)} BM {bm} BN {bn} warps {w} stages {st} {tag}: {info}",

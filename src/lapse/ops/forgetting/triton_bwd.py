@@ -398,10 +398,20 @@ def bwd_config(d: int, group: int = 1, acp: bool = False) -> tuple[dict, dict]:
     T 4k / 16k): D 64 dense 4.375 / 16.071 against 4.423 / 16.112, ACP 2.068 / 5.841 against
     2.122 / 5.901; D 128 dense 3.606 / 13.204 against 3.693 / 13.227, ACP 1.860 / 5.269
     against 1.915 / 5.789.
+
+    ``maxnreg=168`` for the dK/dV kernel at D 64 (it needs 196 registers a thread, so two
+    programs of 4 warps share a multiprocessor; capped, three do): the backward at T 4k,
+    D 64, 4.175 ms against 4.407 dense, and with ACP 0.665 / 0.971 / 2.114 against 0.722 /
+    1.054 / 2.296 at kept windows of 1, 4 and 16 blocks (``scripts/diag_acp_window.py``,
+    ``docs/bench/session15/h200-acp-window-variants.json``). At D 128 the cap spills: 6.505
+    against 3.631 ms.
     """
     if d <= 64:
-        kv_bn = 128 if group > 1 and not acp else 64
-        return (dict(BM=32, BN=kv_bn, num_warps=4, num_stages=3, ROWS4=True),
+        if group > 1 and not acp:
+            kv = dict(BM=32, BN=128, num_warps=4, num_stages=3, ROWS4=True)
+        else:  # at most 168 registers a thread: three programs a multiprocessor, not two
+            kv = dict(BM=32, BN=64, num_warps=4, num_stages=3, ROWS4=True, maxnreg=168)
+        return (kv,
                 dict(BM=64, BN=64, num_warps=4, num_stages=3, PAIRS=True, MAKE_ROWS=True))
     if d <= 128:
         return (dict(BM=32, BN=64, num_warps=4, num_stages=3, ROWS4=True),
