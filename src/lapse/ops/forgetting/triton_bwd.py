@@ -98,8 +98,9 @@ def _dkdv_inner(
     o_d, m_d,
     BM: tl.constexpr, G: tl.constexpr, MASKED: tl.constexpr, USE_ACP: tl.constexpr,
     DOT_PREC: tl.constexpr, FUSE_DQ: tl.constexpr, BIAS: tl.constexpr = 1, ROWS4: tl.constexpr = False,
+    STAGES: tl.constexpr = None,
 ):
-    for start in range(lo, hi, BM):
+    for start in tl.range(lo, hi, BM, num_stages=STAGES):  # STAGES: None, the launch's
         o_m = start + tl.arange(0, BM)
         m_m = o_m < tq
         # [BM, BD]
@@ -163,6 +164,7 @@ def _bwd_dkdv_kernel(
     D: tl.constexpr, BD: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
     G: tl.constexpr, GROUP: tl.constexpr, IS_VARLEN: tl.constexpr, USE_ACP: tl.constexpr,
     DOT_PREC: tl.constexpr, FUSE_DQ: tl.constexpr, BIAS: tl.constexpr = 1, ROWS4: tl.constexpr = False,
+    LOOPS: tl.constexpr = 0,
 ):
     i_n = tl.program_id(0).to(tl.int64)
     i_bh = tl.program_id(1).to(tl.int64)
@@ -229,21 +231,33 @@ def _bwd_dkdv_kernel(
         p_dqa = DQA + i_bt * stride_dqab + bos * stride_dqat + i_h * stride_dqah
         p_dcra = DCRA + (i_bt * HQ + i_h) * TC + bos
         b_dcc = tl.zeros([BN], dtype=tl.float32)
-        b_dk, b_dv, b_dcc = _dkdv_inner(b_dk, b_dv, b_dcc, b_k, b_v, b_ck, o_n, p_q, p_do, p_rows,
-                                        p_chi, p_bs, c_ref, p_dqa, p_dcra,
-                                        stride_qt, stride_dot, stride_dqat,
-                                        q_lo, a, tq, off, qk_scale, o_d, m_d,
-                                        BM, G, True, USE_ACP, DOT_PREC, FUSE_DQ, BIAS, ROWS4)
-        b_dk, b_dv, b_dcc = _dkdv_inner(b_dk, b_dv, b_dcc, b_k, b_v, b_ck, o_n, p_q, p_do, p_rows,
-                                        p_chi, p_bs, c_ref, p_dqa, p_dcra,
-                                        stride_qt, stride_dot, stride_dqat,
-                                        a, b, tq, off, qk_scale, o_d, m_d,
-                                        BM, G, False, USE_ACP, DOT_PREC, FUSE_DQ, BIAS, ROWS4)
-        b_dk, b_dv, b_dcc = _dkdv_inner(b_dk, b_dv, b_dcc, b_k, b_v, b_ck, o_n, p_q, p_do, p_rows,
-                                        p_chi, p_bs, c_ref, p_dqa, p_dcra,
-                                        stride_qt, stride_dot, stride_dqat,
-                                        b, q_end, tq, off, qk_scale, o_d, m_d,
-                                        BM, G, True, USE_ACP, DOT_PREC, FUSE_DQ, BIAS, ROWS4)
+        # LOOPS: as in triton_fwd._fwd_kernel (1: empty loops not entered; 2: the masked ones
+        # not pipelined; 3: both)
+        ns_m: tl.constexpr = 1 if LOOPS >= 2 else None
+        if LOOPS % 2 == 1:
+            run_lo, run_mid, run_hi = q_lo < a, a < b, b < q_end
+        else:  # compile-time True: the loops as they are
+            run_lo: tl.constexpr = True
+            run_mid: tl.constexpr = True
+            run_hi: tl.constexpr = True
+        if run_lo:
+            b_dk, b_dv, b_dcc = _dkdv_inner(b_dk, b_dv, b_dcc, b_k, b_v, b_ck, o_n, p_q, p_do, p_rows,
+                                            p_chi, p_bs, c_ref, p_dqa, p_dcra,
+                                            stride_qt, stride_dot, stride_dqat,
+                                            q_lo, a, tq, off, qk_scale, o_d, m_d,
+                                            BM, G, True, USE_ACP, DOT_PREC, FUSE_DQ, BIAS, ROWS4, ns_m)
+        if run_mid:
+            b_dk, b_dv, b_dcc = _dkdv_inner(b_dk, b_dv, b_dcc, b_k, b_v, b_ck, o_n, p_q, p_do, p_rows,
+                                            p_chi, p_bs, c_ref, p_dqa, p_dcra,
+                                            stride_qt, stride_dot, stride_dqat,
+                                            a, b, tq, off, qk_scale, o_d, m_d,
+                                            BM, G, False, USE_ACP, DOT_PREC, FUSE_DQ, BIAS, ROWS4)
+        if run_hi:
+            b_dk, b_dv, b_dcc = _dkdv_inner(b_dk, b_dv, b_dcc, b_k, b_v, b_ck, o_n, p_q, p_do, p_rows,
+                                            p_chi, p_bs, c_ref, p_dqa, p_dcra,
+                                            stride_qt, stride_dot, stride_dqat,
+                                            b, q_end, tq, off, qk_scale, o_d, m_d,
+                                            BM, G, True, USE_ACP, DOT_PREC, FUSE_DQ, BIAS, ROWS4, ns_m)
         tl.store(DCC + (i_bt * HQ + i_h) * TC + bos + o_n, b_dcc, mask=m_n)
     p_dk = DK + i_bt * stride_dkb + (bos + o_n[:, None]) * stride_dkt + i_hk * stride_dkh + o_d[None, :]
     p_dv = DV + i_bt * stride_dvb + (bos + o_n[:, None]) * stride_dvt + i_hk * stride_dvh + o_d[None, :]
@@ -260,9 +274,9 @@ def _dq_inner(
     lo, hi, tk, qk_scale,
     o_d, m_d,
     BN: tl.constexpr, MASKED: tl.constexpr, DOT_PREC: tl.constexpr, BIAS: tl.constexpr = 1,
-    PAIRS: tl.constexpr = False,
+    PAIRS: tl.constexpr = False, STAGES: tl.constexpr = None,
 ):
-    for start in range(lo, hi, BN):
+    for start in tl.range(lo, hi, BN, num_stages=STAGES):  # STAGES: None, the launch's
         o_n = start + tl.arange(0, BN)
         m_n = o_n < tk
         # [BD, BN]
@@ -301,7 +315,7 @@ def _bwd_dq_kernel(
     D: tl.constexpr, BD: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
     G: tl.constexpr, IS_VARLEN: tl.constexpr, USE_ACP: tl.constexpr, DOT_PREC: tl.constexpr,
     BIAS: tl.constexpr = 1, PAIRS: tl.constexpr = False, MAKE_ROWS: tl.constexpr = False,
-    HAS_DLSE: tl.constexpr = False,
+    HAS_DLSE: tl.constexpr = False, LOOPS: tl.constexpr = 0,
 ):
     # the last query tiles have the most keys: schedule them first to shorten the tail
     i_m = (tl.num_programs(0) - 1 - tl.program_id(0)).to(tl.int64)
@@ -365,15 +379,25 @@ def _bwd_dq_kernel(
     p_v = V + i_bt * stride_vb + bos * stride_vt + i_hk * stride_vh
     b_dq = tl.zeros([BM, BD], dtype=tl.float32)
     b_dcr = tl.zeros([BM], dtype=tl.float32)
-    b_dq, b_dcr = _dq_inner(b_dq, b_dcr, b_q, b_do, b_lse, b_delta, b_cq, o_abs, b_kstart, p_k, p_v,
-                            p_chi, p_clo, c_ref, stride_kt, stride_vt, ks_lo, ks_hi, tk, qk_scale,
-                            o_d, m_d, BN, True, DOT_PREC, BIAS, PAIRS)
-    b_dq, b_dcr = _dq_inner(b_dq, b_dcr, b_q, b_do, b_lse, b_delta, b_cq, o_abs, b_kstart, p_k, p_v,
-                            p_chi, p_clo, c_ref, stride_kt, stride_vt, ks_hi, mid, tk, qk_scale,
-                            o_d, m_d, BN, False, DOT_PREC, BIAS, PAIRS)
-    b_dq, b_dcr = _dq_inner(b_dq, b_dcr, b_q, b_do, b_lse, b_delta, b_cq, o_abs, b_kstart, p_k, p_v,
-                            p_chi, p_clo, c_ref, stride_kt, stride_vt, mid, last_abs + 1, tk,
-                            qk_scale, o_d, m_d, BN, True, DOT_PREC, BIAS, PAIRS)
+    ns_m: tl.constexpr = 1 if LOOPS >= 2 else None  # LOOPS: as in the dK/dV kernel
+    if LOOPS % 2 == 1:
+        run_edge, run_mid, run_diag = ks_lo < ks_hi, ks_hi < mid, mid <= last_abs
+    else:  # compile-time True: the loops as they are
+        run_edge: tl.constexpr = True
+        run_mid: tl.constexpr = True
+        run_diag: tl.constexpr = True
+    if run_edge:
+        b_dq, b_dcr = _dq_inner(b_dq, b_dcr, b_q, b_do, b_lse, b_delta, b_cq, o_abs, b_kstart, p_k, p_v,
+                                p_chi, p_clo, c_ref, stride_kt, stride_vt, ks_lo, ks_hi, tk, qk_scale,
+                                o_d, m_d, BN, True, DOT_PREC, BIAS, PAIRS, ns_m)
+    if run_mid:
+        b_dq, b_dcr = _dq_inner(b_dq, b_dcr, b_q, b_do, b_lse, b_delta, b_cq, o_abs, b_kstart, p_k, p_v,
+                                p_chi, p_clo, c_ref, stride_kt, stride_vt, ks_hi, mid, tk, qk_scale,
+                                o_d, m_d, BN, False, DOT_PREC, BIAS, PAIRS)
+    if run_diag:
+        b_dq, b_dcr = _dq_inner(b_dq, b_dcr, b_q, b_do, b_lse, b_delta, b_cq, o_abs, b_kstart, p_k, p_v,
+                                p_chi, p_clo, c_ref, stride_kt, stride_vt, mid, last_abs + 1, tk,
+                                qk_scale, o_d, m_d, BN, True, DOT_PREC, BIAS, PAIRS, ns_m)
     p_dq = DQ + i_bt * stride_dqb + (bos + o_m[:, None]) * stride_dqt + i_h * stride_dqh + o_d[None, :]
     tl.store(p_dq, (b_dq * scale).to(DQ.dtype.element_ty), mask=m_md)
     tl.store(DCR + p_row + o_m, b_dcr, mask=m_m)
