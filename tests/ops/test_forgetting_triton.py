@@ -302,9 +302,11 @@ TMA_CASES = [c for c in CPU_CASES if c[5] in (48, 64) or (c[5] == 96 and c[7] is
 
 @pytest.mark.parametrize("case", TMA_CASES, ids=[_id(c) for c in TMA_CASES])
 def test_forward_through_tensor_descriptors_equals_pointer_loads(case):
-    """``TMA=True`` (keys and values through tensor descriptors, opt-in) computes what the
-    pointer loads compute: the same tiles, rows past each sequence and columns past D read
-    as 0 by the descriptor, outputs poisoned first. Equal bit for bit: the same products
+    """``TMA=True`` (keys and values through tensor descriptors made by each program) and
+    ``TMA="host"`` (queries, keys and values through descriptors made on the host over
+    ``[B * T, H * D]``, D 64 here: rows past a sequence are the next one's, masked) compute
+    what the pointer loads compute: the same tiles, rows past each sequence and columns
+    past D read as 0 by the descriptor, outputs poisoned first. Equal bit for bit: the same products
     in the same order, only the loads differ."""
     from lapse.ops.forgetting import triton_fwd
     from lapse.ops.forgetting.triton_ops import triton_gate_cumsum
@@ -324,14 +326,16 @@ def test_forward_through_tensor_descriptors_equals_pointer_loads(case):
         bs = triton_block_start(c_hi, c_lo, acp_delta(acp, 1e-3, q, k, p), p)
     assert triton_fwd._tma_ready(k, v)
     outs = []
-    for tma in (False, True):
+    assert triton_fwd._host_tma_ready(q, k, v, p) == (d == 64)
+    for tma in (False, True, "host"):
         o, lse = torch.full_like(q, float("nan")), torch.full_like(c_hi, float("nan"))
         cfg = dict(triton_fwd.fwd_config(d, q.element_size()), TMA=tma)
         triton_fwd.launch_fwd(q, k, v, c_hi, c_lo, bs, cu_t, p, o, lse, cfg)
         outs.append((o, lse[..., :tq] if cu_t is None else lse))
-    (o0, l0), (o1, l1) = outs
-    assert not o1.isnan().any() and not l1.isnan().any()
-    assert torch.equal(o0, o1) and torch.equal(l0, l1)
+    (o0, l0), *rest = outs
+    for o1, l1 in rest:
+        assert not o1.isnan().any() and not l1.isnan().any()
+        assert torch.equal(o0, o1) and torch.equal(l0, l1)
 
 
 def _fuse_dq(monkeypatch):

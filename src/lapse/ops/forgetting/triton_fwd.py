@@ -51,15 +51,17 @@ def _fwd_inner(
     o_d, m_d,
     BN: tl.constexpr, MASKED: tl.constexpr, DOT_PREC: tl.constexpr, USE_TMA: tl.constexpr,
     BIAS: tl.constexpr = True, PAIRS: tl.constexpr = False, STAGES: tl.constexpr = None,
+    kv_row=0, kv_col=0,
 ):
     # p_k, p_v: pointers to the (sequence, kv head)'s first key and value, or with USE_TMA
-    # their tensor descriptors; STAGES: this loop's software pipeline depth (None: the launch's)
+    # tensor descriptors whose block (kv_row + start, kv_col) is the keys from start on;
+    # STAGES: this loop's software pipeline depth (None: the launch's)
     for start in tl.range(lo, hi, BN, num_stages=STAGES):
         o_n = start + tl.arange(0, BN)
         m_n = o_n < tk
         # [BD, BN]
-        if USE_TMA:  # the tensor-memory engine: rows past tk and columns past D come as 0
-            b_kt = tl.trans(p_k.load([tl.cast(start, tl.int32), 0]))  # 32-bit offsets only
+        if USE_TMA:  # the tensor-memory engine: rows past the tensor and columns past D come as 0
+            b_kt = tl.trans(p_k.load([tl.cast(kv_row + start, tl.int32), kv_col]))  # 32-bit offsets only
         else:
             b_kt = tl.load(p_k + o_n[None, :] * stride_kt + o_d[:, None],
                            mask=m_d[:, None] & m_n[None, :], other=0.0)
@@ -83,7 +85,7 @@ def _fwd_inner(
         l_i = l_i * alpha + tl.sum(b_p, 1)
         # [BN, BD]
         if USE_TMA:
-            b_v = p_v.load([tl.cast(start, tl.int32), 0])
+            b_v = p_v.load([tl.cast(kv_row + start, tl.int32), kv_col])
         else:
             b_v = tl.load(p_v + o_n[:, None] * stride_vt + o_d[None, :],
                           mask=m_n[:, None] & m_d[None, :], other=0.0)
@@ -131,8 +133,13 @@ def _fwd_kernel(
     o_d = tl.arange(0, BD)
     m_d = o_d < D
 
-    p_q = Q + i_bt * stride_qb + (bos + o_m[:, None]) * stride_qt + i_h * stride_qh + o_d[None, :]
-    b_q = tl.load(p_q, mask=m_m[:, None] & m_d[None, :], other=0.0)
+    if USE_TMA == 2:  # descriptors made on the host over [B * T, H * D] (launch_fwd): rows
+        # past this tile's sequence belong to the next one; they are masked (the causal mask
+        # for keys, the store's for queries)
+        b_q = Q.load([tl.cast(i_bt * TQ + bos + i_m * BM, tl.int32), tl.cast(i_h * D, tl.int32)])
+    else:
+        p_q = Q + i_bt * stride_qb + (bos + o_m[:, None]) * stride_qt + i_h * stride_qh + o_d[None, :]
+        b_q = tl.load(p_q, mask=m_m[:, None] & m_d[None, :], other=0.0)
     p_chi = CHI + (i_bt * HQ + i_h) * TC + bos
     p_clo = CLO + ((i_bt * HQ + i_h) * TC + bos) * (2 if PAIRS else 1)  # PAIRS: (c_hi, c_lo)
     first_abs = i_m * BM + off
@@ -154,9 +161,17 @@ def _fwd_kernel(
     diag = ((first_abs + 1) // BN) * BN
     mid = tl.maximum(diag, ks_hi)
 
-    p_k = K + i_bt * stride_kb + bos * stride_kt + i_hk * stride_kh
-    p_v = V + i_bt * stride_vb + bos * stride_vt + i_hk * stride_vh
-    if USE_TMA:  # this (sequence, kv head)'s keys and values as [tk, D] matrices
+    kv_row = 0
+    kv_col = 0
+    if USE_TMA == 2:
+        p_k = K
+        p_v = V
+        kv_row = tl.cast(i_bt * TK + bos, tl.int32)
+        kv_col = tl.cast(i_hk * D, tl.int32)
+    else:
+        p_k = K + i_bt * stride_kb + bos * stride_kt + i_hk * stride_kh
+        p_v = V + i_bt * stride_vb + bos * stride_vt + i_hk * stride_vh
+    if USE_TMA == 1:  # this (sequence, kv head)'s keys and values as [tk, D] matrices
         p_k = tl.make_tensor_descriptor(p_k, shape=[tl.cast(tk, tl.int32), D], strides=[stride_kt, 1],
                                         block_shape=[BN, BD])
         p_v = tl.make_tensor_descriptor(p_v, shape=[tl.cast(tk, tl.int32), D], strides=[stride_vt, 1],
@@ -177,15 +192,15 @@ def _fwd_kernel(
     if run_edge:
         acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, b_q, b_cq, o_abs, b_kstart, p_k, p_v, p_chi, p_clo,
                                    c_ref, stride_kt, stride_vt, ks_lo, ks_hi, tk, qk_scale, o_d, m_d,
-                                   BN, True, DOT_PREC, USE_TMA, BIAS, PAIRS, ns_m)
+                                   BN, True, DOT_PREC, USE_TMA, BIAS, PAIRS, ns_m, kv_row, kv_col)
     if run_mid:
         acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, b_q, b_cq, o_abs, b_kstart, p_k, p_v, p_chi, p_clo,
                                    c_ref, stride_kt, stride_vt, ks_hi, mid, tk, qk_scale, o_d, m_d,
-                                   BN, False, DOT_PREC, USE_TMA, BIAS, PAIRS)
+                                   BN, False, DOT_PREC, USE_TMA, BIAS, PAIRS, None, kv_row, kv_col)
     if run_diag:
         acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, b_q, b_cq, o_abs, b_kstart, p_k, p_v, p_chi, p_clo,
                                    c_ref, stride_kt, stride_vt, mid, last_abs + 1, tk, qk_scale, o_d,
-                                   m_d, BN, True, DOT_PREC, USE_TMA, BIAS, PAIRS, ns_m)
+                                   m_d, BN, True, DOT_PREC, USE_TMA, BIAS, PAIRS, ns_m, kv_row, kv_col)
     # every valid row has its own key (D_ii = 0), so l_i > 0 there
     l_safe = tl.where(m_m, l_i, 1.0)
     b_o = acc / l_safe[:, None]
@@ -250,7 +265,9 @@ def launch_fwd(q, k, v, c_hi, c_lo, block_start, cu, p, o, lse2, config=None):
     ``config`` (default :func:`fwd_config`) may ask for ``TMA=True``: keys and values read
     through tensor descriptors (Hopper's tensor-memory engine), taken where
     :func:`_tma_ready` holds and, on a GPU, on compute capability 9 or later (else the
-    pointer loads; the CPU interpreter takes it when asked, for the tests). ``GLUON=True``
+    pointer loads; the CPU interpreter takes it when asked, for the tests); ``TMA="host"``
+    makes the descriptors on the host over ``[B * T, H * D]`` views (:func:`_host_tma_ready`;
+    no descriptor is written and fenced by each program), else as ``True``. ``GLUON=True``
     runs ``gluon_fwd.py``'s Hopper kernel (its options: ``BM, BN, num_warps, STAGES``)
     where it serves the inputs, else this kernel with the default options."""
     cfg = dict(config or fwd_config(p.d, q.element_size(), block_start is not None))
@@ -264,9 +281,12 @@ def launch_fwd(q, k, v, c_hi, c_lo, block_start, cu, p, o, lse2, config=None):
             return
         cfg = dict(fwd_config(p.d, q.element_size(), block_start is not None))
         cfg.pop("GLUON", None)
-    use_tma = bool(cfg.pop("TMA", False)) and _tma_ready(k, v) and _tma_device(q)
+    tma = cfg.pop("TMA", False)
+    use_tma = 0
+    if tma and _tma_ready(k, v) and _tma_device(q):
+        use_tma = 2 if tma == "host" and _host_tma_ready(q, k, v, p) else 1
     token = None
-    if use_tma and q.is_cuda:  # Triton's allocator for this launch only (a context variable)
+    if use_tma == 1 and q.is_cuda:  # Triton's allocator for this launch only (a context variable)
         from triton.runtime import _allocation
 
         token = _allocation._allocator.set(_tma_allocator)
@@ -275,6 +295,13 @@ def launch_fwd(q, k, v, c_hi, c_lo, block_start, cu, p, o, lse2, config=None):
     finally:
         if token is not None:
             _allocation._allocator.reset(token)
+
+
+def _host_tma_ready(q, k, v, p) -> bool:
+    """Whether descriptors made on the host over ``[B * T, H * D]`` views serve: every tensor
+    contiguous and 16-byte aligned, D a power of two (a block is one head's D columns)."""
+    return (p.d == max(16, triton.next_power_of_2(p.d)) and _tma_ready(q)
+            and all(x.is_contiguous() for x in (q, k, v)))
 
 
 def _tma_device(x) -> bool:
@@ -291,8 +318,16 @@ def _launch_fwd(q, k, v, c_hi, c_lo, block_start, cu, p, o, lse2, cfg, use_tma):
     pairs = cfg.pop("PAIRS", False)
     grid = (triton.cdiv(p.tq, bm), p.batch * p.hq)
     mb = block_start.shape[-1] if block_start is not None else 1
+    bd = max(16, triton.next_power_of_2(p.d))
+    qa, ka, va = q, k, v
+    if use_tma == 2:  # [B * T, H * D] views; a block is BM (BN) rows of one head
+        from triton.tools.tensor_descriptor import TensorDescriptor
+
+        qa = TensorDescriptor.from_tensor(q.view(-1, p.hq * p.d), [bm, bd])
+        ka = TensorDescriptor.from_tensor(k.view(-1, p.h * p.d), [bn, bd])
+        va = TensorDescriptor.from_tensor(v.view(-1, p.h * p.d), [bn, bd])
     _fwd_kernel[grid](
-        q, k, v, c_hi, torch.stack((c_hi, c_lo), -1) if pairs else c_lo,
+        qa, ka, va, c_hi, torch.stack((c_hi, c_lo), -1) if pairs else c_lo,
         block_start if block_start is not None else c_hi, o, lse2,
         cu if cu is not None else c_hi,
         q.stride(0), q.stride(1), q.stride(2),
@@ -300,7 +335,7 @@ def _launch_fwd(q, k, v, c_hi, c_lo, block_start, cu, p, o, lse2, cfg, use_tma):
         v.stride(0), v.stride(1), v.stride(2),
         o.stride(0), o.stride(1), o.stride(2),
         p.scale * LOG2E, p.tq, p.tk, c_hi.shape[-1], p.hq, p.hq // p.h, mb,
-        D=p.d, BD=max(16, triton.next_power_of_2(p.d)), BM=bm, BN=bn, G=64,
+        D=p.d, BD=bd, BM=bm, BN=bn, G=64,
         IS_VARLEN=cu is not None, USE_ACP=block_start is not None,
         DOT_PREC="ieee" if q.dtype.itemsize == 4 else "tf32",
         USE_TMA=use_tma, PAIRS=pairs,
