@@ -94,12 +94,15 @@ def main() -> None:
             f = triton_fwd.fwd_config(d, 2, acp)
             kv, q = triton_bwd.bwd_config(d, 1, acp)
             base = dict(D=d, BD=d, G=64, IS_VARLEN=False, USE_ACP=acp, DOT_PREC="tf32")
-            opts = [(f["BM"], f["BN"], f["num_warps"], f["num_stages"], f.get("TMA", False), "default")]
+            # TMA="host" (descriptors made on the host) compiles here as descriptors made by
+            # the program: the same loop; the host's need a descriptor type in the signature
+            opts = [(f["BM"], f["BN"], f["num_warps"], f["num_stages"], 1 if f.get("TMA") else 0, "default")]
             if args.sweep:
                 opts += [(128, bn, w, st, tma, "") for bn in (64, 128) for w in (4, 8) for st in (2, 3)
                          for tma in (False, True) if not (acp and bn > 64)]
             for bm, bn, w, st, tma, tag in opts:
-                const = dict(base, BM=bm, BN=bn, USE_TMA=tma, PAIRS=f.get("PAIRS", False))
+                const = dict(base, BM=bm, BN=bn, USE_TMA=tma, PAIRS=f.get("PAIRS", False),
+                             LOOPS=f.get("LOOPS", 0) if tag else 0)
                 info = resources(triton_fwd._fwd_kernel, PTRS_FWD, const, w, st)
                 print(f"fwd D {d} acp {int(acp)} BM {bm} BN {bn} warps {w} stages {st} tma {int(tma)} "
                       f"{tag}: {info}", flush=True)
@@ -113,6 +116,7 @@ def main() -> None:
                     opts += [(bm, bn, w, st, "") for bm, bn in tiles for w in (4, 8) for st in (2, 3)]
                 switches = dict(FUSE_DQ=False, ROWS4=cfg.get("ROWS4", False)) if name == "dkdv" \
                     else dict(PAIRS=cfg.get("PAIRS", False), MAKE_ROWS=cfg.get("MAKE_ROWS", False))
+                switches["LOOPS"] = cfg.get("LOOPS", 0)
                 for bm, bn, w, st, tag in opts:
                     try:
                         info = resources(kernel, PTRS_BWD, dict(base, BM=bm, BN=bn, **switches), w, st,

@@ -434,20 +434,25 @@ def _flip_load_options(monkeypatch):
     """Every kernel with its per-row / per-key inputs read the other way than its table
     says: the forward's and the dQ kernel's ``PAIRS`` flipped, the dK/dV kernel's
     ``ROWS4`` off (three loads), the queries' rows made the other way (``MAKE_ROWS``
-    flipped: by the dQ kernel run first, or by a launch of their own), so the options
+    flipped: by the dQ kernel run first, or by a launch of their own), the ``LOOPS``
+    options off where the table sets them and all on where it does not, so the options
     the tables do not pick stay tested."""
     from lapse.ops.forgetting import triton_bwd, triton_fwd
 
     fwd, bwd = triton_fwd.fwd_config, triton_bwd.bwd_config
 
+    def loops(cfg):  # the loop options: none where the table has some, all where it has none
+        return 0 if cfg.get("LOOPS", 0) else 3
+
     def fwd_flipped(*a, **kw):
         cfg = fwd(*a, **kw)
-        return dict(cfg, PAIRS=not cfg.get("PAIRS", False))
+        return dict(cfg, PAIRS=not cfg.get("PAIRS", False), LOOPS=loops(cfg))
 
     def bwd_flipped(*a, **kw):
         kv, q = bwd(*a, **kw)
-        return dict(kv, ROWS4=False), dict(q, PAIRS=not q.get("PAIRS", False),
-                                           MAKE_ROWS=not q.get("MAKE_ROWS", False))
+        return (dict(kv, ROWS4=False, LOOPS=loops(kv)),
+                dict(q, PAIRS=not q.get("PAIRS", False), MAKE_ROWS=not q.get("MAKE_ROWS", False),
+                     LOOPS=loops(q)))
 
     monkeypatch.setattr(triton_fwd, "fwd_config", fwd_flipped)
     monkeypatch.setattr(triton_bwd, "bwd_config", bwd_flipped)

@@ -429,14 +429,20 @@ def bwd_config(d: int, group: int = 1, acp: bool = False) -> tuple[dict, dict]:
     1.054 / 2.296 at kept windows of 1, 4 and 16 blocks (``scripts/diag_acp_window.py``,
     ``docs/bench/session15/h200-acp-window-variants.json``). At D 128 the cap spills: 6.505
     against 3.631 ms.
+
+    ``LOOPS=1`` (a loop with no step not entered) with ACP at D 64
+    (``h200-acp-window-loops.json``): 0.634 / 0.945 / 2.134 against 0.662 / 0.967 / 2.160 ms
+    at T 4k and kept windows of 1, 4 and 16 blocks; dense it loses (4.244 against 4.199).
     """
     if d <= 64:
         if group > 1 and not acp:
             kv = dict(BM=32, BN=128, num_warps=4, num_stages=3, ROWS4=True)
         else:  # at most 168 registers a thread: three programs a multiprocessor, not two
             kv = dict(BM=32, BN=64, num_warps=4, num_stages=3, ROWS4=True, maxnreg=168)
-        return (kv,
-                dict(BM=64, BN=64, num_warps=4, num_stages=3, PAIRS=True, MAKE_ROWS=True))
+        q = dict(BM=64, BN=64, num_warps=4, num_stages=3, PAIRS=True, MAKE_ROWS=True)
+        if acp:  # empty loops not entered
+            kv, q = dict(kv, LOOPS=1), dict(q, LOOPS=1)
+        return kv, q
     if d <= 128:
         return (dict(BM=32, BN=64, num_warps=4, num_stages=3, ROWS4=True),
                 dict(BM=64, BN=64, num_warps=4, num_stages=2, PAIRS=False, MAKE_ROWS=True))

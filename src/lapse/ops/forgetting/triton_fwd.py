@@ -231,15 +231,25 @@ def fwd_config(d: int, dtype_bytes: int, acp: bool = False) -> dict:
     dense 1.126 / 3.680 against 1.238 / 4.061; D 64 ACP 0.754 / 1.859 against 0.763 / 1.927;
     it loses at D 64 dense (1.477 / 5.216 against 1.455 / 5.107) and D 128 ACP (0.776 /
     1.948 against 0.660 / 1.780).
+
+    ``TMA="host"`` (descriptors made on the host: each program's own, written and fenced,
+    cost it about 10% of a short program's time in Nsight Compute) and ``LOOPS=3`` (empty
+    loops not entered, the masked ones not pipelined), measured on an H200 with
+    ``scripts/diag_acp_window.py`` (``docs/bench/session15/h200-acp-window-host.json``,
+    ``h200-acp-window-loops.json``; ``t = fixed + slope x kept`` at T 4k): D 64 ACP with
+    host descriptors 0.224 + 1.108 x kept ms against 0.289 + 1.089 (16k: 0.213 + 4.499
+    against 0.282 + 4.429); D 128 dense 1.051 against 1.111 ms; D 128 ACP with ``LOOPS=3``
+    0.110 + 1.128 against 0.154 + 1.085 (host descriptors lose there, 0.245 + 1.399). D 64
+    dense with host descriptors: 1.463 / 5.235 against 1.462 / 5.102 ms at 4k / 16k, kept.
     """
     if d <= 64:
         if acp:
-            return dict(BM=128, BN=64, num_warps=4, num_stages=3, TMA=True, PAIRS=True)
+            return dict(BM=128, BN=64, num_warps=4, num_stages=3, TMA="host", PAIRS=True)
         return dict(BM=128, BN=64, num_warps=4, num_stages=2, TMA=True, PAIRS=False)
     if d <= 128:
         if acp:
-            return dict(BM=64, BN=64, num_warps=4, num_stages=3, PAIRS=False)
-        return dict(BM=128, BN=128, num_warps=8, num_stages=3, TMA=True, PAIRS=True)
+            return dict(BM=64, BN=64, num_warps=4, num_stages=3, PAIRS=False, LOOPS=3)
+        return dict(BM=128, BN=128, num_warps=8, num_stages=3, TMA="host", PAIRS=True)
     return dict(BM=64, BN=32, num_warps=4, num_stages=2)
 
 
