@@ -293,7 +293,10 @@ def launch_fwd(q, k, v, c_hi, c_lo, block_start, cu, p, o, lse2, config=None):
         cfg.pop("GLUON", None)
     tma = cfg.pop("TMA", False)
     use_tma = 0
-    if tma and _tma_ready(k, v) and _tma_device(q):
+    # one query and one key (Triton then compiles T_q = T_k = 1 in): ptxas 12.8 of Triton
+    # 3.6 crashes on the descriptor kernel for sm_90 (scripts/kernel_resources.py shows it
+    # on the CPU), and a single key needs no tensor-memory engine
+    if tma and max(p.tq, p.tk) > 1 and _tma_ready(k, v) and _tma_device(q):
         use_tma = 2 if tma == "host" and _host_tma_ready(q, k, v, p) else 1
     token = None
     if use_tma == 1 and q.is_cuda:  # Triton's allocator for this launch only (a context variable)
