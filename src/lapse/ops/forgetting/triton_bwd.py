@@ -31,7 +31,7 @@ import triton
 import triton.language as tl
 
 from ..backend import LOG2E, LOG2E_TL
-from .triton_fwd import key_bias
+from .triton_fwd import key_bias, loop_runs
 
 
 @triton.jit
@@ -234,12 +234,7 @@ def _bwd_dkdv_kernel(
         # LOOPS: as in triton_fwd._fwd_kernel (1: empty loops not entered; 2: the masked ones
         # not pipelined; 3: both)
         ns_m: tl.constexpr = 1 if LOOPS >= 2 else None
-        if LOOPS % 2 == 1:
-            run_lo, run_mid, run_hi = q_lo < a, a < b, b < q_end
-        else:  # compile-time True: the loops as they are
-            run_lo: tl.constexpr = True
-            run_mid: tl.constexpr = True
-            run_hi: tl.constexpr = True
+        run_lo, run_mid, run_hi = loop_runs(q_lo, a, b, q_end, LOOPS)
         if run_lo:
             b_dk, b_dv, b_dcc = _dkdv_inner(b_dk, b_dv, b_dcc, b_k, b_v, b_ck, o_n, p_q, p_do, p_rows,
                                             p_chi, p_bs, c_ref, p_dqa, p_dcra,
@@ -380,12 +375,7 @@ def _bwd_dq_kernel(
     b_dq = tl.zeros([BM, BD], dtype=tl.float32)
     b_dcr = tl.zeros([BM], dtype=tl.float32)
     ns_m: tl.constexpr = 1 if LOOPS >= 2 else None  # LOOPS: as in the dK/dV kernel
-    if LOOPS % 2 == 1:
-        run_edge, run_mid, run_diag = ks_lo < ks_hi, ks_hi < mid, mid <= last_abs
-    else:  # compile-time True: the loops as they are
-        run_edge: tl.constexpr = True
-        run_mid: tl.constexpr = True
-        run_diag: tl.constexpr = True
+    run_edge, run_mid, run_diag = loop_runs(ks_lo, ks_hi, mid, last_abs + 1, LOOPS)
     if run_edge:
         b_dq, b_dcr = _dq_inner(b_dq, b_dcr, b_q, b_do, b_lse, b_delta, b_cq, o_abs, b_kstart, p_k, p_v,
                                 p_chi, p_clo, c_ref, stride_kt, stride_vt, ks_lo, ks_hi, tk, qk_scale,

@@ -42,6 +42,17 @@ def key_bias(p_chi, p_clo, o_n, m_n, c_ref, PAIRS: tl.constexpr):
 
 
 @triton.jit
+def loop_runs(a, b, c, d, LOOPS: tl.constexpr):
+    """Whether each of three consecutive loops ``[a, b)``, ``[b, c)``, ``[c, d)`` is entered:
+    every one (``LOOPS`` even: the loops as they are), or those with a step (odd: a
+    pipelined loop runs its peeled last steps, predicated off, even when it has none)."""
+    if LOOPS % 2 == 1:
+        return a < b, b < c, c < d
+    else:
+        return True, True, True
+
+
+@triton.jit
 def _fwd_inner(
     acc, l_i, m_i,
     b_q, b_cq, o_abs, b_kstart,
@@ -183,12 +194,7 @@ def _fwd_kernel(
     # runs its peeled last steps, predicated off, even then); 2, the masked loops (a step or
     # two) not pipelined; 3, both
     ns_m: tl.constexpr = 1 if LOOPS >= 2 else None
-    if LOOPS % 2 == 1:
-        run_edge, run_mid, run_diag = ks_lo < ks_hi, ks_hi < mid, mid <= last_abs
-    else:  # compile-time True: the loops as they are
-        run_edge: tl.constexpr = True
-        run_mid: tl.constexpr = True
-        run_diag: tl.constexpr = True
+    run_edge, run_mid, run_diag = loop_runs(ks_lo, ks_hi, mid, last_abs + 1, LOOPS)
     if run_edge:
         acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, b_q, b_cq, o_abs, b_kstart, p_k, p_v, p_chi, p_clo,
                                    c_ref, stride_kt, stride_vt, ks_lo, ks_hi, tk, qk_scale, o_d, m_d,
