@@ -246,7 +246,8 @@ def fwd_config(d: int, dtype_bytes: int, acp: bool = False) -> dict:
     host descriptors 0.224 + 1.108 x kept ms against 0.289 + 1.089 (16k: 0.213 + 4.499
     against 0.282 + 4.429); D 128 dense 1.051 against 1.111 ms; D 128 ACP with ``LOOPS=3``
     0.110 + 1.128 against 0.154 + 1.085 (host descriptors lose there, 0.245 + 1.399). D 64
-    dense with host descriptors: 1.463 / 5.235 against 1.462 / 5.102 ms at 4k / 16k, kept.
+    dense with host descriptors: 1.463 / 5.235 against 1.462 / 5.102 ms at 4k / 16k, so it
+    keeps the program's own (``TMA=True``).
     """
     if d <= 64:
         if acp:
