@@ -298,13 +298,7 @@ def launch_fwd(q, k, v, c_hi, c_lo, block_start, cu, p, o, lse2, config=None):
             return
         cfg = dict(fwd_config(p.d, q.element_size(), block_start is not None))
         cfg.pop("GLUON", None)
-    tma = cfg.pop("TMA", False)
-    use_tma = 0
-    # one query and one key (Triton then compiles T_q = T_k = 1 in): ptxas 12.8 of Triton
-    # 3.6 crashes on the descriptor kernel for sm_90 (scripts/kernel_resources.py shows it
-    # on the CPU), and a single key needs no tensor-memory engine
-    if tma and max(p.tq, p.tk) > 1 and _tma_ready(k, v) and _tma_device(q):
-        use_tma = 2 if tma == "host" and _host_tma_ready(q, k, v, p) else 1
+    use_tma = tma_mode(cfg.pop("TMA", False), q, k, v, p)
     token = None
     if use_tma == 1 and q.is_cuda:  # Triton's allocator for this launch only (a context variable)
         from triton.runtime import _allocation
@@ -315,6 +309,19 @@ def launch_fwd(q, k, v, c_hi, c_lo, block_start, cu, p, o, lse2, config=None):
     finally:
         if token is not None:
             _allocation._allocator.reset(token)
+
+
+def tma_mode(tma, q, k, v, p) -> int:
+    """How the forward reads its tiles for the config's ``TMA`` option: 0 pointer loads, 1
+    descriptors each program makes, 2 descriptors made on the host (``TMA="host"`` where
+    :func:`_host_tma_ready` holds). Descriptors need :func:`_tma_ready` inputs on Hopper or
+    later, and two or more queries or keys: with one of each (Triton then compiles
+    ``T_q = T_k = 1`` in) ptxas 12.8 of Triton 3.6 crashes on the descriptor kernel for
+    sm_90 (``scripts/kernel_resources.py`` shows it on the CPU); one key needs no
+    tensor-memory engine anyway."""
+    if not (tma and max(p.tq, p.tk) > 1 and _tma_ready(k, v) and _tma_device(q)):
+        return 0
+    return 2 if tma == "host" and _host_tma_ready(q, k, v, p) else 1
 
 
 def _host_tma_ready(q, k, v, p) -> bool:
