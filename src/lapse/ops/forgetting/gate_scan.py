@@ -25,8 +25,9 @@ MAX_CHUNKS = 128  # chunks per sequence: each program sums the others' partial s
 
 
 @triton.jit
-def _seq(CU, i_b, TK, TQ, IS_VARLEN: tl.constexpr):
-    """(first row, keys, queries, batch row) of sequence ``i_b``."""
+def sequence_span(CU, i_b, TK, TQ, IS_VARLEN: tl.constexpr):
+    """(first row, keys, queries, batch row) of sequence ``i_b``: packed sequences from
+    ``CU``, else batch row ``i_b`` with ``TK`` keys and ``TQ`` queries."""
     if IS_VARLEN:
         bos = tl.load(CU + i_b).to(tl.int64)
         tk = tl.load(CU + i_b + 1).to(tl.int64) - bos
@@ -66,7 +67,7 @@ def _chunk_sum_kernel(X, Y, CU, PART, TK, TQ, TC, HQ, NC, floor, CT: tl.constexp
     i_c = tl.program_id(0).to(tl.int64)
     i_b = tl.program_id(1).to(tl.int64)
     o_h = tl.program_id(2) * BH + tl.arange(0, BH)
-    bos, tk, tq, i_bt = _seq(CU, i_b, TK, TQ, IS_VARLEN)
+    bos, tk, tq, i_bt = sequence_span(CU, i_b, TK, TQ, IS_VARLEN)
     acc = tl.zeros([BH], dtype=tl.float64)
     for t0 in range(0, CT, BT):
         o_t = i_c * CT + t0 + tl.arange(0, BT)
@@ -84,7 +85,7 @@ def _scan_kernel(X, Y, CU, PART, LG, OUT_A, OUT_B, TK, TQ, TC, HQ, NC, floor, CT
     i_b = tl.program_id(1).to(tl.int64)
     o_h = tl.program_id(2) * BH + tl.arange(0, BH)
     m_h = o_h < HQ
-    bos, tk, tq, i_bt = _seq(CU, i_b, TK, TQ, IS_VARLEN)
+    bos, tk, tq, i_bt = sequence_span(CU, i_b, TK, TQ, IS_VARLEN)
     o_c = tl.arange(0, BC)
     before = (o_c > i_c) if GRAD else (o_c < i_c)  # the chunks this one's scan continues
     b_part = tl.load(PART + (i_b * NC + o_c[:, None]) * HQ + o_h[None, :],

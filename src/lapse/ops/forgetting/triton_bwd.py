@@ -31,6 +31,7 @@ import triton
 import triton.language as tl
 
 from ..backend import LOG2E, LOG2E_TL
+from .gate_scan import sequence_span
 from .triton_fwd import key_bias, loop_runs
 
 
@@ -61,16 +62,7 @@ def _rows_kernel(O, DO, LSE, DLSE, CHI, CLO, ROWS, CU, stride_ob, stride_ot, str
     i_bh = tl.program_id(1).to(tl.int64)
     i_b = i_bh // HQ
     i_h = i_bh % HQ
-    if IS_VARLEN:
-        bos = tl.load(CU + i_b).to(tl.int64)
-        tq = tl.load(CU + i_b + 1).to(tl.int64) - bos
-        tk = tq
-        i_bt = i_b * 0
-    else:
-        bos = i_b * 0
-        tq = TQ
-        tk = TK
-        i_bt = i_b
+    bos, tk, tq, i_bt = sequence_span(CU, i_b, TK, TQ, IS_VARLEN)
     o_t = i_t * BT + tl.arange(0, BT)
     m_t = o_t < tq
     o_d = tl.arange(0, BD)
