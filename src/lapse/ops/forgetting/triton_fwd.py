@@ -3,12 +3,15 @@
 One program per (query tile, batch x query head). The key range of a query tile is cut
 into three loops so the hot loop carries no mask:
 
-    [ks_lo, ks_hi)                  ACP edge: rows of the tile start at different keys
-    [ks_hi, max(diag, ks_hi))       interior: every pair kept and causal, no mask
-    [max(diag, ks_hi), last + 1)    diagonal: causal mask
+    [ks_lo, mid)          ACP edge: rows of the tile start at different keys
+    [mid, diag)           interior: every pair kept and causal, no mask
+    [diag, last + 1)      diagonal: causal mask (and ACP's)
 
 ``ks_lo``/``ks_hi`` are the first kept keys of the tile's first and last row (multiples
-of ACP_BLOCK; 0 without ACP). Keys before ``ks_lo`` are pruned tiles: never loaded.
+of ACP_BLOCK; 0 without ACP), ``diag`` the first key tile past the tile's first row and
+``mid = min(ks_hi, diag)``. Keys before ``ks_lo`` are pruned tiles: never loaded. A key
+tile divides the ACP block, so ACP keeps or prunes it whole for each row: its mask is the
+row's bias set to -inf, with no compare a pair; only the diagonal compares pairs.
 
 The bias ``c_i - c_j`` comes from the float64 cumulative gate split into float32
 ``hi + lo``: ``((hi_i - ref) + lo_i) - ((hi_j - ref) + lo_j)`` with ``ref`` the ``hi`` of
@@ -77,14 +80,22 @@ def _fwd_inner(
             b_kt = tl.load(p_k + o_n[None, :] * stride_kt + o_d[:, None],
                            mask=m_d[:, None] & m_n[None, :], other=0.0)
         # [BM, BN], base-2 logits
+        # MASKED: with ACP a row whose first kept key is past this tile gets -inf through its
+        # own bias (BN divides the ACP block: a tile is kept or pruned whole for each row, so
+        # no pair needs a compare); MASKED 2, the diagonal, also the causal mask
+        b_row = b_cq
+        if MASKED and b_kstart is not None:
+            b_row = tl.where(start >= b_kstart, b_cq, float("-inf"))
         if BIAS:
             b_ck = key_bias(p_chi, p_clo, o_n, m_n, c_ref, PAIRS)
-            b_s = tl.dot(b_q, b_kt, input_precision=DOT_PREC) * qk_scale + (b_cq[:, None] - b_ck[None, :])
+            b_s = tl.dot(b_q, b_kt, input_precision=DOT_PREC) * qk_scale + (b_row[:, None] - b_ck[None, :])
         else:  # plain causal softmax attention: a timing diagnostic only (issue 16)
             b_s = tl.dot(b_q, b_kt, input_precision=DOT_PREC) * qk_scale
+            if MASKED and b_kstart is not None:
+                b_s += (b_row - b_cq)[:, None]
+        if MASKED == 2:  # 32-bit positions: a 64-bit compare takes two instructions a pair
+            b_s = tl.where(o_n.to(tl.int32)[None, :] <= o_abs.to(tl.int32)[:, None], b_s, float("-inf"))
         if MASKED:
-            keep = (o_n[None, :] <= o_abs[:, None]) & (o_n[None, :] >= b_kstart[:, None])
-            b_s = tl.where(keep, b_s, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(b_s, 1))
             # a row with no kept key yet keeps m = -inf; shift by 0 so exp2 gives 0, not NaN
             m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
@@ -161,16 +172,18 @@ def _fwd_kernel(
             + tl.load(p_clo + (o_absc * 2 + 1 if PAIRS else o_absc))) * LOG2E_TL
 
     if USE_ACP:
+        tl.static_assert(G % BN == 0, "with ACP a key tile divides the ACP block")
         p_bs = BSTART + (i_b * HQ + i_h) * MB
         b_kstart = tl.load(p_bs + o_m // G, mask=m_m, other=0) * G
         ks_lo = tl.load(p_bs + (i_m * BM) // G) * G
         ks_hi = tl.load(p_bs + (tl.minimum(i_m * BM + BM, tq) - 1) // G) * G
     else:
-        b_kstart = tl.zeros([BM], dtype=tl.int32)
+        b_kstart = None
         ks_lo = 0
         ks_hi = 0
+    # keys before diag are at or before every row of the tile; from mid on every row keeps them
     diag = ((first_abs + 1) // BN) * BN
-    mid = tl.maximum(diag, ks_hi)
+    mid = tl.minimum(ks_hi, diag) if USE_ACP else 0  # dense: no edge loop, even in the code
 
     kv_row = 0
     kv_col = 0
@@ -194,19 +207,19 @@ def _fwd_kernel(
     # runs its peeled last steps, predicated off, even then); 2, the masked loops (a step or
     # two) not pipelined; 3, both
     ns_m: tl.constexpr = 1 if LOOPS >= 2 else None
-    run_edge, run_mid, run_diag = loop_runs(ks_lo, ks_hi, mid, last_abs + 1, LOOPS)
+    run_edge, run_mid, run_diag = loop_runs(ks_lo, mid, diag, last_abs + 1, LOOPS)
     if run_edge:
         acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, b_q, b_cq, o_abs, b_kstart, p_k, p_v, p_chi, p_clo,
-                                   c_ref, stride_kt, stride_vt, ks_lo, ks_hi, tk, qk_scale, o_d, m_d,
-                                   BN, True, DOT_PREC, USE_TMA, BIAS, PAIRS, ns_m, kv_row, kv_col)
+                                   c_ref, stride_kt, stride_vt, ks_lo, mid, tk, qk_scale, o_d, m_d,
+                                   BN, 1, DOT_PREC, USE_TMA, BIAS, PAIRS, ns_m, kv_row, kv_col)
     if run_mid:
         acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, b_q, b_cq, o_abs, b_kstart, p_k, p_v, p_chi, p_clo,
-                                   c_ref, stride_kt, stride_vt, ks_hi, mid, tk, qk_scale, o_d, m_d,
-                                   BN, False, DOT_PREC, USE_TMA, BIAS, PAIRS, None, kv_row, kv_col)
+                                   c_ref, stride_kt, stride_vt, mid, diag, tk, qk_scale, o_d, m_d,
+                                   BN, 0, DOT_PREC, USE_TMA, BIAS, PAIRS, None, kv_row, kv_col)
     if run_diag:
         acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, b_q, b_cq, o_abs, b_kstart, p_k, p_v, p_chi, p_clo,
-                                   c_ref, stride_kt, stride_vt, mid, last_abs + 1, tk, qk_scale, o_d,
-                                   m_d, BN, True, DOT_PREC, USE_TMA, BIAS, PAIRS, ns_m, kv_row, kv_col)
+                                   c_ref, stride_kt, stride_vt, diag, last_abs + 1, tk, qk_scale, o_d,
+                                   m_d, BN, 2, DOT_PREC, USE_TMA, BIAS, PAIRS, ns_m, kv_row, kv_col)
     # every valid row has its own key (D_ii = 0), so l_i > 0 there
     l_safe = tl.where(m_m, l_i, 1.0)
     b_o = acc / l_safe[:, None]
