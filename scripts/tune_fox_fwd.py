@@ -76,7 +76,11 @@ def main() -> None:
     ap.add_argument("--block-n", nargs="+", type=int, default=[64, 128])
     ap.add_argument("--warps", nargs="+", type=int, default=[4, 8])
     ap.add_argument("--stages", nargs="+", type=int, default=[2, 3])
-    ap.add_argument("--tma", nargs="+", type=int, default=[0, 1])
+    ap.add_argument("--tma", nargs="+", type=int, default=[0, 1],
+                    help="0 pointer loads, 1 descriptors made by each program, 2 made on the host")
+    ap.add_argument("--modes", nargs="+", choices=["dense", "acp"], default=["dense", "acp"])
+    ap.add_argument("--keep-switches", action="store_true",
+                    help="each option keeps the default config's other switches (PAIRS, LOOPS)")
     ap.add_argument("--gluon", action="store_true",
                     help="also gluon_fwd.py's Hopper kernel (dense), the options GLUON_OPTIONS")
     ap.add_argument("--only-gluon", action="store_true", help="the default and the Gluon options only")
@@ -97,7 +101,7 @@ def main() -> None:
         bs = triton_block_start(c_hi, c_lo, acp_delta("auto", math.exp(-10), q, k, p), p)
         qt, kt, vt = (x.transpose(1, 2) for x in (q, k, v))
         sdpa = _ms(lambda: F.scaled_dot_product_attention(qt, kt, vt, is_causal=True))
-        for acp in (False, True):
+        for acp in [m == "acp" for m in args.modes]:
             bsx = bs if acp else None
             o = torch.empty_like(q)
             lse = torch.empty_like(c_hi)
@@ -129,7 +133,9 @@ def main() -> None:
                     bm, bn, w, st, tma = opt
                     if acp and 64 % bn:
                         continue
-                    cfg = dict(BM=bm, BN=bn, num_warps=w, num_stages=st, TMA=bool(tma))
+                    cfg = dict(BM=bm, BN=bn, num_warps=w, num_stages=st, TMA=(False, True, "host")[tma])
+                    if args.keep_switches:
+                        cfg = {**default, **cfg}
                 row = dict(T=t, D=d, H=h, B=b, acp=acp, config=cfg if opt else "default",
                            sdpa_default_ms=sdpa)
                 try:

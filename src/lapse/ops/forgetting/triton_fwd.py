@@ -261,11 +261,18 @@ def fwd_config(d: int, dtype_bytes: int, acp: bool = False) -> dict:
     0.110 + 1.128 against 0.154 + 1.085 (host descriptors lose there, 0.245 + 1.399). D 64
     dense with host descriptors: 1.463 / 5.235 against 1.462 / 5.102 ms at 4k / 16k, so it
     keeps the program's own (``TMA=True``).
+
+    D 64 dense takes 3 stages since its diagonal loop lost its 64-bit compares and the dense
+    kernel its edge loop (sixteenth session; ``docs/bench/session16/h200-fwd-bm64.json``,
+    ``h100-fwd-d64.json``), ms at T 4k / 16k against 2 stages: H200 1.351 / 4.847 against
+    1.447 / 5.194; H100 1.339 / 5.034 against 1.428 / 5.073. Host descriptors were faster on
+    the H100 at 4k (1.286) and not at 16k (5.424), within that run's noise (the same config
+    timed twice there differed by 6% at 16k): not taken.
     """
     if d <= 64:
         if acp:
             return dict(BM=128, BN=64, num_warps=4, num_stages=3, TMA="host", PAIRS=True)
-        return dict(BM=128, BN=64, num_warps=4, num_stages=2, TMA=True, PAIRS=False)
+        return dict(BM=128, BN=64, num_warps=4, num_stages=3, TMA=True, PAIRS=False)
     if d <= 128:
         if acp:
             return dict(BM=64, BN=64, num_warps=4, num_stages=3, PAIRS=False, LOOPS=3)
