@@ -267,11 +267,13 @@ def fwd_config(d: int, dtype_bytes: int, acp: bool = False) -> dict:
     ``h100-fwd-d64.json``), ms at T 4k / 16k against 2 stages: H200 1.351 / 4.847 against
     1.447 / 5.194; H100 1.339 / 5.034 against 1.428 / 5.073. Host descriptors were faster on
     the H100 at 4k (1.286) and not at 16k (5.424), within that run's noise (the same config
-    timed twice there differed by 6% at 16k): not taken.
+    timed twice there differed by 6% at 16k): not taken. D 64 ACP takes 64-row tiles (one
+    ACP block: every row of a tile keeps the same keys, so no edge loop runs; H200,
+    ``h200-acp-fwd-d64.json``): 0.612 / 1.724 ms against 0.652 / 1.797 with 128 rows.
     """
     if d <= 64:
         if acp:
-            return dict(BM=128, BN=64, num_warps=4, num_stages=3, TMA="host", PAIRS=True)
+            return dict(BM=64, BN=64, num_warps=4, num_stages=3, TMA="host", PAIRS=True)
         return dict(BM=128, BN=64, num_warps=4, num_stages=3, TMA=True, PAIRS=False)
     if d <= 128:
         if acp:
