@@ -2,14 +2,14 @@
 
 A kernel change is judged by timing both versions on the same GPU in the same process:
 ``--prepare REV`` (on a machine with the repository's git history) writes REV's
-``triton_fwd.py`` and ``triton_bwd.py`` to ``ab_old/`` with absolute imports, and the run
-(on the GPU, where the working tree is copied with ``ab_old/``) times the forward and the
+``triton_fwd.py`` and ``triton_bwd.py`` to ``ab_old/`` (git-ignored: carry it to the GPU)
+with absolute imports, and the run times the forward and the
 backward of both on the issue-2 workload (B x T = 32k; 24 heads of 64 or 12 of 128),
 dense and with ACP, beside SDPA's default backend. Each output is checked against the
 other version's (relative difference) after both wrote into NaN-poisoned buffers.
 
     python scripts/ab_fox_kernels.py --prepare 3deaf5d            # here
-    bash scripts/gpu.sh python3 scripts/ab_fox_kernels.py --out ab.json   # on the GPU
+    bash scripts/gpu.sh python3 scripts/ab_fox_kernels.py --out ab.json   # on the GPU, carry ab_old
 
 ACP's efficiency is ``t_dense * (1 - pruned) / t_acp`` with each version's own dense time.
 """

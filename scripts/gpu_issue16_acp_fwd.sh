@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Issue 16, sixteenth session: the ACP forward's tiles, warps, stages and descriptors at D 64
 # and 128 (tune_fox_fwd.py --modes acp --keep-switches), since its edges lost their per-pair
-# mask; then this tree's kernels against ab_old/'s (scripts/ab_fox_kernels.py).
+# mask; then this tree's kernels against ab_old/'s (scripts/ab_fox_kernels.py; carry ab_old).
 # Usage, from the repo root: bash scripts/gpu.sh bash scripts/gpu_issue16_acp_fwd.sh
 set -uo pipefail
 export PYTHONUNBUFFERED=1

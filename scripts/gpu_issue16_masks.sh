@@ -2,7 +2,7 @@
 # Issue 16, sixteenth session: the kernels' masks (ACP through each row's bias, 32-bit causal
 # compares): the GPU tests of the FoX kernels, then this tree's kernels against REV's in one
 # process (scripts/ab_fox_kernels.py; run `python3 scripts/ab_fox_kernels.py --prepare REV`
-# here first, so that ab_old/ travels with the tree).
+# here first, and carry ab_old/ to the GPU).
 # Usage, from the repo root: bash scripts/gpu.sh bash scripts/gpu_issue16_masks.sh
 set -uo pipefail
 export PYTHONUNBUFFERED=1

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Issue 16, sixteenth session, at the final tables: the GPU tests of the FoX kernels, this
 # tree's kernels against ab_old/'s (scripts/ab_fox_kernels.py --prepare REV first), then
-# lapse bench attention at D 64 and 128 (carry .whl for the CLI).
+# lapse bench attention at D 64 and 128 (carry ab_old and .whl, for the CLI).
 # Usage, from the repo root: bash scripts/gpu.sh bash scripts/gpu_issue16_s16.sh
 set -uo pipefail
 export PYTHONUNBUFFERED=1

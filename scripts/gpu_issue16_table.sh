@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Issue 16, sixteenth session: the forward's pipeline depth and descriptor mode per GPU, each
 # option keeping the default config's other switches (tune_fox_fwd.py --keep-switches); with
-# AB=1 first this tree's kernels against ab_old/'s (scripts/ab_fox_kernels.py --prepare REV).
+# AB=1 first this tree's kernels against ab_old/'s (scripts/ab_fox_kernels.py --prepare REV;
+# carry ab_old).
 # Usage, from the repo root: bash scripts/gpu.sh bash scripts/gpu_issue16_table.sh
 set -uo pipefail
 export PYTHONUNBUFFERED=1
