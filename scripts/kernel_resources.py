@@ -9,6 +9,13 @@ promise, whatever the timing says about its configuration.
     python scripts/kernel_resources.py                 # the default configs
     python scripts/kernel_resources.py --sweep          # and the options of tune_fox_fwd.py
     python scripts/kernel_resources.py --gluon          # gluon_fwd.py's options, and its MMA waits
+    python scripts/kernel_resources.py --loops          # and each loop's instructions (nvdisasm)
+
+``serialized`` flags ptxas's warning C7515: it waits for each warpgroup product before the
+next (non-product instructions write a product's accumulator inside the pipeline stage),
+which a kernel can trigger by an unrelated change. ``--loops`` counts the instructions one
+thread issues per step of each loop in the disassembly (innermost first; a masked loop
+against the interior one shows what its mask costs).
 
 The integer arguments are marked divisible by 16 (strides, lengths), as Triton
 specializes them at a real launch of the issue-2 workload.
@@ -40,6 +47,9 @@ PTRS_CASTLE = {**{n: "*bf16" for n in ("QC", "KC", "VC", "QU", "KU", "VU", "DO")
 FLOATS = ("qk_scale", "scale")
 
 
+LOOPS = False  # --loops: also each loop's instruction count
+
+
 def resources(kernel, ptrs: dict, const: dict, warps: int, stages: int, arch: int = 90,
               maxnreg: int | None = None) -> str:
     """``ptxas -v``'s summary of ``kernel`` compiled with ``const`` for sm_``arch`` (registers
@@ -59,7 +69,8 @@ def resources(kernel, ptrs: dict, const: dict, warps: int, stages: int, arch: in
                     attrs={(i,): [["tt.divisibility", 16]] for i in aligned})
     k = triton.compile(src, target=GPUTarget("cuda", arch, 32),
                        options=dict(num_warps=warps, num_stages=stages, maxnreg=maxnreg))
-    return f"{_ptxas(k.asm['ptx'], arch)}; shared {k.metadata.shared} B"
+    out = f"{_ptxas(k.asm['ptx'], arch)}; shared {k.metadata.shared} B"
+    return f"{out}; loops {loop_sizes(k.asm['cubin'])}" if LOOPS else out
 
 
 def _ptxas(ptx: str, arch: int) -> str:
@@ -73,7 +84,34 @@ def _ptxas(ptx: str, arch: int) -> str:
     lines = [x.split("info    : ")[-1].strip() for x in (out.stdout + out.stderr).splitlines()]
     used = next((x for x in lines if x.startswith("Used")), "?").split(",")[0]
     spill = next((x for x in lines if "spill" in x), "?")
-    return f"{used}; {spill}"
+    serial = "; serialized (C7515)" if any("C7515" in x for x in lines) else ""
+    return f"{used}; {spill}{serial}"
+
+
+def loop_sizes(cubin: bytes) -> str:
+    """Instructions in each loop of ``cubin`` (a backward branch and its target, in the order
+    of the disassembly; loops of 3 or fewer, a barrier's spin, left out)."""
+    import re
+
+    nvdisasm = os.path.join(os.path.dirname(triton.__file__), "backends/nvidia/bin/nvdisasm")
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(cubin)
+        f.flush()
+        text = subprocess.run([nvdisasm, "-c", f.name], capture_output=True, text=True).stdout
+    addr, labels, pending, branches = [], {}, [], []
+    for line in text.splitlines():
+        if m := re.match(r"^(\.L_x_\d+):", line):
+            pending.append(m.group(1))
+        elif m := re.match(r"\s*/\*([0-9a-f]{4,})\*/\s+(.*?)\s*;", line):
+            a = int(m.group(1), 16)
+            labels.update((x, a) for x in pending)
+            pending = []
+            addr.append(a)
+            if b := re.search(r"BRA.*?(\.L_x_\d+)", m.group(2)):
+                branches.append((a, b.group(1)))
+    index = {a: i for i, a in enumerate(addr)}
+    sizes = [index[a] - index[labels[t]] + 1 for a, t in branches if labels.get(t, a) < a]
+    return " ".join(str(n) for n in sizes if n > 3) or "none"
 
 
 def main() -> None:
@@ -82,7 +120,10 @@ def main() -> None:
     ap.add_argument("--bwd-sweep", action="store_true", help="also dK/dV and dQ tiles, warps and stages")
     ap.add_argument("--castle", action="store_true", help="CASTLE's key-major kernels instead")
     ap.add_argument("--gluon", action="store_true", help="gluon_fwd.py's Hopper forward instead")
+    ap.add_argument("--loops", action="store_true", help="also each loop's instructions a step")
     args = ap.parse_args()
+    global LOOPS
+    LOOPS = args.loops
     if args.castle:
         castle()
         return
