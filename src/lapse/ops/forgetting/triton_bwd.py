@@ -82,7 +82,7 @@ def _rows_kernel(O, DO, LSE, DLSE, CHI, CLO, ROWS, CU, stride_ob, stride_ot, str
 @triton.jit
 def _dkdv_inner(
     b_dk, b_dv, b_dcc,
-    b_k, b_v, b_ck, o_n,
+    b_k, b_v, b_ck, o_n, k0,
     p_q, p_do, p_rows, p_chi, p_bs, c_ref,
     p_dqa, p_dcra,
     stride_qt, stride_dot, stride_dqat,
@@ -111,20 +111,26 @@ def _dkdv_inner(
             b_lse = tl.load(p_rows + o_m * 4, mask=m_m, other=0.0)
             b_delta = tl.load(p_rows + o_m * 4 + 1, mask=m_m, other=0.0)
             b_chi = tl.load(p_chi + tl.minimum(o_abs, tq + off - 1))
-        # [BN, BM] transposed scores, base 2
+        # the query's c_lo is in its lse (_query_rows): one load a step less
         if BIAS == 1 or BIAS == 3:  # the bias (3: without the gate sums)
-            # the query's c_lo is in its lse (_query_rows): one load a step less
             b_cq = (b_chi - c_ref) * LOG2E_TL
-            b_st = tl.dot(b_k, tl.trans(b_q), input_precision=DOT_PREC) * qk_scale \
-                + (b_cq[None, :] - b_ck[:, None])
         else:  # plain causal softmax attention: a timing diagnostic only (issue 16)
-            b_st = tl.dot(b_k, tl.trans(b_q), input_precision=DOT_PREC) * qk_scale
-        if MASKED:
-            keep = (o_n[:, None] <= o_abs[None, :]) & m_m[None, :]
+            b_cq = tl.zeros([BM], dtype=tl.float32)
+        if MASKED:  # rows past the end, and with ACP rows whose first kept key is past this
+            # tile (BN divides the ACP block: kept or pruned whole), get -inf through their bias
+            row_ok = m_m
             if USE_ACP:
                 b_kstart = tl.load(p_bs + o_m // G, mask=m_m, other=0) * G
-                keep = keep & (o_n[:, None] >= b_kstart[None, :])
-            b_st = tl.where(keep, b_st, float("-inf"))
+                row_ok = row_ok & (k0 >= b_kstart)
+            b_cq = tl.where(row_ok, b_cq, float("-inf"))
+        # [BN, BM] transposed scores, base 2
+        b_st = tl.dot(b_k, tl.trans(b_q), input_precision=DOT_PREC) * qk_scale
+        if BIAS == 1 or BIAS == 3:
+            b_st += b_cq[None, :] - b_ck[:, None]
+        elif MASKED:
+            b_st += b_cq[None, :]
+        if MASKED == 2:  # and the causal mask, in 32-bit positions (64-bit: two compares a pair)
+            b_st = tl.where(o_n.to(tl.int32)[:, None] <= o_abs.to(tl.int32)[None, :], b_st, float("-inf"))
         b_pt = tl.math.exp2(b_st - b_lse[None, :])
         b_dv = tl.dot(b_pt.to(b_do.dtype), b_do, b_dv, input_precision=DOT_PREC)
         # [BN, BM]
@@ -203,6 +209,7 @@ def _bwd_dkdv_kernel(
     for g in range(0, GROUP):
         i_h = i_hk * GROUP + g
         if USE_ACP:
+            tl.static_assert(G % BN == 0, "with ACP a key tile divides the ACP block")
             p_be = BEND + (i_b * HQ + i_h) * NB
             q_full = tl.load(p_be + k0 // G) * G
             q_end = tl.minimum(tl.load(p_be + (tl.minimum(k0 + BN, tk) - 1) // G) * G, tq)
@@ -228,23 +235,23 @@ def _bwd_dkdv_kernel(
         ns_m: tl.constexpr = 1 if LOOPS >= 2 else None
         run_lo, run_mid, run_hi = loop_runs(q_lo, a, b, q_end, LOOPS)
         if run_lo:
-            b_dk, b_dv, b_dcc = _dkdv_inner(b_dk, b_dv, b_dcc, b_k, b_v, b_ck, o_n, p_q, p_do, p_rows,
+            b_dk, b_dv, b_dcc = _dkdv_inner(b_dk, b_dv, b_dcc, b_k, b_v, b_ck, o_n, k0, p_q, p_do, p_rows,
                                             p_chi, p_bs, c_ref, p_dqa, p_dcra,
                                             stride_qt, stride_dot, stride_dqat,
                                             q_lo, a, tq, off, qk_scale, o_d, m_d,
-                                            BM, G, True, USE_ACP, DOT_PREC, FUSE_DQ, BIAS, ROWS4, ns_m)
+                                            BM, G, 2, USE_ACP, DOT_PREC, FUSE_DQ, BIAS, ROWS4, ns_m)
         if run_mid:
-            b_dk, b_dv, b_dcc = _dkdv_inner(b_dk, b_dv, b_dcc, b_k, b_v, b_ck, o_n, p_q, p_do, p_rows,
+            b_dk, b_dv, b_dcc = _dkdv_inner(b_dk, b_dv, b_dcc, b_k, b_v, b_ck, o_n, k0, p_q, p_do, p_rows,
                                             p_chi, p_bs, c_ref, p_dqa, p_dcra,
                                             stride_qt, stride_dot, stride_dqat,
                                             a, b, tq, off, qk_scale, o_d, m_d,
-                                            BM, G, False, USE_ACP, DOT_PREC, FUSE_DQ, BIAS, ROWS4)
+                                            BM, G, 0, USE_ACP, DOT_PREC, FUSE_DQ, BIAS, ROWS4)
         if run_hi:
-            b_dk, b_dv, b_dcc = _dkdv_inner(b_dk, b_dv, b_dcc, b_k, b_v, b_ck, o_n, p_q, p_do, p_rows,
+            b_dk, b_dv, b_dcc = _dkdv_inner(b_dk, b_dv, b_dcc, b_k, b_v, b_ck, o_n, k0, p_q, p_do, p_rows,
                                             p_chi, p_bs, c_ref, p_dqa, p_dcra,
                                             stride_qt, stride_dot, stride_dqat,
                                             b, q_end, tq, off, qk_scale, o_d, m_d,
-                                            BM, G, True, USE_ACP, DOT_PREC, FUSE_DQ, BIAS, ROWS4, ns_m)
+                                            BM, G, 1, USE_ACP, DOT_PREC, FUSE_DQ, BIAS, ROWS4, ns_m)
         tl.store(DCC + (i_bt * HQ + i_h) * TC + bos + o_n, b_dcc, mask=m_n)
     p_dk = DK + i_bt * stride_dkb + (bos + o_n[:, None]) * stride_dkt + i_hk * stride_dkh + o_d[None, :]
     p_dv = DV + i_bt * stride_dvb + (bos + o_n[:, None]) * stride_dvt + i_hk * stride_dvh + o_d[None, :]
