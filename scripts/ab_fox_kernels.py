@@ -19,19 +19,17 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
-import math
 import os
 import subprocess
 import sys
 
 import torch
 import torch.nn.functional as F
-from tune_fox_fwd import _dump, _issue2, _ms  # the same workload, timer, output (scripts/ on the path)
+from tune_fox_fwd import _dump, _ms, _prepared  # the same workload, timer, output (scripts/ on the path)
 
 from lapse.ops.forgetting import set_value_checks, triton_bwd, triton_fwd
-from lapse.ops.forgetting.common import acp_delta, pruned_fraction, validate
-from lapse.ops.forgetting.pruning import block_end_from_start, triton_block_start
-from lapse.ops.forgetting.triton_ops import triton_gate_cumsum
+from lapse.ops.forgetting.common import pruned_fraction
+from lapse.ops.forgetting.pruning import block_end_from_start
 
 OLD = "ab_old"
 SRC = "src/lapse/ops/forgetting"
@@ -80,10 +78,7 @@ def main() -> None:
     set_value_checks(False)
     rows = []
     for shape in args.shapes:
-        t, d, h, b, (q, k, v, lg) = _issue2(shape)
-        p = validate(q, k, v, lg, None, None, "triton")
-        c_hi, c_lo = triton_gate_cumsum(lg, p)
-        bs_acp = triton_block_start(c_hi, c_lo, acp_delta("auto", math.exp(-10), q, k, p), p)
+        t, d, h, b, q, k, v, p, c_hi, c_lo, bs_acp = _prepared(shape)
         do = torch.randn_like(q)
         qt, kt, vt = (x.transpose(1, 2).detach().requires_grad_() for x in (q, k, v))
         sdpa_f = _ms(lambda: F.scaled_dot_product_attention(qt, kt, vt, is_causal=True))

@@ -25,16 +25,13 @@ from __future__ import annotations
 
 import argparse
 import itertools
-import math
 
 import torch
 import torch.nn.functional as F
-from tune_fox_fwd import _dump, _issue2, _ms  # the same workload, timer, output (scripts/ on the path)
+from tune_fox_fwd import _dump, _ms, _prepared  # the same workload, timer, output (scripts/ on the path)
 
 from lapse.ops.forgetting import set_value_checks, triton_bwd, triton_fwd
-from lapse.ops.forgetting.common import acp_delta, validate
-from lapse.ops.forgetting.pruning import block_end_from_start, triton_block_start
-from lapse.ops.forgetting.triton_ops import triton_gate_cumsum
+from lapse.ops.forgetting.pruning import block_end_from_start
 
 # (BM, BN, warps, stages) by head dim: dK/dV options that spill nothing compiled for sm_90
 # since 96b5d97 (docs/bench/sm90-fox-kernel-resources-96b5d97.txt; the default spills
@@ -77,11 +74,8 @@ def main() -> None:
     set_value_checks(False)
     rows = []
     for shape in args.shapes:
-        t, d, h, b, (q, k, v, lg) = _issue2(shape)
+        t, d, h, b, q, k, v, p, c_hi, c_lo, bs = _prepared(shape)
         do = torch.randn_like(q)
-        p = validate(q, k, v, lg, None, None, "triton")
-        c_hi, c_lo = triton_gate_cumsum(lg, p)
-        bs = triton_block_start(c_hi, c_lo, acp_delta("auto", math.exp(-10), q, k, p), p)
         be = block_end_from_start(bs, p)
         qt, kt, vt = (x.transpose(1, 2).detach().requires_grad_() for x in (q, k, v))
 

@@ -57,6 +57,16 @@ def _issue2(shape: str):
     return t, d, h, 32768 // t, _workload(32768 // t, t, h, d)
 
 
+def _prepared(shape: str):
+    """The issue-2 workload of ``shape`` ready for the kernels: ``(T, D, heads, B, q, k, v,
+    problem, c_hi, c_lo, ACP block starts)``."""
+    t, d, h, b, (q, k, v, lg) = _issue2(shape)
+    p = validate(q, k, v, lg, None, None, "triton")
+    c_hi, c_lo = triton_gate_cumsum(lg, p)
+    bs = triton_block_start(c_hi, c_lo, acp_delta("auto", math.exp(-10), q, k, p), p)
+    return t, d, h, b, q, k, v, p, c_hi, c_lo, bs
+
+
 def _dump(path: str, rows: list[dict]) -> None:
     """The rows as JSON, with the device and versions."""
     with open(path, "w") as f:
@@ -95,10 +105,7 @@ def main() -> None:
     set_value_checks(False)
     rows = []
     for shape in args.shapes:
-        t, d, h, b, (q, k, v, lg) = _issue2(shape)
-        p = validate(q, k, v, lg, None, None, "triton")
-        c_hi, c_lo = triton_gate_cumsum(lg, p)
-        bs = triton_block_start(c_hi, c_lo, acp_delta("auto", math.exp(-10), q, k, p), p)
+        t, d, h, b, q, k, v, p, c_hi, c_lo, bs = _prepared(shape)
         qt, kt, vt = (x.transpose(1, 2) for x in (q, k, v))
         sdpa = _ms(lambda: F.scaled_dot_product_attention(qt, kt, vt, is_causal=True))
         for acp in [m == "acp" for m in args.modes]:
