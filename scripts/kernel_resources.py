@@ -10,6 +10,7 @@ promise, whatever the timing says about its configuration.
     python scripts/kernel_resources.py --sweep          # and the options of tune_fox_fwd.py
     python scripts/kernel_resources.py --gluon          # gluon_fwd.py's options, and its MMA waits
     python scripts/kernel_resources.py --loops          # and each loop's instructions (nvdisasm)
+    python scripts/kernel_resources.py --fused          # the fused backward's options, both dQ adds
 
 ``serialized`` flags ptxas's warning C7515: it waits for each warpgroup product before the
 next (non-product instructions write a product's accumulator inside the pipeline stage),
@@ -121,9 +122,13 @@ def main() -> None:
     ap.add_argument("--castle", action="store_true", help="CASTLE's key-major kernels instead")
     ap.add_argument("--gluon", action="store_true", help="gluon_fwd.py's Hopper forward instead")
     ap.add_argument("--loops", action="store_true", help="also each loop's instructions a step")
+    ap.add_argument("--fused", action="store_true", help="the fused backward's options (tune_fox_bwd.py's)")
     args = ap.parse_args()
     global LOOPS
     LOOPS = args.loops
+    if args.fused:
+        fused()
+        return
     if args.castle:
         castle()
         return
@@ -166,6 +171,33 @@ def main() -> None:
                         info = f"{type(e).__name__}: {str(e)[:80]}"
                     print(f"{name} D {d} acp {int(acp)} BM {bm} BN {bn} warps {w} stages {st} {tag}: {info}",
                           flush=True)
+
+def fused() -> None:
+    """The fused backward (dK/dV kernel with ``FUSE_DQ``) at ``tune_fox_bwd.py``'s options,
+    dQ added a thread an element (1) and by the tensor-memory engine (2, a descriptor over
+    ``[B * Tq, HQ * D]`` float32 in the signature)."""
+    import torch
+    from triton.runtime.jit import mangle_type
+    from triton.tools.tensor_descriptor import TensorDescriptor
+    from tune_fox_bwd import FUSED
+
+    x = torch.empty(64, 512, dtype=torch.float32)  # only the descriptor's type matters
+    for d in (64, 128):
+        for acp in (False, True):
+            base = dict(D=d, BD=d, G=64, IS_VARLEN=False, USE_ACP=acp, DOT_PREC="tf32", ROWS4=True,
+                        LOOPS=1 if acp else 0)
+            for bm, bn, w, st in FUSED[d]:
+                if acp and (64 % bm or 64 % bn):
+                    continue
+                for fuse in (1, 2):
+                    ptrs = dict(PTRS_BWD)
+                    if fuse == 2:
+                        ptrs["DQA"] = mangle_type(TensorDescriptor(x, list(x.shape), list(x.stride()), [bm, d]))
+                    info = resources(triton_bwd._bwd_dkdv_kernel, ptrs, dict(base, BM=bm, BN=bn, FUSE_DQ=fuse),
+                                     w, st)
+                    print(f"fused D {d} acp {int(acp)} BM {bm} BN {bn} warps {w} stages {st} FUSE_DQ {fuse}: "
+                          f"{info}", flush=True)
+
 
 def gluon() -> None:
     """``gluon_fwd.py``'s forward at the options ``tune_fox_fwd.py --only-gluon`` times: its

@@ -14,8 +14,9 @@ first. Registers and spills of each option: ``scripts/kernel_resources.py --bwd-
 
 Measured in the eleventh session (docs/bench/session11/h100-issue16-bwd-fox-bwd.json): no
 option beat the defaults. Now by default it times the fused backward (``FUSE_DQ``: one
-kernel, dQ through atomics; options that spill at most 200 B compiled for sm_90) against
-the two-kernel default; ``--sweep`` adds the separate kernels' options again.
+kernel, dQ through atomics; ``--fuse-modes``: a thread an element, or a tile at a time by
+the tensor-memory engine) against the two-kernel default; ``--sweep`` adds the separate
+kernels' options again.
 
     python scripts/tune_fox_bwd.py --out fox_bwd.json
 """
@@ -41,10 +42,14 @@ DKDV = {
          (16, 128, 8, 2)],
     128: [(32, 32, 4, 3), (32, 64, 8, 2), (64, 32, 4, 3), (64, 32, 8, 2), (16, 64, 8, 2), (16, 128, 8, 2)],
 }
-# (BM, BN, warps, stages) of the fused kernel: spills of 24-192 B per thread at sm_90
+# (BM, BN, warps, stages) of the fused kernel. With dQ added a thread an element
+# (FUSE_DQ=True) spills of 24-192 B per thread at sm_90; with bulk adds (FUSE_DQ="tma")
+# none at D 64 for 32 x 64 / 4 warps and BM 16-32 x 128 / 8 warps (scripts/kernel_resources.py
+# --fused). With ACP a key tile divides the 64-key block, so BN 128 is dense only; 128-key
+# tiles halve the float32 dQ traffic of the adds.
 FUSED = {
-    64: [(32, 64, 4, 3), (32, 128, 8, 2), (16, 64, 4, 3), (16, 128, 8, 2)],
-    128: [(32, 128, 8, 2), (16, 128, 8, 2), (16, 64, 4, 3), (32, 64, 8, 2)],
+    64: [(32, 64, 4, 3), (32, 128, 8, 2), (32, 128, 8, 3), (16, 128, 8, 2), (16, 64, 4, 3), (64, 128, 8, 2)],
+    128: [(32, 128, 8, 2), (16, 128, 8, 2), (16, 64, 4, 3), (32, 64, 8, 2), (32, 64, 4, 3)],
 }
 DQ = {
     64: [(64, 64, 8, 2), (128, 64, 8, 2), (128, 32, 8, 2), (64, 32, 4, 2)],
@@ -63,6 +68,9 @@ def main() -> None:
     ap.add_argument("--out", default="fox_bwd.json")
     ap.add_argument("--sweep", action="store_true", help="also the separate kernels' options")
     ap.add_argument("--no-fused", action="store_true", help="leave out the fused kernel's options")
+    ap.add_argument("--fuse-modes", nargs="+", default=["tma"], choices=["atomics", "tma"],
+                    help="the fused kernel's dQ adds: a thread an element (FUSE_DQ=True), or a tile "
+                         "by the tensor-memory engine (FUSE_DQ='tma')")
     ap.add_argument("--rows4-off", action="store_true",
                     help="also the dK/dV kernel reading lse, delta and c_hi as three loads (ROWS4=False) "
                          "and the dQ kernel reading c_hi and c_lo as two (PAIRS=False)")
@@ -101,8 +109,10 @@ def main() -> None:
             # the rows (delta, lse less c_lo) made by the dQ kernel run first, or by a launch of their own
             options += [("make-rows", kv0, dict(q0, MAKE_ROWS=not q0.get("MAKE_ROWS", False)))]
             if not args.no_fused:
-                options += [("fused", dict(BM=bm, BN=bn, num_warps=w, num_stages=st, FUSE_DQ=True), q0)
-                            for bm, bn, w, st in FUSED[d] if not (acp and 64 % bm)]
+                options += [(f"fused-{mode}", dict(BM=bm, BN=bn, num_warps=w, num_stages=st,
+                                                   FUSE_DQ="tma" if mode == "tma" else True), q0)
+                            for mode in args.fuse_modes
+                            for bm, bn, w, st in FUSED[d] if not (acp and (64 % bm or 64 % bn))]
             if args.rows4_off:
                 options += [("rows4-off", dict(kv0, ROWS4=False), q0)]
                 options += [("pairs-off", kv0, dict(q0, PAIRS=False))]
@@ -135,7 +145,7 @@ def main() -> None:
         default = next(r for r in ok if r["varied"] == "default")
         out = [f"{t} {d} {int(acp)} | {default['bwd_ms']:.3f}"]
         for varied in ("fused", "dkdv", "dq"):
-            mine = [r for r in ok if r["varied"] == varied] or [default]
+            mine = [r for r in ok if r["varied"].startswith(varied)] or [default]
             best = min(mine, key=lambda r: r["bwd_ms"])
             out.append(f"{best['bwd_ms']:.3f} {best['dq' if varied == 'dq' else 'dkdv']}")
         print(" | ".join(out))

@@ -17,6 +17,7 @@ dropped tile or a wrong mask gives errors above 1e-2).
 from __future__ import annotations
 
 import math
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -372,15 +373,16 @@ def _check_descriptors(case):
         assert torch.equal(o0, o1) and torch.equal(l0, l1)
 
 
-def _fuse_dq(monkeypatch):
-    """Makes the Triton backward take one kernel with dQ through atomics (``FUSE_DQ``)."""
+def _fuse_dq(monkeypatch, mode=True):
+    """Makes the Triton backward take one kernel with dQ through atomics (``FUSE_DQ``:
+    ``True`` a thread an element, ``"tma"`` a tile at a time by the tensor-memory engine)."""
     from lapse.ops.forgetting import triton_bwd
 
     plain = triton_bwd.bwd_config
 
     def fused(*args, **kwargs):
         kv, q = plain(*args, **kwargs)
-        return dict(kv, FUSE_DQ=True), q
+        return dict(kv, FUSE_DQ=mode), q
 
     monkeypatch.setattr(triton_bwd, "bwd_config", fused)
 
@@ -397,10 +399,43 @@ def test_backward_with_dq_through_atomics_matches_naive(case, monkeypatch):
     _check_cpu(case, seed=case[1] + case[2] + case[5])
 
 
+# D 64 (a power of two: the tensor-memory engine's adds take a head's D columns whole):
+# batch rows whose last query tile runs past the sequence (its rows add zeros into the next
+# row's dQ), Tq < Tk, ACP, packed sequences
+TMA_CASES = [
+    (2, 63, 63, 4, 2, 64, "mixed", None, None),
+    (1, 63, 257, 2, 1, 64, "fast", 1.0, None),
+    (1, 257, 257, 2, 1, 64, "fast", "auto", [0, 1, 70, 257]),
+]
+
+
+@pytest.mark.parametrize("case", TMA_CASES, ids=[_id(c) for c in TMA_CASES])
+def test_backward_with_dq_through_bulk_adds_matches_naive(case, monkeypatch):
+    """``FUSE_DQ="tma"``: each tile's dQ added to a float32 buffer by one bulk operation of
+    the tensor-memory engine (a descriptor over ``[B * Tq, HQ * D]``). The interpreter has no
+    bulk adds, so on the CPU the kernel adds the same rows of that view by pointers, clipped
+    only at its end (``FUSE_DQ`` 3): what this checks is that a tile's rows past its
+    sequence add nothing to the next one's dQ."""
+    from lapse.ops.forgetting import triton_bwd
+
+    if torch.cuda.is_available():
+        pytest.skip("interpreter shapes; the GPU runs test_backward_with_dq_through_bulk_adds_gpu")
+    _fuse_dq(monkeypatch, "tma")
+    assert triton_bwd._fuse_mode("tma", torch.zeros(1, 2, 2, 64), SimpleNamespace(d=64)) == 3
+    _check_cpu(case, seed=case[1] + case[2] + case[5])
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("case", GPU_CASES, ids=[_id(c) for c in GPU_CASES])
 def test_backward_with_dq_through_atomics_gpu(case, monkeypatch):
     _fuse_dq(monkeypatch)
+    _check_gpu(case)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", GPU_CASES, ids=[_id(c) for c in GPU_CASES])
+def test_backward_with_dq_through_bulk_adds_gpu(case, monkeypatch):
+    _fuse_dq(monkeypatch, "tma")
     _check_gpu(case)
 
 

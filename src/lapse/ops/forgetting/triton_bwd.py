@@ -84,7 +84,7 @@ def _dkdv_inner(
     b_dk, b_dv, b_dcc,
     b_k, b_v, b_ck, o_n, k0,
     p_q, p_do, p_rows, p_chi, p_bs, c_ref,
-    p_dqa, p_dcra,
+    p_dqa, p_dcra, dq_row, dq_col, dq_rows,
     stride_qt, stride_dot, stride_dqat,
     lo, hi, tq, off, qk_scale,
     o_d, m_d,
@@ -142,8 +142,17 @@ def _dkdv_inner(
         b_dk = tl.dot(b_dst_lo, b_q, b_dk, input_precision=DOT_PREC)
         if FUSE_DQ:  # this tile's share of dQ (unscaled) and of the row sums of dS
             b_dq = tl.dot(tl.trans(b_dst_lo), b_k, input_precision=DOT_PREC)  # [BM, BD]
-            tl.atomic_add(p_dqa + o_m[:, None] * stride_dqat + o_d[None, :], b_dq,
-                          mask=m_m[:, None] & m_d[None, :], sem="relaxed")
+            if FUSE_DQ == 2:  # one bulk add from shared memory by the tensor-memory engine;
+                # rows past the sequence add zeros (their dS is 0) to the next one's
+                p_dqa.atomic_add([tl.cast(dq_row + start, tl.int32), dq_col], b_dq)
+            elif FUSE_DQ == 3:  # the interpreter's stand-in for 2 (it has no bulk adds): the
+                # same rows of the [B * Tq, HQ * D] view, clipped at its end only
+                o_r = dq_row + o_m
+                tl.atomic_add(p_dqa + o_r[:, None] * stride_dqat + dq_col + o_d[None, :], b_dq,
+                              mask=(o_r < dq_rows)[:, None] & m_d[None, :], sem="relaxed")
+            else:  # an atomic add a thread an element
+                tl.atomic_add(p_dqa + o_m[:, None] * stride_dqat + o_d[None, :], b_dq,
+                              mask=m_m[:, None] & m_d[None, :], sem="relaxed")
             tl.atomic_add(p_dcra + o_m, tl.sum(b_dst, 0), mask=m_m, sem="relaxed")
     return b_dk, b_dv, b_dcc
 
@@ -158,7 +167,7 @@ def _bwd_dkdv_kernel(
     stride_dkb, stride_dkt, stride_dkh,
     stride_dvb, stride_dvt, stride_dvh,
     stride_dqab, stride_dqat, stride_dqah,
-    qk_scale, scale, TQ, TK, TC, HQ, H, MB, NB,
+    qk_scale, scale, TQ, TK, TC, HQ, H, MB, NB, DQ_ROWS,
     D: tl.constexpr, BD: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
     G: tl.constexpr, GROUP: tl.constexpr, IS_VARLEN: tl.constexpr, USE_ACP: tl.constexpr,
     DOT_PREC: tl.constexpr, FUSE_DQ: tl.constexpr, BIAS: tl.constexpr = 1, ROWS4: tl.constexpr = False,
@@ -227,7 +236,12 @@ def _bwd_dkdv_kernel(
         p_do = DO + i_bt * stride_dob + bos * stride_dot + i_h * stride_doh
         p_rows = ROWS + ((i_bt * HQ + i_h) * TC + bos) * 4
         p_bs = BSTART + (i_b * HQ + i_h) * MB
-        p_dqa = DQA + i_bt * stride_dqab + bos * stride_dqat + i_h * stride_dqah
+        if FUSE_DQ >= 2:  # a descriptor made on the host over [B * Tq, HQ * D] (launch_bwd),
+            p_dqa = DQA  # or (3) that view's first element
+        else:
+            p_dqa = DQA + i_bt * stride_dqab + bos * stride_dqat + i_h * stride_dqah
+        dq_row = i_bt * TQ + bos
+        dq_col = tl.cast(i_h * D, tl.int32)
         p_dcra = DCRA + (i_bt * HQ + i_h) * TC + bos
         b_dcc = tl.zeros([BN], dtype=tl.float32)
         # LOOPS: as in triton_fwd._fwd_kernel (1: empty loops not entered; 2: the masked ones
@@ -236,19 +250,19 @@ def _bwd_dkdv_kernel(
         run_lo, run_mid, run_hi = loop_runs(q_lo, a, b, q_end, LOOPS)
         if run_lo:
             b_dk, b_dv, b_dcc = _dkdv_inner(b_dk, b_dv, b_dcc, b_k, b_v, b_ck, o_n, k0, p_q, p_do, p_rows,
-                                            p_chi, p_bs, c_ref, p_dqa, p_dcra,
+                                            p_chi, p_bs, c_ref, p_dqa, p_dcra, dq_row, dq_col, DQ_ROWS,
                                             stride_qt, stride_dot, stride_dqat,
                                             q_lo, a, tq, off, qk_scale, o_d, m_d,
                                             BM, G, 2, USE_ACP, DOT_PREC, FUSE_DQ, BIAS, ROWS4, ns_m)
         if run_mid:
             b_dk, b_dv, b_dcc = _dkdv_inner(b_dk, b_dv, b_dcc, b_k, b_v, b_ck, o_n, k0, p_q, p_do, p_rows,
-                                            p_chi, p_bs, c_ref, p_dqa, p_dcra,
+                                            p_chi, p_bs, c_ref, p_dqa, p_dcra, dq_row, dq_col, DQ_ROWS,
                                             stride_qt, stride_dot, stride_dqat,
                                             a, b, tq, off, qk_scale, o_d, m_d,
                                             BM, G, 0, USE_ACP, DOT_PREC, FUSE_DQ, BIAS, ROWS4)
         if run_hi:
             b_dk, b_dv, b_dcc = _dkdv_inner(b_dk, b_dv, b_dcc, b_k, b_v, b_ck, o_n, k0, p_q, p_do, p_rows,
-                                            p_chi, p_bs, c_ref, p_dqa, p_dcra,
+                                            p_chi, p_bs, c_ref, p_dqa, p_dcra, dq_row, dq_col, DQ_ROWS,
                                             stride_qt, stride_dot, stride_dqat,
                                             b, q_end, tq, off, qk_scale, o_d, m_d,
                                             BM, G, 1, USE_ACP, DOT_PREC, FUSE_DQ, BIAS, ROWS4, ns_m)
@@ -453,7 +467,7 @@ def launch_bwd(q, k, v, o, do, lse2, dlse, c_hi, c_lo, block_start, block_end, c
     gate sums), 2 the gate sums without the bias, 3 the bias without the gate sums."""
     cfg_kv, cfg_q = configs or bwd_config(p.d, p.hq // p.h, block_start is not None)
     cfg_kv, cfg_q = dict(cfg_kv), dict(cfg_q)
-    fuse = bool(cfg_kv.pop("FUSE_DQ", False))
+    fuse = _fuse_mode(cfg_kv.pop("FUSE_DQ", False), q, p)
     make_rows = bool(cfg_q.pop("MAKE_ROWS", False)) and not fuse
     bd = max(16, triton.next_power_of_2(p.d))
     use_acp = block_start is not None
@@ -478,12 +492,17 @@ def launch_bwd(q, k, v, o, do, lse2, dlse, c_hi, c_lo, block_start, block_end, c
         )
     bm, bn = cfg_kv.pop("BM"), cfg_kv.pop("BN")
     dqa = torch.zeros(q.shape, dtype=torch.float32, device=q.device) if fuse else dummy
+    dqa_arg = dqa
+    if fuse == 2:  # [B * Tq, HQ * D]; a block is BM rows of one head
+        from triton.tools.tensor_descriptor import TensorDescriptor
+
+        dqa_arg = TensorDescriptor.from_tensor(dqa.view(-1, p.hq * p.d), [bm, bd])
     if fuse:
         dcr.zero_()
     _bwd_dkdv_kernel[(triton.cdiv(p.tk, bn), p.batch * p.h)](
         q, k, v, do, rows, c_hi, c_lo,
         block_start if use_acp else dummy, block_end if use_acp else dummy,
-        cu if varlen else dummy, dk, dv, dcc, dqa, dcr,
+        cu if varlen else dummy, dk, dv, dcc, dqa_arg, dcr,
         q.stride(0), q.stride(1), q.stride(2),
         k.stride(0), k.stride(1), k.stride(2),
         v.stride(0), v.stride(1), v.stride(2),
@@ -493,12 +512,27 @@ def launch_bwd(q, k, v, o, do, lse2, dlse, c_hi, c_lo, block_start, block_end, c
         *(dqa.stride()[:3] if fuse else (0, 0, 0)),
         p.scale * LOG2E, p.scale, p.tq, p.tk, tc, p.hq, p.h,
         block_start.shape[-1] if use_acp else 1, block_end.shape[-1] if use_acp else 1,
+        q.shape[0] * q.shape[1],
         BM=bm, BN=bn, GROUP=p.hq // p.h, FUSE_DQ=fuse, **common, **cfg_kv,
     )
     if fuse:
         dq.copy_(dqa.mul_(p.scale))
     elif not make_rows:
         launch_q()
+
+
+def _fuse_mode(fuse, q, p) -> int:
+    """The dK/dV config's ``FUSE_DQ``: 0 two kernels; 1 (``True``) one, dQ added a thread an
+    element; 2 (``"tma"``) one, each tile's dQ added in one bulk operation by the
+    tensor-memory engine (Hopper or later, D a power of two, ``q`` contiguous; else 1, and
+    3 on the CPU: the interpreter's stand-in, the same rows added by pointers)."""
+    if fuse != "tma":
+        return int(bool(fuse))
+    if not (p.d == max(16, triton.next_power_of_2(p.d)) and q.is_contiguous()):
+        return 1
+    if not q.is_cuda:  # the interpreter has no bulk adds: 3 adds the same rows by pointers
+        return 3
+    return 2 if torch.cuda.get_device_capability(q.device)[0] >= 9 else 1
 
 
 def _dq_launcher(q, k, v, o, do, lse2, dl, rows, c_hi, c_lo, block_start, cu, p, dq, dcr, cfg_q,
