@@ -148,6 +148,7 @@ def main() -> None:
                          for tma in (False, True) if not (acp and bn > 64)]
             for bm, bn, w, st, tma, tag in opts:
                 const = dict(base, BM=bm, BN=bn, USE_TMA=tma, PAIRS=f.get("PAIRS", False),
+                             ROW_BIAS=f.get("ROW_BIAS", False),
                              LOOPS=f.get("LOOPS", 0) if tag else 0)
                 info = resources(triton_fwd._fwd_kernel, PTRS_FWD, const, w, st)
                 print(f"fwd D {d} acp {int(acp)} BM {bm} BN {bn} warps {w} stages {st} tma {int(tma)} "
@@ -192,9 +193,10 @@ def fused() -> None:
                 for fuse in (1, 2):
                     ptrs = dict(PTRS_BWD)
                     if fuse == 2:
-                        ptrs["DQA"] = mangle_type(TensorDescriptor(x, list(x.shape), list(x.stride()), [bm, d]))
-                    info = resources(triton_bwd._bwd_dkdv_kernel, ptrs, dict(base, BM=bm, BN=bn, FUSE_DQ=fuse),
-                                     w, st)
+                        desc = TensorDescriptor(x, list(x.shape), list(x.stride()), [bm, d])
+                        ptrs["DQA"] = mangle_type(desc)
+                    const = dict(base, BM=bm, BN=bn, FUSE_DQ=fuse)
+                    info = resources(triton_bwd._bwd_dkdv_kernel, ptrs, const, w, st)
                     print(f"fused D {d} acp {int(acp)} BM {bm} BN {bn} warps {w} stages {st} FUSE_DQ {fuse}: "
                           f"{info}", flush=True)
 

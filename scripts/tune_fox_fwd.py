@@ -100,6 +100,9 @@ def main() -> None:
     ap.add_argument("--pairs-off", action="store_true",
                     help="also the default options reading the keys' c_hi and c_lo as two loads "
                          "(PAIRS=False)")
+    ap.add_argument("--variants", nargs="+", type=json.loads, default=[],
+                    help="JSON dicts over the default options, timed instead of the tile grid, "
+                         "e.g. '{\"ROW_BIAS\": true}'")
     ap.add_argument("--out", default="fox_fwd.json")
     args = ap.parse_args()
     set_value_checks(False)
@@ -116,7 +119,8 @@ def main() -> None:
             o_ref = o.float().clone()
             default = triton_fwd.fwd_config(d, 2, acp)
             grid = [None]
-            if not args.only_gluon:
+            grid += [("variant", {**default, **x}) for x in args.variants]
+            if not (args.only_gluon or args.variants):
                 grid += itertools.product(args.block_m, args.block_n, args.warps, args.stages, args.tma)
             if (args.gluon or args.only_gluon) and not acp:
                 grid += [("gluon", dict(BM=bm, BN=bn, num_warps=w, STAGES=st, SPLIT=sp, maxnreg=r))

@@ -502,8 +502,9 @@ def test_gluon_forward_gpu(case, variant, monkeypatch):
 def _flip_load_options(monkeypatch):
     """Every kernel with its per-row / per-key inputs read the other way than its table
     says: the forward's and the dQ kernel's ``PAIRS`` flipped, the dK/dV kernel's
-    ``ROWS4`` off (three loads), the queries' rows made the other way (``MAKE_ROWS``
-    flipped: by the dQ kernel run first, or by a launch of their own), the ``LOOPS``
+    ``ROWS4`` off (three loads), the forward's ``ROW_BIAS`` flipped (16-bit inputs: the
+    query's own c_i in every logit, or in the lse only), the queries' rows made the other
+    way (``MAKE_ROWS`` flipped: by the dQ kernel run first, or by a launch of their own), the ``LOOPS``
     options off where the table sets them and all on where it does not, so the options
     the tables do not pick stay tested."""
     from lapse.ops.forgetting import triton_bwd, triton_fwd
@@ -515,7 +516,8 @@ def _flip_load_options(monkeypatch):
 
     def fwd_flipped(*a, **kw):
         cfg = fwd(*a, **kw)
-        return dict(cfg, PAIRS=not cfg.get("PAIRS", False), LOOPS=loops(cfg))
+        return dict(cfg, PAIRS=not cfg.get("PAIRS", False), LOOPS=loops(cfg),
+                    ROW_BIAS=not cfg.get("ROW_BIAS", False))
 
     def bwd_flipped(*a, **kw):
         kv, q = bwd(*a, **kw)

@@ -65,7 +65,7 @@ def _fwd_inner(
     o_d, m_d,
     BN: tl.constexpr, MASKED: tl.constexpr, DOT_PREC: tl.constexpr, USE_TMA: tl.constexpr,
     BIAS: tl.constexpr = True, PAIRS: tl.constexpr = False, STAGES: tl.constexpr = None,
-    kv_row=0, kv_col=0,
+    kv_row=0, kv_col=0, ROW_BIAS: tl.constexpr = False,
 ):
     # p_k, p_v: pointers to the (sequence, kv head)'s first key and value, or with USE_TMA
     # tensor descriptors whose block (kv_row + start, kv_col) is the keys from start on;
@@ -86,7 +86,12 @@ def _fwd_inner(
         b_row = b_cq
         if MASKED and b_kstart is not None:
             b_row = tl.where(start >= b_kstart, b_cq, float("-inf"))
-        if BIAS:
+        if BIAS and ROW_BIAS and not (MASKED and b_kstart is not None):
+            # the query's own c_i left out (a per-row constant: the lse takes it back), so
+            # one multiply-add a pair makes the biased logit
+            b_ck = key_bias(p_chi, p_clo, o_n, m_n, c_ref, PAIRS)
+            b_s = tl.dot(b_q, b_kt, input_precision=DOT_PREC) * qk_scale - b_ck[None, :]
+        elif BIAS:  # (ROW_BIAS: b_cq is 0 here, so the row's term is its ACP mask alone)
             b_ck = key_bias(p_chi, p_clo, o_n, m_n, c_ref, PAIRS)
             b_s = tl.dot(b_q, b_kt, input_precision=DOT_PREC) * qk_scale + (b_row[:, None] - b_ck[None, :])
         else:  # plain causal softmax attention: a timing diagnostic only (issue 16)
@@ -128,7 +133,7 @@ def _fwd_kernel(
     D: tl.constexpr, BD: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
     G: tl.constexpr, IS_VARLEN: tl.constexpr, USE_ACP: tl.constexpr, DOT_PREC: tl.constexpr,
     USE_TMA: tl.constexpr, BIAS: tl.constexpr = True, PAIRS: tl.constexpr = False,
-    LOOPS: tl.constexpr = 0,
+    LOOPS: tl.constexpr = 0, ROW_BIAS: tl.constexpr = False,
 ):
     # the last query tiles have the most keys: schedule them first to shorten the tail
     i_m = (tl.num_programs(0) - 1 - tl.program_id(0)).to(tl.int64)
@@ -208,18 +213,20 @@ def _fwd_kernel(
     # two) not pipelined; 3, both
     ns_m: tl.constexpr = 1 if LOOPS >= 2 else None
     run_edge, run_mid, run_diag = loop_runs(ks_lo, mid, diag, last_abs + 1, LOOPS)
+    # ROW_BIAS: the loops' logits leave out the query's own c_i; the lse adds it at the end
+    b_cl = tl.zeros_like(b_cq) if ROW_BIAS else b_cq
     if run_edge:
-        acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, b_q, b_cq, o_abs, b_kstart, p_k, p_v, p_chi, p_clo,
+        acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, b_q, b_cl, o_abs, b_kstart, p_k, p_v, p_chi, p_clo,
                                    c_ref, stride_kt, stride_vt, ks_lo, mid, tk, qk_scale, o_d, m_d,
-                                   BN, 1, DOT_PREC, USE_TMA, BIAS, PAIRS, ns_m, kv_row, kv_col)
+                                   BN, 1, DOT_PREC, USE_TMA, BIAS, PAIRS, ns_m, kv_row, kv_col, ROW_BIAS)
     if run_mid:
-        acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, b_q, b_cq, o_abs, b_kstart, p_k, p_v, p_chi, p_clo,
+        acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, b_q, b_cl, o_abs, b_kstart, p_k, p_v, p_chi, p_clo,
                                    c_ref, stride_kt, stride_vt, mid, diag, tk, qk_scale, o_d, m_d,
-                                   BN, 0, DOT_PREC, USE_TMA, BIAS, PAIRS, None, kv_row, kv_col)
+                                   BN, 0, DOT_PREC, USE_TMA, BIAS, PAIRS, None, kv_row, kv_col, ROW_BIAS)
     if run_diag:
-        acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, b_q, b_cq, o_abs, b_kstart, p_k, p_v, p_chi, p_clo,
+        acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, b_q, b_cl, o_abs, b_kstart, p_k, p_v, p_chi, p_clo,
                                    c_ref, stride_kt, stride_vt, diag, last_abs + 1, tk, qk_scale, o_d,
-                                   m_d, BN, 2, DOT_PREC, USE_TMA, BIAS, PAIRS, ns_m, kv_row, kv_col)
+                                   m_d, BN, 2, DOT_PREC, USE_TMA, BIAS, PAIRS, ns_m, kv_row, kv_col, ROW_BIAS)
     # every valid row has its own key (D_ii = 0), so l_i > 0 there
     l_safe = tl.where(m_m, l_i, 1.0)
     b_o = acc / l_safe[:, None]
@@ -227,7 +234,10 @@ def _fwd_kernel(
     tl.store(p_o, b_o.to(O.dtype.element_ty), mask=m_m[:, None] & m_d[None, :])
     # log-sum-exp in base 2 of the true logits (the ref shift cancels between c_i and c_j)
     p_lse = LSE + (i_bt * HQ + i_h) * TC + bos + o_m
-    tl.store(p_lse, m_i + tl.math.log2(l_safe), mask=m_m)
+    b_lse = m_i + tl.math.log2(l_safe)
+    if ROW_BIAS:
+        b_lse += b_cq
+    tl.store(p_lse, b_lse, mask=m_m)
 
 
 def fwd_config(d: int, dtype_bytes: int, acp: bool = False) -> dict:
@@ -270,15 +280,27 @@ def fwd_config(d: int, dtype_bytes: int, acp: bool = False) -> dict:
     timed twice there differed by 6% at 16k): not taken. D 64 ACP takes 64-row tiles (one
     ACP block: every row of a tile keeps the same keys, so no edge loop runs; H200,
     ``h200-acp-fwd-d64.json``): 0.612 / 1.724 ms against 0.652 / 1.797 with 128 rows.
+
+    ``ROW_BIAS`` (16-bit inputs: the loops' logits leave out the query's own ``c_i``, one
+    multiply-add a pair for scale and bias, and the lse adds it back; float32 keeps the
+    exact order), with ``PAIRS`` (without it the key loads lose their width and the kernel
+    gets slower, which is what the tenth session's ``FAST_BIAS`` measured), seventeenth
+    session on an H200 (``docs/bench/session17/h200-fwd-rowbias-{1,2}.json``, two runs),
+    ms at T 4k / 16k: D 64 dense 1.265 / 4.562 and 1.267 / 4.546 against 1.351 / 4.875 and
+    1.352 / 4.886; D 64 ACP 0.599 / 1.714 and 0.600 / 1.689 against 0.608 / 1.774 and 0.619
+    / 1.827; D 128 dense 1.019 / 3.596 and 1.023 / 3.583 against 1.045 / 3.696 and 1.057 /
+    3.719. At D 128 ACP it loses (1.853 against 1.796 at 16k; with ``PAIRS`` 2.002): not
+    taken there.
     """
+    rb = dtype_bytes < 4
     if d <= 64:
         if acp:
-            return dict(BM=64, BN=64, num_warps=4, num_stages=3, TMA="host", PAIRS=True)
-        return dict(BM=128, BN=64, num_warps=4, num_stages=3, TMA=True, PAIRS=False)
+            return dict(BM=64, BN=64, num_warps=4, num_stages=3, TMA="host", PAIRS=True, ROW_BIAS=rb)
+        return dict(BM=128, BN=64, num_warps=4, num_stages=3, TMA=True, PAIRS=rb, ROW_BIAS=rb)
     if d <= 128:
         if acp:
             return dict(BM=64, BN=64, num_warps=4, num_stages=3, PAIRS=False, LOOPS=3)
-        return dict(BM=128, BN=128, num_warps=8, num_stages=3, TMA="host", PAIRS=True)
+        return dict(BM=128, BN=128, num_warps=8, num_stages=3, TMA="host", PAIRS=True, ROW_BIAS=rb)
     return dict(BM=64, BN=32, num_warps=4, num_stages=2)
 
 
@@ -321,6 +343,8 @@ def launch_fwd(q, k, v, c_hi, c_lo, block_start, cu, p, o, lse2, config=None):
         cfg = dict(fwd_config(p.d, q.element_size(), block_start is not None))
         cfg.pop("GLUON", None)
     use_tma = tma_mode(cfg.pop("TMA", False), q, k, v, p)
+    if q.element_size() == 4:  # float32 keeps the exact order of the bias's terms
+        cfg.pop("ROW_BIAS", None)
     token = None
     if use_tma == 1 and q.is_cuda:  # Triton's allocator for this launch only (a context variable)
         from triton.runtime import _allocation
