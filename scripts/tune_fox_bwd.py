@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import itertools
+import json
 
 import torch
 import torch.nn.functional as F
@@ -66,6 +67,9 @@ def main() -> None:
     ap.add_argument("--shapes", nargs="+", default=["4096x64", "16384x64", "4096x128", "16384x128"],
                     help="T x D; heads 24 at D 64, 12 at D 128, B = 32768 / T")
     ap.add_argument("--out", default="fox_bwd.json")
+    ap.add_argument("--variants", nargs="+", type=json.loads, default=[],
+                    help='JSON dicts {"kv": {...}, "q": {...}} over the two kernels\' default options, '
+                         "timed beside the default (with --no-fused and no --sweep: only these)")
     ap.add_argument("--sweep", action="store_true", help="also the separate kernels' options")
     ap.add_argument("--no-fused", action="store_true", help="leave out the fused kernel's options")
     ap.add_argument("--fuse-modes", nargs="+", default=["tma"], choices=["atomics", "tma"],
@@ -107,7 +111,10 @@ def main() -> None:
             ref = run((kv0, q0))
             options = [("default", kv0, q0)]
             # the rows (delta, lse less c_lo) made by the dQ kernel run first, or by a launch of their own
-            options += [("make-rows", kv0, dict(q0, MAKE_ROWS=not q0.get("MAKE_ROWS", False)))]
+            options += [(f"variant-{json.dumps(x, sort_keys=True)}", {**kv0, **x.get("kv", {})},
+                         {**q0, **x.get("q", {})}) for x in args.variants]
+            if not args.variants:
+                options += [("make-rows", kv0, dict(q0, MAKE_ROWS=not q0.get("MAKE_ROWS", False)))]
             if not args.no_fused:
                 options += [(f"fused-{mode}", dict(BM=bm, BN=bn, num_warps=w, num_stages=st,
                                                    FUSE_DQ="tma" if mode == "tma" else True), q0)

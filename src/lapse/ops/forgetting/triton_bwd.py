@@ -90,7 +90,7 @@ def _dkdv_inner(
     o_d, m_d,
     BM: tl.constexpr, G: tl.constexpr, MASKED: tl.constexpr, USE_ACP: tl.constexpr,
     DOT_PREC: tl.constexpr, FUSE_DQ: tl.constexpr, BIAS: tl.constexpr = 1, ROWS4: tl.constexpr = False,
-    STAGES: tl.constexpr = None,
+    STAGES: tl.constexpr = None, ROW_BIAS: tl.constexpr = False,
 ):
     for start in tl.range(lo, hi, BM, num_stages=STAGES):  # STAGES: None, the launch's
         o_m = start + tl.arange(0, BM)
@@ -116,19 +116,27 @@ def _dkdv_inner(
             b_cq = (b_chi - c_ref) * LOG2E_TL
         else:  # plain causal softmax attention: a timing diagnostic only (issue 16)
             b_cq = tl.zeros([BM], dtype=tl.float32)
+        if ROW_BIAS:  # the query's c_i joins its lse: one multiply-add and one add a pair
+            b_lse = b_lse - b_cq
         if MASKED:  # rows past the end, and with ACP rows whose first kept key is past this
             # tile (BN divides the ACP block: kept or pruned whole), get -inf through their bias
             row_ok = m_m
             if USE_ACP:
                 b_kstart = tl.load(p_bs + o_m // G, mask=m_m, other=0) * G
                 row_ok = row_ok & (k0 >= b_kstart)
-            b_cq = tl.where(row_ok, b_cq, float("-inf"))
+            if ROW_BIAS:  # (or +inf through their lse)
+                b_lse = tl.where(row_ok, b_lse, float("inf"))
+            else:
+                b_cq = tl.where(row_ok, b_cq, float("-inf"))
         # [BN, BM] transposed scores, base 2
-        b_st = tl.dot(b_k, tl.trans(b_q), input_precision=DOT_PREC) * qk_scale
-        if BIAS == 1 or BIAS == 3:
-            b_st += b_cq[None, :] - b_ck[:, None]
-        elif MASKED:
-            b_st += b_cq[None, :]
+        if ROW_BIAS and (BIAS == 1 or BIAS == 3):
+            b_st = tl.dot(b_k, tl.trans(b_q), input_precision=DOT_PREC) * qk_scale - b_ck[:, None]
+        else:
+            b_st = tl.dot(b_k, tl.trans(b_q), input_precision=DOT_PREC) * qk_scale
+            if BIAS == 1 or BIAS == 3:
+                b_st += b_cq[None, :] - b_ck[:, None]
+            elif MASKED and not ROW_BIAS:
+                b_st += b_cq[None, :]
         if MASKED == 2:  # and the causal mask, in 32-bit positions (64-bit: two compares a pair)
             b_st = tl.where(o_n.to(tl.int32)[:, None] <= o_abs.to(tl.int32)[None, :], b_st, float("-inf"))
         b_pt = tl.math.exp2(b_st - b_lse[None, :])
@@ -171,7 +179,7 @@ def _bwd_dkdv_kernel(
     D: tl.constexpr, BD: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
     G: tl.constexpr, GROUP: tl.constexpr, IS_VARLEN: tl.constexpr, USE_ACP: tl.constexpr,
     DOT_PREC: tl.constexpr, FUSE_DQ: tl.constexpr, BIAS: tl.constexpr = 1, ROWS4: tl.constexpr = False,
-    LOOPS: tl.constexpr = 0,
+    LOOPS: tl.constexpr = 0, ROW_BIAS: tl.constexpr = False,
 ):
     i_n = tl.program_id(0).to(tl.int64)
     i_bh = tl.program_id(1).to(tl.int64)
@@ -253,19 +261,19 @@ def _bwd_dkdv_kernel(
                                             p_chi, p_bs, c_ref, p_dqa, p_dcra, dq_row, dq_col, DQ_ROWS,
                                             stride_qt, stride_dot, stride_dqat,
                                             q_lo, a, tq, off, qk_scale, o_d, m_d,
-                                            BM, G, 2, USE_ACP, DOT_PREC, FUSE_DQ, BIAS, ROWS4, ns_m)
+                                            BM, G, 2, USE_ACP, DOT_PREC, FUSE_DQ, BIAS, ROWS4, ns_m, ROW_BIAS)
         if run_mid:
             b_dk, b_dv, b_dcc = _dkdv_inner(b_dk, b_dv, b_dcc, b_k, b_v, b_ck, o_n, k0, p_q, p_do, p_rows,
                                             p_chi, p_bs, c_ref, p_dqa, p_dcra, dq_row, dq_col, DQ_ROWS,
                                             stride_qt, stride_dot, stride_dqat,
                                             a, b, tq, off, qk_scale, o_d, m_d,
-                                            BM, G, 0, USE_ACP, DOT_PREC, FUSE_DQ, BIAS, ROWS4)
+                                            BM, G, 0, USE_ACP, DOT_PREC, FUSE_DQ, BIAS, ROWS4, None, ROW_BIAS)
         if run_hi:
             b_dk, b_dv, b_dcc = _dkdv_inner(b_dk, b_dv, b_dcc, b_k, b_v, b_ck, o_n, k0, p_q, p_do, p_rows,
                                             p_chi, p_bs, c_ref, p_dqa, p_dcra, dq_row, dq_col, DQ_ROWS,
                                             stride_qt, stride_dot, stride_dqat,
                                             b, q_end, tq, off, qk_scale, o_d, m_d,
-                                            BM, G, 1, USE_ACP, DOT_PREC, FUSE_DQ, BIAS, ROWS4, ns_m)
+                                            BM, G, 1, USE_ACP, DOT_PREC, FUSE_DQ, BIAS, ROWS4, ns_m, ROW_BIAS)
         tl.store(DCC + (i_bt * HQ + i_h) * TC + bos + o_n, b_dcc, mask=m_n)
     p_dk = DK + i_bt * stride_dkb + (bos + o_n[:, None]) * stride_dkt + i_hk * stride_dkh + o_d[None, :]
     p_dv = DV + i_bt * stride_dvb + (bos + o_n[:, None]) * stride_dvt + i_hk * stride_dvh + o_d[None, :]
@@ -282,8 +290,9 @@ def _dq_inner(
     lo, hi, tk, qk_scale,
     o_d, m_d,
     BN: tl.constexpr, MASKED: tl.constexpr, DOT_PREC: tl.constexpr, BIAS: tl.constexpr = 1,
-    PAIRS: tl.constexpr = False, STAGES: tl.constexpr = None,
+    PAIRS: tl.constexpr = False, STAGES: tl.constexpr = None, ROW_BIAS: tl.constexpr = False,
 ):
+    # ROW_BIAS: b_lse arrives less the query's c_i (b_cq unused): one multiply-add a pair
     for start in tl.range(lo, hi, BN, num_stages=STAGES):  # STAGES: None, the launch's
         o_n = start + tl.arange(0, BN)
         m_n = o_n < tk
@@ -293,7 +302,10 @@ def _dq_inner(
         b_vt = tl.load(p_v + o_n[None, :] * stride_vt + o_d[:, None],
                        mask=m_d[:, None] & m_n[None, :], other=0.0)
         # [BM, BN]
-        if BIAS == 1 or BIAS == 3:  # the bias (3: without the gate sums)
+        if ROW_BIAS and (BIAS == 1 or BIAS == 3):
+            b_ck = key_bias(p_chi, p_clo, o_n, m_n, c_ref, PAIRS)
+            b_s = tl.dot(b_q, b_kt, input_precision=DOT_PREC) * qk_scale - b_ck[None, :]
+        elif BIAS == 1 or BIAS == 3:  # the bias (3: without the gate sums)
             b_ck = key_bias(p_chi, p_clo, o_n, m_n, c_ref, PAIRS)
             b_s = tl.dot(b_q, b_kt, input_precision=DOT_PREC) * qk_scale + (b_cq[:, None] - b_ck[None, :])
         else:  # plain causal softmax attention: a timing diagnostic only (issue 16)
@@ -323,7 +335,7 @@ def _bwd_dq_kernel(
     D: tl.constexpr, BD: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
     G: tl.constexpr, IS_VARLEN: tl.constexpr, USE_ACP: tl.constexpr, DOT_PREC: tl.constexpr,
     BIAS: tl.constexpr = 1, PAIRS: tl.constexpr = False, MAKE_ROWS: tl.constexpr = False,
-    HAS_DLSE: tl.constexpr = False, LOOPS: tl.constexpr = 0,
+    HAS_DLSE: tl.constexpr = False, LOOPS: tl.constexpr = 0, ROW_BIAS: tl.constexpr = False,
 ):
     # the last query tiles have the most keys: schedule them first to shorten the tail
     i_m = (tl.num_programs(0) - 1 - tl.program_id(0)).to(tl.int64)
@@ -372,6 +384,9 @@ def _bwd_dq_kernel(
     else:  # from the rows _rows_kernel made
         b_lse = tl.load(ROWS + (p_row + o_m) * 4, mask=m_m, other=0.0)
         b_delta = tl.load(ROWS + (p_row + o_m) * 4 + 1, mask=m_m, other=0.0)
+    b_lsek = b_lse
+    if ROW_BIAS and (BIAS == 1 or BIAS == 3):  # the query's c_i joins its lse (_dq_inner)
+        b_lsek = b_lse - b_cq
     if USE_ACP:
         p_bs = BSTART + (i_b * HQ + i_h) * MB
         b_kstart = tl.load(p_bs + o_m // G, mask=m_m, other=0) * G
@@ -390,17 +405,17 @@ def _bwd_dq_kernel(
     ns_m: tl.constexpr = 1 if LOOPS >= 2 else None  # LOOPS: as in the dK/dV kernel
     run_edge, run_mid, run_diag = loop_runs(ks_lo, ks_hi, mid, last_abs + 1, LOOPS)
     if run_edge:
-        b_dq, b_dcr = _dq_inner(b_dq, b_dcr, b_q, b_do, b_lse, b_delta, b_cq, o_abs, b_kstart, p_k, p_v,
+        b_dq, b_dcr = _dq_inner(b_dq, b_dcr, b_q, b_do, b_lsek, b_delta, b_cq, o_abs, b_kstart, p_k, p_v,
                                 p_chi, p_clo, c_ref, stride_kt, stride_vt, ks_lo, ks_hi, tk, qk_scale,
-                                o_d, m_d, BN, True, DOT_PREC, BIAS, PAIRS, ns_m)
+                                o_d, m_d, BN, True, DOT_PREC, BIAS, PAIRS, ns_m, ROW_BIAS)
     if run_mid:
-        b_dq, b_dcr = _dq_inner(b_dq, b_dcr, b_q, b_do, b_lse, b_delta, b_cq, o_abs, b_kstart, p_k, p_v,
+        b_dq, b_dcr = _dq_inner(b_dq, b_dcr, b_q, b_do, b_lsek, b_delta, b_cq, o_abs, b_kstart, p_k, p_v,
                                 p_chi, p_clo, c_ref, stride_kt, stride_vt, ks_hi, mid, tk, qk_scale,
-                                o_d, m_d, BN, False, DOT_PREC, BIAS, PAIRS)
+                                o_d, m_d, BN, False, DOT_PREC, BIAS, PAIRS, None, ROW_BIAS)
     if run_diag:
-        b_dq, b_dcr = _dq_inner(b_dq, b_dcr, b_q, b_do, b_lse, b_delta, b_cq, o_abs, b_kstart, p_k, p_v,
+        b_dq, b_dcr = _dq_inner(b_dq, b_dcr, b_q, b_do, b_lsek, b_delta, b_cq, o_abs, b_kstart, p_k, p_v,
                                 p_chi, p_clo, c_ref, stride_kt, stride_vt, mid, last_abs + 1, tk,
-                                qk_scale, o_d, m_d, BN, True, DOT_PREC, BIAS, PAIRS, ns_m)
+                                qk_scale, o_d, m_d, BN, True, DOT_PREC, BIAS, PAIRS, ns_m, ROW_BIAS)
     p_dq = DQ + i_bt * stride_dqb + (bos + o_m[:, None]) * stride_dqt + i_h * stride_dqh + o_d[None, :]
     tl.store(p_dq, (b_dq * scale).to(DQ.dtype.element_ty), mask=m_md)
     tl.store(DCR + p_row + o_m, b_dcr, mask=m_m)
@@ -467,6 +482,9 @@ def launch_bwd(q, k, v, o, do, lse2, dlse, c_hi, c_lo, block_start, block_end, c
     gate sums), 2 the gate sums without the bias, 3 the bias without the gate sums."""
     cfg_kv, cfg_q = configs or bwd_config(p.d, p.hq // p.h, block_start is not None)
     cfg_kv, cfg_q = dict(cfg_kv), dict(cfg_q)
+    if q.element_size() == 4:  # float32 keeps the exact order of the bias's terms
+        cfg_kv.pop("ROW_BIAS", None)
+        cfg_q.pop("ROW_BIAS", None)
     fuse = _fuse_mode(cfg_kv.pop("FUSE_DQ", False), q, p)
     make_rows = bool(cfg_q.pop("MAKE_ROWS", False)) and not fuse
     bd = max(16, triton.next_power_of_2(p.d))
