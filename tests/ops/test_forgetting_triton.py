@@ -502,7 +502,7 @@ def test_gluon_forward_gpu(case, variant, monkeypatch):
 def _flip_load_options(monkeypatch):
     """Every kernel with its per-row / per-key inputs read the other way than its table
     says: the forward's and the dQ kernel's ``PAIRS`` flipped, the dK/dV kernel's
-    ``ROWS4`` off (three loads), the forward's ``ROW_BIAS`` flipped (16-bit inputs: the
+    ``ROWS4`` off (three loads), every kernel's ``ROW_BIAS`` flipped (16-bit inputs: the
     query's own c_i in every logit, or in the lse only), the queries' rows made the other
     way (``MAKE_ROWS`` flipped: by the dQ kernel run first, or by a launch of their own), the ``LOOPS``
     options off where the table sets them and all on where it does not, so the options
@@ -521,9 +521,9 @@ def _flip_load_options(monkeypatch):
 
     def bwd_flipped(*a, **kw):
         kv, q = bwd(*a, **kw)
-        return (dict(kv, ROWS4=False, LOOPS=loops(kv)),
+        return (dict(kv, ROWS4=False, LOOPS=loops(kv), ROW_BIAS=not kv.get("ROW_BIAS", False)),
                 dict(q, PAIRS=not q.get("PAIRS", False), MAKE_ROWS=not q.get("MAKE_ROWS", False),
-                     LOOPS=loops(q)))
+                     LOOPS=loops(q), ROW_BIAS=not q.get("ROW_BIAS", False)))
 
     monkeypatch.setattr(triton_fwd, "fwd_config", fwd_flipped)
     monkeypatch.setattr(triton_bwd, "bwd_config", bwd_flipped)

@@ -451,19 +451,32 @@ def bwd_config(d: int, group: int = 1, acp: bool = False) -> tuple[dict, dict]:
     ``LOOPS=1`` (a loop with no step not entered) with ACP at D 64
     (``h200-acp-window-loops.json``): 0.634 / 0.945 / 2.134 against 0.662 / 0.967 / 2.160 ms
     at T 4k and kept windows of 1, 4 and 16 blocks; dense it loses (4.244 against 4.199).
+
+    ``ROW_BIAS`` (16-bit inputs, dropped for float32 by :func:`launch_bwd`: the query's c_i
+    joins its lse, so a pair's logit is one multiply-add and one add), seventeenth session on
+    an H200, two runs each (``docs/bench/session17/h200-bwd-rowbias-{1,2}.json``), backward ms
+    at T 4k / 16k: dense in both kernels, D 64 3.983 / 14.775 and 4.017 / 14.676 against
+    4.118 / 15.213 and 4.147 / 15.223, D 128 3.512 / 12.789 and 3.533 / 12.862 against 3.571
+    / 13.089 and 3.602 / 13.079 (in one kernel alone it gained less or lost: 15.4-15.5 at D 64,
+    16k, dK/dV only); with ACP in the dK/dV kernel only, D 64 1.838 / 5.288 and 1.844 / 5.314
+    against 1.868 / 5.420 and 1.912 / 5.334, D 128 1.774 / 5.024 and 1.768 / 4.943 against
+    1.836 / 5.115 and 1.842 / 5.116 (in both kernels D 64 16k lost: 5.443, 5.467). Not
+    measured with grouped-query heads: that table keeps it off.
     """
     if d <= 64:
         if group > 1 and not acp:
             kv = dict(BM=32, BN=128, num_warps=4, num_stages=3, ROWS4=True)
         else:  # at most 168 registers a thread: three programs a multiprocessor, not two
-            kv = dict(BM=32, BN=64, num_warps=4, num_stages=3, ROWS4=True, maxnreg=168)
-        q = dict(BM=64, BN=64, num_warps=4, num_stages=3, PAIRS=True, MAKE_ROWS=True)
+            kv = dict(BM=32, BN=64, num_warps=4, num_stages=3, ROWS4=True, maxnreg=168, ROW_BIAS=group == 1)
+        q = dict(BM=64, BN=64, num_warps=4, num_stages=3, PAIRS=True, MAKE_ROWS=True,
+                 ROW_BIAS=group == 1 and not acp)
         if acp:  # empty loops not entered
             kv, q = dict(kv, LOOPS=1), dict(q, LOOPS=1)
         return kv, q
     if d <= 128:
-        return (dict(BM=32, BN=64, num_warps=4, num_stages=3, ROWS4=True),
-                dict(BM=64, BN=64, num_warps=4, num_stages=2, PAIRS=False, MAKE_ROWS=True))
+        return (dict(BM=32, BN=64, num_warps=4, num_stages=3, ROWS4=True, ROW_BIAS=group == 1),
+                dict(BM=64, BN=64, num_warps=4, num_stages=2, PAIRS=False, MAKE_ROWS=True,
+                     ROW_BIAS=group == 1 and not acp))
     return (dict(BM=16, BN=32, num_warps=4, num_stages=1),
             dict(BM=32, BN=16, num_warps=4, num_stages=1, MAKE_ROWS=True))
 
