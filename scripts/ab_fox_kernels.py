@@ -102,7 +102,11 @@ def main() -> None:
                      for a, c in zip(res["new"]["out"], res["old"]["out"], strict=True)]
             nan = any(bool(x.isnan().any()) for x in res["new"]["out"] + res["old"]["out"])
             row = dict(T=t, D=d, H=h, B=b, acp=acp, pruned=pruned, sdpa_fwd_ms=sdpa_f,
-                       sdpa_fwd_bwd_ms=sdpa_f + sdpa_b, nan=nan, rel_diff_new_old=max(diffs))
+                       sdpa_fwd_bwd_ms=sdpa_f + sdpa_b, nan=nan, rel_diff_new_old=max(diffs),
+                       # dcc, dcr: dS's column and row sums (the row sums are rounding noise
+                       # about 0 without an lse gradient, so their relative difference is large)
+                       rel_diff_by_output=dict(zip(("o", "lse", "dq", "dk", "dv", "dcc", "dcr"), diffs,
+                                                   strict=True)))
             for tag in ("old", "new"):
                 fwd = min(res[tag]["fwd"], res[tag + "2"]["fwd"])
                 bwd = min(res[tag]["bwd"], res[tag + "2"]["bwd"])
