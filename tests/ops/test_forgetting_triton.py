@@ -439,6 +439,67 @@ def test_backward_with_dq_through_bulk_adds_gpu(case, monkeypatch):
     _check_gpu(case)
 
 
+def _fixed_max(monkeypatch):
+    """Makes the forward take ``FIXED_MAX``: the diagonal keys' maximum as every other key's
+    reference, no online maximum."""
+    from lapse.ops.forgetting import triton_fwd
+
+    plain = triton_fwd.fwd_config
+    monkeypatch.setattr(triton_fwd, "fwd_config", lambda *a, **kw: dict(plain(*a, **kw), FIXED_MAX=True))
+
+
+@pytest.mark.parametrize("case", CPU_CASES, ids=[_id(c) for c in CPU_CASES])
+def test_forward_with_a_fixed_maximum_matches_naive(case, monkeypatch):
+    """``FIXED_MAX`` held to the float64 oracle like the default (GQA, Tq < Tk, ACP, packed
+    sequences, -inf and extreme gates, outputs poisoned first)."""
+    if torch.cuda.is_available():
+        pytest.skip("interpreter shapes; the GPU runs test_forward_with_a_fixed_maximum_gpu")
+    _fixed_max(monkeypatch)
+    _check_cpu(case, seed=5 * case[1] + case[2] + case[5])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", GPU_CASES, ids=[_id(c) for c in GPU_CASES])
+def test_forward_with_a_fixed_maximum_gpu(case, monkeypatch):
+    _fixed_max(monkeypatch)
+    _check_gpu(case)
+
+
+@pytest.mark.filterwarnings("ignore:overflow encountered in exp2")  # the interpreter's, on purpose
+def test_fixed_maximum_redoes_a_tile_whose_weights_overflow():
+    """One far key whose logit is ~580 (base 2) above the diagonal keys' overflows
+    ``FIXED_MAX``'s weights; the tiles that see it must be done again with the online maximum
+    and match the oracle (every later row attends to that key alone)."""
+    if torch.cuda.is_available():
+        pytest.skip("CPU interpreter test")
+    from lapse.ops.forgetting import triton_fwd
+    from lapse.ops.forgetting.triton_ops import triton_gate_cumsum
+
+    g = torch.Generator().manual_seed(0)
+    t, d = 300, 16
+    q = 0.1 * torch.randn(1, t, 1, d, generator=g)
+    k = 0.1 * torch.randn(1, t, 1, d, generator=g)
+    v = torch.randn(1, t, 1, d, generator=g)
+    q[..., 0] = 40.0
+    k[0, 0, 0, 0] = 40.0  # q_i . k_0 / sqrt(16) = 400 for every i: far above the rest
+    lg = torch.zeros(1, t, 1)  # no forgetting: the far key keeps its weight
+    p = validate(q, k, v, lg, None, None, "triton")
+    c_hi, c_lo = triton_gate_cumsum(lg, p)
+    want = torch.zeros_like(q)
+    want[0, 1:, 0] = v[0, 0, 0]  # rows after the first: key 0 alone
+    want[0, 0, 0] = v[0, 0, 0]
+    outs = {}
+    for fixed in (False, True):
+        o, lse2 = torch.full_like(q, float("nan")), torch.full_like(c_hi, float("nan"))
+        triton_fwd.launch_fwd(q, k, v, c_hi, c_lo, None, None, p, o, lse2,
+                              dict(triton_fwd.fwd_config(d, 4), FIXED_MAX=fixed))
+        assert torch.isfinite(o).all() and torch.isfinite(lse2[..., :t]).all()
+        outs[fixed] = (o, lse2[..., :t])
+    assert _rel(outs[True][0], want) < 1e-6
+    assert torch.allclose(outs[True][0], outs[False][0], rtol=0, atol=1e-6)
+    assert torch.allclose(outs[True][1], outs[False][1], rtol=1e-6, atol=1e-4)
+
+
 GLUON_VARIANTS = {  # gluon_fwd.py's partitionings (its default is one of them)
     "8-warps": dict(BM=128, num_warps=8, SPLIT=False, COMPUTE_REGS=0, maxnreg=None),
     "2x4-warps": dict(BM=128, num_warps=4, SPLIT=True, COMPUTE_REGS=232, maxnreg=None),

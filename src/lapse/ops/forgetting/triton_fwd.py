@@ -65,8 +65,9 @@ def _fwd_inner(
     o_d, m_d,
     BN: tl.constexpr, MASKED: tl.constexpr, DOT_PREC: tl.constexpr, USE_TMA: tl.constexpr,
     BIAS: tl.constexpr = True, PAIRS: tl.constexpr = False, STAGES: tl.constexpr = None,
-    kv_row=0, kv_col=0, ROW_BIAS: tl.constexpr = False,
+    kv_row=0, kv_col=0, ROW_BIAS: tl.constexpr = False, FIXED: tl.constexpr = False,
 ):
+    # FIXED: m_i is final (finite; the kernel's FIXED_MAX): no row maximum, no rescaling
     # p_k, p_v: pointers to the (sequence, kv head)'s first key and value, or with USE_TMA
     # tensor descriptors whose block (kv_row + start, kv_col) is the keys from start on;
     # STAGES: this loop's software pipeline depth (None: the launch's)
@@ -100,25 +101,29 @@ def _fwd_inner(
                 b_s += (b_row - b_cq)[:, None]
         if MASKED == 2:  # 32-bit positions: a 64-bit compare takes two instructions a pair
             b_s = tl.where(o_n.to(tl.int32)[None, :] <= o_abs.to(tl.int32)[:, None], b_s, float("-inf"))
-        if MASKED:
-            m_new = tl.maximum(m_i, tl.max(b_s, 1))
-            # a row with no kept key yet keeps m = -inf; shift by 0 so exp2 gives 0, not NaN
-            m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+        if FIXED:
+            b_p = tl.math.exp2(b_s - m_i[:, None])
+            l_i += tl.sum(b_p, 1)
         else:
-            m_new = tl.maximum(m_i, tl.max(b_s, 1))
-            m_use = m_new
-        b_p = tl.math.exp2(b_s - m_use[:, None])
-        alpha = tl.math.exp2(m_i - m_use)
-        l_i = l_i * alpha + tl.sum(b_p, 1)
+            if MASKED:
+                m_new = tl.maximum(m_i, tl.max(b_s, 1))
+                # a row with no kept key yet keeps m = -inf; shift by 0 so exp2 gives 0, not NaN
+                m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+            else:
+                m_new = tl.maximum(m_i, tl.max(b_s, 1))
+                m_use = m_new
+            b_p = tl.math.exp2(b_s - m_use[:, None])
+            alpha = tl.math.exp2(m_i - m_use)
+            l_i = l_i * alpha + tl.sum(b_p, 1)
+            acc = acc * alpha[:, None]
+            m_i = m_new
         # [BN, BD]
         if USE_TMA:
             b_v = p_v.load([tl.cast(kv_row + start, tl.int32), kv_col])
         else:
             b_v = tl.load(p_v + o_n[:, None] * stride_vt + o_d[None, :],
                           mask=m_n[:, None] & m_d[None, :], other=0.0)
-        acc = acc * alpha[:, None]
         acc = tl.dot(b_p.to(b_v.dtype), b_v, acc, input_precision=DOT_PREC)
-        m_i = m_new
     return acc, l_i, m_i
 
 
@@ -133,7 +138,7 @@ def _fwd_kernel(
     D: tl.constexpr, BD: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
     G: tl.constexpr, IS_VARLEN: tl.constexpr, USE_ACP: tl.constexpr, DOT_PREC: tl.constexpr,
     USE_TMA: tl.constexpr, BIAS: tl.constexpr = True, PAIRS: tl.constexpr = False,
-    LOOPS: tl.constexpr = 0, ROW_BIAS: tl.constexpr = False,
+    LOOPS: tl.constexpr = 0, ROW_BIAS: tl.constexpr = False, FIXED_MAX: tl.constexpr = False,
 ):
     # the last query tiles have the most keys: schedule them first to shorten the tail
     i_m = (tl.num_programs(0) - 1 - tl.program_id(0)).to(tl.int64)
@@ -215,18 +220,48 @@ def _fwd_kernel(
     run_edge, run_mid, run_diag = loop_runs(ks_lo, mid, diag, last_abs + 1, LOOPS)
     # ROW_BIAS: the loops' logits leave out the query's own c_i; the lse adds it at the end
     b_cl = tl.zeros_like(b_cq) if ROW_BIAS else b_cq
-    if run_edge:
-        acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, b_q, b_cl, o_abs, b_kstart, p_k, p_v, p_chi, p_clo,
-                                   c_ref, stride_kt, stride_vt, ks_lo, mid, tk, qk_scale, o_d, m_d,
-                                   BN, 1, DOT_PREC, USE_TMA, BIAS, PAIRS, ns_m, kv_row, kv_col, ROW_BIAS)
-    if run_mid:
-        acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, b_q, b_cl, o_abs, b_kstart, p_k, p_v, p_chi, p_clo,
-                                   c_ref, stride_kt, stride_vt, mid, diag, tk, qk_scale, o_d, m_d,
-                                   BN, 0, DOT_PREC, USE_TMA, BIAS, PAIRS, None, kv_row, kv_col, ROW_BIAS)
-    if run_diag:
-        acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, b_q, b_cl, o_abs, b_kstart, p_k, p_v, p_chi, p_clo,
-                                   c_ref, stride_kt, stride_vt, diag, last_abs + 1, tk, qk_scale, o_d,
-                                   m_d, BN, 2, DOT_PREC, USE_TMA, BIAS, PAIRS, ns_m, kv_row, kv_col, ROW_BIAS)
+    if FIXED_MAX:  # the diagonal keys first, with the online maximum; then their maximum, which
+        # every row has (its own key, bias 0), is every other key's reference: no row maximum
+        # and no rescaling there. A logit more than ~127 (base 2) above it overflows l or acc
+        # to inf: the tile is done again the usual way (one branch a program)
+        if run_diag:
+            acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, b_q, b_cl, o_abs, b_kstart, p_k, p_v, p_chi, p_clo,
+                                       c_ref, stride_kt, stride_vt, diag, last_abs + 1, tk, qk_scale, o_d,
+                                       m_d, BN, 2, DOT_PREC, USE_TMA, BIAS, PAIRS, ns_m, kv_row, kv_col,
+                                       ROW_BIAS)
+        m_i = tl.where(m_i == float("-inf"), 0.0, m_i)
+        if run_edge:
+            acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, b_q, b_cl, o_abs, b_kstart, p_k, p_v, p_chi, p_clo,
+                                       c_ref, stride_kt, stride_vt, ks_lo, mid, tk, qk_scale, o_d, m_d,
+                                       BN, 1, DOT_PREC, USE_TMA, BIAS, PAIRS, ns_m, kv_row, kv_col, ROW_BIAS,
+                                       True)
+        if run_mid:
+            acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, b_q, b_cl, o_abs, b_kstart, p_k, p_v, p_chi, p_clo,
+                                       c_ref, stride_kt, stride_vt, mid, diag, tk, qk_scale, o_d, m_d,
+                                       BN, 0, DOT_PREC, USE_TMA, BIAS, PAIRS, None, kv_row, kv_col, ROW_BIAS,
+                                       True)
+        finite = (l_i < float("inf")) & (tl.max(tl.abs(acc), 1) < float("inf"))  # NaN: False
+        redo = tl.max(tl.where(m_m & ~finite, 1, 0), 0) > 0
+    else:
+        redo = True
+    if redo:
+        if FIXED_MAX:
+            acc = tl.zeros([BM, BD], dtype=tl.float32)
+            l_i = tl.zeros([BM], dtype=tl.float32)
+            m_i = tl.full([BM], float("-inf"), dtype=tl.float32)
+        if run_edge:
+            acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, b_q, b_cl, o_abs, b_kstart, p_k, p_v, p_chi, p_clo,
+                                       c_ref, stride_kt, stride_vt, ks_lo, mid, tk, qk_scale, o_d, m_d,
+                                       BN, 1, DOT_PREC, USE_TMA, BIAS, PAIRS, ns_m, kv_row, kv_col, ROW_BIAS)
+        if run_mid:
+            acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, b_q, b_cl, o_abs, b_kstart, p_k, p_v, p_chi, p_clo,
+                                       c_ref, stride_kt, stride_vt, mid, diag, tk, qk_scale, o_d, m_d,
+                                       BN, 0, DOT_PREC, USE_TMA, BIAS, PAIRS, None, kv_row, kv_col, ROW_BIAS)
+        if run_diag:
+            acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, b_q, b_cl, o_abs, b_kstart, p_k, p_v, p_chi, p_clo,
+                                       c_ref, stride_kt, stride_vt, diag, last_abs + 1, tk, qk_scale, o_d,
+                                       m_d, BN, 2, DOT_PREC, USE_TMA, BIAS, PAIRS, ns_m, kv_row, kv_col,
+                                       ROW_BIAS)
     # every valid row has its own key (D_ii = 0), so l_i > 0 there
     l_safe = tl.where(m_m, l_i, 1.0)
     b_o = acc / l_safe[:, None]
@@ -345,6 +380,8 @@ def launch_fwd(q, k, v, c_hi, c_lo, block_start, cu, p, o, lse2, config=None):
     use_tma = tma_mode(cfg.pop("TMA", False), q, k, v, p)
     if q.element_size() == 4:  # float32 keeps the exact order of the bias's terms
         cfg.pop("ROW_BIAS", None)
+    if q.dtype == torch.float16:  # FIXED_MAX's weights reach 2^20 and more: past float16's range
+        cfg.pop("FIXED_MAX", None)
     token = None
     if use_tma == 1 and q.is_cuda:  # Triton's allocator for this launch only (a context variable)
         from triton.runtime import _allocation
