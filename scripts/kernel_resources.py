@@ -148,9 +148,9 @@ def main() -> None:
                          for tma in (False, True) if not (acp and bn > 64)]
             for bm, bn, w, st, tma, tag in opts:
                 const = dict(base, BM=bm, BN=bn, USE_TMA=tma, PAIRS=f.get("PAIRS", False),
-                             ROW_BIAS=f.get("ROW_BIAS", False),
+                             ROW_BIAS=f.get("ROW_BIAS", False), FIXED_MAX=f.get("FIXED_MAX", False),
                              LOOPS=f.get("LOOPS", 0) if tag else 0)
-                info = resources(triton_fwd._fwd_kernel, PTRS_FWD, const, w, st)
+                info = resources(triton_fwd._fwd_kernel, PTRS_FWD, const, w, st, maxnreg=f.get("maxnreg"))
                 print(f"fwd D {d} acp {int(acp)} BM {bm} BN {bn} warps {w} stages {st} tma {int(tma)} "
                       f"{tag}: {info}", flush=True)
             kernels = (("dkdv", triton_bwd._bwd_dkdv_kernel, kv), ("dq", triton_bwd._bwd_dq_kernel, q))

@@ -564,7 +564,8 @@ def _flip_load_options(monkeypatch):
     """Every kernel with its per-row / per-key inputs read the other way than its table
     says: the forward's and the dQ kernel's ``PAIRS`` flipped, the dK/dV kernel's
     ``ROWS4`` off (three loads), every kernel's ``ROW_BIAS`` flipped (16-bit inputs: the
-    query's own c_i in every logit, or in the lse only), the queries' rows made the other
+    query's own c_i in every logit, or in the lse only) and the forward's ``FIXED_MAX``
+    (the online maximum, or the diagonal keys' as every key's reference), the queries' rows made the other
     way (``MAKE_ROWS`` flipped: by the dQ kernel run first, or by a launch of their own), the ``LOOPS``
     options off where the table sets them and all on where it does not, so the options
     the tables do not pick stay tested."""
@@ -578,7 +579,7 @@ def _flip_load_options(monkeypatch):
     def fwd_flipped(*a, **kw):
         cfg = fwd(*a, **kw)
         return dict(cfg, PAIRS=not cfg.get("PAIRS", False), LOOPS=loops(cfg),
-                    ROW_BIAS=not cfg.get("ROW_BIAS", False))
+                    ROW_BIAS=not cfg.get("ROW_BIAS", False), FIXED_MAX=not cfg.get("FIXED_MAX", False))
 
     def bwd_flipped(*a, **kw):
         kv, q = bwd(*a, **kw)

@@ -326,16 +326,28 @@ def fwd_config(d: int, dtype_bytes: int, acp: bool = False) -> dict:
     / 1.827; D 128 dense 1.019 / 3.596 and 1.023 / 3.583 against 1.045 / 3.696 and 1.057 /
     3.719. At D 128 ACP it loses (1.853 against 1.796 at 16k; with ``PAIRS`` 2.002): not
     taken there.
+
+    ``FIXED_MAX`` (16-bit inputs; :func:`launch_fwd` drops it for float16, whose range the
+    weights can leave: the diagonal keys first, and their maximum the reference of every other
+    key, so the interior loop has no row maximum, no rescaling of the accumulator and no
+    shuffles: 457 instructions a step at D 64 dense against 612), seventeenth session on an
+    H200 (``docs/bench/session17/h200-fwd-fixed-max.json``), ms at T 4k / 16k against the
+    tables with ``ROW_BIAS``: D 64 dense 1.141 / 3.970 against 1.264 / 4.439; D 64 ACP, capped
+    at 168 registers (180 without the cap: two programs a multiprocessor instead of three,
+    0.703 / 1.835), 0.558 / 1.481 against 0.603 / 1.675; D 128 dense 0.929 / 3.071 against
+    1.010 / 3.496; D 128 ACP 0.600 / 1.616 against 0.631 / 1.740 (the cap loses at D 128).
     """
     rb = dtype_bytes < 4
     if d <= 64:
         if acp:
-            return dict(BM=64, BN=64, num_warps=4, num_stages=3, TMA="host", PAIRS=True, ROW_BIAS=rb)
-        return dict(BM=128, BN=64, num_warps=4, num_stages=3, TMA=True, PAIRS=rb, ROW_BIAS=rb)
+            cfg = dict(BM=64, BN=64, num_warps=4, num_stages=3, TMA="host", PAIRS=True, ROW_BIAS=rb)
+            return dict(cfg, FIXED_MAX=True, maxnreg=168) if rb else cfg
+        return dict(BM=128, BN=64, num_warps=4, num_stages=3, TMA=True, PAIRS=rb, ROW_BIAS=rb, FIXED_MAX=rb)
     if d <= 128:
         if acp:
-            return dict(BM=64, BN=64, num_warps=4, num_stages=3, PAIRS=False, LOOPS=3)
-        return dict(BM=128, BN=128, num_warps=8, num_stages=3, TMA="host", PAIRS=True, ROW_BIAS=rb)
+            return dict(BM=64, BN=64, num_warps=4, num_stages=3, PAIRS=False, LOOPS=3, FIXED_MAX=rb)
+        return dict(BM=128, BN=128, num_warps=8, num_stages=3, TMA="host", PAIRS=True, ROW_BIAS=rb,
+                    FIXED_MAX=rb)
     return dict(BM=64, BN=32, num_warps=4, num_stages=2)
 
 
@@ -380,8 +392,8 @@ def launch_fwd(q, k, v, c_hi, c_lo, block_start, cu, p, o, lse2, config=None):
     use_tma = tma_mode(cfg.pop("TMA", False), q, k, v, p)
     if q.element_size() == 4:  # float32 keeps the exact order of the bias's terms
         cfg.pop("ROW_BIAS", None)
-    if q.dtype == torch.float16:  # FIXED_MAX's weights reach 2^20 and more: past float16's range
-        cfg.pop("FIXED_MAX", None)
+    if q.dtype == torch.float16:  # FIXED_MAX's weights may pass float16's range (65504), and
+        cfg.pop("FIXED_MAX", None)  # every such tile would be done twice
     token = None
     if use_tma == 1 and q.is_cuda:  # Triton's allocator for this launch only (a context variable)
         from triton.runtime import _allocation
