@@ -10,6 +10,10 @@ Or one kernel (``FUSE_DQ`` in the dK/dV config, issue 16's measurement): the dK/
 also adds each tile's ``dS K`` and row sums of dS into float32 buffers with atomics, so
 S and dP are computed once per tile instead of twice (5 matrix products per tile, not 7);
 dQ is then that buffer times the scale. Its sums' order varies from run to run.
+``FUSE_DQ="tma"`` adds each tile's dQ with one bulk operation of the tensor-memory engine
+instead of an atomic add a thread an element; still slower than two kernels (BENCHMARKS.md,
+"Seventeenth session"). ``ROW_BIAS`` (16-bit inputs) subtracts the query's ``c_i`` from its
+lse once a row instead of adding it to every pair.
 The gate gradient is ``dc_i = rowsum_i(dS) - colsum_i(dS)`` then a reverse cumulative sum
 (``gate_scan.py``, float64). Both kernels skip exactly the tiles the forward skipped: for a key
 tile the kept query rows are a contiguous range ending at ``block_end * ACP_BLOCK``.

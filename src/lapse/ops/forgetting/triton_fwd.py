@@ -17,6 +17,13 @@ The bias ``c_i - c_j`` comes from the float64 cumulative gate split into float32
 ``hi + lo``: ``((hi_i - ref) + lo_i) - ((hi_j - ref) + lo_j)`` with ``ref`` the ``hi`` of
 the tile's first query is exact where it matters (nearby values subtract exactly), so
 long contexts do not lose the bias to cancellation. Everything runs in base 2.
+
+Two options of the tables (16-bit inputs; :func:`fwd_config` has the measurements):
+``ROW_BIAS`` leaves the query's own ``c_i`` out of the loops' logits (a per-row constant;
+the lse adds it back), and ``FIXED_MAX`` runs the diagonal loop first and takes its row
+maximum as the reference of every other key: a row's own key has bias 0 and every other
+key at most 0, so the other loops need no online maximum and no rescaling. A tile whose
+weights overflow that reference (a logit ~127 above it, base 2) is done again the usual way.
 """
 
 from __future__ import annotations
