@@ -318,6 +318,63 @@ def test_forward_through_tensor_descriptors_gpu(case):
     _check_descriptors(case)
 
 
+def _check_backward_descriptors(case):
+    """The backward's ``TMA="host"`` (the dK/dV kernel's queries and output gradients, the
+    dQ kernel's keys and values, through descriptors over ``[B * T, H * D]``) computes what
+    the pointer loads compute, bit for bit: rows and keys past a sequence are the next one's,
+    and their weights are exactly 0 (GQA, Tq < Tk, packed sequences, ACP; D 64, where the
+    descriptors serve, and D 48 / 96, where the launch falls back to pointer loads)."""
+    from lapse.ops.forgetting import triton_bwd, triton_fwd
+    from lapse.ops.forgetting.pruning import block_end_from_start
+    from lapse.ops.forgetting.triton_ops import triton_gate_cumsum
+
+    b, tq, tk, hq, h, d, gate, acp, cu = case
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    dtype = torch.bfloat16 if dev == "cuda" else torch.float32
+    cu_t = None if cu is None else torch.tensor(cu, dtype=torch.int32, device=dev)
+    q, k, v, lg, do = (x.to(dtype) if x.is_floating_point() and i != 3 else x
+                       for i, x in enumerate(_inputs(b, tq, tk, hq, h, d, gate, dtype, dev, seed=2 * d)))
+    p = validate(q, k, v, lg, None, cu_t, "triton")
+    c_hi, c_lo = triton_gate_cumsum(lg, p)
+    bs = be = None
+    if acp is not None:
+        from lapse.ops.forgetting.common import acp_delta
+
+        bs = triton_block_start(c_hi, c_lo, acp_delta(acp, 1e-3, q, k, p), p)
+        be = block_end_from_start(bs, p)
+    o, lse2 = torch.empty_like(q), torch.empty_like(c_hi)
+    triton_fwd.launch_fwd(q, k, v, c_hi, c_lo, bs, cu_t, p, o, lse2)
+    assert triton_bwd._host_tma(q, k, v, do, p) == (d == 64)
+    kv, qc = triton_bwd.bwd_config(d, hq // h, bs is not None)
+    outs = []
+    for tma in (False, "host"):
+        grads = [torch.full_like(x, float("nan")) for x in (q, k, v)] + \
+            [torch.full_like(lse2, float("nan")) for _ in range(2)]
+        triton_bwd.launch_bwd(q, k, v, o, do, lse2, None, c_hi, c_lo, bs, be, cu_t, p, *grads,
+                              (dict(kv, TMA=tma), dict(qc, TMA=tma)))
+        outs.append(grads)
+    for i, (a, c) in enumerate(zip(*outs, strict=True)):
+        if i < 3:  # dq, dk, dv: every element written
+            assert not a.isnan().any()
+        # dcc, dcr: positions past Tq or Tk stay poisoned on both sides
+        torch.testing.assert_close(a, c, rtol=0, atol=0, equal_nan=True)
+
+
+@pytest.mark.parametrize("case", TMA_CASES, ids=[_id(c) for c in TMA_CASES])
+def test_backward_through_tensor_descriptors_equals_pointer_loads(case):
+    if torch.cuda.is_available():
+        pytest.skip("interpreter run; the GPU runs test_backward_through_tensor_descriptors_gpu")
+    _check_backward_descriptors(case)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", TMA_CASES, ids=[_id(c) for c in TMA_CASES])
+def test_backward_through_tensor_descriptors_gpu(case):
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    _check_backward_descriptors(case)
+
+
 def test_one_query_and_one_key_take_pointer_loads():
     """``tma_mode``: descriptors where asked and served, pointer loads for one query and one
     key whatever the config asks (ptxas of Triton 3.6 crashes compiling that kernel for
@@ -402,14 +459,14 @@ def test_backward_with_dq_through_atomics_matches_naive(case, monkeypatch):
 # D 64 (a power of two: the tensor-memory engine's adds take a head's D columns whole):
 # batch rows whose last query tile runs past the sequence (its rows add zeros into the next
 # row's dQ), Tq < Tk, ACP, packed sequences
-TMA_CASES = [
+BULK_CASES = [
     (2, 63, 63, 4, 2, 64, "mixed", None, None),
     (1, 63, 257, 2, 1, 64, "fast", 1.0, None),
     (1, 257, 257, 2, 1, 64, "fast", "auto", [0, 1, 70, 257]),
 ]
 
 
-@pytest.mark.parametrize("case", TMA_CASES, ids=[_id(c) for c in TMA_CASES])
+@pytest.mark.parametrize("case", BULK_CASES, ids=[_id(c) for c in BULK_CASES])
 def test_backward_with_dq_through_bulk_adds_matches_naive(case, monkeypatch):
     """``FUSE_DQ="tma"``: each tile's dQ added to a float32 buffer by one bulk operation of
     the tensor-memory engine (a descriptor over ``[B * Tq, HQ * D]``). The interpreter has no

@@ -36,7 +36,7 @@ import triton.language as tl
 
 from ..backend import LOG2E, LOG2E_TL
 from .gate_scan import sequence_span
-from .triton_fwd import key_bias, loop_runs
+from .triton_fwd import key_bias, loop_runs, tma_mode
 
 
 @triton.jit
@@ -94,16 +94,24 @@ def _dkdv_inner(
     o_d, m_d,
     BM: tl.constexpr, G: tl.constexpr, MASKED: tl.constexpr, USE_ACP: tl.constexpr,
     DOT_PREC: tl.constexpr, FUSE_DQ: tl.constexpr, BIAS: tl.constexpr = 1, ROWS4: tl.constexpr = False,
-    STAGES: tl.constexpr = None, ROW_BIAS: tl.constexpr = False,
+    STAGES: tl.constexpr = None, ROW_BIAS: tl.constexpr = False, USE_TMA: tl.constexpr = False,
+    tma_row=0, tma_col=0,
 ):
+    # USE_TMA: p_q, p_do are descriptors over [B * Tq, HQ * D] whose block (tma_row + start,
+    # tma_col) is this head's queries from start on (rows past the sequence are the next one's:
+    # their bias, or lse, masks them, and a finite row times a zero weight adds nothing)
     for start in tl.range(lo, hi, BM, num_stages=STAGES):  # STAGES: None, the launch's
         o_m = start + tl.arange(0, BM)
         m_m = o_m < tq
         # [BM, BD]
-        b_q = tl.load(p_q + o_m[:, None] * stride_qt + o_d[None, :],
-                      mask=m_m[:, None] & m_d[None, :], other=0.0)
-        b_do = tl.load(p_do + o_m[:, None] * stride_dot + o_d[None, :],
-                       mask=m_m[:, None] & m_d[None, :], other=0.0)
+        if USE_TMA:
+            b_q = p_q.load([tl.cast(tma_row + start, tl.int32), tma_col])
+            b_do = p_do.load([tl.cast(tma_row + start, tl.int32), tma_col])
+        else:
+            b_q = tl.load(p_q + o_m[:, None] * stride_qt + o_d[None, :],
+                          mask=m_m[:, None] & m_d[None, :], other=0.0)
+            b_do = tl.load(p_do + o_m[:, None] * stride_dot + o_d[None, :],
+                           mask=m_m[:, None] & m_d[None, :], other=0.0)
         o_abs = o_m + off
         if ROWS4:  # each row's (lse - c_lo, delta, c_hi, 0) in one 16-byte load (_query_rows)
             o_4 = tl.arange(0, 4)[None, :]
@@ -183,7 +191,7 @@ def _bwd_dkdv_kernel(
     D: tl.constexpr, BD: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
     G: tl.constexpr, GROUP: tl.constexpr, IS_VARLEN: tl.constexpr, USE_ACP: tl.constexpr,
     DOT_PREC: tl.constexpr, FUSE_DQ: tl.constexpr, BIAS: tl.constexpr = 1, ROWS4: tl.constexpr = False,
-    LOOPS: tl.constexpr = 0, ROW_BIAS: tl.constexpr = False,
+    LOOPS: tl.constexpr = 0, ROW_BIAS: tl.constexpr = False, USE_TMA: tl.constexpr = False,
 ):
     i_n = tl.program_id(0).to(tl.int64)
     i_bh = tl.program_id(1).to(tl.int64)
@@ -244,8 +252,14 @@ def _bwd_dkdv_kernel(
         c_ref = tl.load(p_chi + k0)
         b_ck = ((tl.load(p_chi + o_n, mask=m_n, other=0.0) - c_ref)
                 + tl.load(p_clo + o_n, mask=m_n, other=0.0)) * LOG2E_TL
-        p_q = Q + i_bt * stride_qb + bos * stride_qt + i_h * stride_qh
-        p_do = DO + i_bt * stride_dob + bos * stride_dot + i_h * stride_doh
+        if USE_TMA:  # descriptors made on the host (launch_bwd)
+            p_q = Q
+            p_do = DO
+        else:
+            p_q = Q + i_bt * stride_qb + bos * stride_qt + i_h * stride_qh
+            p_do = DO + i_bt * stride_dob + bos * stride_dot + i_h * stride_doh
+        tma_row = tl.cast(i_bt * TQ + bos, tl.int32)
+        tma_col = tl.cast(i_h * D, tl.int32)
         p_rows = ROWS + ((i_bt * HQ + i_h) * TC + bos) * 4
         p_bs = BSTART + (i_b * HQ + i_h) * MB
         if FUSE_DQ >= 2:  # a descriptor made on the host over [B * Tq, HQ * D] (launch_bwd),
@@ -265,19 +279,22 @@ def _bwd_dkdv_kernel(
                                             p_chi, p_bs, c_ref, p_dqa, p_dcra, dq_row, dq_col, DQ_ROWS,
                                             stride_qt, stride_dot, stride_dqat,
                                             q_lo, a, tq, off, qk_scale, o_d, m_d,
-                                            BM, G, 2, USE_ACP, DOT_PREC, FUSE_DQ, BIAS, ROWS4, ns_m, ROW_BIAS)
+                                            BM, G, 2, USE_ACP, DOT_PREC, FUSE_DQ, BIAS, ROWS4, ns_m, ROW_BIAS,
+                                            USE_TMA, tma_row, tma_col)
         if run_mid:
             b_dk, b_dv, b_dcc = _dkdv_inner(b_dk, b_dv, b_dcc, b_k, b_v, b_ck, o_n, k0, p_q, p_do, p_rows,
                                             p_chi, p_bs, c_ref, p_dqa, p_dcra, dq_row, dq_col, DQ_ROWS,
                                             stride_qt, stride_dot, stride_dqat,
                                             a, b, tq, off, qk_scale, o_d, m_d,
-                                            BM, G, 0, USE_ACP, DOT_PREC, FUSE_DQ, BIAS, ROWS4, None, ROW_BIAS)
+                                            BM, G, 0, USE_ACP, DOT_PREC, FUSE_DQ, BIAS, ROWS4, None, ROW_BIAS,
+                                            USE_TMA, tma_row, tma_col)
         if run_hi:
             b_dk, b_dv, b_dcc = _dkdv_inner(b_dk, b_dv, b_dcc, b_k, b_v, b_ck, o_n, k0, p_q, p_do, p_rows,
                                             p_chi, p_bs, c_ref, p_dqa, p_dcra, dq_row, dq_col, DQ_ROWS,
                                             stride_qt, stride_dot, stride_dqat,
                                             b, q_end, tq, off, qk_scale, o_d, m_d,
-                                            BM, G, 1, USE_ACP, DOT_PREC, FUSE_DQ, BIAS, ROWS4, ns_m, ROW_BIAS)
+                                            BM, G, 1, USE_ACP, DOT_PREC, FUSE_DQ, BIAS, ROWS4, ns_m, ROW_BIAS,
+                                            USE_TMA, tma_row, tma_col)
         tl.store(DCC + (i_bt * HQ + i_h) * TC + bos + o_n, b_dcc, mask=m_n)
     p_dk = DK + i_bt * stride_dkb + (bos + o_n[:, None]) * stride_dkt + i_hk * stride_dkh + o_d[None, :]
     p_dv = DV + i_bt * stride_dvb + (bos + o_n[:, None]) * stride_dvt + i_hk * stride_dvh + o_d[None, :]
@@ -295,16 +312,23 @@ def _dq_inner(
     o_d, m_d,
     BN: tl.constexpr, MASKED: tl.constexpr, DOT_PREC: tl.constexpr, BIAS: tl.constexpr = 1,
     PAIRS: tl.constexpr = False, STAGES: tl.constexpr = None, ROW_BIAS: tl.constexpr = False,
+    USE_TMA: tl.constexpr = False, tma_row=0, tma_col=0,
 ):
-    # ROW_BIAS: b_lse arrives less the query's c_i (b_cq unused): one multiply-add a pair
+    # ROW_BIAS: b_lse arrives less the query's c_i (b_cq unused): one multiply-add a pair;
+    # USE_TMA: p_k, p_v are descriptors over [B * Tk, H * D] (keys past the sequence are
+    # after every query: the causal mask drops them)
     for start in tl.range(lo, hi, BN, num_stages=STAGES):  # STAGES: None, the launch's
         o_n = start + tl.arange(0, BN)
         m_n = o_n < tk
         # [BD, BN]
-        b_kt = tl.load(p_k + o_n[None, :] * stride_kt + o_d[:, None],
-                       mask=m_d[:, None] & m_n[None, :], other=0.0)
-        b_vt = tl.load(p_v + o_n[None, :] * stride_vt + o_d[:, None],
-                       mask=m_d[:, None] & m_n[None, :], other=0.0)
+        if USE_TMA:
+            b_kt = tl.trans(p_k.load([tl.cast(tma_row + start, tl.int32), tma_col]))
+            b_vt = tl.trans(p_v.load([tl.cast(tma_row + start, tl.int32), tma_col]))
+        else:
+            b_kt = tl.load(p_k + o_n[None, :] * stride_kt + o_d[:, None],
+                           mask=m_d[:, None] & m_n[None, :], other=0.0)
+            b_vt = tl.load(p_v + o_n[None, :] * stride_vt + o_d[:, None],
+                           mask=m_d[:, None] & m_n[None, :], other=0.0)
         # [BM, BN]
         if ROW_BIAS and (BIAS == 1 or BIAS == 3):
             b_ck = key_bias(p_chi, p_clo, o_n, m_n, c_ref, PAIRS)
@@ -340,6 +364,7 @@ def _bwd_dq_kernel(
     G: tl.constexpr, IS_VARLEN: tl.constexpr, USE_ACP: tl.constexpr, DOT_PREC: tl.constexpr,
     BIAS: tl.constexpr = 1, PAIRS: tl.constexpr = False, MAKE_ROWS: tl.constexpr = False,
     HAS_DLSE: tl.constexpr = False, LOOPS: tl.constexpr = 0, ROW_BIAS: tl.constexpr = False,
+    USE_TMA: tl.constexpr = False,
 ):
     # the last query tiles have the most keys: schedule them first to shorten the tail
     i_m = (tl.num_programs(0) - 1 - tl.program_id(0)).to(tl.int64)
@@ -402,8 +427,14 @@ def _bwd_dq_kernel(
         ks_hi = 0
     diag = ((first_abs + 1) // BN) * BN
     mid = tl.maximum(diag, ks_hi)
-    p_k = K + i_bt * stride_kb + bos * stride_kt + i_hk * stride_kh
-    p_v = V + i_bt * stride_vb + bos * stride_vt + i_hk * stride_vh
+    if USE_TMA:  # descriptors made on the host (launch_bwd)
+        p_k = K
+        p_v = V
+    else:
+        p_k = K + i_bt * stride_kb + bos * stride_kt + i_hk * stride_kh
+        p_v = V + i_bt * stride_vb + bos * stride_vt + i_hk * stride_vh
+    tma_row = tl.cast(i_bt * TK + bos, tl.int32)
+    tma_col = tl.cast(i_hk * D, tl.int32)
     b_dq = tl.zeros([BM, BD], dtype=tl.float32)
     b_dcr = tl.zeros([BM], dtype=tl.float32)
     ns_m: tl.constexpr = 1 if LOOPS >= 2 else None  # LOOPS: as in the dK/dV kernel
@@ -411,15 +442,18 @@ def _bwd_dq_kernel(
     if run_edge:
         b_dq, b_dcr = _dq_inner(b_dq, b_dcr, b_q, b_do, b_lsek, b_delta, b_cq, o_abs, b_kstart, p_k, p_v,
                                 p_chi, p_clo, c_ref, stride_kt, stride_vt, ks_lo, ks_hi, tk, qk_scale,
-                                o_d, m_d, BN, True, DOT_PREC, BIAS, PAIRS, ns_m, ROW_BIAS)
+                                o_d, m_d, BN, True, DOT_PREC, BIAS, PAIRS, ns_m, ROW_BIAS,
+                                USE_TMA, tma_row, tma_col)
     if run_mid:
         b_dq, b_dcr = _dq_inner(b_dq, b_dcr, b_q, b_do, b_lsek, b_delta, b_cq, o_abs, b_kstart, p_k, p_v,
                                 p_chi, p_clo, c_ref, stride_kt, stride_vt, ks_hi, mid, tk, qk_scale,
-                                o_d, m_d, BN, False, DOT_PREC, BIAS, PAIRS, None, ROW_BIAS)
+                                o_d, m_d, BN, False, DOT_PREC, BIAS, PAIRS, None, ROW_BIAS,
+                                USE_TMA, tma_row, tma_col)
     if run_diag:
         b_dq, b_dcr = _dq_inner(b_dq, b_dcr, b_q, b_do, b_lsek, b_delta, b_cq, o_abs, b_kstart, p_k, p_v,
                                 p_chi, p_clo, c_ref, stride_kt, stride_vt, mid, last_abs + 1, tk,
-                                qk_scale, o_d, m_d, BN, True, DOT_PREC, BIAS, PAIRS, ns_m, ROW_BIAS)
+                                qk_scale, o_d, m_d, BN, True, DOT_PREC, BIAS, PAIRS, ns_m, ROW_BIAS,
+                                USE_TMA, tma_row, tma_col)
     p_dq = DQ + i_bt * stride_dqb + (bos + o_m[:, None]) * stride_dqt + i_h * stride_dqh + o_d[None, :]
     tl.store(p_dq, (b_dq * scale).to(DQ.dtype.element_ty), mask=m_md)
     tl.store(DCR + p_row + o_m, b_dcr, mask=m_m)
@@ -494,6 +528,9 @@ def launch_bwd(q, k, v, o, do, lse2, dlse, c_hi, c_lo, block_start, block_end, c
     (:func:`_query_rows`) are made by the dQ kernel, which then runs first (``MAKE_ROWS``
     in the dQ config), or else by one launch of ``_rows_kernel`` before the others.
     ``FUSE_DQ=True`` in the dK/dV config: one kernel, dQ through atomics (module doc).
+    ``TMA="host"`` in either config: the loop's tiles (queries and output gradients for the
+    dK/dV kernel, keys and values for the dQ kernel) through tensor descriptors made here over
+    ``[B * T, H * D]`` views, where :func:`_host_tma` holds (else pointer loads); not yet timed.
     ``BIAS`` in either config is a timing diagnostic (``tune_fox_bwd.py --bias-off``), never
     for results: 1 (default) the FoX backward, 0 plain softmax attention's (no bias, no
     gate sums), 2 the gate sums without the bias, 3 the bias without the gate sums."""
@@ -503,6 +540,7 @@ def launch_bwd(q, k, v, o, do, lse2, dlse, c_hi, c_lo, block_start, block_end, c
         cfg_kv.pop("ROW_BIAS", None)
         cfg_q.pop("ROW_BIAS", None)
     fuse = _fuse_mode(cfg_kv.pop("FUSE_DQ", False), q, p)
+    tma_kv, tma_q = (cfg.pop("TMA", False) == "host" and _host_tma(q, k, v, do, p) for cfg in (cfg_kv, cfg_q))
     make_rows = bool(cfg_q.pop("MAKE_ROWS", False)) and not fuse
     bd = max(16, triton.next_power_of_2(p.d))
     use_acp = block_start is not None
@@ -514,7 +552,8 @@ def launch_bwd(q, k, v, o, do, lse2, dlse, c_hi, c_lo, block_start, block_end, c
     rows = torch.empty(*lse2.shape, 4, dtype=torch.float32, device=lse2.device)
     dl = dlse.float().contiguous() if dlse is not None else dummy
     launch_q = _dq_launcher(q, k, v, o, do, lse2, dl, rows, c_hi, c_lo, block_start, cu, p, dq, dcr,
-                            cfg_q, common, dict(MAKE_ROWS=make_rows, HAS_DLSE=dlse is not None))
+                            cfg_q, common,
+                            dict(MAKE_ROWS=make_rows, HAS_DLSE=dlse is not None, USE_TMA=tma_q))
     if make_rows:
         launch_q()
     else:
@@ -534,8 +573,14 @@ def launch_bwd(q, k, v, o, do, lse2, dlse, c_hi, c_lo, block_start, block_end, c
         dqa_arg = TensorDescriptor.from_tensor(dqa.view(-1, p.hq * p.d), [bm, bd])
     if fuse:
         dcr.zero_()
+    qa, doa = q, do
+    if tma_kv:  # [B * Tq, HQ * D] views; a block is BM rows of one head
+        from triton.tools.tensor_descriptor import TensorDescriptor
+
+        qa = TensorDescriptor.from_tensor(q.view(-1, p.hq * p.d), [bm, bd])
+        doa = TensorDescriptor.from_tensor(do.view(-1, p.hq * p.d), [bm, bd])
     _bwd_dkdv_kernel[(triton.cdiv(p.tk, bn), p.batch * p.h)](
-        q, k, v, do, rows, c_hi, c_lo,
+        qa, k, v, doa, rows, c_hi, c_lo,
         block_start if use_acp else dummy, block_end if use_acp else dummy,
         cu if varlen else dummy, dk, dv, dcc, dqa_arg, dcr,
         q.stride(0), q.stride(1), q.stride(2),
@@ -548,12 +593,18 @@ def launch_bwd(q, k, v, o, do, lse2, dlse, c_hi, c_lo, block_start, block_end, c
         p.scale * LOG2E, p.scale, p.tq, p.tk, tc, p.hq, p.h,
         block_start.shape[-1] if use_acp else 1, block_end.shape[-1] if use_acp else 1,
         q.shape[0] * q.shape[1],
-        BM=bm, BN=bn, GROUP=p.hq // p.h, FUSE_DQ=fuse, **common, **cfg_kv,
+        BM=bm, BN=bn, GROUP=p.hq // p.h, FUSE_DQ=fuse, USE_TMA=tma_kv, **common, **cfg_kv,
     )
     if fuse:
         dq.copy_(dqa.mul_(p.scale))
     elif not make_rows:
         launch_q()
+
+
+def _host_tma(q, k, v, do, p) -> bool:
+    """Whether ``TMA="host"`` serves: the forward's conditions for descriptors made on the host
+    (:func:`triton_fwd.tma_mode`), and ``do`` contiguous too."""
+    return tma_mode("host", q, k, v, p) == 2 and do.is_contiguous() and do.data_ptr() % 16 == 0
 
 
 def _fuse_mode(fuse, q, p) -> int:
@@ -578,9 +629,16 @@ def _dq_launcher(q, k, v, o, do, lse2, dl, rows, c_hi, c_lo, block_start, cu, p,
     pairs = cfg_q.pop("PAIRS", False)
     use_acp = block_start is not None
 
+    ka, va = k, v
+    if switches.get("USE_TMA"):  # [B * Tk, H * D] views; a block is BN keys of one head
+        from triton.tools.tensor_descriptor import TensorDescriptor
+
+        ka = TensorDescriptor.from_tensor(k.view(-1, p.h * p.d), [bn, common["BD"]])
+        va = TensorDescriptor.from_tensor(v.view(-1, p.h * p.d), [bn, common["BD"]])
+
     def launch():
         _bwd_dq_kernel[(triton.cdiv(p.tq, bm), p.batch * p.hq)](
-            q, k, v, o, do, lse2, dl, rows, c_hi, torch.stack((c_hi, c_lo), -1) if pairs else c_lo,
+            q, ka, va, o, do, lse2, dl, rows, c_hi, torch.stack((c_hi, c_lo), -1) if pairs else c_lo,
             block_start if use_acp else c_hi, cu if cu is not None else c_hi, dq, dcr,
             q.stride(0), q.stride(1), q.stride(2),
             k.stride(0), k.stride(1), k.stride(2),
