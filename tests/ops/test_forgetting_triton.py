@@ -416,7 +416,7 @@ def _check_descriptors(case):
         from lapse.ops.forgetting.common import acp_delta
 
         bs = triton_block_start(c_hi, c_lo, acp_delta(acp, 1e-3, q, k, p), p)
-    assert triton_fwd._tma_ready(k, v)
+    assert triton_fwd.tma_ready(k, v)
     outs = []
     assert triton_fwd._host_tma_ready(q, k, v, p) == (d == 64)
     for tma in (False, True, "host"):
@@ -430,18 +430,24 @@ def _check_descriptors(case):
         assert torch.equal(o0, o1) and torch.equal(l0, l1)
 
 
+def _with_options(monkeypatch, fwd=None, kv=None):
+    """Makes the tables add ``fwd`` to the forward's config and ``kv`` to the dK/dV kernel's."""
+    from lapse.ops.forgetting import triton_bwd, triton_fwd
+
+    plain_fwd, plain_bwd = triton_fwd.fwd_config, triton_bwd.bwd_config
+
+    def bwd(*args, **kwargs):
+        cfg_kv, cfg_q = plain_bwd(*args, **kwargs)
+        return dict(cfg_kv, **(kv or {})), cfg_q
+
+    monkeypatch.setattr(triton_fwd, "fwd_config", lambda *a, **k: dict(plain_fwd(*a, **k), **(fwd or {})))
+    monkeypatch.setattr(triton_bwd, "bwd_config", bwd)
+
+
 def _fuse_dq(monkeypatch, mode=True):
     """Makes the Triton backward take one kernel with dQ through atomics (``FUSE_DQ``:
     ``True`` a thread an element, ``"tma"`` a tile at a time by the tensor-memory engine)."""
-    from lapse.ops.forgetting import triton_bwd
-
-    plain = triton_bwd.bwd_config
-
-    def fused(*args, **kwargs):
-        kv, q = plain(*args, **kwargs)
-        return dict(kv, FUSE_DQ=mode), q
-
-    monkeypatch.setattr(triton_bwd, "bwd_config", fused)
+    _with_options(monkeypatch, kv=dict(FUSE_DQ=mode))
 
 
 @pytest.mark.parametrize("case", CPU_CASES, ids=[_id(c) for c in CPU_CASES])
@@ -499,10 +505,7 @@ def test_backward_with_dq_through_bulk_adds_gpu(case, monkeypatch):
 def _fixed_max(monkeypatch):
     """Makes the forward take ``FIXED_MAX``: the diagonal keys' maximum as every other key's
     reference, no online maximum."""
-    from lapse.ops.forgetting import triton_fwd
-
-    plain = triton_fwd.fwd_config
-    monkeypatch.setattr(triton_fwd, "fwd_config", lambda *a, **kw: dict(plain(*a, **kw), FIXED_MAX=True))
+    _with_options(monkeypatch, fwd=dict(FIXED_MAX=True))
 
 
 @pytest.mark.parametrize("case", CPU_CASES, ids=[_id(c) for c in CPU_CASES])

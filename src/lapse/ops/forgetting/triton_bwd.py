@@ -36,7 +36,7 @@ import triton.language as tl
 
 from ..backend import LOG2E, LOG2E_TL
 from .gate_scan import sequence_span
-from .triton_fwd import key_bias, loop_runs, tma_mode
+from .triton_fwd import head_rows_descriptor, key_bias, loop_runs, tma_device, tma_mode, tma_ready
 
 
 @triton.jit
@@ -566,19 +566,10 @@ def launch_bwd(q, k, v, o, do, lse2, dlse, c_hi, c_lo, block_start, block_end, c
         )
     bm, bn = cfg_kv.pop("BM"), cfg_kv.pop("BN")
     dqa = torch.zeros(q.shape, dtype=torch.float32, device=q.device) if fuse else dummy
-    dqa_arg = dqa
-    if fuse == 2:  # [B * Tq, HQ * D]; a block is BM rows of one head
-        from triton.tools.tensor_descriptor import TensorDescriptor
-
-        dqa_arg = TensorDescriptor.from_tensor(dqa.view(-1, p.hq * p.d), [bm, bd])
+    dqa_arg = head_rows_descriptor(dqa, bm, bd) if fuse == 2 else dqa
     if fuse:
         dcr.zero_()
-    qa, doa = q, do
-    if tma_kv:  # [B * Tq, HQ * D] views; a block is BM rows of one head
-        from triton.tools.tensor_descriptor import TensorDescriptor
-
-        qa = TensorDescriptor.from_tensor(q.view(-1, p.hq * p.d), [bm, bd])
-        doa = TensorDescriptor.from_tensor(do.view(-1, p.hq * p.d), [bm, bd])
+    qa, doa = (head_rows_descriptor(q, bm, bd), head_rows_descriptor(do, bm, bd)) if tma_kv else (q, do)
     _bwd_dkdv_kernel[(triton.cdiv(p.tk, bn), p.batch * p.h)](
         qa, k, v, doa, rows, c_hi, c_lo,
         block_start if use_acp else dummy, block_end if use_acp else dummy,
@@ -604,7 +595,7 @@ def launch_bwd(q, k, v, o, do, lse2, dlse, c_hi, c_lo, block_start, block_end, c
 def _host_tma(q, k, v, do, p) -> bool:
     """Whether ``TMA="host"`` serves: the forward's conditions for descriptors made on the host
     (:func:`triton_fwd.tma_mode`), and ``do`` contiguous too."""
-    return tma_mode("host", q, k, v, p) == 2 and do.is_contiguous() and do.data_ptr() % 16 == 0
+    return tma_mode("host", q, k, v, p) == 2 and do.is_contiguous() and tma_ready(do)
 
 
 def _fuse_mode(fuse, q, p) -> int:
@@ -614,11 +605,9 @@ def _fuse_mode(fuse, q, p) -> int:
     3 on the CPU: the interpreter's stand-in, the same rows added by pointers)."""
     if fuse != "tma":
         return int(bool(fuse))
-    if not (p.d == max(16, triton.next_power_of_2(p.d)) and q.is_contiguous()):
+    if not (p.d == max(16, triton.next_power_of_2(p.d)) and q.is_contiguous() and tma_device(q)):
         return 1
-    if not q.is_cuda:  # the interpreter has no bulk adds: 3 adds the same rows by pointers
-        return 3
-    return 2 if torch.cuda.get_device_capability(q.device)[0] >= 9 else 1
+    return 2 if q.is_cuda else 3  # the interpreter has no bulk adds: 3 adds the same rows by pointers
 
 
 def _dq_launcher(q, k, v, o, do, lse2, dl, rows, c_hi, c_lo, block_start, cu, p, dq, dcr, cfg_q,
@@ -630,11 +619,8 @@ def _dq_launcher(q, k, v, o, do, lse2, dl, rows, c_hi, c_lo, block_start, cu, p,
     use_acp = block_start is not None
 
     ka, va = k, v
-    if switches.get("USE_TMA"):  # [B * Tk, H * D] views; a block is BN keys of one head
-        from triton.tools.tensor_descriptor import TensorDescriptor
-
-        ka = TensorDescriptor.from_tensor(k.view(-1, p.h * p.d), [bn, common["BD"]])
-        va = TensorDescriptor.from_tensor(v.view(-1, p.h * p.d), [bn, common["BD"]])
+    if switches.get("USE_TMA"):  # a block is BN keys of one head
+        ka, va = head_rows_descriptor(k, bn, common["BD"]), head_rows_descriptor(v, bn, common["BD"])
 
     def launch():
         _bwd_dq_kernel[(triton.cdiv(p.tq, bm), p.batch * p.hq)](

@@ -358,7 +358,7 @@ def fwd_config(d: int, dtype_bytes: int, acp: bool = False) -> dict:
     return dict(BM=64, BN=32, num_warps=4, num_stages=2)
 
 
-def _tma_ready(*xs) -> bool:
+def tma_ready(*xs) -> bool:
     """Whether the tensor-memory engine can read these [B, T, H, D] tensors: every row
     start 16-byte aligned (base, batch, time and head strides) and unit stride in D."""
     return all(
@@ -379,7 +379,7 @@ def launch_fwd(q, k, v, c_hi, c_lo, block_start, cu, p, o, lse2, config=None):
 
     ``config`` (default :func:`fwd_config`) may ask for ``TMA=True``: keys and values read
     through tensor descriptors (Hopper's tensor-memory engine), taken where
-    :func:`_tma_ready` holds and, on a GPU, on compute capability 9 or later (else the
+    :func:`tma_ready` holds and, on a GPU, on compute capability 9 or later (else the
     pointer loads; the CPU interpreter takes it when asked, for the tests); ``TMA="host"``
     makes the descriptors on the host over ``[B * T, H * D]`` views (:func:`_host_tma_ready`;
     no descriptor is written and fenced by each program), else as ``True``. ``GLUON=True``
@@ -416,12 +416,12 @@ def launch_fwd(q, k, v, c_hi, c_lo, block_start, cu, p, o, lse2, config=None):
 def tma_mode(tma, q, k, v, p) -> int:
     """How the forward reads its tiles for the config's ``TMA`` option: 0 pointer loads, 1
     descriptors each program makes, 2 descriptors made on the host (``TMA="host"`` where
-    :func:`_host_tma_ready` holds). Descriptors need :func:`_tma_ready` inputs on Hopper or
+    :func:`_host_tma_ready` holds). Descriptors need :func:`tma_ready` inputs on Hopper or
     later, and two or more queries or keys: with one of each (Triton then compiles
     ``T_q = T_k = 1`` in) ptxas 12.8 of Triton 3.6 crashes on the descriptor kernel for
     sm_90 (``scripts/kernel_resources.py`` shows it on the CPU); one key needs no
     tensor-memory engine anyway."""
-    if not (tma and max(p.tq, p.tk) > 1 and _tma_ready(k, v) and _tma_device(q)):
+    if not (tma and max(p.tq, p.tk) > 1 and tma_ready(k, v) and tma_device(q)):
         return 0
     return 2 if tma == "host" and _host_tma_ready(q, k, v, p) else 1
 
@@ -429,11 +429,20 @@ def tma_mode(tma, q, k, v, p) -> int:
 def _host_tma_ready(q, k, v, p) -> bool:
     """Whether descriptors made on the host over ``[B * T, H * D]`` views serve: every tensor
     contiguous and 16-byte aligned, D a power of two (a block is one head's D columns)."""
-    return (p.d == max(16, triton.next_power_of_2(p.d)) and _tma_ready(q)
+    return (p.d == max(16, triton.next_power_of_2(p.d)) and tma_ready(q)
             and all(x.is_contiguous() for x in (q, k, v)))
 
 
-def _tma_device(x) -> bool:
+def head_rows_descriptor(x, rows: int, bd: int):
+    """A tensor descriptor made on the host over ``x`` ``[B, T, H, D]`` viewed as
+    ``[B * T, H * D]`` (contiguous: :func:`_host_tma_ready`): a block is ``rows`` rows of one
+    head's ``bd`` columns, so rows past a sequence are the next one's."""
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    return TensorDescriptor.from_tensor(x.view(-1, x.shape[-2] * x.shape[-1]), [rows, bd])
+
+
+def tma_device(x) -> bool:
     """Whether ``x``'s device has the tensor-memory engine (Hopper, sm_90, or later); the
     CPU interpreter emulates descriptors."""
     return not x.is_cuda or torch.cuda.get_device_capability(x.device)[0] >= 9
@@ -449,12 +458,9 @@ def _launch_fwd(q, k, v, c_hi, c_lo, block_start, cu, p, o, lse2, cfg, use_tma):
     mb = block_start.shape[-1] if block_start is not None else 1
     bd = max(16, triton.next_power_of_2(p.d))
     qa, ka, va = q, k, v
-    if use_tma == 2:  # [B * T, H * D] views; a block is BM (BN) rows of one head
-        from triton.tools.tensor_descriptor import TensorDescriptor
-
-        qa = TensorDescriptor.from_tensor(q.view(-1, p.hq * p.d), [bm, bd])
-        ka = TensorDescriptor.from_tensor(k.view(-1, p.h * p.d), [bn, bd])
-        va = TensorDescriptor.from_tensor(v.view(-1, p.h * p.d), [bn, bd])
+    if use_tma == 2:
+        qa = head_rows_descriptor(q, bm, bd)
+        ka, va = head_rows_descriptor(k, bn, bd), head_rows_descriptor(v, bn, bd)
     _fwd_kernel[grid](
         qa, ka, va, c_hi, torch.stack((c_hi, c_lo), -1) if pairs else c_lo,
         block_start if block_start is not None else c_hi, o, lse2,
