@@ -86,20 +86,20 @@ def main() -> None:
     set_value_checks(False)
     rows = []
     for shape in args.shapes:
-        t, d, h, b, q, k, v, p, c_hi, c_lo, bs = _prepared(shape)
+        t, d, h, b, q, k, v, p, c_hi, c_lo, bs = _prepared(shape, args.group)
         do = torch.randn_like(q)
         be = block_end_from_start(bs, p)
         qt, kt, vt = (x.transpose(1, 2).detach().requires_grad_() for x in (q, k, v))
 
-        def sdpa():
-            F.scaled_dot_product_attention(qt, kt, vt, is_causal=True).backward(do.transpose(1, 2))
-        sdpa_ms = _ms(sdpa)
-        sdpa_fwd_ms = _ms(lambda: F.scaled_dot_product_attention(qt, kt, vt, is_causal=True))
+        def sdpa_fwd():
+            return F.scaled_dot_product_attention(qt, kt, vt, is_causal=True, enable_gqa=args.group > 1)
+        sdpa_ms = _ms(lambda: sdpa_fwd().backward(do.transpose(1, 2)))
+        sdpa_fwd_ms = _ms(sdpa_fwd)
         for acp in (False, True):
             bsx, bex = (bs, be) if acp else (None, None)
             o, lse2 = torch.empty_like(q), torch.empty_like(c_hi)
             triton_fwd.launch_fwd(q, k, v, c_hi, c_lo, bsx, None, p, o, lse2)
-            kv0, q0 = triton_bwd.bwd_config(d, 1, acp)
+            kv0, q0 = triton_bwd.bwd_config(d, args.group, acp)
             grads = [torch.empty_like(x) for x in (q, k, v)] + [torch.empty_like(lse2) for _ in range(2)]
 
             def run(cfgs):
@@ -132,7 +132,7 @@ def main() -> None:
                 options += [("dq", kv0, dict(BM=bm, BN=bn, num_warps=w, num_stages=st))
                             for bm, bn, w, st in DQ[d] if not (acp and 64 % bn)]
             for varied, kv, qc in options:
-                row = dict(T=t, D=d, H=h, B=b, acp=acp, varied=varied, dkdv=kv, dq=qc,
+                row = dict(T=t, D=d, H=h, B=b, group=args.group, acp=acp, varied=varied, dkdv=kv, dq=qc,
                            sdpa_default_fwdbwd_ms=sdpa_ms, sdpa_default_fwd_ms=sdpa_fwd_ms)
                 try:
                     got = run((kv, qc))

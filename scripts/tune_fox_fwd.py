@@ -57,10 +57,14 @@ def _issue2(shape: str):
     return t, d, h, 32768 // t, _workload(32768 // t, t, h, d)
 
 
-def _prepared(shape: str):
+def _prepared(shape: str, group: int = 1):
     """The issue-2 workload of ``shape`` ready for the kernels: ``(T, D, heads, B, q, k, v,
-    problem, c_hi, c_lo, ACP block starts)``."""
+    problem, c_hi, c_lo, ACP block starts)``; with ``group`` > 1 the keys and values keep
+    every group-th head (grouped-query attention, ``heads / group`` key heads)."""
     t, d, h, b, (q, k, v, lg) = _issue2(shape)
+    if h % group:
+        raise SystemExit(f"--group {group} does not divide the {h} heads of {shape}")
+    k, v = k[:, :, ::group].contiguous(), v[:, :, ::group].contiguous()
     p = validate(q, k, v, lg, None, None, "triton")
     c_hi, c_lo = triton_gate_cumsum(lg, p)
     bs = triton_block_start(c_hi, c_lo, acp_delta("auto", math.exp(-10), q, k, p), p)
@@ -103,14 +107,17 @@ def main() -> None:
     ap.add_argument("--variants", nargs="+", type=json.loads, default=[],
                     help="JSON dicts over the default options, timed instead of the tile grid, "
                          "e.g. '{\"ROW_BIAS\": true}'")
+    ap.add_argument("--group", type=int, default=1,
+                    help="query heads a key head (grouped-query: the keys keep every group-th head)")
     ap.add_argument("--out", default="fox_fwd.json")
     args = ap.parse_args()
     set_value_checks(False)
     rows = []
     for shape in args.shapes:
-        t, d, h, b, q, k, v, p, c_hi, c_lo, bs = _prepared(shape)
+        t, d, h, b, q, k, v, p, c_hi, c_lo, bs = _prepared(shape, args.group)
         qt, kt, vt = (x.transpose(1, 2) for x in (q, k, v))
-        sdpa = _ms(lambda: F.scaled_dot_product_attention(qt, kt, vt, is_causal=True))
+        gqa = args.group > 1
+        sdpa = _ms(lambda: F.scaled_dot_product_attention(qt, kt, vt, is_causal=True, enable_gqa=gqa))
         for acp in [m == "acp" for m in args.modes]:
             bsx = bs if acp else None
             o = torch.empty_like(q)
@@ -147,7 +154,7 @@ def main() -> None:
                     cfg = dict(BM=bm, BN=bn, num_warps=w, num_stages=st, TMA=(False, True, "host")[tma])
                     if args.keep_switches:
                         cfg = {**default, **cfg}
-                row = dict(T=t, D=d, H=h, B=b, acp=acp, config=cfg if opt else "default",
+                row = dict(T=t, D=d, H=h, B=b, group=args.group, acp=acp, config=cfg if opt else "default",
                            sdpa_default_ms=sdpa)
                 try:
                     o.fill_(float("nan"))

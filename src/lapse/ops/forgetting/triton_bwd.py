@@ -500,6 +500,17 @@ def bwd_config(d: int, group: int = 1, acp: bool = False) -> tuple[dict, dict]:
     against 1.868 / 5.420 and 1.912 / 5.334, D 128 1.774 / 5.024 and 1.768 / 4.943 against
     1.836 / 5.115 and 1.842 / 5.116 (in both kernels D 64 16k lost: 5.443, 5.467). Not
     measured with grouped-query heads: that table keeps it off.
+
+    ``TMA="host"`` (the loops' tiles through tensor descriptors made on the host) in both
+    kernels, eighteenth session on an H200, two runs each
+    (``docs/bench/session18/h200-bwd-tma-{1,2}.json``), backward ms at T 4k / 16k against
+    the tables above: D 64, with the dQ kernel capped at 168 registers (it needs 176 with
+    descriptors, 234 without: three programs a multiprocessor), dense 3.567 / 13.693 and
+    3.619 / 13.635 against 4.011 / 14.808 and 4.047 / 14.826, ACP 1.643 / 4.849 and 1.678 /
+    4.761 against 1.836 / 5.330 and 1.842 / 5.311 (without the cap 0.93-0.95 of the default);
+    D 128 dense 3.170 / 11.701 and 3.253 / 11.891 against 3.518 / 12.796 and 3.530 / 12.775,
+    ACP 1.663 / 4.613 and 1.678 / 4.620 against 1.764 / 4.940 and 1.769 / 4.922 (with the
+    cap it loses: 2.18 / 5.76 with ACP). Not measured with grouped-query heads: that table keeps pointers.
     """
     if d <= 64:
         if group > 1 and not acp:
@@ -508,13 +519,18 @@ def bwd_config(d: int, group: int = 1, acp: bool = False) -> tuple[dict, dict]:
             kv = dict(BM=32, BN=64, num_warps=4, num_stages=3, ROWS4=True, maxnreg=168, ROW_BIAS=group == 1)
         q = dict(BM=64, BN=64, num_warps=4, num_stages=3, PAIRS=True, MAKE_ROWS=True,
                  ROW_BIAS=group == 1 and not acp)
+        if group == 1:
+            kv, q = dict(kv, TMA="host"), dict(q, TMA="host", maxnreg=168)
         if acp:  # empty loops not entered
             kv, q = dict(kv, LOOPS=1), dict(q, LOOPS=1)
         return kv, q
     if d <= 128:
-        return (dict(BM=32, BN=64, num_warps=4, num_stages=3, ROWS4=True, ROW_BIAS=group == 1),
-                dict(BM=64, BN=64, num_warps=4, num_stages=2, PAIRS=False, MAKE_ROWS=True,
-                     ROW_BIAS=group == 1 and not acp))
+        kv = dict(BM=32, BN=64, num_warps=4, num_stages=3, ROWS4=True, ROW_BIAS=group == 1)
+        q = dict(BM=64, BN=64, num_warps=4, num_stages=2, PAIRS=False, MAKE_ROWS=True,
+                 ROW_BIAS=group == 1 and not acp)
+        if group == 1:
+            kv, q = dict(kv, TMA="host"), dict(q, TMA="host")
+        return kv, q
     return (dict(BM=16, BN=32, num_warps=4, num_stages=1),
             dict(BM=32, BN=16, num_warps=4, num_stages=1, MAKE_ROWS=True))
 
@@ -530,7 +546,7 @@ def launch_bwd(q, k, v, o, do, lse2, dlse, c_hi, c_lo, block_start, block_end, c
     ``FUSE_DQ=True`` in the dK/dV config: one kernel, dQ through atomics (module doc).
     ``TMA="host"`` in either config: the loop's tiles (queries and output gradients for the
     dK/dV kernel, keys and values for the dQ kernel) through tensor descriptors made here over
-    ``[B * T, H * D]`` views, where :func:`_host_tma` holds (else pointer loads); not yet timed.
+    ``[B * T, H * D]`` views, where :func:`_host_tma` holds (else pointer loads).
     ``BIAS`` in either config is a timing diagnostic (``tune_fox_bwd.py --bias-off``), never
     for results: 1 (default) the FoX backward, 0 plain softmax attention's (no bias, no
     gate sums), 2 the gate sums without the bias, 3 the bias without the gate sums."""
