@@ -67,6 +67,8 @@ def main() -> None:
     ap.add_argument("--shapes", nargs="+", default=["4096x64", "16384x64", "4096x128", "16384x128"],
                     help="T x D; heads 24 at D 64, 12 at D 128, B = 32768 / T")
     ap.add_argument("--out", default="fox_bwd.json")
+    ap.add_argument("--group", type=int, default=1,
+                    help="query heads a key head (grouped-query: the keys keep every group-th head)")
     ap.add_argument("--variants", nargs="+", type=json.loads, default=[],
                     help='JSON dicts {"kv": {...}, "q": {...}} over the two kernels\' default options, '
                          "timed beside the default (with --no-fused and no --sweep: only these)")

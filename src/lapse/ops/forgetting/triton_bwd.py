@@ -499,7 +499,7 @@ def bwd_config(d: int, group: int = 1, acp: bool = False) -> tuple[dict, dict]:
     16k, dK/dV only); with ACP in the dK/dV kernel only, D 64 1.838 / 5.288 and 1.844 / 5.314
     against 1.868 / 5.420 and 1.912 / 5.334, D 128 1.774 / 5.024 and 1.768 / 4.943 against
     1.836 / 5.115 and 1.842 / 5.116 (in both kernels D 64 16k lost: 5.443, 5.467). Not
-    measured with grouped-query heads: that table keeps it off.
+    measured with grouped-query heads then (see below).
 
     ``TMA="host"`` (the loops' tiles through tensor descriptors made on the host) in both
     kernels, eighteenth session on an H200, two runs each
@@ -510,27 +510,33 @@ def bwd_config(d: int, group: int = 1, acp: bool = False) -> tuple[dict, dict]:
     4.761 against 1.836 / 5.330 and 1.842 / 5.311 (without the cap 0.93-0.95 of the default);
     D 128 dense 3.170 / 11.701 and 3.253 / 11.891 against 3.518 / 12.796 and 3.530 / 12.775,
     ACP 1.663 / 4.613 and 1.678 / 4.620 against 1.764 / 4.940 and 1.769 / 4.922 (with the
-    cap it loses: 2.18 / 5.76 with ACP). Not measured with grouped-query heads: that table keeps pointers.
+    cap it loses: 2.18 / 5.76 with ACP).
+
+    With grouped-query heads (``scripts/tune_fox_bwd.py --group 4``: 24 query heads over 6 at
+    D 64, 12 over 3 at D 128; ``docs/bench/session18/h200-bwd-gqa.json``), descriptors and
+    ``ROW_BIAS`` in both kernels, dense and ACP, ms at T 4k / 16k: D 64 dense 4.067 / 14.652
+    against 4.566 / 16.458, ACP 1.934 / 5.319 against 2.150 / 5.879 (descriptors with the dQ
+    kernel capped instead: 4.078 / 14.752, 1.908 / 5.368); D 128 dense 3.292 / 11.726 against
+    3.947 / 13.630, ACP 1.812 / 4.820 against 2.127 / 5.655.
     """
     if d <= 64:
         if group > 1 and not acp:
-            kv = dict(BM=32, BN=128, num_warps=4, num_stages=3, ROWS4=True)
+            kv = dict(BM=32, BN=128, num_warps=4, num_stages=3, ROWS4=True, TMA="host", ROW_BIAS=True)
         else:  # at most 168 registers a thread: three programs a multiprocessor, not two
-            kv = dict(BM=32, BN=64, num_warps=4, num_stages=3, ROWS4=True, maxnreg=168, ROW_BIAS=group == 1)
-        q = dict(BM=64, BN=64, num_warps=4, num_stages=3, PAIRS=True, MAKE_ROWS=True,
-                 ROW_BIAS=group == 1 and not acp)
-        if group == 1:
-            kv, q = dict(kv, TMA="host"), dict(q, TMA="host", maxnreg=168)
+            kv = dict(BM=32, BN=64, num_warps=4, num_stages=3, ROWS4=True, maxnreg=168, TMA="host",
+                      ROW_BIAS=True)
+        q = dict(BM=64, BN=64, num_warps=4, num_stages=3, PAIRS=True, MAKE_ROWS=True, TMA="host")
+        if group == 1:  # with 176 registers a thread, two programs a multiprocessor; capped, three
+            q = dict(q, maxnreg=168, ROW_BIAS=not acp)
+        else:
+            q = dict(q, ROW_BIAS=True)
         if acp:  # empty loops not entered
             kv, q = dict(kv, LOOPS=1), dict(q, LOOPS=1)
         return kv, q
     if d <= 128:
-        kv = dict(BM=32, BN=64, num_warps=4, num_stages=3, ROWS4=True, ROW_BIAS=group == 1)
-        q = dict(BM=64, BN=64, num_warps=4, num_stages=2, PAIRS=False, MAKE_ROWS=True,
-                 ROW_BIAS=group == 1 and not acp)
-        if group == 1:
-            kv, q = dict(kv, TMA="host"), dict(q, TMA="host")
-        return kv, q
+        return (dict(BM=32, BN=64, num_warps=4, num_stages=3, ROWS4=True, TMA="host", ROW_BIAS=True),
+                dict(BM=64, BN=64, num_warps=4, num_stages=2, PAIRS=False, MAKE_ROWS=True, TMA="host",
+                     ROW_BIAS=group > 1 or not acp))
     return (dict(BM=16, BN=32, num_warps=4, num_stages=1),
             dict(BM=32, BN=16, num_warps=4, num_stages=1, MAKE_ROWS=True))
 
