@@ -626,7 +626,8 @@ def _flip_load_options(monkeypatch):
     ``ROWS4`` off (three loads), every kernel's ``ROW_BIAS`` flipped (16-bit inputs: the
     query's own c_i in every logit, or in the lse only) and the forward's ``FIXED_MAX``
     (the online maximum, or the diagonal keys' as every key's reference), the queries' rows made the other
-    way (``MAKE_ROWS`` flipped: by the dQ kernel run first, or by a launch of their own), the ``LOOPS``
+    way (``MAKE_ROWS`` flipped: by the dQ kernel run first, or by a launch of their own), every
+    kernel's grid the other way round (``HEADS_FIRST`` flipped), the ``LOOPS``
     options off where the table sets them and all on where it does not, so the options
     the tables do not pick stay tested."""
     from lapse.ops.forgetting import triton_bwd, triton_fwd
@@ -639,13 +640,16 @@ def _flip_load_options(monkeypatch):
     def fwd_flipped(*a, **kw):
         cfg = fwd(*a, **kw)
         return dict(cfg, PAIRS=not cfg.get("PAIRS", False), LOOPS=loops(cfg),
-                    ROW_BIAS=not cfg.get("ROW_BIAS", False), FIXED_MAX=not cfg.get("FIXED_MAX", False))
+                    ROW_BIAS=not cfg.get("ROW_BIAS", False), FIXED_MAX=not cfg.get("FIXED_MAX", False),
+                    HEADS_FIRST=not cfg.get("HEADS_FIRST", False))
 
     def bwd_flipped(*a, **kw):
         kv, q = bwd(*a, **kw)
-        return (dict(kv, ROWS4=False, LOOPS=loops(kv), ROW_BIAS=not kv.get("ROW_BIAS", False)),
+        return (dict(kv, ROWS4=False, LOOPS=loops(kv), ROW_BIAS=not kv.get("ROW_BIAS", False),
+                     HEADS_FIRST=not kv.get("HEADS_FIRST", False)),
                 dict(q, PAIRS=not q.get("PAIRS", False), MAKE_ROWS=not q.get("MAKE_ROWS", False),
-                     LOOPS=loops(q), ROW_BIAS=not q.get("ROW_BIAS", False)))
+                     LOOPS=loops(q), ROW_BIAS=not q.get("ROW_BIAS", False),
+                     HEADS_FIRST=not q.get("HEADS_FIRST", False)))
 
     monkeypatch.setattr(triton_fwd, "fwd_config", fwd_flipped)
     monkeypatch.setattr(triton_bwd, "bwd_config", bwd_flipped)

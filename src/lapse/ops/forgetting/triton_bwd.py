@@ -36,7 +36,16 @@ import triton.language as tl
 
 from ..backend import LOG2E, LOG2E_TL
 from .gate_scan import sequence_span
-from .triton_fwd import head_rows_descriptor, key_bias, loop_runs, tma_device, tma_mode, tma_ready
+from .triton_fwd import (
+    head_rows_descriptor,
+    key_bias,
+    loop_runs,
+    program_tile,
+    tile_grid,
+    tma_device,
+    tma_mode,
+    tma_ready,
+)
 
 
 @triton.jit
@@ -192,9 +201,9 @@ def _bwd_dkdv_kernel(
     G: tl.constexpr, GROUP: tl.constexpr, IS_VARLEN: tl.constexpr, USE_ACP: tl.constexpr,
     DOT_PREC: tl.constexpr, FUSE_DQ: tl.constexpr, BIAS: tl.constexpr = 1, ROWS4: tl.constexpr = False,
     LOOPS: tl.constexpr = 0, ROW_BIAS: tl.constexpr = False, USE_TMA: tl.constexpr = False,
+    HEADS_FIRST: tl.constexpr = False,
 ):
-    i_n = tl.program_id(0).to(tl.int64)
-    i_bh = tl.program_id(1).to(tl.int64)
+    i_n, i_bh = program_tile(False, HEADS_FIRST)  # the first key tiles have the most queries
     i_b = i_bh // H
     i_hk = i_bh % H
     if IS_VARLEN:
@@ -364,11 +373,10 @@ def _bwd_dq_kernel(
     G: tl.constexpr, IS_VARLEN: tl.constexpr, USE_ACP: tl.constexpr, DOT_PREC: tl.constexpr,
     BIAS: tl.constexpr = 1, PAIRS: tl.constexpr = False, MAKE_ROWS: tl.constexpr = False,
     HAS_DLSE: tl.constexpr = False, LOOPS: tl.constexpr = 0, ROW_BIAS: tl.constexpr = False,
-    USE_TMA: tl.constexpr = False,
+    USE_TMA: tl.constexpr = False, HEADS_FIRST: tl.constexpr = False,
 ):
     # the last query tiles have the most keys: schedule them first to shorten the tail
-    i_m = (tl.num_programs(0) - 1 - tl.program_id(0)).to(tl.int64)
-    i_bh = tl.program_id(1).to(tl.int64)
+    i_m, i_bh = program_tile(True, HEADS_FIRST)
     i_b = i_bh // HQ
     i_h = i_bh % HQ
     i_hk = i_h // GROUP
@@ -592,7 +600,7 @@ def launch_bwd(q, k, v, o, do, lse2, dlse, c_hi, c_lo, block_start, block_end, c
     if fuse:
         dcr.zero_()
     qa, doa = (head_rows_descriptor(q, bm, bd), head_rows_descriptor(do, bm, bd)) if tma_kv else (q, do)
-    _bwd_dkdv_kernel[(triton.cdiv(p.tk, bn), p.batch * p.h)](
+    _bwd_dkdv_kernel[tile_grid(triton.cdiv(p.tk, bn), p.batch * p.h, cfg_kv.get("HEADS_FIRST", False))](
         qa, k, v, doa, rows, c_hi, c_lo,
         block_start if use_acp else dummy, block_end if use_acp else dummy,
         cu if varlen else dummy, dk, dv, dcc, dqa_arg, dcr,
@@ -645,7 +653,7 @@ def _dq_launcher(q, k, v, o, do, lse2, dl, rows, c_hi, c_lo, block_start, cu, p,
         ka, va = head_rows_descriptor(k, bn, common["BD"]), head_rows_descriptor(v, bn, common["BD"])
 
     def launch():
-        _bwd_dq_kernel[(triton.cdiv(p.tq, bm), p.batch * p.hq)](
+        _bwd_dq_kernel[tile_grid(triton.cdiv(p.tq, bm), p.batch * p.hq, cfg_q.get("HEADS_FIRST", False))](
             q, ka, va, o, do, lse2, dl, rows, c_hi, torch.stack((c_hi, c_lo), -1) if pairs else c_lo,
             block_start if use_acp else c_hi, cu if cu is not None else c_hi, dq, dcr,
             q.stride(0), q.stride(1), q.stride(2),

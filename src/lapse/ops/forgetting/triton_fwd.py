@@ -52,6 +52,26 @@ def key_bias(p_chi, p_clo, o_n, m_n, c_ref, PAIRS: tl.constexpr):
 
 
 @triton.jit
+def program_tile(LONGEST_LAST: tl.constexpr, HEADS_FIRST: tl.constexpr):
+    """This program's ``(tile, batch x head)`` in a :func:`tile_grid`: with ``HEADS_FIRST``
+    the grid's first axis runs over the heads, so every head's first tile is scheduled before
+    any head's second (without it, a head's tiles in turn); with ``LONGEST_LAST`` the tiles are
+    taken from the last (causal queries: the last tiles have the most keys)."""
+    if HEADS_FIRST:
+        i_t, n_t, i_bh = tl.program_id(1), tl.num_programs(1), tl.program_id(0)
+    else:
+        i_t, n_t, i_bh = tl.program_id(0), tl.num_programs(0), tl.program_id(1)
+    if LONGEST_LAST:
+        i_t = n_t - 1 - i_t
+    return i_t.to(tl.int64), i_bh.to(tl.int64)
+
+
+def tile_grid(tiles: int, heads: int, heads_first: bool) -> tuple[int, int]:
+    """The launch grid that :func:`program_tile` reads."""
+    return (heads, tiles) if heads_first else (tiles, heads)
+
+
+@triton.jit
 def loop_runs(a, b, c, d, LOOPS: tl.constexpr):
     """Whether each of three consecutive loops ``[a, b)``, ``[b, c)``, ``[c, d)`` is entered:
     every one (``LOOPS`` even: the loops as they are), or those with a step (odd: a
@@ -146,10 +166,10 @@ def _fwd_kernel(
     G: tl.constexpr, IS_VARLEN: tl.constexpr, USE_ACP: tl.constexpr, DOT_PREC: tl.constexpr,
     USE_TMA: tl.constexpr, BIAS: tl.constexpr = True, PAIRS: tl.constexpr = False,
     LOOPS: tl.constexpr = 0, ROW_BIAS: tl.constexpr = False, FIXED_MAX: tl.constexpr = False,
+    HEADS_FIRST: tl.constexpr = False,
 ):
     # the last query tiles have the most keys: schedule them first to shorten the tail
-    i_m = (tl.num_programs(0) - 1 - tl.program_id(0)).to(tl.int64)
-    i_bh = tl.program_id(1).to(tl.int64)
+    i_m, i_bh = program_tile(True, HEADS_FIRST)
     i_b = i_bh // HQ
     i_h = i_bh % HQ
     i_hk = i_h // GROUP
@@ -454,7 +474,7 @@ def _launch_fwd(q, k, v, c_hi, c_lo, block_start, cu, p, o, lse2, cfg, use_tma):
     diagnostic of what the bias costs (``tune_fox_fwd.py --bias-off``), never for results."""
     bm, bn = cfg.pop("BM"), cfg.pop("BN")
     pairs = cfg.pop("PAIRS", False)
-    grid = (triton.cdiv(p.tq, bm), p.batch * p.hq)
+    grid = tile_grid(triton.cdiv(p.tq, bm), p.batch * p.hq, cfg.get("HEADS_FIRST", False))
     mb = block_start.shape[-1] if block_start is not None else 1
     bd = max(16, triton.next_power_of_2(p.d))
     qa, ka, va = q, k, v
