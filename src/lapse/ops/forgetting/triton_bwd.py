@@ -526,6 +526,11 @@ def bwd_config(d: int, group: int = 1, acp: bool = False) -> tuple[dict, dict]:
     against 4.566 / 16.458, ACP 1.934 / 5.319 against 2.150 / 5.879 (descriptors with the dQ
     kernel capped instead: 4.078 / 14.752, 1.908 / 5.368); D 128 dense 3.292 / 11.726 against
     3.947 / 13.630, ACP 1.812 / 4.820 against 2.127 / 5.655.
+
+    With the descriptors, ``PAIRS`` in the dQ kernel at D 128 pays with ACP (two runs,
+    ``h200-bwd-order-{1,2}.json``): 0.932 / 0.987 and 0.971 / 0.984 of the backward's time at
+    T 4k / 16k; dense it does not (0.983 / 1.002 and 1.068 / 1.012). ``HEADS_FIRST`` (every
+    head's first tile before any head's second) loses in both kernels: 1.01-1.13x.
     """
     if d <= 64:
         if group > 1 and not acp:
@@ -543,8 +548,8 @@ def bwd_config(d: int, group: int = 1, acp: bool = False) -> tuple[dict, dict]:
         return kv, q
     if d <= 128:
         return (dict(BM=32, BN=64, num_warps=4, num_stages=3, ROWS4=True, TMA="host", ROW_BIAS=True),
-                dict(BM=64, BN=64, num_warps=4, num_stages=2, PAIRS=False, MAKE_ROWS=True, TMA="host",
-                     ROW_BIAS=group > 1 or not acp))
+                dict(BM=64, BN=64, num_warps=4, num_stages=2, PAIRS=acp and group == 1, MAKE_ROWS=True,
+                     TMA="host", ROW_BIAS=group > 1 or not acp))
     return (dict(BM=16, BN=32, num_warps=4, num_stages=1),
             dict(BM=32, BN=16, num_warps=4, num_stages=1, MAKE_ROWS=True))
 
