@@ -17,6 +17,7 @@ from lapse.ops.forgetting import (
     forgetting_attention_decode,
     forgetting_decode_input,
 )
+from lapse.ops.forgetting.library import compiled_forgetting_attention
 
 from .attention import Attention
 from .norm import gate_linear
@@ -122,14 +123,28 @@ class ForgettingAttention(Attention):
             scale=self.scale, backend="triton", check_values=False, **gated,
         )[:, None]  # [B, 1, H, D]
 
-    # torch.compile leaves the op eager: Inductor re-compiles user Triton kernels itself and
-    # fails on the nested @triton.jit helpers of the forward kernel (Triton 3.6, torch 2.11).
-    @torch.compiler.disable
     def _full(
         self, q: Tensor, k: Tensor, v: Tensor, log_fgate: Tensor, return_lse: bool = False
     ) -> Tensor | tuple[Tensor, Tensor]:
         """FoX attention over the whole sequence (training, or the prefill); with
-        ``return_lse`` also its row log-sum-exp ``[B, H, T]``."""
+        ``return_lse`` also its row log-sum-exp ``[B, H, T]``. While compiling, the Triton
+        path goes through custom ops the compiler keeps in the block's graph
+        (:mod:`lapse.ops.forgetting.library`); anything else runs eager, outside it."""
+        triton = self.backend == "triton" or (self.backend == "auto" and q.is_cuda)
+        if (torch.compiler.is_compiling() and triton and not (return_lse or self.collect_stats)
+                and q.dtype != torch.float64):
+            return compiled_forgetting_attention(
+                q, k, v, log_fgate, scale=self.scale, acp=self.acp_bound(), acp_eps=self.acp_eps
+            )
+        return self._full_eager(q, k, v, log_fgate, return_lse)
+
+    # torch.compile cannot trace the op's Triton kernels: Inductor re-compiles user Triton
+    # kernels itself and fails on the forward kernel's nested @triton.jit helpers (Triton 3.6,
+    # torch 2.11). The Triton path has custom ops for it (_full); this is every other case.
+    @torch.compiler.disable
+    def _full_eager(
+        self, q: Tensor, k: Tensor, v: Tensor, log_fgate: Tensor, return_lse: bool = False
+    ) -> Tensor | tuple[Tensor, Tensor]:
         out = forgetting_attention(
             q, k, v, log_fgate,
             scale=self.scale, acp=self.acp_bound(), acp_eps=self.acp_eps,

@@ -30,14 +30,32 @@ def triton_gate_cumsum(log_fgate: Tensor, p: Problem) -> tuple[Tensor, Tensor]:
     return gate_cumsum(log_fgate, p, LOG_GATE_FLOOR)
 
 
+def forward_kernel(q, k, v, c_hi, c_lo, p: Problem, block_start) -> tuple[Tensor, Tensor]:
+    """``(o, lse2)``: the forward kernel's output and base-2 lse ``[B, HQ, Tc]`` float32."""
+    q, k, v = (_last_dim_contiguous(x) for x in (q, k, v))
+    o = _empty_like(q)
+    lse2 = _empty_like(c_hi)
+    launch_fwd(q, k, v, c_hi, c_lo, block_start, p.cu_seqlens, p, o, lse2)
+    return o, lse2
+
+
+def backward_kernels(q, k, v, o, do, lse2, dlse, c_hi, c_lo, block_start, p: Problem):
+    """``(dq, dk, dv, dcc, dcr)``: the backward kernels' gradients and the column and row
+    sums of dS (per key position and per query index, float32 ``[B, HQ, Tc]``)."""
+    q, k, v, do = (_last_dim_contiguous(x) for x in (q, k, v, do))
+    block_end = block_end_from_start(block_start, p) if block_start is not None else None
+    dq, dk, dv = _empty_like(q), _empty_like(k), _empty_like(v)
+    dcc, dcr = _empty_like(lse2), _empty_like(lse2)
+    launch_bwd(q, k, v, o, do, lse2, dlse, c_hi, c_lo, block_start, block_end, p.cu_seqlens,
+               p, dq, dk, dv, dcc, dcr)
+    return dq, dk, dv, dcc, dcr
+
+
 class _TritonForgettingAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, log_fgate, c_hi, c_lo, p: Problem, block_start):
         ctx.set_materialize_grads(False)
-        q, k, v = (_last_dim_contiguous(x) for x in (q, k, v))
-        o = _empty_like(q)
-        lse2 = _empty_like(c_hi)  # [B, HQ, Tc] float32, base 2
-        launch_fwd(q, k, v, c_hi, c_lo, block_start, p.cu_seqlens, p, o, lse2)
+        o, lse2 = forward_kernel(q, k, v, c_hi, c_lo, p, block_start)
         ctx.save_for_backward(q, k, v, o, lse2, c_hi, c_lo, log_fgate, block_start)
         ctx.p = p
         return o, lse2[..., : q.shape[1]] * LN2
@@ -46,13 +64,8 @@ class _TritonForgettingAttention(torch.autograd.Function):
     def backward(ctx, do, dlse):
         q, k, v, o, lse2, c_hi, c_lo, log_fgate, block_start = ctx.saved_tensors
         p = ctx.p
-        do = torch.zeros_like(o) if do is None else _last_dim_contiguous(do)
-        block_end = block_end_from_start(block_start, p) if block_start is not None else None
-        dq, dk, dv = _empty_like(q), _empty_like(k), _empty_like(v)
-        dcc = _empty_like(lse2)  # column sums of dS, per key position
-        dcr = _empty_like(lse2)  # row sums of dS, per query index
-        launch_bwd(q, k, v, o, do, lse2, dlse, c_hi, c_lo, block_start, block_end, p.cu_seqlens,
-                   p, dq, dk, dv, dcc, dcr)
+        do = torch.zeros_like(o) if do is None else do
+        dq, dk, dv, dcc, dcr = backward_kernels(q, k, v, o, do, lse2, dlse, c_hi, c_lo, block_start, p)
         dlog = gate_grad(dcc, dcr, log_fgate, p, LOG_GATE_FLOOR)
         return dq, dk, dv, dlog, None, None, None, None
 
