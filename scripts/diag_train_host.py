@@ -34,6 +34,8 @@ def main() -> None:
     ap.add_argument("--seq-len", type=int, default=16384)
     ap.add_argument("--rows", type=int, default=1, help="rows a forward")
     ap.add_argument("--no-acp", action="store_true")
+    ap.add_argument("--mode", default=None,
+                    help="torch.compile mode of each block, e.g. reduce-overhead (CUDA graphs)")
     ap.add_argument("--out", default="host.txt")
     args = ap.parse_args()
     set_value_checks(False)
@@ -42,11 +44,16 @@ def main() -> None:
     if cfg.attention == "forgetting":
         cfg = replace(cfg, acp=not args.no_acp)
     model = Decoder(cfg).to(dev)
-    prepare_blocks(model, compile=True)
+    if args.mode is None:
+        prepare_blocks(model, compile=True)
+    else:
+        for block in model.blocks:
+            block.compile(mode=args.mode)
     opt = torch.optim.AdamW(optimizer_groups(model, 0.1), lr=1e-5, fused=True)
     ids = torch.randint(0, cfg.vocab_size, (args.rows, args.seq_len + 1))
     x, y = ids[:, :-1], ids[:, 1:]
-    lines = [f"== {cfg.name} T={args.seq_len} rows={args.rows} acp={getattr(cfg, 'acp', None)}"]
+    acp = getattr(cfg, "acp", None)
+    lines = [f"== {cfg.name} T={args.seq_len} rows={args.rows} acp={acp} mode={args.mode}"]
 
     def step():
         train_step(model, opt, x, y, args.rows, dev, torch.bfloat16, 1.0)
