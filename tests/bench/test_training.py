@@ -1,5 +1,6 @@
 """The training benchmark's step is the trainer's step (it may not import the trainer)."""
 
+import pytest
 import torch
 
 from lapse.bench.training import optimizer_step
@@ -100,3 +101,31 @@ def test_bench_train_with_activation_checkpointing_takes_the_same_steps(tmp_path
         assert result["commit"] == "abc1234"
         losses[ckpt] = result["rows"][0]["loss"]
     assert losses[True] == losses[False], losses
+
+
+def test_compile_modes_of_the_variants():
+    from lapse.bench.training import MODES, VARIANTS, _mode
+
+    assert {"acp-cudagraphs", "transformer-cudagraphs", "dense-compile", "dcp"} <= set(VARIANTS)
+    assert [MODES[_mode(v)] for v in ("acp", "acp-compile", "transformer-cudagraphs")] == [
+        False, True, "reduce-overhead"]
+
+
+@pytest.mark.gpu
+def test_cuda_graphs_take_the_same_steps_on_cuda(tmp_path):
+    """The blocks replayed as CUDA graphs (``-cudagraphs``: torch.compile's reduce-overhead
+    mode, the FoX op inside each block's graph) take the same steps as the compiled blocks
+    without them: the same losses over three optimizer steps of two micro-batches, FoX Pro
+    with ACP."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    from lapse.bench.training import TrainBenchConfig, run
+
+    cfg = TrainBenchConfig(
+        preset="tiny", arch="fox-pro", seq_len=256, batch_size=2, micro_batch_size=1, steps=3, warmup=1,
+        variants=("acp-compile", "acp-cudagraphs"), out_dir=tmp_path,
+    )
+    rows = {r["variant"]: r for r in run(cfg)["rows"]}
+    a, b = rows["acp-compile"]["loss"], rows["acp-cudagraphs"]["loss"]
+    print(f"losses {a:.6f} {b:.6f}, pruned {rows['acp-cudagraphs']['pruned']}")
+    assert abs(a - b) <= 1e-4 * abs(a), (a, b)

@@ -38,7 +38,9 @@ import torch
 # default backend: cuDNN on an H100), freshly initialised: the reference for what the rest
 # of the model costs. "dcp": that
 # Transformer under DCP fine-tuning.
-VARIANTS = tuple(f"{v}{c}" for v in ("dense", "acp", "transformer", "dcp") for c in ("", "-compile"))
+# "-compile": torch.compile per block; "-cudagraphs": its reduce-overhead mode (CUDA graphs)
+MODES = {"": False, "-compile": True, "-cudagraphs": "reduce-overhead"}
+VARIANTS = tuple(f"{v}{c}" for v in ("dense", "acp", "transformer", "dcp") for c in MODES)
 
 
 @dataclass(kw_only=True)
@@ -66,7 +68,8 @@ class TrainBenchConfig:
     variants: tuple[str, ...] = ("dense", "acp")
     """Any of ``dense``, ``acp``, ``transformer`` (the same sizes with RoPE and SDPA, its default
     backend, instead of forgetting attention), ``dcp`` (that Transformer fine-tuned with DCP), each
-    optionally with ``-compile``."""
+    optionally with ``-compile`` (``torch.compile`` per block) or ``-cudagraphs`` (its
+    ``reduce-overhead`` mode: each block's graph replayed as a CUDA graph)."""
     acp_eps: float | None = None
     """ACP tolerance; ``None``: the model config's."""
     dcp_alpha: float = 4.0
@@ -180,7 +183,7 @@ def run(cfg: TrainBenchConfig) -> dict:
             if folder is not None:
                 load_weights(folder, model)
         prepare_blocks(model, activation_checkpointing=cfg.activation_checkpointing,
-                       compile=name.endswith("compile"))
+                       compile=MODES[_mode(name)])
         opt = torch.optim.AdamW(optimizer_groups(model, 0.1), lr=cfg.lr, betas=(0.9, 0.95), fused=cuda)
         states[name] = {"model": model, "opt": opt, "regularizer": regularizer, "times": [], "losses": []}
 
@@ -243,8 +246,7 @@ def run(cfg: TrainBenchConfig) -> dict:
     step_s = {r["variant"]: r["step_s"] for r in rows}
     for r in rows:
         r["speedup_vs_dense"] = base["step_s"] / r["step_s"] if base else None
-        mode = "-compile" if r["variant"].endswith("-compile") else ""
-        peers = (f"transformer{mode}", "transformer", "transformer-compile")
+        peers = (f"transformer{_mode(r['variant'])}", "transformer", "transformer-compile")
         peer = next((step_s[v] for v in peers if v in step_s), None)
         r["vs_transformer"] = r["step_s"] / peer if peer else None
 
@@ -350,3 +352,8 @@ def _triton_version() -> str | None:
         return triton.__version__
     except ImportError:
         return None
+
+
+def _mode(variant: str) -> str:
+    """A variant's compile suffix: ``""``, ``"-compile"`` or ``"-cudagraphs"``."""
+    return next((m for m in MODES if m and variant.endswith(m)), "")

@@ -207,19 +207,23 @@ class Decoder(nn.Module):
         return torch.stack([s.pruned_fraction.float().mean(0) for s in stats])  # [n_layers, H]
 
 
-def prepare_blocks(model: Decoder, *, activation_checkpointing: bool = False, compile: bool = False) -> None:
+def prepare_blocks(
+    model: Decoder, *, activation_checkpointing: bool = False, compile: bool | str = False
+) -> None:
     """Training set-up of each block, in place: activation checkpointing (the block's
     activations recomputed in the backward instead of kept, ``torch.distributed``'s
-    composable ``checkpoint``), then ``torch.compile`` per block. The trainer and
-    ``lapse bench train`` share it."""
+    composable ``checkpoint``), then ``torch.compile`` per block (``compile`` a string: its
+    mode, e.g. ``"reduce-overhead"``, CUDA graphs). The trainer and ``lapse bench train``
+    share it."""
     if activation_checkpointing:
         from torch.distributed._composable import checkpoint
 
         for block in model.blocks:
             checkpoint(block)
     if compile:
+        mode = compile if isinstance(compile, str) else None
         for block in model.blocks:
-            block.compile()
+            block.compile(mode=mode)
 
 
 def init_weights(model: nn.Module, std: float) -> None:
