@@ -202,8 +202,9 @@ class CastleAttention(Attention):
 
         self._record_per_prompt(cache, k, scores_of)
 
-    # torch.compile leaves the op eager, as forgetting attention's: its Triton path is a
-    # Python loop of launches (the wavefront) that Inductor should not trace.
+    # torch.compile leaves the op eager (a graph break): its Triton path is a Python loop of
+    # launches (the wavefront) that Inductor should not trace. Forgetting attention's op is a
+    # custom op inside the graph instead (lapse.ops.forgetting.library); CASTLE's could be too.
     @torch.compiler.disable
     def _full(self, q: Tensor, k: Tensor, v: Tensor, q_u: Tensor, k_u: Tensor, v_u: Tensor) -> Tensor:
         return castle_attention(q, k, v, q_u, k_u, v_u, scale=self.scale, window=self.window,

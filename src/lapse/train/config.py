@@ -136,8 +136,9 @@ class TrainConfig:
     """Recompute each block's activations in the backward instead of keeping them."""
 
     compile: bool = False
-    """``torch.compile`` each block (the forgetting-attention kernels stay eager). On an H100
-    it takes FoX (Pro) 125M at 16k from 14% to 21% MFU (BENCHMARKS.md); the GPU presets set it."""
+    """``torch.compile`` each block. The forgetting-attention kernels stay opaque custom ops
+    inside each block's graph (:mod:`lapse.ops.forgetting.library`). On an H100 it took FoX
+    (Pro) 125M at 16k from 14% to 21% MFU (BENCHMARKS.md); the GPU presets set it."""
 
     parallel: Literal["auto", "fsdp", "ddp"] = "auto"
     """Data parallelism under ``torchrun``: FSDP2 (``fully_shard``, per block) or DDP.
