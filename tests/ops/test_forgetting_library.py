@@ -92,6 +92,12 @@ def test_compiled_block_is_one_graph_and_equals_eager(arch):
         results.append([out.detach(), xi.grad] + [p.grad.clone() for p in block.parameters()])
     for a, b in zip(*results, strict=True):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+    # statistics (the trainer's ACP steps) take the eager op: the compiled block, graph breaks
+    # allowed, still returns the same output and records them
+    block.attn.collect_stats, block.attn.last_stats = True, None
+    out = torch.compile(block, backend="aot_eager")(x, pos)
+    torch.testing.assert_close(out, results[0][0], rtol=1e-5, atol=1e-6)
+    assert float(block.attn.last_stats.pruned_fraction.mean()) > 0
 
 
 @pytest.mark.gpu
