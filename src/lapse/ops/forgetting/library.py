@@ -22,9 +22,8 @@ import torch
 from torch import Tensor
 
 from .common import ACP_BLOCK, LOG_GATE_FLOOR, acp_delta, validate
-from .gate_scan import gate_grad
-from .pruning import triton_acp_delta, triton_block_start
-from .triton_ops import backward_kernels, forward_kernel, triton_gate_cumsum
+
+# the Triton modules are imported by the ops' bodies: lapse imports without Triton installed
 
 
 @torch.library.custom_op("lapse::fox_forward", mutates_args=())
@@ -36,6 +35,9 @@ def fox_forward(
     gate ``[B, HQ, Tc]``, the ACP block starts ``[B, HQ, ceil(Tq / 64)]`` int32 (empty
     without ACP). ACP: ``auto_bound`` (the bound from the data), else ``bound`` (``[HQ]`` or
     ``[B, HQ]``), else none."""
+    from .pruning import triton_acp_delta, triton_block_start
+    from .triton_ops import forward_kernel, triton_gate_cumsum
+
     p = validate(q, k, v, log_fgate, scale, None, "triton")
     acp = "auto" if auto_bound else bound
     with torch.no_grad():
@@ -67,6 +69,9 @@ def fox_backward(
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """``(dq, dk, dv, d log_fgate)`` from the output gradient ``do`` and the forward's
     saved tensors (``block_start`` empty without ACP)."""
+    from .gate_scan import gate_grad
+    from .triton_ops import backward_kernels
+
     p = validate(q, k, v, log_fgate, scale, None, "triton")
     with torch.no_grad():
         dq, dk, dv, dcc, dcr = backward_kernels(

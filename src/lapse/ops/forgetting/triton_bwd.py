@@ -530,7 +530,8 @@ def bwd_config(d: int, group: int = 1, acp: bool = False) -> tuple[dict, dict]:
     With the descriptors, ``PAIRS`` in the dQ kernel at D 128 pays with ACP (two runs,
     ``h200-bwd-order-{1,2}.json``): 0.932 / 0.987 and 0.971 / 0.984 of the backward's time at
     T 4k / 16k; dense it does not (0.983 / 1.002 and 1.068 / 1.012). ``HEADS_FIRST`` (every
-    head's first tile before any head's second) loses in both kernels: 1.01-1.13x.
+    head's first tile before any head's second) loses in both kernels: 1.01-1.13x the
+    backward's time, but D 64 ACP at 16k 0.986 and 0.998 (a tie).
     """
     if d <= 64:
         if group > 1 and not acp:
