@@ -1,4 +1,5 @@
-"""The autograd Function of the Triton path (kernels in triton_fwd.py / triton_bwd.py)."""
+"""The Triton path's kernel launches (forward, backward) and its autograd Function (kernels in
+triton_fwd.py / triton_bwd.py; the same launches as custom ops in library.py)."""
 
 from __future__ import annotations
 
