@@ -44,11 +44,7 @@ def main() -> None:
     if cfg.attention == "forgetting":
         cfg = replace(cfg, acp=not args.no_acp)
     model = Decoder(cfg).to(dev)
-    if args.mode is None:
-        prepare_blocks(model, compile=True)
-    else:
-        for block in model.blocks:
-            block.compile(mode=args.mode)
+    prepare_blocks(model, compile=args.mode or True)  # as the trainer and lapse bench train do
     opt = torch.optim.AdamW(optimizer_groups(model, 0.1), lr=1e-5, fused=True)
     ids = torch.randint(0, cfg.vocab_size, (args.rows, args.seq_len + 1))
     x, y = ids[:, :-1], ids[:, 1:]

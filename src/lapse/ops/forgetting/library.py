@@ -21,7 +21,7 @@ import math
 import torch
 from torch import Tensor
 
-from .common import ACP_BLOCK, LOG_GATE_FLOOR, acp_delta, validate
+from .common import ACP_BLOCK, LOG_GATE_FLOOR, acp_delta, resolve_scale, validate
 
 # the Triton modules are imported by the ops' bodies: lapse imports without Triton installed
 
@@ -113,8 +113,7 @@ def compiled_forgetting_attention(
     but a bound must be ``"auto"`` or a tensor."""
     if not (acp is None or isinstance(acp, Tensor) or acp == "auto"):
         raise ValueError(f"acp must be None, 'auto' or a tensor here, got {acp!r}")
-    d = q.shape[-1]
     bound = acp if isinstance(acp, Tensor) else None
-    o, *_ = fox_forward(q, k, v, log_fgate, 1.0 / math.sqrt(d) if scale is None else float(scale), bound,
-                        isinstance(acp, str), float(acp_eps))
+    o, *_ = fox_forward(q, k, v, log_fgate, resolve_scale(scale, q.shape[-1]), bound, isinstance(acp, str),
+                        float(acp_eps))
     return o
