@@ -8,7 +8,7 @@ set -uo pipefail
 export PYTHONUNBUFFERED=1
 OUT="${OUT:-runs/issue16-cudagraphs-train}"
 mkdir -p "$OUT"
-timeout 150 python3 -m pytest -q -s -m gpu tests/bench/test_training.py -p no:cacheprovider --tb=short 2>&1 \
+timeout 150 python3 -m pytest -q -s -m gpu tests/bench/test_training.py -p no:cacheprovider --tb=long 2>&1 | tee "$OUT/pytest.log" \
     | grep -E "^(E |FAILED|ERROR)|passed|failed|losses" | head -n 20
 timeout 380 python3 -m lapse.cli bench train --preset 125m --arch fox-pro --seq-len 16384 \
     --variants acp-compile acp-cudagraphs transformer-compile transformer-cudagraphs --steps 6 --warmup 2 \

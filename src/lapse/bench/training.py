@@ -222,7 +222,10 @@ def run(cfg: TrainBenchConfig) -> dict:
         if name.startswith("acp"):
             model.set_collect_stats(True)
             x, _ = batch(0)
-            with torch.no_grad(), torch.autocast(device.type, dtype=torch.bfloat16):
+            # Eager: statistics take the eager op anyway, and a no-grad forward through
+            # CUDA-graphed blocks would overwrite one block's outputs with the next's.
+            with torch.no_grad(), torch.autocast(device.type, dtype=torch.bfloat16), \
+                    torch.compiler.set_stance("force_eager"):
                 model(x[: cfg.micro_batch_size].to(device))
             pruned = model.pruned_fractions()  # [n_layers, H]
             model.set_collect_stats(False)
@@ -314,7 +317,7 @@ def optimizer_step(
         total += loss.detach().float() / len(pieces)
     torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
     optimizer.step()
-    optimizer.zero_grad(set_to_none=True)
+    optimizer.zero_grad(set_to_none=not getattr(model, "cuda_graphs", False))
     return total
 
 

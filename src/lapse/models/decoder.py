@@ -57,6 +57,10 @@ class Decoder(nn.Module):
         self.norm = RMSNorm(config.d_model, config.norm_eps)
         self.lm_head = nn.Linear(config.d_model, config.vocab_size, bias=False)
         init_weights(self, config.init_std)
+        # Set by prepare_blocks when the blocks replay CUDA graphs: each forward then begins
+        # a CUDA-graph step (one block's outputs are the next one's inputs, so one step
+        # must span the whole forward and its backward).
+        self.cuda_graphs = False
 
     def forward(
         self,
@@ -108,6 +112,8 @@ class Decoder(nn.Module):
         the last position). ``cache`` and ``lengths`` as in :meth:`forward`."""
         if not torch.compiler.is_compiling():
             self._check_inputs(input_ids, cache)
+            if self.cuda_graphs:
+                torch.compiler.cudagraph_mark_step_begin()
         b, t = input_ids.shape
         if cache is None:
             positions = torch.arange(t, device=input_ids.device)[None]  # [1, T]
@@ -214,7 +220,14 @@ def prepare_blocks(
     activations recomputed in the backward instead of kept, ``torch.distributed``'s
     composable ``checkpoint``), then ``torch.compile`` per block (``compile`` a string: its
     mode, e.g. ``"reduce-overhead"``, CUDA graphs). The trainer and ``lapse bench train``
-    share it."""
+    share it.
+
+    With CUDA graphs each forward begins a CUDA-graph step (``cudagraph_mark_step_begin``:
+    without it every block call would start one and free the previous block's saved
+    activations), and every trainable parameter gets a zero ``.grad`` now, to be zeroed in
+    place (``zero_grad(set_to_none=not model.cuda_graphs)``): a gradient first
+    made by a replayed backward would live in the graphs' memory and be overwritten by the
+    next micro-batch."""
     if activation_checkpointing:
         from torch.distributed._composable import checkpoint
 
@@ -224,6 +237,11 @@ def prepare_blocks(
         mode = compile if isinstance(compile, str) else None
         for block in model.blocks:
             block.compile(mode=mode)
+        if mode in ("reduce-overhead", "max-autotune"):  # torch.compile's modes with CUDA graphs
+            model.cuda_graphs = True
+            for p in model.parameters():
+                if p.requires_grad and p.grad is None:
+                    p.grad = torch.zeros_like(p)
 
 
 def init_weights(model: nn.Module, std: float) -> None:
