@@ -7,11 +7,13 @@
 # Results go to $OUT (run folder files, bench JSON/Markdown). Usage, from the repo root:
 #   bash scripts/gpu.sh bash scripts/gpu_train_125m.sh
 set -uo pipefail
+# shellcheck disable=SC2086  # TRAIN_EXTRA and VARIANTS are words
 export PYTHONUNBUFFERED=1
 OUT="${OUT:-runs/gpu}"
 TRAIN_MINUTES="${TRAIN_MINUTES:-4}"
-VARIANTS="${VARIANTS:-dense acp dense-compile acp-compile transformer-compile}"  # of step 3
+VARIANTS="${VARIANTS-dense acp dense-compile acp-compile transformer-compile}"  # of step 3; "": none
 SKIP_TINY="${SKIP_TINY:-0}"  # 1: leave out step 1
+TRAIN_EXTRA="${TRAIN_EXTRA:-}"  # more options of step 2's `lapse train`, e.g. --cuda-graphs
 mkdir -p "$OUT"
 rm -rf /tmp/tiny /tmp/r125  # runs of an earlier call on a still-warm machine (the data cache stays)
 L="python3 -m lapse.cli"
@@ -29,13 +31,13 @@ echo "== 2. 125M FoX (Pro) + ACP at T=16384, $TRAIN_MINUTES minutes"
 t0=$(date +%s)
 $L train 125m-16k --run-dir /tmp/r125 --data-dir /tmp/data --batch-size 8 --micro-batch-size 1 \
     --steps 400 --warmup-steps 40 --lr 2e-3 --time-limit-minutes "$TRAIN_MINUTES" --log-every 10 \
-    --val-every 0 --acp-stats-every 25 --checkpoint-every 0 --corpus.max-bytes 200000000 --no-progress
+    --val-every 0 --acp-stats-every 25 --checkpoint-every 0 --corpus.max-bytes 200000000 --no-progress $TRAIN_EXTRA
 echo "train wall: $(( $(date +%s) - t0 )) s"
 mkdir -p "$OUT/r125"
 cp /tmp/r125/{metrics.jsonl,report.md,summary.json,loss.png,config.json} "$OUT/r125/"
 cat /tmp/r125/report.md
 
+[[ -z "$VARIANTS" ]] && exit 0
 echo "== 3. bench train: ACP on vs off on the trained weights"
-# shellcheck disable=SC2086  # the variants are words
 $L bench train --run /tmp/r125 --variants $VARIANTS \
     --steps 4 --warmup 2 --out-dir "$OUT/bench"

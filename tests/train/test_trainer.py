@@ -152,8 +152,9 @@ def test_activation_checkpointing_gives_the_same_losses(tmp_path, data_dir):
         ({"tokenizer": "/nonexistent/tok"}, "does not exist"),
         ({"batch_size": 6, "micro_batch_size": 4}, "micro_batch_size"),
         ({"steps": 0}, "steps must be a positive integer"),
+        ({"cuda_graphs": True}, "needs compile"),
     ],
-    ids=["heads", "corpus-path", "tokenizer-path", "micro-batch", "steps"],
+    ids=["heads", "corpus-path", "tokenizer-path", "micro-batch", "steps", "cuda-graphs"],
 )
 def test_bad_configs_fail_at_construction(overrides, match):
     if overrides.get("model") == "heads":
@@ -162,6 +163,11 @@ def test_bad_configs_fail_at_construction(overrides, match):
         return
     with pytest.raises(ValueError, match=match):
         train_preset("cpu-tiny", **overrides)
+
+
+def test_cuda_graphs_need_one_cuda_process(tmp_path, data_dir):
+    with pytest.raises(ValueError, match="one process on CUDA"):
+        train(tiny(tmp_path, data_dir, steps=1, compile=True, cuda_graphs=True, device="cpu"))
 
 
 def test_unknown_preset_and_empty_corpus_fail_at_start(tmp_path, data_dir):

@@ -140,6 +140,12 @@ class TrainConfig:
     inside each block's graph (:mod:`lapse.ops.forgetting.library`). On an H100 it took FoX
     (Pro) 125M at 16k from 14% to 21% MFU (BENCHMARKS.md); the GPU presets set it."""
 
+    cuda_graphs: bool = False
+    """With ``compile``: replay each block's compiled graph as a CUDA graph
+    (``torch.compile``'s ``reduce-overhead`` mode), which takes the host's kernel launches
+    off the step. One process on CUDA only. On an H200 it took 125M FoX (Pro) + ACP at 16k
+    from 270 to 352 thousand tokens/s (BENCHMARKS.md, nineteenth session)."""
+
     parallel: Literal["auto", "fsdp", "ddp"] = "auto"
     """Data parallelism under ``torchrun``: FSDP2 (``fully_shard``, per block) or DDP.
     ``auto``: FSDP2. Ignored in a single process."""
@@ -217,6 +223,8 @@ class TrainConfig:
             raise ValueError(f"stop_at_step must be positive or None, got {self.stop_at_step}")
         if self.log_every == 0:
             raise ValueError("log_every must be at least 1")
+        if self.cuda_graphs and not self.compile:
+            raise ValueError("cuda_graphs replays the compiled blocks: it needs compile")
         if self.seq_len is not None and self.seq_len < 1:
             raise ValueError(f"seq_len must be positive or None, got {self.seq_len}")
         if self.micro_batch_size is not None:
@@ -272,12 +280,16 @@ RESUME_FIELDS: tuple[str, ...] = (
     "keep_checkpoints",
     "pin_steps",
     "compile",
+    "cuda_graphs",
     "device",
     "data_dir",
     "peak_tflops",
 )
 """Fields of :class:`TrainConfig` a resumed run may change: how the session runs and what
 it records, never the model, the data or the optimisation (the curve would not continue)."""
+
+
+_FLAGS = ("progress", "compile", "cuda_graphs")  # ResumeConfig's on/off pairs
 
 
 @dataclass(kw_only=True)
@@ -314,6 +326,10 @@ class ResumeConfig:
     """``torch.compile`` each block."""
     no_compile: tyro.conf.FlagCreatePairsOff[bool] = False
     """Run the blocks eagerly."""
+    cuda_graphs: tyro.conf.FlagCreatePairsOff[bool] = False
+    """Replay the compiled blocks as CUDA graphs."""
+    no_cuda_graphs: tyro.conf.FlagCreatePairsOff[bool] = False
+    """Launch the compiled blocks' kernels one by one."""
     device: str | None = None
     """``cuda``, ``cpu``, ``auto``."""
     data_dir: Path | None = None
@@ -322,14 +338,14 @@ class ResumeConfig:
     """Peak TFLOP/s of one device, for MFU."""
 
     def __post_init__(self) -> None:
-        for flag in ("progress", "compile"):
+        for flag in _FLAGS:
             if getattr(self, flag) and getattr(self, f"no_{flag}"):
                 raise ValueError(f"--{flag} and --no-{flag} contradict each other")
 
     def overrides(self) -> dict:
         """The fields to change, as keyword arguments of :func:`lapse.train.resume`."""
-        out = {name: getattr(self, name) for name in RESUME_FIELDS if name not in ("progress", "compile")}
-        for flag in ("progress", "compile"):
+        out = {name: getattr(self, name) for name in RESUME_FIELDS if name not in _FLAGS}
+        for flag in _FLAGS:
             if getattr(self, flag) or getattr(self, f"no_{flag}"):
                 out[flag] = getattr(self, flag)
         return {k: v for k, v in out.items() if v is not None}

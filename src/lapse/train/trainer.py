@@ -214,7 +214,8 @@ def train_step(
         module.parameters(), grad_clip if grad_clip is not None else math.inf
     )
     optimizer.step()
-    optimizer.zero_grad(set_to_none=True)
+    # CUDA-graphed blocks keep their gradient buffers (prepare_blocks)
+    optimizer.zero_grad(set_to_none=not getattr(module, "cuda_graphs", False))
     return total, grad_norm
 
 
@@ -472,7 +473,13 @@ def _model_and_optimizer(
         trained = {id(p) for layer in layers for p in layer.interaction_parameters()}
         for p in model.parameters():
             p.requires_grad_(id(p) in trained)
-    prepare_blocks(model, activation_checkpointing=cfg.activation_checkpointing, compile=cfg.compile)
+    if cfg.cuda_graphs and (world.distributed or world.device.type != "cuda"):
+        raise ValueError(
+            "cuda_graphs runs in one process on CUDA (the graphs would hold FSDP's gathered "
+            f"parameters and DDP's buckets); this run has {world.size} process(es) on {world.device.type}"
+        )
+    compile = "reduce-overhead" if cfg.cuda_graphs else cfg.compile
+    prepare_blocks(model, activation_checkpointing=cfg.activation_checkpointing, compile=compile)
     if world.device.type == "cuda":
         set_value_checks(False)  # the NaN/positive-gate check costs a host sync per layer
     wrapped = parallelize(
