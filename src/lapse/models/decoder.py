@@ -59,7 +59,7 @@ class Decoder(nn.Module):
         init_weights(self, config.init_std)
         # Set by prepare_blocks when the blocks replay CUDA graphs: each forward then begins
         # a CUDA-graph step (one block's outputs are the next one's inputs, so one step
-        # must span the whole forward and its backward).
+        # must span the whole forward and its backward) and makes its RoPE tables first.
         self.cuda_graphs = False
 
     def forward(
@@ -119,6 +119,9 @@ class Decoder(nn.Module):
             positions = torch.arange(t, device=input_ids.device)[None]  # [1, T]
         else:
             positions = cache.begin(b, t, input_ids.device, lengths)  # [B, T]
+        if self.cuda_graphs and not torch.compiler.is_compiling():
+            # RoPE tables made inside a graph would be its outputs, freed at the next step
+            self.prepare_rope(t if cache is None else cache.capacity, input_ids.device)
         x = self.embed(input_ids)  # [B, T, C]
         for block in self.blocks:
             x = block(x, positions, cache)  # [B, T, C]
