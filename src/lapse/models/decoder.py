@@ -46,6 +46,14 @@ class Block(nn.Module):
         return x + self.mlp(self.mlp_norm(x))
 
 
+def lm_loss(logits: Tensor, labels: Tensor) -> Tensor:
+    """Mean cross-entropy of ``[B, T, V]`` logits against ``[B, T]`` labels (``-100``
+    left out), computed in float32. Compiled (:func:`prepare_blocks`), the float32 copy of
+    the logits and its log-softmax are never written out: the reductions read the logits in
+    their own dtype."""
+    return F.cross_entropy(logits.float().flatten(0, 1), labels.flatten(), ignore_index=-100)
+
+
 class Decoder(nn.Module):
     """The language model: embedding, ``n_layers`` blocks, final RMSNorm, untied head."""
 
@@ -61,6 +69,7 @@ class Decoder(nn.Module):
         # a CUDA-graph step (one block's outputs are the next one's inputs, so one step
         # must span the whole forward and its backward) and makes its RoPE tables first.
         self.cuda_graphs = False
+        self.loss_fn = lm_loss  # prepare_blocks compiles it with the blocks
 
     def forward(
         self,
@@ -100,8 +109,7 @@ class Decoder(nn.Module):
         logits = self.lm_head(self.hidden_states(input_ids, cache=cache, lengths=lengths))  # [B, T, V]
         if labels is None:
             return logits, None
-        loss = F.cross_entropy(logits.float().flatten(0, 1), labels.flatten(), ignore_index=-100)
-        return logits, loss
+        return logits, self.loss_fn(logits, labels)
 
     def hidden_states(
         self, input_ids: Tensor, *, cache: KVCache | None = None, lengths: Tensor | None = None
@@ -222,8 +230,8 @@ def prepare_blocks(
     """Training set-up of each block, in place: activation checkpointing (the block's
     activations recomputed in the backward instead of kept, ``torch.distributed``'s
     composable ``checkpoint``), then ``torch.compile`` per block (``compile`` a string: its
-    mode, e.g. ``"reduce-overhead"``, CUDA graphs). The trainer and ``lapse bench train``
-    share it.
+    mode, e.g. ``"reduce-overhead"``, CUDA graphs) and of the loss (:func:`lm_loss`, in the
+    default mode). The trainer and ``lapse bench train`` share it.
 
     With CUDA graphs each forward begins a CUDA-graph step (``cudagraph_mark_step_begin``:
     without it every block call would start one and free the previous block's saved
@@ -240,6 +248,7 @@ def prepare_blocks(
         mode = compile if isinstance(compile, str) else None
         for block in model.blocks:
             block.compile(mode=mode)
+        model.loss_fn = torch.compile(lm_loss)
         if mode in ("reduce-overhead", "max-autotune"):  # torch.compile's modes with CUDA graphs
             model.cuda_graphs = True
             for p in model.parameters():
