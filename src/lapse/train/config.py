@@ -143,8 +143,8 @@ class TrainConfig:
     cuda_graphs: bool = False
     """With ``compile``: replay each block's compiled graph as a CUDA graph
     (``torch.compile``'s ``reduce-overhead`` mode), which takes the host's kernel launches
-    off the step. One process on CUDA only. On an H200 it took 125M FoX (Pro) + ACP at 16k
-    from 270 to 352 thousand tokens/s (BENCHMARKS.md, nineteenth session)."""
+    off the step. One process on CUDA only. On an H200 it took 125M FoX (Pro) + ACP at 16k,
+    trained weights, from 234 to 337 thousand tokens/s (BENCHMARKS.md, nineteenth session)."""
 
     parallel: Literal["auto", "fsdp", "ddp"] = "auto"
     """Data parallelism under ``torchrun``: FSDP2 (``fully_shard``, per block) or DDP.
