@@ -111,6 +111,13 @@ def test_compile_modes_of_the_variants():
         False, True, "reduce-overhead"]
 
 
+def test_cuda_graphs_refuse_activation_checkpointing():
+    from lapse.bench.training import TrainBenchConfig
+
+    with pytest.raises(ValueError, match="acp-cudagraphs does not work with activation_checkpointing"):
+        TrainBenchConfig(variants=("acp-compile", "acp-cudagraphs"), activation_checkpointing=True)
+
+
 @pytest.mark.gpu
 def test_cuda_graphs_take_the_same_steps_on_cuda(tmp_path):
     """The blocks replayed as CUDA graphs (``-cudagraphs``: torch.compile's reduce-overhead

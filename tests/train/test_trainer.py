@@ -153,8 +153,9 @@ def test_activation_checkpointing_gives_the_same_losses(tmp_path, data_dir):
         ({"batch_size": 6, "micro_batch_size": 4}, "micro_batch_size"),
         ({"steps": 0}, "steps must be a positive integer"),
         ({"cuda_graphs": True}, "needs compile"),
+        ({"cuda_graphs": True, "compile": True, "activation_checkpointing": True}, "checkpointing"),
     ],
-    ids=["heads", "corpus-path", "tokenizer-path", "micro-batch", "steps", "cuda-graphs"],
+    ids=["heads", "corpus-path", "tokenizer-path", "micro-batch", "steps", "cuda-graphs", "cuda-graphs-ckpt"],
 )
 def test_bad_configs_fail_at_construction(overrides, match):
     if overrides.get("model") == "heads":
@@ -414,3 +415,14 @@ def test_resume_takes_run_time_fields_only(tmp_path, data_dir, capsys):
     assert "finished at step 4/4" in capsys.readouterr().out
     assert [checkpoint_step(p) for p in checkpoint_folders(first["run_dir"])] == [4]
     assert kinds(read_metrics(Path(first["run_dir"])), "train")[-1]["averaged_steps"] == 2
+
+
+@pytest.mark.parametrize("flag", ["progress", "compile", "cuda_graphs"])
+def test_resume_flag_pairs_set_unset_or_contradict(flag):
+    from lapse.train.config import ResumeConfig
+
+    assert flag not in ResumeConfig(run_dir=Path("r")).overrides()
+    assert ResumeConfig(run_dir=Path("r"), **{flag: True}).overrides()[flag] is True
+    assert ResumeConfig(run_dir=Path("r"), **{f"no_{flag}": True}).overrides()[flag] is False
+    with pytest.raises(ValueError, match="contradict"):
+        ResumeConfig(run_dir=Path("r"), **{flag: True, f"no_{flag}": True})

@@ -21,6 +21,7 @@ bisection's full cost, not the closed forms of alpha = 1 or 2), and the sparsity
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import platform
@@ -103,6 +104,11 @@ class TrainBenchConfig:
         if self.batch_size % self.micro_batch_size:
             raise ValueError(
                 f"micro_batch_size {self.micro_batch_size} must divide batch_size {self.batch_size}"
+            )
+        graphed = [v for v in self.variants if v.endswith("-cudagraphs")]
+        if graphed and self.activation_checkpointing:
+            raise ValueError(
+                f"{graphed[0]} does not work with activation_checkpointing (the graphs fail to record)"
             )
 
 
@@ -222,10 +228,14 @@ def run(cfg: TrainBenchConfig) -> dict:
         if name.startswith("acp"):
             model.set_collect_stats(True)
             x, _ = batch(0)
-            # Eager: statistics take the eager op anyway, and a no-grad forward through
-            # CUDA-graphed blocks would overwrite one block's outputs with the next's.
-            with torch.no_grad(), torch.autocast(device.type, dtype=torch.bfloat16), \
-                    torch.compiler.set_stance("force_eager"):
+            # Eager: statistics take the eager op anyway, and this one-off forward then
+            # records no graphs of its own (set_stance: torch 2.6 and later).
+            stance = getattr(torch.compiler, "set_stance", None)
+            with (
+                torch.no_grad(),
+                torch.autocast(device.type, dtype=torch.bfloat16),
+                stance("force_eager") if stance is not None else contextlib.nullcontext(),
+            ):
                 model(x[: cfg.micro_batch_size].to(device))
             pruned = model.pruned_fractions()  # [n_layers, H]
             model.set_collect_stats(False)
@@ -307,6 +317,11 @@ def optimizer_step(
     forward, added to its loss), gradients averaged, clipped to norm 1, AdamW. Returns the
     mean LM loss (a device tensor)."""
     device = next(model.parameters()).device
+    graphs = getattr(model, "cuda_graphs", False)
+    if graphs:
+        from lapse.models import keep_grads
+
+        keep_grads(model)
     pieces = list(zip(x.split(micro), y.split(micro), strict=True))
     total = torch.zeros((), device=device)
     for xm, ym in pieces:
@@ -317,7 +332,7 @@ def optimizer_step(
         total += loss.detach().float() / len(pieces)
     torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
     optimizer.step()
-    optimizer.zero_grad(set_to_none=not getattr(model, "cuda_graphs", False))
+    optimizer.zero_grad(set_to_none=not graphs)
     return total
 
 

@@ -233,12 +233,10 @@ def prepare_blocks(
     mode, e.g. ``"reduce-overhead"``, CUDA graphs) and of the loss (:func:`lm_loss`, in the
     default mode). The trainer and ``lapse bench train`` share it.
 
-    With CUDA graphs each forward begins a CUDA-graph step (``cudagraph_mark_step_begin``:
-    without it every block call would start one and free the previous block's saved
-    activations), and every trainable parameter gets a zero ``.grad`` now, to be zeroed in
-    place (``zero_grad(set_to_none=not model.cuda_graphs)``): a gradient first
-    made by a replayed backward would live in the graphs' memory and be overwritten by the
-    next micro-batch."""
+    With CUDA graphs (``model.cuda_graphs``) each forward begins a CUDA-graph step
+    (``cudagraph_mark_step_begin``: without it every block call would start one and free
+    the previous block's saved activations), and a training step must give the parameters
+    their gradients first (:func:`keep_grads`)."""
     if activation_checkpointing:
         from torch.distributed._composable import checkpoint
 
@@ -251,9 +249,18 @@ def prepare_blocks(
         model.loss_fn = torch.compile(lm_loss)
         if mode in ("reduce-overhead", "max-autotune"):  # torch.compile's modes with CUDA graphs
             model.cuda_graphs = True
-            for p in model.parameters():
-                if p.requires_grad and p.grad is None:
-                    p.grad = torch.zeros_like(p)
+
+
+def keep_grads(model: nn.Module) -> None:
+    """Gives every trainable parameter of ``model`` that has no gradient a zero one. Before
+    each step of a model whose blocks replay CUDA graphs, with ``zero_grad(set_to_none=
+    False)`` after it: a gradient first made by a replayed backward would live in the
+    graphs' memory and be overwritten by the next micro-batch. Called at the step, not at
+    set-up: a checkpoint's optimizer state loads into a model without gradients
+    (``torch.distributed.checkpoint`` skips its initialisation when any parameter has one)."""
+    for p in model.parameters():
+        if p.requires_grad and p.grad is None:
+            p.grad = torch.zeros_like(p)
 
 
 def init_weights(model: nn.Module, std: float) -> None:

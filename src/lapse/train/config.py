@@ -143,8 +143,9 @@ class TrainConfig:
     cuda_graphs: bool = False
     """With ``compile``: replay each block's compiled graph as a CUDA graph
     (``torch.compile``'s ``reduce-overhead`` mode), which takes the host's kernel launches
-    off the step. One process on CUDA only. On an H200 it took 125M FoX (Pro) + ACP at 16k,
-    trained weights, from 234 to 337 thousand tokens/s (BENCHMARKS.md, nineteenth session)."""
+    off the step. One process on CUDA only, without activation checkpointing. On an H200
+    it took 125M FoX (Pro) + ACP at 16k, trained weights, one row a forward, from 265 to
+    291 thousand tokens/s (BENCHMARKS.md, nineteenth session)."""
 
     parallel: Literal["auto", "fsdp", "ddp"] = "auto"
     """Data parallelism under ``torchrun``: FSDP2 (``fully_shard``, per block) or DDP.
@@ -224,7 +225,13 @@ class TrainConfig:
         if self.log_every == 0:
             raise ValueError("log_every must be at least 1")
         if self.cuda_graphs and not self.compile:
-            raise ValueError("cuda_graphs replays the compiled blocks: it needs compile")
+            raise ValueError("cuda_graphs needs compile (it replays the compiled blocks); or turn it off")
+        if self.cuda_graphs and self.device == "cpu":
+            raise ValueError("cuda_graphs runs in one process on CUDA; this run's device is cpu")
+        if self.cuda_graphs and self.activation_checkpointing:
+            # torch 2.11 on the H200: CUDA-graph trees fail while recording the recomputed
+            # forward ("graph recording observed an input tensor deallocate")
+            raise ValueError("cuda_graphs does not work with activation_checkpointing; drop one of them")
         if self.seq_len is not None and self.seq_len < 1:
             raise ValueError(f"seq_len must be positive or None, got {self.seq_len}")
         if self.micro_batch_size is not None:

@@ -42,7 +42,7 @@ from tqdm.auto import tqdm
 
 from lapse.data import PreparedData, WindowSampler
 from lapse.files import write_json_atomic
-from lapse.models import Decoder, flops_per_token, optimizer_groups, param_count, prepare_blocks
+from lapse.models import Decoder, flops_per_token, keep_grads, optimizer_groups, param_count, prepare_blocks
 from lapse.models.checkpoint import (
     CONFIG_FILE,
     IMPORTED_FILE,
@@ -201,6 +201,9 @@ def train_step(
     the last one only). ``regularizer``: called after each forward, a term added to its
     loss (DCP's sparsity penalty). Returns the mean LM loss (without the term) and the
     gradient norm before clipping, as device tensors (reading them is the caller's sync)."""
+    graphs = getattr(unwrap(module), "cuda_graphs", False)
+    if graphs:
+        keep_grads(module)
     pieces = list(zip(x.split(micro), y.split(micro), strict=True))
     total = torch.zeros((), device=device)
     for i, (xm, ym) in enumerate(pieces):
@@ -214,8 +217,7 @@ def train_step(
         module.parameters(), grad_clip if grad_clip is not None else math.inf
     )
     optimizer.step()
-    # CUDA-graphed blocks keep their gradient buffers (prepare_blocks)
-    optimizer.zero_grad(set_to_none=not getattr(module, "cuda_graphs", False))
+    optimizer.zero_grad(set_to_none=not graphs)  # CUDA-graphed blocks keep them (keep_grads)
     return total, grad_norm
 
 
