@@ -120,14 +120,13 @@ class Decoder(nn.Module):
         the last position). ``cache`` and ``lengths`` as in :meth:`forward`."""
         if not torch.compiler.is_compiling():
             self._check_inputs(input_ids, cache)
-            if self.cuda_graphs:
-                torch.compiler.cudagraph_mark_step_begin()
         b, t = input_ids.shape
         if cache is None:
             positions = torch.arange(t, device=input_ids.device)[None]  # [1, T]
         else:
             positions = cache.begin(b, t, input_ids.device, lengths)  # [B, T]
         if self.cuda_graphs and not torch.compiler.is_compiling():
+            torch.compiler.cudagraph_mark_step_begin()
             # RoPE tables made inside a graph would be its outputs, freed at the next step
             self.prepare_rope(t if cache is None else cache.capacity, input_ids.device)
         x = self.embed(input_ids)  # [B, T, C]

@@ -480,8 +480,8 @@ def _model_and_optimizer(
             "cuda_graphs runs in one process on CUDA (the graphs would hold FSDP's gathered "
             f"parameters and DDP's buckets); this run has {world.size} process(es) on {world.device.type}"
         )
-    compile = "reduce-overhead" if cfg.cuda_graphs else cfg.compile
-    prepare_blocks(model, activation_checkpointing=cfg.activation_checkpointing, compile=compile)
+    mode = "reduce-overhead" if cfg.cuda_graphs else cfg.compile
+    prepare_blocks(model, activation_checkpointing=cfg.activation_checkpointing, compile=mode)
     if world.device.type == "cuda":
         set_value_checks(False)  # the NaN/positive-gate check costs a host sync per layer
     wrapped = parallelize(
