@@ -237,6 +237,77 @@ def test_fused_acp_delta_equals_the_unfused_one(case):
         assert got.dtype == torch.float64 and torch.equal(got, want)
 
 
+@pytest.mark.parametrize("case", [(2, 300, 300, 4, 2, 64, None), (1, 200, 457, 2, 1, 48, None),
+                                  (1, 457, 457, 4, 2, 96, [0, 1, 200, 200, 457])],
+                         ids=["gqa", "tq<tk", "varlen-with-empty"])
+@pytest.mark.parametrize("looped", [False, True], ids=["one-read", "looped"])
+def test_folded_acp_search_equals_delta_then_search(case, looped, monkeypatch):
+    """``triton_acp_block_start(acp="auto")`` (each search program computes its own delta
+    from the norms' tile maxima) gives the block starts of ``triton_block_start`` after
+    ``acp_delta`` (delta in torch from the bound ``U`` per query head), bit for bit: GQA,
+    Tq < Tk, packed sequences with an empty one, and the maxima read in one vector or in a
+    loop (16-row tiles, read 16 at a time). Slow gates and norms that differ by head (q and
+    k alike) make the boundaries follow delta closely: a wrong head's norms or a tile left
+    unread move them."""
+    from lapse.ops.forgetting import pruning
+    from lapse.ops.forgetting.common import acp_delta
+    from lapse.ops.forgetting.triton_ops import triton_gate_cumsum
+
+    if looped:
+        monkeypatch.setattr(pruning, "NORM_TILE", 16 * 64)
+        monkeypatch.setattr(pruning, "PARTS_BLOCK", 16)
+    b, tq, tk, hq, h, d, cu = case
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    cu_t = None if cu is None else torch.tensor(cu, dtype=torch.int32, device=dev)
+    q, k, v, lg, _ = _inputs(b, tq, tk, hq, h, d, "fast", torch.float32, dev, seed=d + 1)
+    q = q * torch.where(torch.arange(tq, device=dev) < tq - 20, 0.1, 0.3)[None, :, None, None]  # max last
+    q = q * torch.linspace(0.5, 2.0, hq, device=dev)[None, None, :, None]
+    k = k * torch.linspace(1.0, 0.2, tk, device=dev)[None, :, None, None]  # the largest first
+    k = k * torch.linspace(1.0, 2.0, h, device=dev)[None, None, :, None]
+    g = torch.Generator(device="cpu").manual_seed(d)
+    lg = F.logsigmoid(torch.randn(lg.shape, generator=g) + 1.0).float().to(dev)  # about -0.35 a step
+    p = validate(q, k, v, lg, None, cu_t, "triton")
+    c_hi, c_lo = triton_gate_cumsum(lg, p)
+    for eps in (1e-3, math.exp(-10)):
+        delta = acp_delta("auto", eps, q, k, p, pruning.triton_acp_bound)  # delta in torch, from U
+        want = pruning.triton_block_start(c_hi, c_lo, delta, p)
+        got = pruning.triton_acp_block_start("auto", eps, q, k, c_hi, c_lo, p)
+        assert torch.equal(got, want)
+        assert int(want.max()) > 0 and want.unique().numel() > 2  # boundaries that move
+    with pytest.raises(ValueError, match="acp_eps"):
+        pruning.triton_acp_block_start("auto", 1.5, q, k, c_hi, c_lo, p)
+
+
+@pytest.mark.parametrize("shape", [(2, 3, 200, 200, None), (1, 2, 40, 300, None),
+                                   (1, 4, 9000, 9000, [0, 0, 64, 65, 4000, 9000])],
+                         ids=["square", "tq<tk", "varlen-with-empty"])
+def test_block_end_kernel_equals_searchsorted(shape):
+    """``block_end_from_start`` (one launch) counts what ``block_end_reference``'s
+    ``searchsorted`` counts, for random monotone staircases: several chunks of key blocks
+    (N > 128) and of query blocks (M > 32), query blocks past a sequence's end left out
+    (packed, with an empty sequence), Tq < Tk."""
+    from lapse.ops.forgetting.pruning import block_end_from_start, block_end_reference
+
+    b, hq, tq, tk, cu = shape
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    g = torch.Generator().manual_seed(tq + tk)
+    mb, off = -(-tq // 64), (tk - tq) // 64
+    # a staircase: block m keeps key blocks from bs[m] on, bs non-decreasing and <= its diagonal
+    steps = torch.randint(0, 3, (b if cu is None else len(cu) - 1, hq, mb), generator=g)
+    diag = torch.arange(mb) + off
+    bs = torch.minimum(steps.cumsum(-1), diag).to(torch.int32).to(dev)
+    cu_t = None if cu is None else torch.tensor(cu, dtype=torch.int32, device=dev)
+    x = torch.zeros(1 if cu else b, tq, hq, 8, device=dev)
+    kx = torch.zeros(1 if cu else b, tk, hq, 8, device=dev)
+    lg = torch.zeros(1 if cu else b, tk, hq, device=dev)
+    p = validate(x, kx, kx, lg, None, cu_t, "triton")
+    if cu is not None:  # the bench's layout: [sequences, heads, blocks of the longest]
+        bs = bs[..., : -(-p.tq // 64)]
+    got, want = block_end_from_start(bs, p), block_end_reference(bs, p)
+    assert got.dtype == torch.int32 and torch.equal(got, want)
+    assert int(want.max()) > 0
+
+
 # ---------------------------------------------------------------- GPU ----------------
 
 GPU_CASES = [

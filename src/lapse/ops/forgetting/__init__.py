@@ -101,17 +101,15 @@ def forgetting_attention(
     backend = resolve_backend(backend, q)
 
     with torch.no_grad():
-        fused = None
         if backend == "triton":
-            from .pruning import triton_acp_delta as fused  # acp="auto": three launches, no host copy
-        delta = None if acp is None else acp_delta(acp, acp_eps, q, k, p, delta_from_data=fused)  # [B, HQ]
-        if backend == "triton":
-            from .pruning import triton_block_start
+            from .pruning import triton_acp_block_start
             from .triton_ops import triton_gate_cumsum
 
             c_hi, c_lo = triton_gate_cumsum(log_fgate, p)  # [B, HQ, Tc] float32 each
-            block_start = None if delta is None else triton_block_start(c_hi, c_lo, delta, p)
+            # acp="auto": the norms and the search, two launches and no host copy
+            block_start = None if acp is None else triton_acp_block_start(acp, acp_eps, q, k, c_hi, c_lo, p)
         else:
+            delta = None if acp is None else acp_delta(acp, acp_eps, q, k, p)  # [B, HQ]
             c = cumulative_log_gates(log_fgate, cu_seqlens)  # [B, Tk, HQ] float64
             block_start = None if delta is None else acp_block_start(c, delta, p)
 

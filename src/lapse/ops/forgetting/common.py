@@ -326,6 +326,12 @@ def acp_bound_from_data(q: Tensor, k: Tensor, p: Problem) -> Tensor:
     return _per_sequence_max(qn, p) * _per_sequence_max(kn, p) * p.scale
 
 
+def check_acp_eps(acp_eps) -> None:
+    """Raises ``ValueError`` unless ``acp_eps`` is a number in (0, 1)."""
+    if not (isinstance(acp_eps, (int, float)) and 0 < acp_eps < 1):
+        raise ValueError(f"acp_eps must be in (0, 1), got {acp_eps!r}")
+
+
 def acp_delta(
     acp, acp_eps: float, q: Tensor, k: Tensor, p: Problem, bound_from_data=None, delta_from_data=None
 ) -> Tensor:
@@ -337,8 +343,7 @@ def acp_delta(
     acp_eps)``, when given, the whole delta for ``acp="auto"`` (the Triton path passes
     kernels for either).
     """
-    if not (isinstance(acp_eps, (int, float)) and 0 < acp_eps < 1):
-        raise ValueError(f"acp_eps must be in (0, 1), got {acp_eps!r}")
+    check_acp_eps(acp_eps)
     if isinstance(acp, str):
         if acp != "auto":
             raise ValueError(f"acp must be None, 'auto', a float or a tensor, got {acp!r}")

@@ -21,7 +21,7 @@ import math
 import torch
 from torch import Tensor
 
-from .common import ACP_BLOCK, LOG_GATE_FLOOR, acp_delta, resolve_scale, validate
+from .common import ACP_BLOCK, LOG_GATE_FLOOR, resolve_scale, validate
 
 # the Triton modules are imported by the ops' bodies: lapse imports without Triton installed
 
@@ -35,17 +35,14 @@ def fox_forward(
     gate ``[B, HQ, Tc]``, the ACP block starts ``[B, HQ, ceil(Tq / 64)]`` int32 (empty
     without ACP). ACP: ``auto_bound`` (the bound from the data), else ``bound`` (``[HQ]`` or
     ``[B, HQ]``), else none."""
-    from .pruning import triton_acp_delta, triton_block_start
+    from .pruning import triton_acp_block_start
     from .triton_ops import forward_kernel, triton_gate_cumsum
 
     p = validate(q, k, v, log_fgate, scale, None, "triton")
     acp = "auto" if auto_bound else bound
     with torch.no_grad():
         c_hi, c_lo = triton_gate_cumsum(log_fgate, p)
-        block_start = None
-        if acp is not None:
-            delta = acp_delta(acp, acp_eps, q, k, p, delta_from_data=triton_acp_delta)
-            block_start = triton_block_start(c_hi, c_lo, delta, p)
+        block_start = None if acp is None else triton_acp_block_start(acp, acp_eps, q, k, c_hi, c_lo, p)
         o, lse2 = forward_kernel(q, k, v, c_hi, c_lo, p, block_start)
     if block_start is None:
         block_start = torch.empty(0, dtype=torch.int32, device=q.device)
