@@ -534,6 +534,27 @@ def test_backward_with_dq_through_atomics_matches_naive(case, monkeypatch):
     _check_cpu(case, seed=case[1] + case[2] + case[5])
 
 
+@pytest.mark.parametrize("case", CPU_CASES, ids=[_id(c) for c in CPU_CASES])
+def test_backward_with_dq_from_kept_ds_matches_naive(case, monkeypatch):
+    """``FUSE_DQ="ds"``: the dK/dV kernel keeps dS (a staircase of query blocks) and each key
+    tile's row sums, and one product a tile makes dQ from them. Held to the float64 oracle
+    like the two-kernel backward, with the outputs and both scratch buffers NaN-poisoned (a
+    tile or row sum the dQ kernel reads before the dK/dV kernel wrote it shows). Cases with
+    Tq < Tk, packed sequences or key tiles other than 64 (grouped heads at D <= 64) take the
+    two kernels: checked that they do, and that the others (six) take the kept dS."""
+    from lapse.ops.forgetting import triton_bwd
+
+    if torch.cuda.is_available():
+        pytest.skip("interpreter shapes; the GPU runs test_backward_with_dq_from_kept_ds_gpu")
+    _fuse_dq(monkeypatch, "ds")
+    monkeypatch.setattr(triton_bwd, "POISON_SCRATCH", True)
+    b, tq, tk, hq, h, d, gate, acp, cu = case
+    kv, _ = triton_bwd.bwd_config(d, hq // h, acp is not None)
+    serves = triton_bwd._fuse_mode("ds", None, SimpleNamespace(cu_seqlens=cu, tq=tq, tk=tk), kv)
+    assert serves == (4 if cu is None and tq == tk and kv["BN"] == 64 else 0)
+    _check_cpu(case, seed=case[1] + case[2] + case[5])
+
+
 # D 64 (a power of two: the tensor-memory engine's adds take a head's D columns whole):
 # batch rows whose last query tile runs past the sequence (its rows add zeros into the next
 # row's dQ), Tq < Tk, ACP, packed sequences
@@ -564,6 +585,16 @@ def test_backward_with_dq_through_bulk_adds_matches_naive(case, monkeypatch):
 @pytest.mark.parametrize("case", GPU_CASES, ids=[_id(c) for c in GPU_CASES])
 def test_backward_with_dq_through_atomics_gpu(case, monkeypatch):
     _fuse_dq(monkeypatch)
+    _check_gpu(case)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", GPU_CASES, ids=[_id(c) for c in GPU_CASES])
+def test_backward_with_dq_from_kept_ds_gpu(case, monkeypatch):
+    from lapse.ops.forgetting import triton_bwd
+
+    _fuse_dq(monkeypatch, "ds")
+    monkeypatch.setattr(triton_bwd, "POISON_SCRATCH", True)
     _check_gpu(case)
 
 

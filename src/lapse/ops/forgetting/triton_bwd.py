@@ -169,7 +169,15 @@ def _dkdv_inner(
             b_dcc += tl.sum(b_dst, 1)
         b_dst_lo = b_dst.to(b_q.dtype)
         b_dk = tl.dot(b_dst_lo, b_q, b_dk, input_precision=DOT_PREC)
-        if FUSE_DQ:  # this tile's share of dQ (unscaled) and of the row sums of dS
+        if FUSE_DQ == 4:  # dS kept for _dq_from_ds_kernel: this tile in its query block's row
+            # of the staircase (p_dqa: this head's; BM divides G, so the rows share one
+            # block), and its rows' partial sums in this key tile's slot (p_dcra)
+            qb = tl.full([], 0, tl.int64) + start // G
+            row_len = (qb + 1) * G
+            p_t = p_dqa + (G * G) * (qb * (qb + 1) // 2) + (o_m - qb * G)[None, :] * row_len + o_n[:, None]
+            tl.store(p_t, b_dst_lo, mask=m_m[None, :] & (o_n < row_len)[:, None])
+            tl.store(p_dcra + o_m, tl.sum(b_dst, 0), mask=m_m)
+        elif FUSE_DQ:  # this tile's share of dQ (unscaled) and of the row sums of dS
             b_dq = tl.dot(tl.trans(b_dst_lo), b_k, input_precision=DOT_PREC)  # [BM, BD]
             if FUSE_DQ == 2:  # one bulk add from shared memory by the tensor-memory engine;
                 # rows past the sequence add zeros (their dS is 0) to the next one's
@@ -271,13 +279,18 @@ def _bwd_dkdv_kernel(
         tma_col = tl.cast(i_h * D, tl.int32)
         p_rows = ROWS + ((i_bt * HQ + i_h) * TC + bos) * 4
         p_bs = BSTART + (i_b * HQ + i_h) * MB
-        if FUSE_DQ >= 2:  # a descriptor made on the host over [B * Tq, HQ * D] (launch_bwd),
+        if FUSE_DQ == 4:  # dS kept: this head's staircase, this key tile's row sums (strides
+            # of the launch: the staircase's size, Tq, and the row sums' size a head)
+            p_dqa = DQA + (i_b * HQ + i_h) * stride_dqab
+            p_dcra = DCRA + (i_b * HQ + i_h) * stride_dqah + i_n * stride_dqat
+        elif FUSE_DQ >= 2:  # a descriptor made on the host over [B * Tq, HQ * D] (launch_bwd),
             p_dqa = DQA  # or (3) that view's first element
+            p_dcra = DCRA + (i_bt * HQ + i_h) * TC + bos
         else:
             p_dqa = DQA + i_bt * stride_dqab + bos * stride_dqat + i_h * stride_dqah
+            p_dcra = DCRA + (i_bt * HQ + i_h) * TC + bos
         dq_row = i_bt * TQ + bos
         dq_col = tl.cast(i_h * D, tl.int32)
-        p_dcra = DCRA + (i_bt * HQ + i_h) * TC + bos
         b_dcc = tl.zeros([BN], dtype=tl.float32)
         # LOOPS: as in triton_fwd._fwd_kernel (1: empty loops not entered; 2: the masked ones
         # not pipelined; 3: both)
@@ -309,6 +322,47 @@ def _bwd_dkdv_kernel(
     p_dv = DV + i_bt * stride_dvb + (bos + o_n[:, None]) * stride_dvt + i_hk * stride_dvh + o_d[None, :]
     tl.store(p_dk, (b_dk * scale).to(DK.dtype.element_ty), mask=m_n[:, None] & m_d[None, :])
     tl.store(p_dv, b_dv.to(DV.dtype.element_ty), mask=m_n[:, None] & m_d[None, :])
+
+
+@triton.jit
+def _dq_from_ds_kernel(
+    DS, RSUM, K, BSTART, DQ, DCR,
+    stride_kb, stride_kt, stride_kh, stride_qb, stride_qt, stride_qh,
+    scale, TQ, TC, HQ, MB, DS_HEAD, NKT,
+    D: tl.constexpr, BD: tl.constexpr, BN: tl.constexpr, KV_BN: tl.constexpr, G: tl.constexpr,
+    GROUP: tl.constexpr, USE_ACP: tl.constexpr, DOT_PREC: tl.constexpr,
+):
+    # one program per (query block of G rows, batch x query head), the longest first:
+    # dQ = scale * dS K over the block's kept keys, from the staircase the dK/dV kernel wrote
+    # (FUSE_DQ 4; Tq = Tk, no packed sequences), and each row's sum of dS from the key
+    # tiles' partial sums, in order
+    i_m, i_bh = program_tile(True, False)
+    if i_m * G >= TQ:
+        return
+    i_b = i_bh // HQ
+    i_h = i_bh % HQ
+    o_m = i_m * G + tl.arange(0, G)
+    m_m = o_m < TQ
+    o_d = tl.arange(0, BD)
+    m_d = o_d < D
+    row_len = (i_m + 1) * G
+    p_ds = DS + i_bh * DS_HEAD + (G * G) * (i_m * (i_m + 1) // 2) + (o_m - i_m * G)[:, None] * row_len
+    p_k = K + i_b * stride_kb + (i_h // GROUP) * stride_kh
+    lo = tl.load(BSTART + i_bh * MB + i_m) * G if USE_ACP else 0
+    acc = tl.zeros([G, BD], dtype=tl.float32)
+    for n0 in range(lo, row_len, BN):
+        o_n = n0 + tl.arange(0, BN)
+        m_n = (o_n < row_len) & (o_n < TQ)
+        b_ds = tl.load(p_ds + o_n[None, :], mask=m_m[:, None] & m_n[None, :], other=0.0)
+        b_k = tl.load(p_k + o_n[:, None] * stride_kt + o_d[None, :], mask=m_n[:, None] & m_d[None, :],
+                      other=0.0)
+        acc = tl.dot(b_ds, b_k, acc, input_precision=DOT_PREC)
+    b_rs = tl.zeros([G], dtype=tl.float32)
+    for t in range(lo // KV_BN, (row_len + KV_BN - 1) // KV_BN):
+        b_rs += tl.load(RSUM + (i_bh * NKT + t) * TQ + o_m, mask=m_m, other=0.0)
+    p_dq = DQ + i_b * stride_qb + o_m[:, None] * stride_qt + i_h * stride_qh + o_d[None, :]
+    tl.store(p_dq, (acc * scale).to(DQ.dtype.element_ty), mask=m_m[:, None] & m_d[None, :])
+    tl.store(DCR + i_bh * TC + o_m, b_rs, mask=m_m)
 
 
 @triton.jit
@@ -555,6 +609,16 @@ def bwd_config(d: int, group: int = 1, acp: bool = False) -> tuple[dict, dict]:
             dict(BM=32, BN=16, num_warps=4, num_stages=1, MAKE_ROWS=True))
 
 
+POISON_SCRATCH = False  # tests: scratch buffers a kernel reads filled with NaN, not left as they come
+
+
+def _scratch(n: int, dtype, device):
+    """An uninitialised buffer of ``n`` elements (NaN with ``POISON_SCRATCH``, so that a slot
+    read before any kernel wrote it shows in the result)."""
+    return torch.full((n,), float("nan"), dtype=dtype, device=device) if POISON_SCRATCH else \
+        torch.empty(n, dtype=dtype, device=device)
+
+
 def launch_bwd(q, k, v, o, do, lse2, dlse, c_hi, c_lo, block_start, block_end, cu, p,
                dq, dk, dv, dcc, dcr, configs=None):
     """Runs the backward kernels; dk/dv/dq in the inputs' dtypes, dcc/dcr float32 [B, HQ, Tc].
@@ -575,7 +639,8 @@ def launch_bwd(q, k, v, o, do, lse2, dlse, c_hi, c_lo, block_start, block_end, c
     if q.element_size() == 4:  # float32 keeps the exact order of the bias's terms
         cfg_kv.pop("ROW_BIAS", None)
         cfg_q.pop("ROW_BIAS", None)
-    fuse = _fuse_mode(cfg_kv.pop("FUSE_DQ", False), q, p)
+    fuse = _fuse_mode(cfg_kv.pop("FUSE_DQ", False), q, p, cfg_kv)
+    ds_bn = cfg_kv.pop("DS_BN", 64)
     tma_kv, tma_q = (cfg.pop("TMA", False) == "host" and _host_tma(q, k, v, do, p) for cfg in (cfg_kv, cfg_q))
     make_rows = bool(cfg_q.pop("MAKE_ROWS", False)) and not fuse
     bd = max(16, triton.next_power_of_2(p.d))
@@ -601,28 +666,45 @@ def launch_bwd(q, k, v, o, do, lse2, dlse, c_hi, c_lo, block_start, block_end, c
             HAS_DLSE=dlse is not None,
         )
     bm, bn = cfg_kv.pop("BM"), cfg_kv.pop("BN")
-    dqa = torch.zeros(q.shape, dtype=torch.float32, device=q.device) if fuse else dummy
-    dqa_arg = head_rows_descriptor(dqa, bm, bd) if fuse == 2 else dqa
-    if fuse:
+    ds_strides = (0, 0, 0)
+    if fuse == 4:  # dS kept: each head's staircase of query blocks, the key tiles' row sums
+        nqb, nkt = triton.cdiv(p.tq, 64), triton.cdiv(p.tk, bn)
+        ds_head = 64 * 64 * nqb * (nqb + 1) // 2
+        dqa = _scratch(p.batch * p.hq * ds_head, q.dtype, q.device)
+        rsum = _scratch(p.batch * p.hq * nkt * p.tq, torch.float32, q.device)
+        ds_strides = (ds_head, p.tq, nkt * p.tq)
+    elif fuse:
+        dqa = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
         dcr.zero_()
+    else:
+        dqa = dummy
+    dqa_arg = head_rows_descriptor(dqa, bm, bd) if fuse == 2 else dqa
     qa, doa = (head_rows_descriptor(q, bm, bd), head_rows_descriptor(do, bm, bd)) if tma_kv else (q, do)
     _bwd_dkdv_kernel[tile_grid(triton.cdiv(p.tk, bn), p.batch * p.h, cfg_kv.get("HEADS_FIRST", False))](
         qa, k, v, doa, rows, c_hi, c_lo,
         block_start if use_acp else dummy, block_end if use_acp else dummy,
-        cu if varlen else dummy, dk, dv, dcc, dqa_arg, dcr,
+        cu if varlen else dummy, dk, dv, dcc, dqa_arg, rsum if fuse == 4 else dcr,
         q.stride(0), q.stride(1), q.stride(2),
         k.stride(0), k.stride(1), k.stride(2),
         v.stride(0), v.stride(1), v.stride(2),
         do.stride(0), do.stride(1), do.stride(2),
         dk.stride(0), dk.stride(1), dk.stride(2),
         dv.stride(0), dv.stride(1), dv.stride(2),
-        *(dqa.stride()[:3] if fuse else (0, 0, 0)),
+        *(dqa.stride()[:3] if fuse in (1, 2, 3) else ds_strides),
         p.scale * LOG2E, p.scale, p.tq, p.tk, tc, p.hq, p.h,
         block_start.shape[-1] if use_acp else 1, block_end.shape[-1] if use_acp else 1,
         q.shape[0] * q.shape[1],
         BM=bm, BN=bn, GROUP=p.hq // p.h, FUSE_DQ=fuse, USE_TMA=tma_kv, **common, **cfg_kv,
     )
-    if fuse:
+    if fuse == 4:
+        _dq_from_ds_kernel[tile_grid(triton.cdiv(p.tq, 64), p.batch * p.hq, False)](
+            dqa, rsum, k, block_start if use_acp else dummy, dq, dcr,
+            k.stride(0), k.stride(1), k.stride(2), dq.stride(0), dq.stride(1), dq.stride(2),
+            p.scale, p.tq, tc, p.hq, block_start.shape[-1] if use_acp else 1, ds_strides[0], nkt,
+            D=p.d, BD=bd, BN=ds_bn, KV_BN=bn, G=64, GROUP=p.hq // p.h, USE_ACP=use_acp,
+            DOT_PREC=common["DOT_PREC"], num_warps=4, num_stages=3,
+        )
+    elif fuse:
         dq.copy_(dqa.mul_(p.scale))
     elif not make_rows:
         launch_q()
@@ -634,11 +716,20 @@ def _host_tma(q, k, v, do, p) -> bool:
     return tma_mode("host", q, k, v, p) == 2 and do.is_contiguous() and tma_ready(do)
 
 
-def _fuse_mode(fuse, q, p) -> int:
+def _fuse_mode(fuse, q, p, cfg_kv=None) -> int:
     """The dK/dV config's ``FUSE_DQ``: 0 two kernels; 1 (``True``) one, dQ added a thread an
     element; 2 (``"tma"``) one, each tile's dQ added in one bulk operation by the
     tensor-memory engine (Hopper or later, D a power of two, ``q`` contiguous; else 1, and
-    3 on the CPU: the interpreter's stand-in, the same rows added by pointers)."""
+    3 on the CPU: the interpreter's stand-in, the same rows added by pointers); 4 (``"ds"``)
+    the dK/dV kernel keeps dS (16-bit, a staircase of query blocks) and the row sums of its
+    key tiles, and ``_dq_from_ds_kernel`` makes dQ from them: one product a tile instead of
+    the dQ kernel's three. 4 needs ``Tq = Tk``, no packed sequences, and key tiles of 64 with
+    query steps dividing 64 (else 0)."""
+    if fuse == "ds":
+        cfg_kv = cfg_kv or {}
+        serves = (p.cu_seqlens is None and p.tq == p.tk and cfg_kv.get("BN") == 64
+                  and 64 % cfg_kv.get("BM", 0) == 0)
+        return 4 if serves else 0
     if fuse != "tma":
         return int(bool(fuse))
     if not (p.d == max(16, triton.next_power_of_2(p.d)) and q.is_contiguous() and tma_device(q)):
