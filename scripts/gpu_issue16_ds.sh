@@ -13,7 +13,7 @@ tag="$(echo "$GPU" | grep -oiE "h100|h200" | tr A-Z a-z)"
 timeout 240 python3 -m pytest -q -m gpu tests/ops/test_forgetting_triton.py -p no:cacheprovider --tb=short \
     -k "kept_ds_gpu" 2>&1 | grep -E "^(E |FAILED|ERROR)|passed|failed" | head -n 20
 timeout 300 python3 scripts/tune_fox_bwd.py --shapes ${SHAPES:-4096x64 16384x64 4096x128 16384x128} --no-fused \
-    --variants '{"kv": {"FUSE_DQ": "ds"}}' '{"kv": {"FUSE_DQ": "ds", "DS_BN": 128}}' \
+    --variants '{"kv": {"FUSE_DQ": "ds"}}' \
     --out "$OUT/$tag-bwd-ds.json" 2>&1 | grep -E "^T " | head -n 20
 python3 - "$OUT/$tag-bwd-ds.json" <<'PY'
 import json, sys

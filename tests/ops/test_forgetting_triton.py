@@ -536,7 +536,7 @@ def test_backward_with_dq_through_atomics_matches_naive(case, monkeypatch):
 
 @pytest.mark.parametrize("case", CPU_CASES, ids=[_id(c) for c in CPU_CASES])
 def test_backward_with_dq_from_kept_ds_matches_naive(case, monkeypatch):
-    """``FUSE_DQ="ds"``: the dK/dV kernel keeps dS (a staircase of query blocks) and each key
+    """``FUSE_DQ="ds"``: the dK/dV kernel keeps dS (a staircase of key blocks) and each key
     tile's row sums, and one product a tile makes dQ from them. Held to the float64 oracle
     like the two-kernel backward, with the outputs and both scratch buffers NaN-poisoned (a
     tile or row sum the dQ kernel reads before the dK/dV kernel wrote it shows). Cases with

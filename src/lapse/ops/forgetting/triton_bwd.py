@@ -169,13 +169,14 @@ def _dkdv_inner(
             b_dcc += tl.sum(b_dst, 1)
         b_dst_lo = b_dst.to(b_q.dtype)
         b_dk = tl.dot(b_dst_lo, b_q, b_dk, input_precision=DOT_PREC)
-        if FUSE_DQ == 4:  # dS kept for _dq_from_ds_kernel: this tile in its query block's row
-            # of the staircase (p_dqa: this head's; BM divides G, so the rows share one
-            # block), and its rows' partial sums in this key tile's slot (p_dcra)
-            qb = tl.full([], 0, tl.int64) + start // G
-            row_len = (qb + 1) * G
-            p_t = p_dqa + (G * G) * (qb * (qb + 1) // 2) + (o_m - qb * G)[None, :] * row_len + o_n[:, None]
-            tl.store(p_t, b_dst_lo, mask=m_m[None, :] & (o_n < row_len)[:, None])
+        if FUSE_DQ == 4:  # dS kept for _dq_from_ds_kernel, as it is here (keys x queries,
+            # queries contiguous): this key block's rows of the head's staircase (p_dqa), and
+            # the rows' partial sums in this key tile's slot (p_dcra)
+            kb = tl.full([], 0, tl.int64) + k0 // G
+            row_len = tq - kb * G
+            p_t = p_dqa + G * (kb * tq - G * (kb * (kb - 1) // 2)) + (o_n - kb * G)[:, None] * row_len \
+                + (o_m - kb * G)[None, :]
+            tl.store(p_t, b_dst_lo, mask=m_m[None, :] & (o_n < tq)[:, None])
             tl.store(p_dcra + o_m, tl.sum(b_dst, 0), mask=m_m)
         elif FUSE_DQ:  # this tile's share of dQ (unscaled) and of the row sums of dS
             b_dq = tl.dot(tl.trans(b_dst_lo), b_k, input_precision=DOT_PREC)  # [BM, BD]
@@ -329,13 +330,14 @@ def _dq_from_ds_kernel(
     DS, RSUM, K, BSTART, DQ, DCR,
     stride_kb, stride_kt, stride_kh, stride_qb, stride_qt, stride_qh,
     scale, TQ, TC, HQ, MB, DS_HEAD, NKT,
-    D: tl.constexpr, BD: tl.constexpr, BN: tl.constexpr, KV_BN: tl.constexpr, G: tl.constexpr,
+    D: tl.constexpr, BD: tl.constexpr, KV_BN: tl.constexpr, G: tl.constexpr,
     GROUP: tl.constexpr, USE_ACP: tl.constexpr, DOT_PREC: tl.constexpr,
 ):
     # one program per (query block of G rows, batch x query head), the longest first:
-    # dQ = scale * dS K over the block's kept keys, from the staircase the dK/dV kernel wrote
-    # (FUSE_DQ 4; Tq = Tk, no packed sequences), and each row's sum of dS from the key
-    # tiles' partial sums, in order
+    # dQ = scale * dS K over the block's kept key blocks, from the staircase the dK/dV
+    # kernel wrote (FUSE_DQ 4; Tq = Tk, no packed sequences: key block kb's G rows hold
+    # dS^T for the queries from kb G on), and each row's sum of dS from the key tiles'
+    # partial sums, in order
     i_m, i_bh = program_tile(True, False)
     if i_m * G >= TQ:
         return
@@ -343,22 +345,26 @@ def _dq_from_ds_kernel(
     i_h = i_bh % HQ
     o_m = i_m * G + tl.arange(0, G)
     m_m = o_m < TQ
+    o_g = tl.arange(0, G)
     o_d = tl.arange(0, BD)
     m_d = o_d < D
-    row_len = (i_m + 1) * G
-    p_ds = DS + i_bh * DS_HEAD + (G * G) * (i_m * (i_m + 1) // 2) + (o_m - i_m * G)[:, None] * row_len
+    p_ds = DS + i_bh * DS_HEAD
     p_k = K + i_b * stride_kb + (i_h // GROUP) * stride_kh
-    lo = tl.load(BSTART + i_bh * MB + i_m) * G if USE_ACP else 0
+    lo = tl.load(BSTART + i_bh * MB + i_m) if USE_ACP else 0
     acc = tl.zeros([G, BD], dtype=tl.float32)
-    for n0 in range(lo, row_len, BN):
-        o_n = n0 + tl.arange(0, BN)
-        m_n = (o_n < row_len) & (o_n < TQ)
-        b_ds = tl.load(p_ds + o_n[None, :], mask=m_m[:, None] & m_n[None, :], other=0.0)
+    for kb in range(lo, i_m + 1):
+        kb64 = tl.full([], 0, tl.int64) + kb
+        row_len = TQ - kb64 * G
+        o_n = kb64 * G + o_g
+        m_n = o_n < TQ
+        p_t = p_ds + G * (kb64 * TQ - G * (kb64 * (kb64 - 1) // 2)) + o_g[:, None] * row_len \
+            + (o_m - kb64 * G)[None, :]
+        b_dst = tl.load(p_t, mask=m_n[:, None] & m_m[None, :], other=0.0)  # [keys, queries]
         b_k = tl.load(p_k + o_n[:, None] * stride_kt + o_d[None, :], mask=m_n[:, None] & m_d[None, :],
                       other=0.0)
-        acc = tl.dot(b_ds, b_k, acc, input_precision=DOT_PREC)
+        acc = tl.dot(tl.trans(b_dst), b_k, acc, input_precision=DOT_PREC)
     b_rs = tl.zeros([G], dtype=tl.float32)
-    for t in range(lo // KV_BN, (row_len + KV_BN - 1) // KV_BN):
+    for t in range(lo * G // KV_BN, (i_m * G + G + KV_BN - 1) // KV_BN):
         b_rs += tl.load(RSUM + (i_bh * NKT + t) * TQ + o_m, mask=m_m, other=0.0)
     p_dq = DQ + i_b * stride_qb + o_m[:, None] * stride_qt + i_h * stride_qh + o_d[None, :]
     tl.store(p_dq, (acc * scale).to(DQ.dtype.element_ty), mask=m_m[:, None] & m_d[None, :])
@@ -640,7 +646,6 @@ def launch_bwd(q, k, v, o, do, lse2, dlse, c_hi, c_lo, block_start, block_end, c
         cfg_kv.pop("ROW_BIAS", None)
         cfg_q.pop("ROW_BIAS", None)
     fuse = _fuse_mode(cfg_kv.pop("FUSE_DQ", False), q, p, cfg_kv)
-    ds_bn = cfg_kv.pop("DS_BN", 64)
     tma_kv, tma_q = (cfg.pop("TMA", False) == "host" and _host_tma(q, k, v, do, p) for cfg in (cfg_kv, cfg_q))
     make_rows = bool(cfg_q.pop("MAKE_ROWS", False)) and not fuse
     bd = max(16, triton.next_power_of_2(p.d))
@@ -667,9 +672,9 @@ def launch_bwd(q, k, v, o, do, lse2, dlse, c_hi, c_lo, block_start, block_end, c
         )
     bm, bn = cfg_kv.pop("BM"), cfg_kv.pop("BN")
     ds_strides = (0, 0, 0)
-    if fuse == 4:  # dS kept: each head's staircase of query blocks, the key tiles' row sums
-        nqb, nkt = triton.cdiv(p.tq, 64), triton.cdiv(p.tk, bn)
-        ds_head = 64 * 64 * nqb * (nqb + 1) // 2
+    if fuse == 4:  # dS kept: each head's staircase of key blocks, the key tiles' row sums
+        nkb, nkt = triton.cdiv(p.tk, 64), triton.cdiv(p.tk, bn)
+        ds_head = 64 * (nkb * p.tq - 64 * nkb * (nkb - 1) // 2)
         dqa = _scratch(p.batch * p.hq * ds_head, q.dtype, q.device)
         rsum = _scratch(p.batch * p.hq * nkt * p.tq, torch.float32, q.device)
         ds_strides = (ds_head, p.tq, nkt * p.tq)
@@ -701,7 +706,7 @@ def launch_bwd(q, k, v, o, do, lse2, dlse, c_hi, c_lo, block_start, block_end, c
             dqa, rsum, k, block_start if use_acp else dummy, dq, dcr,
             k.stride(0), k.stride(1), k.stride(2), dq.stride(0), dq.stride(1), dq.stride(2),
             p.scale, p.tq, tc, p.hq, block_start.shape[-1] if use_acp else 1, ds_strides[0], nkt,
-            D=p.d, BD=bd, BN=ds_bn, KV_BN=bn, G=64, GROUP=p.hq // p.h, USE_ACP=use_acp,
+            D=p.d, BD=bd, KV_BN=bn, G=64, GROUP=p.hq // p.h, USE_ACP=use_acp,
             DOT_PREC=common["DOT_PREC"], num_warps=4, num_stages=3,
         )
     elif fuse:
@@ -721,10 +726,10 @@ def _fuse_mode(fuse, q, p, cfg_kv=None) -> int:
     element; 2 (``"tma"``) one, each tile's dQ added in one bulk operation by the
     tensor-memory engine (Hopper or later, D a power of two, ``q`` contiguous; else 1, and
     3 on the CPU: the interpreter's stand-in, the same rows added by pointers); 4 (``"ds"``)
-    the dK/dV kernel keeps dS (16-bit, a staircase of query blocks) and the row sums of its
-    key tiles, and ``_dq_from_ds_kernel`` makes dQ from them: one product a tile instead of
-    the dQ kernel's three. 4 needs ``Tq = Tk``, no packed sequences, and key tiles of 64 with
-    query steps dividing 64 (else 0)."""
+    the dK/dV kernel keeps dS (16-bit, each key block's rows over the queries from it on)
+    and the row sums of its key tiles, and ``_dq_from_ds_kernel`` makes dQ from them: one
+    product a tile instead of the dQ kernel's three. 4 needs ``Tq = Tk``, no packed
+    sequences, and key tiles of 64 with query steps dividing 64 (else 0)."""
     if fuse == "ds":
         cfg_kv = cfg_kv or {}
         serves = (p.cu_seqlens is None and p.tq == p.tk and cfg_kv.get("BN") == 64
