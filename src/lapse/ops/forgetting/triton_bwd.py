@@ -12,7 +12,10 @@ S and dP are computed once per tile instead of twice (5 matrix products per tile
 dQ is then that buffer times the scale. Its sums' order varies from run to run.
 ``FUSE_DQ="tma"`` adds each tile's dQ with one bulk operation of the tensor-memory engine
 instead of an atomic add a thread an element; still slower than two kernels (BENCHMARKS.md,
-"Seventeenth session"). ``ROW_BIAS`` (16-bit inputs) subtracts the query's ``c_i`` from its
+"Seventeenth session"). ``FUSE_DQ="ds"`` keeps dS instead: the dK/dV kernel stores it (16-bit)
+with its key tiles' row sums, and ``_dq_from_ds_kernel`` makes dQ with one product a tile; its
+dQ kernel is 2.2-2.4x faster than the usual one, but the stores slow the dK/dV kernel by more
+(BENCHMARKS.md, "Twentieth session"): opt-in, not in the tables. ``ROW_BIAS`` (16-bit inputs) subtracts the query's ``c_i`` from its
 lse once a row instead of adding it to every pair.
 The gate gradient is ``dc_i = rowsum_i(dS) - colsum_i(dS)`` then a reverse cumulative sum
 (``gate_scan.py``, float64). Both kernels skip exactly the tiles the forward skipped: for a key
