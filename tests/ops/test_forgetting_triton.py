@@ -534,19 +534,22 @@ def test_backward_with_dq_through_atomics_matches_naive(case, monkeypatch):
     _check_cpu(case, seed=case[1] + case[2] + case[5])
 
 
+@pytest.mark.parametrize("stores", ["descriptors", "pointers"])
 @pytest.mark.parametrize("case", CPU_CASES, ids=[_id(c) for c in CPU_CASES])
-def test_backward_with_dq_from_kept_ds_matches_naive(case, monkeypatch):
-    """``FUSE_DQ="ds"``: the dK/dV kernel keeps dS (a staircase of key blocks) and each key
-    tile's row sums, and one product a tile makes dQ from them. Held to the float64 oracle
-    like the two-kernel backward, with the outputs and both scratch buffers NaN-poisoned (a
-    tile or row sum the dQ kernel reads before the dK/dV kernel wrote it shows). Cases with
+def test_backward_with_dq_from_kept_ds_matches_naive(case, stores, monkeypatch):
+    """``FUSE_DQ="ds"``: the dK/dV kernel keeps dS (a staircase of key blocks), and one
+    product a tile makes dQ from it, with the row sums of dS. Held to the float64 oracle
+    like the two-kernel backward, with the outputs and the scratch buffer NaN-poisoned (a
+    tile the dQ kernel reads before the dK/dV kernel wrote it shows). Cases with
     Tq < Tk, packed sequences or key tiles other than 64 (grouped heads at D <= 64) take the
-    two kernels: checked that they do, and that the others (six) take the kept dS."""
+    two kernels: checked that they do, and that the others (six) take the kept dS. dS is
+    stored through descriptors (``DS_TMA``, where a row of Tq elements is 16-byte aligned: T
+    200 here) or by pointers."""
     from lapse.ops.forgetting import triton_bwd
 
     if torch.cuda.is_available():
         pytest.skip("interpreter shapes; the GPU runs test_backward_with_dq_from_kept_ds_gpu")
-    _fuse_dq(monkeypatch, "ds")
+    _with_options(monkeypatch, kv=dict(FUSE_DQ="ds", DS_TMA=stores == "descriptors"))
     monkeypatch.setattr(triton_bwd, "POISON_SCRATCH", True)
     b, tq, tk, hq, h, d, gate, acp, cu = case
     kv, _ = triton_bwd.bwd_config(d, hq // h, acp is not None)

@@ -15,8 +15,9 @@ instead of an atomic add a thread an element; still slower than two kernels (BEN
 "Seventeenth session"). ``FUSE_DQ="ds"`` keeps dS instead: the dK/dV kernel stores it (16-bit)
 with its key tiles' row sums, and ``_dq_from_ds_kernel`` makes dQ with one product a tile; its
 dQ kernel is 2.2-2.4x faster than the usual one, but the stores slow the dK/dV kernel by more
-(BENCHMARKS.md, "Twentieth session"): opt-in, not in the tables. ``ROW_BIAS`` (16-bit inputs) subtracts the query's ``c_i`` from its
-lse once a row instead of adding it to every pair.
+(BENCHMARKS.md, "Twentieth session"): opt-in, not in the tables. ``ROW_BIAS`` (16-bit
+inputs) subtracts the query's ``c_i`` from its lse once a row instead of adding it to every
+pair.
 The gate gradient is ``dc_i = rowsum_i(dS) - colsum_i(dS)`` then a reverse cumulative sum
 (``gate_scan.py``, float64). Both kernels skip exactly the tiles the forward skipped: for a key
 tile the kept query rows are a contiguous range ending at ``block_end * ACP_BLOCK``.
@@ -40,6 +41,7 @@ import triton.language as tl
 from ..backend import LOG2E, LOG2E_TL
 from .gate_scan import sequence_span
 from .triton_fwd import (
+    device_descriptors,
     head_rows_descriptor,
     key_bias,
     loop_runs,
@@ -107,7 +109,7 @@ def _dkdv_inner(
     BM: tl.constexpr, G: tl.constexpr, MASKED: tl.constexpr, USE_ACP: tl.constexpr,
     DOT_PREC: tl.constexpr, FUSE_DQ: tl.constexpr, BIAS: tl.constexpr = 1, ROWS4: tl.constexpr = False,
     STAGES: tl.constexpr = None, ROW_BIAS: tl.constexpr = False, USE_TMA: tl.constexpr = False,
-    tma_row=0, tma_col=0,
+    tma_row=0, tma_col=0, ds_rows=0, USE_TMA_DS: tl.constexpr = False,
 ):
     # USE_TMA: p_q, p_do are descriptors over [B * Tq, HQ * D] whose block (tma_row + start,
     # tma_col) is this head's queries from start on (rows past the sequence are the next one's:
@@ -168,19 +170,20 @@ def _dkdv_inner(
         # [BN, BM]
         b_dpt = tl.dot(b_v, tl.trans(b_do), input_precision=DOT_PREC)
         b_dst = b_pt * (b_dpt - b_delta[None, :])
-        if BIAS == 1 or BIAS == 2:  # the gate sums (2: without the bias)
-            b_dcc += tl.sum(b_dst, 1)
         b_dst_lo = b_dst.to(b_q.dtype)
+        if BIAS == 1 or BIAS == 2:  # the gate sums (2: without the bias); with dS kept, of the
+            # 16-bit dS that _dq_from_ds_kernel sums by rows: the two sums cancel in the gate's
+            # suffix sums only if they add the same numbers
+            b_dcc += tl.sum(b_dst_lo.to(tl.float32) if FUSE_DQ == 4 else b_dst, 1)
         b_dk = tl.dot(b_dst_lo, b_q, b_dk, input_precision=DOT_PREC)
         if FUSE_DQ == 4:  # dS kept for _dq_from_ds_kernel, as it is here (keys x queries,
-            # queries contiguous): this key block's rows of the head's staircase (p_dqa), and
-            # the rows' partial sums in this key tile's slot (p_dcra)
-            kb = tl.full([], 0, tl.int64) + k0 // G
-            row_len = tq - kb * G
-            p_t = p_dqa + G * (kb * tq - G * (kb * (kb - 1) // 2)) + (o_n - kb * G)[:, None] * row_len \
-                + (o_m - kb * G)[None, :]
-            tl.store(p_t, b_dst_lo, mask=m_m[None, :] & (o_n < tq)[:, None])
-            tl.store(p_dcra + o_m, tl.sum(b_dst, 0), mask=m_m)
+            # queries contiguous): this key block's rows of the head's staircase (p_dqa)
+            if USE_TMA_DS:  # p_dqa: a descriptor over the key block's rows (the engine clips
+                # the columns past Tq); no per-element addresses held in registers
+                p_dqa.store([0, tl.cast(start - k0, tl.int32)], b_dst_lo)
+            else:
+                p_t = p_dqa + (ds_rows[:, None] + o_m.to(tl.int32)[None, :])  # 32-bit offsets
+                tl.store(p_t, b_dst_lo, mask=m_m[None, :] & (o_n < tq)[:, None])
         elif FUSE_DQ:  # this tile's share of dQ (unscaled) and of the row sums of dS
             b_dq = tl.dot(tl.trans(b_dst_lo), b_k, input_precision=DOT_PREC)  # [BM, BD]
             if FUSE_DQ == 2:  # one bulk add from shared memory by the tensor-memory engine;
@@ -213,7 +216,7 @@ def _bwd_dkdv_kernel(
     G: tl.constexpr, GROUP: tl.constexpr, IS_VARLEN: tl.constexpr, USE_ACP: tl.constexpr,
     DOT_PREC: tl.constexpr, FUSE_DQ: tl.constexpr, BIAS: tl.constexpr = 1, ROWS4: tl.constexpr = False,
     LOOPS: tl.constexpr = 0, ROW_BIAS: tl.constexpr = False, USE_TMA: tl.constexpr = False,
-    HEADS_FIRST: tl.constexpr = False,
+    HEADS_FIRST: tl.constexpr = False, USE_TMA_DS: tl.constexpr = False,
 ):
     i_n, i_bh = program_tile(False, HEADS_FIRST)  # the first key tiles have the most queries
     i_b = i_bh // H
@@ -283,16 +286,27 @@ def _bwd_dkdv_kernel(
         tma_col = tl.cast(i_h * D, tl.int32)
         p_rows = ROWS + ((i_bt * HQ + i_h) * TC + bos) * 4
         p_bs = BSTART + (i_b * HQ + i_h) * MB
-        if FUSE_DQ == 4:  # dS kept: this head's staircase, this key tile's row sums (strides
-            # of the launch: the staircase's size, Tq, and the row sums' size a head)
-            p_dqa = DQA + (i_b * HQ + i_h) * stride_dqab
-            p_dcra = DCRA + (i_b * HQ + i_h) * stride_dqah + i_n * stride_dqat
+        if FUSE_DQ == 4:  # dS kept (stride_dqab: the staircase's size a head): this key
+            # block's rows of the head's staircase, key k0 + j in row j over the queries from k0
+            # on (p_dqa less k0: a query's own index is its column; ds_rows, each row's start,
+            # computed once)
+            p_dqa = DQA + (i_b * HQ + i_h) * stride_dqab + G * (i_n * tq - G * (i_n * (i_n - 1) // 2))
+            ds_rows = ((o_n - k0) * (tq - k0)).to(tl.int32)
+            if USE_TMA_DS:  # the block's rows as a [BN, Tq - k0] matrix
+                row_len = tl.cast(tq - k0, tl.int32)
+                p_dqa = tl.make_tensor_descriptor(p_dqa, shape=[BN, row_len], strides=[row_len, 1],
+                                                  block_shape=[BN, BM])
+            else:
+                p_dqa = p_dqa - k0
+            p_dcra = DCRA
         elif FUSE_DQ >= 2:  # a descriptor made on the host over [B * Tq, HQ * D] (launch_bwd),
             p_dqa = DQA  # or (3) that view's first element
             p_dcra = DCRA + (i_bt * HQ + i_h) * TC + bos
+            ds_rows = 0
         else:
             p_dqa = DQA + i_bt * stride_dqab + bos * stride_dqat + i_h * stride_dqah
             p_dcra = DCRA + (i_bt * HQ + i_h) * TC + bos
+            ds_rows = 0
         dq_row = i_bt * TQ + bos
         dq_col = tl.cast(i_h * D, tl.int32)
         b_dcc = tl.zeros([BN], dtype=tl.float32)
@@ -306,21 +320,21 @@ def _bwd_dkdv_kernel(
                                             stride_qt, stride_dot, stride_dqat,
                                             q_lo, a, tq, off, qk_scale, o_d, m_d,
                                             BM, G, 2, USE_ACP, DOT_PREC, FUSE_DQ, BIAS, ROWS4, ns_m, ROW_BIAS,
-                                            USE_TMA, tma_row, tma_col)
+                                            USE_TMA, tma_row, tma_col, ds_rows, USE_TMA_DS)
         if run_mid:
             b_dk, b_dv, b_dcc = _dkdv_inner(b_dk, b_dv, b_dcc, b_k, b_v, b_ck, o_n, k0, p_q, p_do, p_rows,
                                             p_chi, p_bs, c_ref, p_dqa, p_dcra, dq_row, dq_col, DQ_ROWS,
                                             stride_qt, stride_dot, stride_dqat,
                                             a, b, tq, off, qk_scale, o_d, m_d,
                                             BM, G, 0, USE_ACP, DOT_PREC, FUSE_DQ, BIAS, ROWS4, None, ROW_BIAS,
-                                            USE_TMA, tma_row, tma_col)
+                                            USE_TMA, tma_row, tma_col, ds_rows, USE_TMA_DS)
         if run_hi:
             b_dk, b_dv, b_dcc = _dkdv_inner(b_dk, b_dv, b_dcc, b_k, b_v, b_ck, o_n, k0, p_q, p_do, p_rows,
                                             p_chi, p_bs, c_ref, p_dqa, p_dcra, dq_row, dq_col, DQ_ROWS,
                                             stride_qt, stride_dot, stride_dqat,
                                             b, q_end, tq, off, qk_scale, o_d, m_d,
                                             BM, G, 1, USE_ACP, DOT_PREC, FUSE_DQ, BIAS, ROWS4, ns_m, ROW_BIAS,
-                                            USE_TMA, tma_row, tma_col)
+                                            USE_TMA, tma_row, tma_col, ds_rows, USE_TMA_DS)
         tl.store(DCC + (i_bt * HQ + i_h) * TC + bos + o_n, b_dcc, mask=m_n)
     p_dk = DK + i_bt * stride_dkb + (bos + o_n[:, None]) * stride_dkt + i_hk * stride_dkh + o_d[None, :]
     p_dv = DV + i_bt * stride_dvb + (bos + o_n[:, None]) * stride_dvt + i_hk * stride_dvh + o_d[None, :]
@@ -330,17 +344,17 @@ def _bwd_dkdv_kernel(
 
 @triton.jit
 def _dq_from_ds_kernel(
-    DS, RSUM, K, BSTART, DQ, DCR,
+    DS, K, BSTART, DQ, DCR,
     stride_kb, stride_kt, stride_kh, stride_qb, stride_qt, stride_qh,
-    scale, TQ, TC, HQ, MB, DS_HEAD, NKT,
-    D: tl.constexpr, BD: tl.constexpr, KV_BN: tl.constexpr, G: tl.constexpr,
+    scale, TQ, TC, HQ, MB, DS_HEAD,
+    D: tl.constexpr, BD: tl.constexpr, G: tl.constexpr,
     GROUP: tl.constexpr, USE_ACP: tl.constexpr, DOT_PREC: tl.constexpr,
 ):
     # one program per (query block of G rows, batch x query head), the longest first:
     # dQ = scale * dS K over the block's kept key blocks, from the staircase the dK/dV
     # kernel wrote (FUSE_DQ 4; Tq = Tk, no packed sequences: key block kb's G rows hold
-    # dS^T for the queries from kb G on), and each row's sum of dS from the key tiles'
-    # partial sums, in order
+    # dS^T for the queries from kb G on), and each row's sum of the same 16-bit dS (the
+    # dK/dV kernel's column sums add them too)
     i_m, i_bh = program_tile(True, False)
     if i_m * G >= TQ:
         return
@@ -355,6 +369,7 @@ def _dq_from_ds_kernel(
     p_k = K + i_b * stride_kb + (i_h // GROUP) * stride_kh
     lo = tl.load(BSTART + i_bh * MB + i_m) if USE_ACP else 0
     acc = tl.zeros([G, BD], dtype=tl.float32)
+    b_rs = tl.zeros([G], dtype=tl.float32)
     for kb in range(lo, i_m + 1):
         kb64 = tl.full([], 0, tl.int64) + kb
         row_len = TQ - kb64 * G
@@ -366,9 +381,7 @@ def _dq_from_ds_kernel(
         b_k = tl.load(p_k + o_n[:, None] * stride_kt + o_d[None, :], mask=m_n[:, None] & m_d[None, :],
                       other=0.0)
         acc = tl.dot(tl.trans(b_dst), b_k, acc, input_precision=DOT_PREC)
-    b_rs = tl.zeros([G], dtype=tl.float32)
-    for t in range(lo * G // KV_BN, (i_m * G + G + KV_BN - 1) // KV_BN):
-        b_rs += tl.load(RSUM + (i_bh * NKT + t) * TQ + o_m, mask=m_m, other=0.0)
+        b_rs += tl.sum(b_dst.to(tl.float32), 0)
     p_dq = DQ + i_b * stride_qb + o_m[:, None] * stride_qt + i_h * stride_qh + o_d[None, :]
     tl.store(p_dq, (acc * scale).to(DQ.dtype.element_ty), mask=m_m[:, None] & m_d[None, :])
     tl.store(DCR + i_bh * TC + o_m, b_rs, mask=m_m)
@@ -649,6 +662,9 @@ def launch_bwd(q, k, v, o, do, lse2, dlse, c_hi, c_lo, block_start, block_end, c
         cfg_kv.pop("ROW_BIAS", None)
         cfg_q.pop("ROW_BIAS", None)
     fuse = _fuse_mode(cfg_kv.pop("FUSE_DQ", False), q, p, cfg_kv)
+    # kept dS stored through descriptors (DS_TMA, default): rows 16-byte aligned, Hopper or later
+    ds_tma = fuse == 4 and cfg_kv.pop("DS_TMA", True) and p.tq * q.element_size() % 16 == 0 and tma_device(q)
+    cfg_kv.pop("DS_TMA", None)
     tma_kv, tma_q = (cfg.pop("TMA", False) == "host" and _host_tma(q, k, v, do, p) for cfg in (cfg_kv, cfg_q))
     make_rows = bool(cfg_q.pop("MAKE_ROWS", False)) and not fuse
     bd = max(16, triton.next_power_of_2(p.d))
@@ -675,12 +691,11 @@ def launch_bwd(q, k, v, o, do, lse2, dlse, c_hi, c_lo, block_start, block_end, c
         )
     bm, bn = cfg_kv.pop("BM"), cfg_kv.pop("BN")
     ds_strides = (0, 0, 0)
-    if fuse == 4:  # dS kept: each head's staircase of key blocks, the key tiles' row sums
-        nkb, nkt = triton.cdiv(p.tk, 64), triton.cdiv(p.tk, bn)
+    if fuse == 4:  # dS kept: each head's staircase of key blocks
+        nkb = triton.cdiv(p.tk, 64)
         ds_head = 64 * (nkb * p.tq - 64 * nkb * (nkb - 1) // 2)
         dqa = _scratch(p.batch * p.hq * ds_head, q.dtype, q.device)
-        rsum = _scratch(p.batch * p.hq * nkt * p.tq, torch.float32, q.device)
-        ds_strides = (ds_head, p.tq, nkt * p.tq)
+        ds_strides = (ds_head, 0, 0)
     elif fuse:
         dqa = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
         dcr.zero_()
@@ -688,28 +703,30 @@ def launch_bwd(q, k, v, o, do, lse2, dlse, c_hi, c_lo, block_start, block_end, c
         dqa = dummy
     dqa_arg = head_rows_descriptor(dqa, bm, bd) if fuse == 2 else dqa
     qa, doa = (head_rows_descriptor(q, bm, bd), head_rows_descriptor(do, bm, bd)) if tma_kv else (q, do)
-    _bwd_dkdv_kernel[tile_grid(triton.cdiv(p.tk, bn), p.batch * p.h, cfg_kv.get("HEADS_FIRST", False))](
-        qa, k, v, doa, rows, c_hi, c_lo,
-        block_start if use_acp else dummy, block_end if use_acp else dummy,
-        cu if varlen else dummy, dk, dv, dcc, dqa_arg, rsum if fuse == 4 else dcr,
-        q.stride(0), q.stride(1), q.stride(2),
-        k.stride(0), k.stride(1), k.stride(2),
-        v.stride(0), v.stride(1), v.stride(2),
-        do.stride(0), do.stride(1), do.stride(2),
-        dk.stride(0), dk.stride(1), dk.stride(2),
-        dv.stride(0), dv.stride(1), dv.stride(2),
-        *(dqa.stride()[:3] if fuse in (1, 2, 3) else ds_strides),
-        p.scale * LOG2E, p.scale, p.tq, p.tk, tc, p.hq, p.h,
-        block_start.shape[-1] if use_acp else 1, block_end.shape[-1] if use_acp else 1,
-        q.shape[0] * q.shape[1],
-        BM=bm, BN=bn, GROUP=p.hq // p.h, FUSE_DQ=fuse, USE_TMA=tma_kv, **common, **cfg_kv,
-    )
+    with device_descriptors(ds_tma and q.is_cuda):  # the kept dS's, made by the programs
+        _bwd_dkdv_kernel[tile_grid(triton.cdiv(p.tk, bn), p.batch * p.h, cfg_kv.get("HEADS_FIRST", False))](
+            qa, k, v, doa, rows, c_hi, c_lo,
+            block_start if use_acp else dummy, block_end if use_acp else dummy,
+            cu if varlen else dummy, dk, dv, dcc, dqa_arg, dcr,
+            q.stride(0), q.stride(1), q.stride(2),
+            k.stride(0), k.stride(1), k.stride(2),
+            v.stride(0), v.stride(1), v.stride(2),
+            do.stride(0), do.stride(1), do.stride(2),
+            dk.stride(0), dk.stride(1), dk.stride(2),
+            dv.stride(0), dv.stride(1), dv.stride(2),
+            *(dqa.stride()[:3] if fuse in (1, 2, 3) else ds_strides),
+            p.scale * LOG2E, p.scale, p.tq, p.tk, tc, p.hq, p.h,
+            block_start.shape[-1] if use_acp else 1, block_end.shape[-1] if use_acp else 1,
+            q.shape[0] * q.shape[1],
+            BM=bm, BN=bn, GROUP=p.hq // p.h, FUSE_DQ=fuse, USE_TMA=tma_kv, USE_TMA_DS=ds_tma, **common,
+            **cfg_kv,
+        )
     if fuse == 4:
         _dq_from_ds_kernel[tile_grid(triton.cdiv(p.tq, 64), p.batch * p.hq, False)](
-            dqa, rsum, k, block_start if use_acp else dummy, dq, dcr,
+            dqa, k, block_start if use_acp else dummy, dq, dcr,
             k.stride(0), k.stride(1), k.stride(2), dq.stride(0), dq.stride(1), dq.stride(2),
-            p.scale, p.tq, tc, p.hq, block_start.shape[-1] if use_acp else 1, ds_strides[0], nkt,
-            D=p.d, BD=bd, KV_BN=bn, G=64, GROUP=p.hq // p.h, USE_ACP=use_acp,
+            p.scale, p.tq, tc, p.hq, block_start.shape[-1] if use_acp else 1, ds_head,
+            D=p.d, BD=bd, G=64, GROUP=p.hq // p.h, USE_ACP=use_acp,
             DOT_PREC=common["DOT_PREC"], num_warps=4, num_stages=3,
         )
     elif fuse:

@@ -28,6 +28,8 @@ weights overflow that reference (a logit ~127 above it, base 2) is done again th
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 import triton
 import triton.language as tl
@@ -421,16 +423,24 @@ def launch_fwd(q, k, v, c_hi, c_lo, block_start, cu, p, o, lse2, config=None):
         cfg.pop("ROW_BIAS", None)
     if q.dtype == torch.float16:  # FIXED_MAX's weights may pass float16's range (65504), and
         cfg.pop("FIXED_MAX", None)  # every such tile would be done twice
-    token = None
-    if use_tma == 1 and q.is_cuda:  # Triton's allocator for this launch only (a context variable)
-        from triton.runtime import _allocation
-
-        token = _allocation._allocator.set(_tma_allocator)
-    try:
+    with device_descriptors(use_tma == 1 and q.is_cuda):
         _launch_fwd(q, k, v, c_hi, c_lo, block_start, cu, p, o, lse2, cfg, use_tma)
+
+
+@contextlib.contextmanager
+def device_descriptors(active: bool):
+    """Inside, Triton's allocator serves the tensor descriptors that programs make (with
+    ``active``: a launch on CUDA that makes them); a context variable, reset on the way out."""
+    if not active:
+        yield
+        return
+    from triton.runtime import _allocation
+
+    token = _allocation._allocator.set(_tma_allocator)
+    try:
+        yield
     finally:
-        if token is not None:
-            _allocation._allocator.reset(token)
+        _allocation._allocator.reset(token)
 
 
 def tma_mode(tma, q, k, v, p) -> int:
