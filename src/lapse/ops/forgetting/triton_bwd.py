@@ -369,7 +369,10 @@ def _dq_from_ds_kernel(
     p_k = K + i_b * stride_kb + (i_h // GROUP) * stride_kh
     lo = tl.load(BSTART + i_bh * MB + i_m) if USE_ACP else 0
     acc = tl.zeros([G, BD], dtype=tl.float32)
-    b_rs = tl.zeros([G], dtype=tl.float32)
+    # each row's sum of dS by the tensor cores: dS times a [G, 16] matrix of ones gives it in
+    # all 16 columns (exact products, float32 sums), with no reduction across the warps
+    acc_rs = tl.zeros([G, 16], dtype=tl.float32)
+    ones = tl.full([G, 16], 1.0, dtype=DS.dtype.element_ty)
     for kb in range(lo, i_m + 1):
         kb64 = tl.full([], 0, tl.int64) + kb
         row_len = TQ - kb64 * G
@@ -381,7 +384,8 @@ def _dq_from_ds_kernel(
         b_k = tl.load(p_k + o_n[:, None] * stride_kt + o_d[None, :], mask=m_n[:, None] & m_d[None, :],
                       other=0.0)
         acc = tl.dot(tl.trans(b_dst), b_k, acc, input_precision=DOT_PREC)
-        b_rs += tl.sum(b_dst.to(tl.float32), 0)
+        acc_rs = tl.dot(tl.trans(b_dst), ones, acc_rs, input_precision=DOT_PREC)
+    b_rs = tl.sum(acc_rs, 1) / 16  # 16 equal float32 numbers: their sum and its 16th are exact
     p_dq = DQ + i_b * stride_qb + o_m[:, None] * stride_qt + i_h * stride_qh + o_d[None, :]
     tl.store(p_dq, (acc * scale).to(DQ.dtype.element_ty), mask=m_m[:, None] & m_d[None, :])
     tl.store(DCR + i_bh * TC + o_m, b_rs, mask=m_m)
