@@ -544,14 +544,12 @@ def test_backward_with_dq_from_kept_ds_matches_naive(case, stores, monkeypatch):
     Tq < Tk, packed sequences or key tiles other than 64 (grouped heads at D <= 64) take the
     two kernels: checked that they do, and that the others (six) take the kept dS. dS is
     stored through descriptors (``DS_TMA``, where a row of Tq elements is 16-byte aligned: T
-    200 here), all heads at once, or by pointers, one (batch x key head) at a time
-    (``DS_MAX_BYTES`` 1: the launches' head offsets)."""
+    200 here) or by pointers."""
     from lapse.ops.forgetting import triton_bwd
 
     if torch.cuda.is_available():
         pytest.skip("interpreter shapes; the GPU runs test_backward_with_dq_from_kept_ds_gpu")
-    chunks = {} if stores == "descriptors" else dict(DS_MAX_BYTES=1)
-    _with_options(monkeypatch, kv=dict(FUSE_DQ="ds", DS_TMA=stores == "descriptors", **chunks))
+    _with_options(monkeypatch, kv=dict(FUSE_DQ="ds", DS_TMA=stores == "descriptors"))
     monkeypatch.setattr(triton_bwd, "POISON_SCRATCH", True)
     b, tq, tk, hq, h, d, gate, acp, cu = case
     kv, _ = triton_bwd.bwd_config(d, hq // h, acp is not None)

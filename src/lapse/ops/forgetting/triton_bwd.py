@@ -216,11 +216,9 @@ def _bwd_dkdv_kernel(
     G: tl.constexpr, GROUP: tl.constexpr, IS_VARLEN: tl.constexpr, USE_ACP: tl.constexpr,
     DOT_PREC: tl.constexpr, FUSE_DQ: tl.constexpr, BIAS: tl.constexpr = 1, ROWS4: tl.constexpr = False,
     LOOPS: tl.constexpr = 0, ROW_BIAS: tl.constexpr = False, USE_TMA: tl.constexpr = False,
-    HEADS_FIRST: tl.constexpr = False, USE_TMA_DS: tl.constexpr = False, BH0=0,
+    HEADS_FIRST: tl.constexpr = False, USE_TMA_DS: tl.constexpr = False,
 ):
-    # BH0: the grid's first (batch x key head) (FUSE_DQ 4 takes the heads a chunk at a time)
     i_n, i_bh = program_tile(False, HEADS_FIRST)  # the first key tiles have the most queries
-    i_bh += BH0
     i_b = i_bh // H
     i_hk = i_bh % H
     if IS_VARLEN:
@@ -292,8 +290,7 @@ def _bwd_dkdv_kernel(
             # block's rows of the head's staircase, key k0 + j in row j over the queries from k0
             # on (p_dqa less k0: a query's own index is its column; ds_rows, each row's start,
             # computed once)
-            p_dqa = DQA + ((i_bh - BH0) * GROUP + g) * stride_dqab \
-                + G * (i_n * tq - G * (i_n * (i_n - 1) // 2))
+            p_dqa = DQA + (i_b * HQ + i_h) * stride_dqab + G * (i_n * tq - G * (i_n * (i_n - 1) // 2))
             ds_rows = ((o_n - k0) * (tq - k0)).to(tl.int32)
             if USE_TMA_DS:  # the block's rows as a [BN, Tq - k0] matrix
                 row_len = tl.cast(tq - k0, tl.int32)
@@ -351,7 +348,7 @@ def _dq_from_ds_kernel(
     stride_kb, stride_kt, stride_kh, stride_qb, stride_qt, stride_qh,
     scale, TQ, TC, HQ, MB, DS_HEAD,
     D: tl.constexpr, BD: tl.constexpr, G: tl.constexpr,
-    GROUP: tl.constexpr, USE_ACP: tl.constexpr, DOT_PREC: tl.constexpr, BH0=0,
+    GROUP: tl.constexpr, USE_ACP: tl.constexpr, DOT_PREC: tl.constexpr,
 ):
     # one program per (query block of G rows, batch x query head), the longest first:
     # dQ = scale * dS K over the block's kept key blocks, from the staircase the dK/dV
@@ -361,8 +358,6 @@ def _dq_from_ds_kernel(
     i_m, i_bh = program_tile(True, False)
     if i_m * G >= TQ:
         return
-    p_ds = DS + i_bh * DS_HEAD  # the chunk's own staircases; BH0: its first (batch x query head)
-    i_bh += BH0
     i_b = i_bh // HQ
     i_h = i_bh % HQ
     o_m = i_m * G + tl.arange(0, G)
@@ -370,6 +365,7 @@ def _dq_from_ds_kernel(
     o_g = tl.arange(0, G)
     o_d = tl.arange(0, BD)
     m_d = o_d < D
+    p_ds = DS + i_bh * DS_HEAD
     p_k = K + i_b * stride_kb + (i_h // GROUP) * stride_kh
     lo = tl.load(BSTART + i_bh * MB + i_m) if USE_ACP else 0
     acc = tl.zeros([G, BD], dtype=tl.float32)
@@ -640,9 +636,6 @@ def bwd_config(d: int, group: int = 1, acp: bool = False) -> tuple[dict, dict]:
 
 
 POISON_SCRATCH = False  # tests: scratch buffers a kernel reads filled with NaN, not left as they come
-# FUSE_DQ="ds": the most bytes of kept dS at a time (the heads go a chunk at a time); a config
-# may set its own (DS_MAX_BYTES)
-DS_MAX_BYTES = 2 * 2**30
 
 
 def _scratch(n: int, dtype, device):
@@ -701,15 +694,11 @@ def launch_bwd(q, k, v, o, do, lse2, dlse, c_hi, c_lo, block_start, block_end, c
             HAS_DLSE=dlse is not None,
         )
     bm, bn = cfg_kv.pop("BM"), cfg_kv.pop("BN")
-    ds_max = cfg_kv.pop("DS_MAX_BYTES", DS_MAX_BYTES)
     ds_strides = (0, 0, 0)
-    n_bh = p.batch * p.h  # (batch x key head) a dK/dV launch takes
-    if fuse == 4:  # dS kept: each head's staircase of key blocks, as many heads at a time as fit
+    if fuse == 4:  # dS kept: each head's staircase of key blocks
         nkb = triton.cdiv(p.tk, 64)
         ds_head = 64 * (nkb * p.tq - 64 * nkb * (nkb - 1) // 2)
-        group = p.hq // p.h
-        n_bh = max(1, min(n_bh, ds_max // (group * ds_head * q.element_size())))
-        dqa = _scratch(n_bh * group * ds_head, q.dtype, q.device)
+        dqa = _scratch(p.batch * p.hq * ds_head, q.dtype, q.device)
         ds_strides = (ds_head, 0, 0)
     elif fuse:
         dqa = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
@@ -718,37 +707,35 @@ def launch_bwd(q, k, v, o, do, lse2, dlse, c_hi, c_lo, block_start, block_end, c
         dqa = dummy
     dqa_arg = head_rows_descriptor(dqa, bm, bd) if fuse == 2 else dqa
     qa, doa = (head_rows_descriptor(q, bm, bd), head_rows_descriptor(do, bm, bd)) if tma_kv else (q, do)
-    for bh0 in range(0, p.batch * p.h, n_bh):
-        n = min(n_bh, p.batch * p.h - bh0)
-        with device_descriptors(ds_tma and q.is_cuda):  # the kept dS's, made by the programs
-            _bwd_dkdv_kernel[tile_grid(triton.cdiv(p.tk, bn), n, cfg_kv.get("HEADS_FIRST", False))](
-                qa, k, v, doa, rows, c_hi, c_lo,
-                block_start if use_acp else dummy, block_end if use_acp else dummy,
-                cu if varlen else dummy, dk, dv, dcc, dqa_arg, dcr,
-                q.stride(0), q.stride(1), q.stride(2),
-                k.stride(0), k.stride(1), k.stride(2),
-                v.stride(0), v.stride(1), v.stride(2),
-                do.stride(0), do.stride(1), do.stride(2),
-                dk.stride(0), dk.stride(1), dk.stride(2),
-                dv.stride(0), dv.stride(1), dv.stride(2),
-                *(dqa.stride()[:3] if fuse in (1, 2, 3) else ds_strides),
-                p.scale * LOG2E, p.scale, p.tq, p.tk, tc, p.hq, p.h,
-                block_start.shape[-1] if use_acp else 1, block_end.shape[-1] if use_acp else 1,
-                q.shape[0] * q.shape[1],
-                BM=bm, BN=bn, GROUP=p.hq // p.h, FUSE_DQ=fuse, USE_TMA=tma_kv, USE_TMA_DS=ds_tma,
-                BH0=bh0, **common, **cfg_kv,
-            )
-        if fuse == 4:
-            _dq_from_ds_kernel[tile_grid(triton.cdiv(p.tq, 64), n * group, False)](
-                dqa, k, block_start if use_acp else dummy, dq, dcr,
-                k.stride(0), k.stride(1), k.stride(2), dq.stride(0), dq.stride(1), dq.stride(2),
-                p.scale, p.tq, tc, p.hq, block_start.shape[-1] if use_acp else 1, ds_head,
-                D=p.d, BD=bd, G=64, GROUP=group, USE_ACP=use_acp,
-                DOT_PREC=common["DOT_PREC"], BH0=bh0 * group, num_warps=4, num_stages=3,
-            )
-    if fuse in (1, 2, 3):
+    with device_descriptors(ds_tma and q.is_cuda):  # the kept dS's, made by the programs
+        _bwd_dkdv_kernel[tile_grid(triton.cdiv(p.tk, bn), p.batch * p.h, cfg_kv.get("HEADS_FIRST", False))](
+            qa, k, v, doa, rows, c_hi, c_lo,
+            block_start if use_acp else dummy, block_end if use_acp else dummy,
+            cu if varlen else dummy, dk, dv, dcc, dqa_arg, dcr,
+            q.stride(0), q.stride(1), q.stride(2),
+            k.stride(0), k.stride(1), k.stride(2),
+            v.stride(0), v.stride(1), v.stride(2),
+            do.stride(0), do.stride(1), do.stride(2),
+            dk.stride(0), dk.stride(1), dk.stride(2),
+            dv.stride(0), dv.stride(1), dv.stride(2),
+            *(dqa.stride()[:3] if fuse in (1, 2, 3) else ds_strides),
+            p.scale * LOG2E, p.scale, p.tq, p.tk, tc, p.hq, p.h,
+            block_start.shape[-1] if use_acp else 1, block_end.shape[-1] if use_acp else 1,
+            q.shape[0] * q.shape[1],
+            BM=bm, BN=bn, GROUP=p.hq // p.h, FUSE_DQ=fuse, USE_TMA=tma_kv, USE_TMA_DS=ds_tma, **common,
+            **cfg_kv,
+        )
+    if fuse == 4:
+        _dq_from_ds_kernel[tile_grid(triton.cdiv(p.tq, 64), p.batch * p.hq, False)](
+            dqa, k, block_start if use_acp else dummy, dq, dcr,
+            k.stride(0), k.stride(1), k.stride(2), dq.stride(0), dq.stride(1), dq.stride(2),
+            p.scale, p.tq, tc, p.hq, block_start.shape[-1] if use_acp else 1, ds_head,
+            D=p.d, BD=bd, G=64, GROUP=p.hq // p.h, USE_ACP=use_acp,
+            DOT_PREC=common["DOT_PREC"], num_warps=4, num_stages=3,
+        )
+    elif fuse:
         dq.copy_(dqa.mul_(p.scale))
-    elif not (fuse or make_rows):
+    elif not make_rows:
         launch_q()
 
 
