@@ -553,8 +553,10 @@ def test_backward_with_dq_from_kept_ds_matches_naive(case, stores, monkeypatch):
     monkeypatch.setattr(triton_bwd, "POISON_SCRATCH", True)
     b, tq, tk, hq, h, d, gate, acp, cu = case
     kv, _ = triton_bwd.bwd_config(d, hq // h, acp is not None)
-    serves = triton_bwd._fuse_mode("ds", None, SimpleNamespace(cu_seqlens=cu, tq=tq, tk=tk), kv)
+    p = SimpleNamespace(cu_seqlens=cu, tq=tq, tk=tk, batch=b, hq=hq)
+    serves = triton_bwd._fuse_mode("ds", torch.zeros(1), p, kv)
     assert serves == (4 if cu is None and tq == tk and kv["BN"] == 64 else 0)
+    assert triton_bwd._fuse_mode("ds", torch.zeros(1), p, dict(kv, DS_MAX_BYTES=1)) == 0  # over budget
     _check_cpu(case, seed=case[1] + case[2] + case[5])
 
 

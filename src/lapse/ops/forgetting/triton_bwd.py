@@ -1,6 +1,7 @@
 """Fused backward kernels of forgetting attention with ACP (SPEC sections 1 and 3).
 
-Two kernels, no atomics:
+Two kernels, no atomics (or, at D 128, the dK/dV kernel and a dQ kernel of one product a
+tile, ``FUSE_DQ="ds"`` below):
 - ``_bwd_dkdv_kernel``: one program per (key tile, batch x key head); loops over the
   query heads of the group and over query tiles; writes dK, dV and the column sums of dS
   per query head.
@@ -12,12 +13,12 @@ S and dP are computed once per tile instead of twice (5 matrix products per tile
 dQ is then that buffer times the scale. Its sums' order varies from run to run.
 ``FUSE_DQ="tma"`` adds each tile's dQ with one bulk operation of the tensor-memory engine
 instead of an atomic add a thread an element; still slower than two kernels (BENCHMARKS.md,
-"Seventeenth session"). ``FUSE_DQ="ds"`` keeps dS instead: the dK/dV kernel stores it (16-bit)
-with its key tiles' row sums, and ``_dq_from_ds_kernel`` makes dQ with one product a tile; its
-dQ kernel is 2.2-2.4x faster than the usual one, but the stores slow the dK/dV kernel by more
-(BENCHMARKS.md, "Twentieth session"): opt-in, not in the tables. ``ROW_BIAS`` (16-bit
-inputs) subtracts the query's ``c_i`` from its lse once a row instead of adding it to every
-pair.
+"Seventeenth session"). ``FUSE_DQ="ds"`` (D 128's table) keeps dS instead: the dK/dV kernel
+stores it in 16 bits through a tensor descriptor and sums it by key as stored, and
+``_dq_from_ds_kernel`` makes dQ with one product a tile and sums it by query (so the gate's two
+sums add the same numbers); 10-13% less backward time at D 128 (BENCHMARKS.md, "Twentieth
+session"), where dS fits its budget. ``ROW_BIAS`` (16-bit inputs) subtracts the query's ``c_i``
+from its lse once a row instead of adding it to every pair.
 The gate gradient is ``dc_i = rowsum_i(dS) - colsum_i(dS)`` then a reverse cumulative sum
 (``gate_scan.py``, float64). Both kernels skip exactly the tiles the forward skipped: for a key
 tile the kept query rows are a contiguous range ending at ``block_end * ACP_BLOCK``.
@@ -612,6 +613,15 @@ def bwd_config(d: int, group: int = 1, acp: bool = False) -> tuple[dict, dict]:
     T 4k / 16k; dense it does not (0.983 / 1.002 and 1.068 / 1.012). ``HEADS_FIRST`` (every
     head's first tile before any head's second) loses in both kernels: 1.01-1.13x the
     backward's time, but D 64 ACP at 16k 0.986 and 0.998 (a tie).
+
+    At D 128 the dK/dV kernel keeps dS for a dQ kernel of one product a tile
+    (``FUSE_DQ="ds"``, twentieth session, ``docs/bench/session20/h200-bwd-ds-chunks-g*.json``:
+    dS of all heads at once), backward ms at T 4k / 16k against the two kernels: dense 2.801 /
+    10.250 against 3.169 / 11.634, ACP 1.474 / 4.173 against 1.616 / 4.437; grouped-query
+    (12 query heads over 3) dense 2.973 / 10.260 against 3.301 / 11.516, ACP
+    1.736 / 4.501 against 1.818 / 4.734. At D 64 it does not pay (dense 3.686 / 13.539
+    against 3.577 / 13.357; ACP a tie), nor a few heads at a time (2 GiB chunks: D 128 dense
+    11.306 at 16k, ACP 4.734), so where dS would pass its budget the two kernels run.
     """
     if d <= 64:
         if group > 1 and not acp:
@@ -627,8 +637,9 @@ def bwd_config(d: int, group: int = 1, acp: bool = False) -> tuple[dict, dict]:
         if acp:  # empty loops not entered
             kv, q = dict(kv, LOOPS=1), dict(q, LOOPS=1)
         return kv, q
-    if d <= 128:
-        return (dict(BM=32, BN=64, num_warps=4, num_stages=3, ROWS4=True, TMA="host", ROW_BIAS=True),
+    if d <= 128:  # dS kept where it fits (FUSE_DQ="ds"; else the dQ kernel below)
+        return (dict(BM=32, BN=64, num_warps=4, num_stages=3, ROWS4=True, TMA="host", ROW_BIAS=True,
+                     FUSE_DQ="ds"),
                 dict(BM=64, BN=64, num_warps=4, num_stages=2, PAIRS=acp and group == 1, MAKE_ROWS=True,
                      TMA="host", ROW_BIAS=group > 1 or not acp))
     return (dict(BM=16, BN=32, num_warps=4, num_stages=1),
@@ -666,6 +677,7 @@ def launch_bwd(q, k, v, o, do, lse2, dlse, c_hi, c_lo, block_start, block_end, c
         cfg_kv.pop("ROW_BIAS", None)
         cfg_q.pop("ROW_BIAS", None)
     fuse = _fuse_mode(cfg_kv.pop("FUSE_DQ", False), q, p, cfg_kv)
+    cfg_kv.pop("DS_MAX_BYTES", None)
     # kept dS stored through descriptors (DS_TMA, default): rows 16-byte aligned, Hopper or later
     ds_tma = fuse == 4 and cfg_kv.pop("DS_TMA", True) and p.tq * q.element_size() % 16 == 0 and tma_device(q)
     cfg_kv.pop("DS_TMA", None)
@@ -696,8 +708,7 @@ def launch_bwd(q, k, v, o, do, lse2, dlse, c_hi, c_lo, block_start, block_end, c
     bm, bn = cfg_kv.pop("BM"), cfg_kv.pop("BN")
     ds_strides = (0, 0, 0)
     if fuse == 4:  # dS kept: each head's staircase of key blocks
-        nkb = triton.cdiv(p.tk, 64)
-        ds_head = 64 * (nkb * p.tq - 64 * nkb * (nkb - 1) // 2)
+        ds_head = _ds_head(p)
         dqa = _scratch(p.batch * p.hq * ds_head, q.dtype, q.device)
         ds_strides = (ds_head, 0, 0)
     elif fuse:
@@ -745,6 +756,24 @@ def _host_tma(q, k, v, do, p) -> bool:
     return tma_mode("host", q, k, v, p) == 2 and do.is_contiguous() and tma_ready(do)
 
 
+DS_MAX_FRACTION = 1 / 8  # FUSE_DQ="ds": kept dS at most this share of the GPU's memory
+
+
+def _ds_budget(device) -> int:
+    """The most bytes of kept dS a backward may take: ``DS_MAX_FRACTION`` of the GPU's memory
+    (dS for all heads at once: taken a few heads at a time, the launches' tails made it
+    slower than the two kernels at 16k; BENCHMARKS.md, "Twentieth session")."""
+    if device.type != "cuda":
+        return 2**40
+    return int(torch.cuda.get_device_properties(device).total_memory * DS_MAX_FRACTION)
+
+
+def _ds_head(p) -> int:
+    """Elements of one head's kept dS: key block kb's 64 rows over the queries from 64 kb on."""
+    nkb = triton.cdiv(p.tk, 64)
+    return 64 * (nkb * p.tq - 64 * nkb * (nkb - 1) // 2)
+
+
 def _fuse_mode(fuse, q, p, cfg_kv=None) -> int:
     """The dK/dV config's ``FUSE_DQ``: 0 two kernels; 1 (``True``) one, dQ added a thread an
     element; 2 (``"tma"``) one, each tile's dQ added in one bulk operation by the
@@ -753,12 +782,14 @@ def _fuse_mode(fuse, q, p, cfg_kv=None) -> int:
     the dK/dV kernel keeps dS (16-bit, each key block's rows over the queries from it on)
     and the row sums of its key tiles, and ``_dq_from_ds_kernel`` makes dQ from them: one
     product a tile instead of the dQ kernel's three. 4 needs ``Tq = Tk``, no packed
-    sequences, and key tiles of 64 with query steps dividing 64 (else 0)."""
+    sequences, key tiles of 64 with query steps dividing 64, and dS within the config's
+    ``DS_MAX_BYTES`` (default :func:`_ds_budget`); else 0."""
     if fuse == "ds":
         cfg_kv = cfg_kv or {}
         serves = (p.cu_seqlens is None and p.tq == p.tk and cfg_kv.get("BN") == 64
                   and 64 % cfg_kv.get("BM", 0) == 0)
-        return 4 if serves else 0
+        budget = cfg_kv.get("DS_MAX_BYTES") or _ds_budget(q.device)
+        return 4 if serves and p.batch * p.hq * _ds_head(p) * q.element_size() <= budget else 0
     if fuse != "tma":
         return int(bool(fuse))
     if not (p.d == max(16, triton.next_power_of_2(p.d)) and q.is_contiguous() and tma_device(q)):
