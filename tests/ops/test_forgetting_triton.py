@@ -542,7 +542,7 @@ def test_backward_with_dq_from_kept_ds_matches_naive(case, stores, monkeypatch):
     like the two-kernel backward, with the outputs and the scratch buffer NaN-poisoned (a
     tile the dQ kernel reads before the dK/dV kernel wrote it shows). Cases with
     Tq < Tk, packed sequences or key tiles other than 64 (grouped heads at D <= 64) take the
-    two kernels: checked that they do, and that the others (six) take the kept dS. dS is
+    two kernels: checked that they do, and that the others (four) take the kept dS. dS is
     stored through descriptors (``DS_TMA``, where a row of Tq elements is 16-byte aligned: T
     200 here) or by pointers."""
     from lapse.ops.forgetting import triton_bwd
