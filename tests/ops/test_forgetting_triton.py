@@ -560,6 +560,55 @@ def test_backward_with_dq_from_kept_ds_matches_naive(case, stores, monkeypatch):
     _check_cpu(case, seed=case[1] + case[2] + case[5])
 
 
+# a bound (0.5) below the data's largest logit (queries scaled by 4 in the test) and a steady
+# decay: the staircase steps inside 128-row tiles, so their edge loop runs (checked)
+LONG_ACP_CASES = [
+    (1, 257, 257, 4, 2, 128, "mixed", 0.5, None),
+    (1, 300, 300, 4, 2, 128, "mixed", 0.5, [0, 1, 100, 300]),
+    (1, 200, 257, 4, 1, 128, "mixed", 0.5, None),
+    (1, 257, 257, 2, 1, 128, "fast", "auto", None),
+]
+
+
+@pytest.mark.parametrize("case", LONG_ACP_CASES, ids=[_id(c) for c in LONG_ACP_CASES])
+def test_long_acp_tiles_match_naive(case, monkeypatch):
+    """D 128 with ACP from ``LONG_ACP_KEYS`` keys on: 128-row tiles over 64-key ACP blocks
+    (each tile's rows start at different keys: the edge loop runs), 8 warps, host
+    descriptors (rows past a packed sequence are the next one's), against the float64
+    oracle at interpreter sizes. The table gives it to 16-bit inputs: here float32 takes it
+    by the config (without ``ROW_BIAS``, which float32 drops); the GPU test runs it whole,
+    in bf16 with the threshold at 0."""
+    from lapse.ops.forgetting import triton_fwd
+
+    if torch.cuda.is_available():
+        pytest.skip("interpreter shapes; the GPU runs test_long_acp_tiles_gpu")
+    long = triton_fwd.fwd_config(128, 2, True, triton_fwd.LONG_ACP_KEYS)
+    assert (long["BM"], long["TMA"]) == (128, "host")
+    assert triton_fwd.fwd_config(128, 2, True, triton_fwd.LONG_ACP_KEYS - 1)["BM"] == 64
+    _with_options(monkeypatch, fwd=long)  # the table keeps it for 16-bit inputs; float32 here
+    b, tq, tk, hq, h, d, gate, acp, cu = case
+    cu_t = None if cu is None else torch.tensor(cu, dtype=torch.int32)
+    q, k, v, lg, do = _inputs(b, tq, tk, hq, h, d, gate, torch.float32, "cpu", seed=tq + tk)
+    if gate == "mixed":  # one steady decay (-0.25 a step): the staircase steps inside tiles
+        lg = torch.full_like(lg, -0.25)
+    if acp == 0.5 and cu is None:
+        starts = forgetting_attention(4 * q, k, v, lg, acp=acp, backend="torch", return_stats=True)[1]
+        halves = starts.block_start[..., : starts.block_start.shape[-1] // 2 * 2]
+        assert (halves[..., 0::2] != halves[..., 1::2]).any()  # a tile whose halves start apart
+    _compare(4 * q, k, v, lg, do, torch.float32, acp, cu_t, None)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", GPU_CASES, ids=[_id(c) for c in GPU_CASES])
+def test_long_acp_tiles_gpu(case, monkeypatch):
+    from lapse.ops.forgetting import triton_fwd
+
+    if case[7] is None or case[5] <= 64:
+        pytest.skip("D 128's ACP table only")
+    monkeypatch.setattr(triton_fwd, "LONG_ACP_KEYS", 0)
+    _check_gpu(case)
+
+
 # D 64 (a power of two: the tensor-memory engine's adds take a head's D columns whole):
 # batch rows whose last query tile runs past the sequence (its rows add zeros into the next
 # row's dQ), Tq < Tk, ACP, packed sequences

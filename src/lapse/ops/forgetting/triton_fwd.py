@@ -304,8 +304,12 @@ def _fwd_kernel(
     tl.store(p_lse, b_lse, mask=m_m)
 
 
-def fwd_config(d: int, dtype_bytes: int, acp: bool = False) -> dict:
-    """Tile sizes and launch options by head dim and ACP (BN must divide ACP_BLOCK with ACP).
+LONG_ACP_KEYS = 8192  # D 128 with ACP: from this many keys on, 128-row tiles (fwd_config)
+
+
+def fwd_config(d: int, dtype_bytes: int, acp: bool = False, tk: int = 0) -> dict:
+    """Tile sizes and launch options by head dim, ACP (BN must divide ACP_BLOCK with ACP) and,
+    at D 128 with ACP, the key length ``tk``.
 
     ``TMA``: keys and values through tensor descriptors (taken on Hopper and later only,
     :func:`launch_fwd`). Chosen by ``scripts/tune_fox_fwd.py`` on an H100 (bf16, 24 heads,
@@ -365,6 +369,11 @@ def fwd_config(d: int, dtype_bytes: int, acp: bool = False) -> dict:
     at 168 registers (180 without the cap: two programs a multiprocessor instead of three,
     0.703 / 1.835), 0.558 / 1.481 against 0.603 / 1.675; D 128 dense 0.929 / 3.071 against
     1.010 / 3.496; D 128 ACP 0.600 / 1.616 against 0.631 / 1.740 (the cap loses at D 128).
+
+    D 128 with ACP from ``LONG_ACP_KEYS`` keys on: 128 x 64 tiles, 8 warps, host descriptors,
+    ``ROW_BIAS`` and ``PAIRS`` (twentieth session, ``docs/bench/session20/h200-fwd-acp-d128.json``),
+    ms at T 4k / 16k against the 64-row table: 0.643 / 1.482 against 0.598 / 1.649. Where the
+    rows keep few keys (4k) the 64-row tiles stay ahead.
     """
     rb = dtype_bytes < 4
     if d <= 64:
@@ -373,6 +382,9 @@ def fwd_config(d: int, dtype_bytes: int, acp: bool = False) -> dict:
             return dict(cfg, FIXED_MAX=True, maxnreg=168) if rb else cfg
         return dict(BM=128, BN=64, num_warps=4, num_stages=3, TMA=True, PAIRS=rb, ROW_BIAS=rb, FIXED_MAX=rb)
     if d <= 128:
+        if acp and rb and tk >= LONG_ACP_KEYS:
+            return dict(BM=128, BN=64, num_warps=8, num_stages=3, TMA="host", PAIRS=True, ROW_BIAS=True,
+                        LOOPS=3, FIXED_MAX=True)
         if acp:
             return dict(BM=64, BN=64, num_warps=4, num_stages=3, PAIRS=False, LOOPS=3, FIXED_MAX=rb)
         return dict(BM=128, BN=128, num_warps=8, num_stages=3, TMA="host", PAIRS=True, ROW_BIAS=rb,
@@ -407,7 +419,7 @@ def launch_fwd(q, k, v, c_hi, c_lo, block_start, cu, p, o, lse2, config=None):
     no descriptor is written and fenced by each program), else as ``True``. ``GLUON=True``
     runs ``gluon_fwd.py``'s Hopper kernel (its options: ``BM, BN, num_warps, STAGES``)
     where it serves the inputs, else this kernel with the default options."""
-    cfg = dict(config or fwd_config(p.d, q.element_size(), block_start is not None))
+    cfg = dict(config or fwd_config(p.d, q.element_size(), block_start is not None, p.tk))
     if cfg.pop("GLUON", False):
         try:  # Hopper only; Gluon has no CPU interpreter, and older Tritons lack its Hopper API
             from . import gluon_fwd
@@ -416,7 +428,7 @@ def launch_fwd(q, k, v, c_hi, c_lo, block_start, cu, p, o, lse2, config=None):
         if gluon_fwd is not None and gluon_fwd.supported(q, k, v, block_start, cu, p):
             gluon_fwd.launch(q, k, v, c_hi, c_lo, p, o, lse2, cfg)
             return
-        cfg = dict(fwd_config(p.d, q.element_size(), block_start is not None))
+        cfg = dict(fwd_config(p.d, q.element_size(), block_start is not None, p.tk))
         cfg.pop("GLUON", None)
     use_tma = tma_mode(cfg.pop("TMA", False), q, k, v, p)
     if q.element_size() == 4:  # float32 keeps the exact order of the bias's terms
