@@ -732,9 +732,9 @@ def _gluon_forward(monkeypatch, variant=None):
 
     plain = triton_fwd.fwd_config
 
-    def gluon(d, dtype_bytes, acp=False):
+    def gluon(d, dtype_bytes, acp=False, tk=0):
         if acp or d not in (64, 128):
-            return plain(d, dtype_bytes, acp)
+            return plain(d, dtype_bytes, acp, tk)
         cfg = dict(GLUON=True, **gluon_fwd.gluon_config(d))
         cfg.update(GLUON_VARIANTS.get(variant, {}))
         return cfg
