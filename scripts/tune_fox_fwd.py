@@ -124,7 +124,7 @@ def main() -> None:
             lse = torch.empty_like(c_hi)
             triton_fwd.launch_fwd(q, k, v, c_hi, c_lo, bsx, None, p, o, lse)
             o_ref = o.float().clone()
-            default = triton_fwd.fwd_config(d, 2, acp)
+            default = triton_fwd.fwd_config(d, 2, acp, t)
             grid = [None]
             grid += [("variant", {**default, **x}) for x in args.variants]
             if not (args.only_gluon or args.variants):

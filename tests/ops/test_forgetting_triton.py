@@ -364,7 +364,11 @@ def test_acp_bound_kernel_matches_reference():
 
     q, k, v, lg, _ = _inputs(2, 77, 77, 6, 2, 48, "fast", torch.float32, "cpu", seed=5)
     cu = torch.tensor([0, 1, 40, 40, 77], dtype=torch.int32)
-    for args, c in (((q, k, v, lg), None), ((q[:1], k[:1], v[:1], lg[:1]), cu)):
+    # Tq < Tk: the queries' largest norm among the last rows (the keys' tiles reach further)
+    q_short = q[:, 60:].clone()
+    q_short[:, -1] *= 5
+    for args, c in (((q, k, v, lg), None), ((q[:1], k[:1], v[:1], lg[:1]), cu),
+                    ((q_short, k, v, lg), None)):
         p = validate(*args, 0.3, c, "triton")
         torch.testing.assert_close(triton_acp_bound(args[0], args[1], p),
                                    acp_bound_from_data(args[0], args[1], p), rtol=1e-6, atol=0)
@@ -534,15 +538,21 @@ def test_backward_with_dq_through_atomics_matches_naive(case, monkeypatch):
     _check_cpu(case, seed=case[1] + case[2] + case[5])
 
 
+# and two batch rows with grouped heads and ACP: T 130 (a partial key block; rows of 520
+# bytes, pointer stores only) and T 200 (the descriptors' stores)
+KEPT_DS_CASES = CPU_CASES + [(2, 130, 130, 4, 2, 96, "fast", "auto", None),
+                             (2, 200, 200, 4, 2, 128, "mixed", 1.0, None)]
+
+
 @pytest.mark.parametrize("stores", ["descriptors", "pointers"])
-@pytest.mark.parametrize("case", CPU_CASES, ids=[_id(c) for c in CPU_CASES])
+@pytest.mark.parametrize("case", KEPT_DS_CASES, ids=[_id(c) for c in KEPT_DS_CASES])
 def test_backward_with_dq_from_kept_ds_matches_naive(case, stores, monkeypatch):
     """``FUSE_DQ="ds"``: the dK/dV kernel keeps dS (a staircase of key blocks), and one
     product a tile makes dQ from it, with the row sums of dS. Held to the float64 oracle
     like the two-kernel backward, with the outputs and the scratch buffer NaN-poisoned (a
     tile the dQ kernel reads before the dK/dV kernel wrote it shows). Cases with
     Tq < Tk, packed sequences or key tiles other than 64 (grouped heads at D <= 64) take the
-    two kernels: checked that they do, and that the others (four) take the kept dS. dS is
+    two kernels: checked that they do, and that the others (six) take the kept dS. dS is
     stored through descriptors (``DS_TMA``, where a row of Tq elements is 16-byte aligned: T
     200 here) or by pointers."""
     from lapse.ops.forgetting import triton_bwd
@@ -603,7 +613,7 @@ def test_long_acp_tiles_match_naive(case, monkeypatch):
 def test_long_acp_tiles_gpu(case, monkeypatch):
     from lapse.ops.forgetting import triton_fwd
 
-    if case[7] is None or case[5] <= 64:
+    if case[7] is None or case[5] != 128:
         pytest.skip("D 128's ACP table only")
     monkeypatch.setattr(triton_fwd, "LONG_ACP_KEYS", 0)
     _check_gpu(case)

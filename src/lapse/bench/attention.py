@@ -673,8 +673,9 @@ def _pruned_fraction(wl: Workload, acp, eps: float) -> float:
 
 def _time_boundary_search(wl: Workload, acp, cfg: AttentionBenchConfig) -> dict:
     """ACP's extra work, timed alone: the boundary search (``triton_block_start``) and the
-    bound ``delta`` (``acp_delta``: with ``acp="auto"`` the query/key norms, through the
-    kernels the op uses)."""
+    bound ``delta`` (``acp_delta``: with ``acp="auto"`` the query/key norms and delta in two
+    launches). The op itself folds delta into the search (``triton_acp_block_start``): these
+    two times add up to a little more than it spends."""
     from lapse.ops.forgetting import common
     from lapse.ops.forgetting.pruning import triton_acp_bound, triton_acp_delta, triton_block_start
     from lapse.ops.forgetting.triton_ops import triton_gate_cumsum

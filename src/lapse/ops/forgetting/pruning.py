@@ -110,15 +110,19 @@ def _max_norm_kernel(Q, K, CU, OUT, stride_qb, stride_qt, stride_qh, stride_kb, 
                      TQ, TK, HQ, H, NQ, NT,
                      D: tl.constexpr, BD: tl.constexpr, BT: tl.constexpr, IS_VARLEN: tl.constexpr):
     # per (sequence, head, time tile) of q (OUT's first NQ = B x HQ rows) or of k (the rest):
-    # the largest row norm, float32
-    i_t = tl.program_id(0).to(tl.int64)
-    i_x = tl.program_id(1).to(tl.int64)
+    # the largest row norm, float32. The (q or k) x head axis is the grid's first (up to 2^31
+    # programs; the second stops at 65535); the strides are made 64-bit in both branches
+    # (Triton types an integer argument 32- or 64-bit by its value, and the branches must agree)
+    i_x = tl.program_id(0).to(tl.int64)
+    i_t = tl.program_id(1).to(tl.int64)
     if i_x < NQ:
-        X, stride_xb, stride_xt, stride_xh = Q, stride_qb, stride_qt, stride_qh
-        i_b, i_h, t = i_x // HQ, i_x % HQ, TQ
+        X, i_b, i_h, t = Q, i_x // HQ, i_x % HQ, tl.cast(TQ, tl.int64)
+        stride_xb, stride_xt = tl.cast(stride_qb, tl.int64), tl.cast(stride_qt, tl.int64)
+        stride_xh = tl.cast(stride_qh, tl.int64)
     else:
-        X, stride_xb, stride_xt, stride_xh = K, stride_kb, stride_kt, stride_kh
-        i_b, i_h, t = (i_x - NQ) // H, (i_x - NQ) % H, TK
+        X, i_b, i_h, t = K, (i_x - NQ) // H, (i_x - NQ) % H, tl.cast(TK, tl.int64)
+        stride_xb, stride_xt = tl.cast(stride_kb, tl.int64), tl.cast(stride_kt, tl.int64)
+        stride_xh = tl.cast(stride_kh, tl.int64)
     if IS_VARLEN:
         bos = tl.load(CU + i_b).to(tl.int64)
         t = tl.load(CU + i_b + 1).to(tl.int64) - bos
@@ -144,7 +148,7 @@ def _norm_parts(q: Tensor, k: Tensor, p: Problem) -> tuple[Tensor, Tensor]:
     nq = p.batch * p.hq
     parts = torch.empty(nq + p.batch * p.h, nt, dtype=torch.float32, device=q.device)
     cu = p.cu_seqlens if p.cu_seqlens is not None else parts
-    _max_norm_kernel[(nt, nq + p.batch * p.h)](
+    _max_norm_kernel[(nq + p.batch * p.h, nt)](
         q, k, cu, parts, q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
         q.shape[1], k.shape[1], p.hq, p.h, nq, nt, D=d, BD=bd, BT=bt, IS_VARLEN=p.cu_seqlens is not None,
         num_warps=NORM_WARPS,

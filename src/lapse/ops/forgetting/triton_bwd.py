@@ -16,9 +16,9 @@ instead of an atomic add a thread an element; still slower than two kernels (BEN
 "Seventeenth session"). ``FUSE_DQ="ds"`` (D 128's table) keeps dS instead: the dK/dV kernel
 stores it in 16 bits through a tensor descriptor and sums it by key as stored, and
 ``_dq_from_ds_kernel`` makes dQ with one product a tile and sums it by query (so the gate's two
-sums add the same numbers); 10-13% less backward time at D 128 (BENCHMARKS.md, "Twentieth
-session"), where dS fits its budget. ``ROW_BIAS`` (16-bit inputs) subtracts the query's ``c_i``
-from its lse once a row instead of adding it to every pair.
+sums add the same numbers); at D 128, 10-13% less backward time dense and 5-11% with ACP
+(BENCHMARKS.md, "Twentieth session"), where dS fits its budget. ``ROW_BIAS`` (16-bit inputs)
+subtracts the query's ``c_i`` from its lse once a row instead of adding it to every pair.
 The gate gradient is ``dc_i = rowsum_i(dS) - colsum_i(dS)`` then a reverse cumulative sum
 (``gate_scan.py``, float64). Both kernels skip exactly the tiles the forward skipped: for a key
 tile the kept query rows are a contiguous range ending at ``block_end * ACP_BLOCK``.
@@ -386,7 +386,7 @@ def _dq_from_ds_kernel(
                       other=0.0)
         acc = tl.dot(tl.trans(b_dst), b_k, acc, input_precision=DOT_PREC)
         acc_rs = tl.dot(tl.trans(b_dst), ones, acc_rs, input_precision=DOT_PREC)
-    b_rs = tl.sum(acc_rs, 1) / 16  # 16 equal float32 numbers: their sum and its 16th are exact
+    b_rs = tl.sum(acc_rs, 1) / 16  # 16 equal float32 numbers: their mean, to an ulp
     p_dq = DQ + i_b * stride_qb + o_m[:, None] * stride_qt + i_h * stride_qh + o_d[None, :]
     tl.store(p_dq, (acc * scale).to(DQ.dtype.element_ty), mask=m_m[:, None] & m_d[None, :])
     tl.store(DCR + i_bh * TC + o_m, b_rs, mask=m_m)
@@ -620,8 +620,10 @@ def bwd_config(d: int, group: int = 1, acp: bool = False) -> tuple[dict, dict]:
     10.250 against 3.169 / 11.634, ACP 1.474 / 4.173 against 1.616 / 4.437; grouped-query
     (12 query heads over 3) dense 2.973 / 10.260 against 3.301 / 11.516, ACP
     1.736 / 4.501 against 1.818 / 4.734. At D 64 it does not pay (dense 3.686 / 13.539
-    against 3.577 / 13.357; ACP a tie), nor a few heads at a time (2 GiB chunks: D 128 dense
-    11.306 at 16k, ACP 4.734), so where dS would pass its budget the two kernels run.
+    against 3.577 / 13.357; ACP a tie). A few heads at a time (2 GiB chunks) it lost at 16k
+    with ACP (4.734) and with grouped heads (16.391; dense without them 11.306, a 3% gain), so
+    where dS would pass its budget the two kernels run. Measured at D 128 only: other head
+    dims up to 128 keep the two kernels.
     """
     if d <= 64:
         if group > 1 and not acp:
@@ -637,9 +639,9 @@ def bwd_config(d: int, group: int = 1, acp: bool = False) -> tuple[dict, dict]:
         if acp:  # empty loops not entered
             kv, q = dict(kv, LOOPS=1), dict(q, LOOPS=1)
         return kv, q
-    if d <= 128:  # dS kept where it fits (FUSE_DQ="ds"; else the dQ kernel below)
+    if d <= 128:  # D 128: dS kept where it fits (FUSE_DQ="ds"; else the dQ kernel below)
         return (dict(BM=32, BN=64, num_warps=4, num_stages=3, ROWS4=True, TMA="host", ROW_BIAS=True,
-                     FUSE_DQ="ds"),
+                     FUSE_DQ="ds" if d == 128 else False),
                 dict(BM=64, BN=64, num_warps=4, num_stages=2, PAIRS=acp and group == 1, MAKE_ROWS=True,
                      TMA="host", ROW_BIAS=group > 1 or not acp))
     return (dict(BM=16, BN=32, num_warps=4, num_stages=1),
@@ -756,16 +758,24 @@ def _host_tma(q, k, v, do, p) -> bool:
     return tma_mode("host", q, k, v, p) == 2 and do.is_contiguous() and tma_ready(do)
 
 
-DS_MAX_FRACTION = 1 / 8  # FUSE_DQ="ds": kept dS at most this share of the GPU's memory
+DS_MAX_FRACTION = 1 / 8  # FUSE_DQ="ds": kept dS at most this share of the GPU's memory,
+DS_MAX_FREE = 1 / 2  # and of what is free at the call (the driver's and the allocator's cache)
 
 
 def _ds_budget(device) -> int:
     """The most bytes of kept dS a backward may take: ``DS_MAX_FRACTION`` of the GPU's memory
-    (dS for all heads at once: taken a few heads at a time, the launches' tails made it
-    slower than the two kernels at 16k; BENCHMARKS.md, "Twentieth session")."""
+    and ``DS_MAX_FREE`` of what is free now, so a run near its memory limit takes the two
+    kernels (dS for all heads at once: taken a few heads at a time, the launches' tails made
+    it slower than the two kernels at 16k; BENCHMARKS.md, "Twentieth session"). While a CUDA
+    graph is captured the free memory is not asked for."""
     if device.type != "cuda":
         return 2**40
-    return int(torch.cuda.get_device_properties(device).total_memory * DS_MAX_FRACTION)
+    budget = torch.cuda.get_device_properties(device).total_memory * DS_MAX_FRACTION
+    if not torch.cuda.is_current_stream_capturing():
+        free = torch.cuda.mem_get_info(device)[0]
+        cached = torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
+        budget = min(budget, (free + cached) * DS_MAX_FREE)
+    return int(budget)
 
 
 def _ds_head(p) -> int:
@@ -786,8 +796,8 @@ def _fuse_mode(fuse, q, p, cfg_kv=None) -> int:
     ``DS_MAX_BYTES`` (default :func:`_ds_budget`); else 0."""
     if fuse == "ds":
         cfg_kv = cfg_kv or {}
-        serves = (p.cu_seqlens is None and p.tq == p.tk and cfg_kv.get("BN") == 64
-                  and 64 % cfg_kv.get("BM", 0) == 0)
+        bm = cfg_kv.get("BM", 0)
+        serves = p.cu_seqlens is None and p.tq == p.tk and cfg_kv.get("BN") == 64 and bm > 0 and 64 % bm == 0
         budget = cfg_kv.get("DS_MAX_BYTES") or _ds_budget(q.device)
         return 4 if serves and p.batch * p.hq * _ds_head(p) * q.element_size() <= budget else 0
     if fuse != "tma":

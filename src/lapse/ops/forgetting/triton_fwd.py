@@ -382,7 +382,7 @@ def fwd_config(d: int, dtype_bytes: int, acp: bool = False, tk: int = 0) -> dict
             return dict(cfg, FIXED_MAX=True, maxnreg=168) if rb else cfg
         return dict(BM=128, BN=64, num_warps=4, num_stages=3, TMA=True, PAIRS=rb, ROW_BIAS=rb, FIXED_MAX=rb)
     if d <= 128:
-        if acp and rb and tk >= LONG_ACP_KEYS:
+        if acp and rb and d == 128 and tk >= LONG_ACP_KEYS:  # measured at D 128 only
             return dict(BM=128, BN=64, num_warps=8, num_stages=3, TMA="host", PAIRS=True, ROW_BIAS=True,
                         LOOPS=3, FIXED_MAX=True)
         if acp:
