@@ -560,7 +560,6 @@ def test_backward_with_dq_from_kept_ds_matches_naive(case, stores, monkeypatch):
     if torch.cuda.is_available():
         pytest.skip("interpreter shapes; the GPU runs test_backward_with_dq_from_kept_ds_gpu")
     _with_options(monkeypatch, kv=dict(FUSE_DQ="ds", DS_TMA=stores == "descriptors"))
-    monkeypatch.setattr(triton_bwd, "POISON_SCRATCH", True)
     b, tq, tk, hq, h, d, gate, acp, cu = case
     kv, _ = triton_bwd.bwd_config(d, hq // h, acp is not None)
     p = SimpleNamespace(cu_seqlens=cu, tq=tq, tk=tk, batch=b, hq=hq)
@@ -655,10 +654,7 @@ def test_backward_with_dq_through_atomics_gpu(case, monkeypatch):
 @pytest.mark.gpu
 @pytest.mark.parametrize("case", GPU_CASES, ids=[_id(c) for c in GPU_CASES])
 def test_backward_with_dq_from_kept_ds_gpu(case, monkeypatch):
-    from lapse.ops.forgetting import triton_bwd
-
     _fuse_dq(monkeypatch, "ds")
-    monkeypatch.setattr(triton_bwd, "POISON_SCRATCH", True)
     _check_gpu(case)
 
 

@@ -247,8 +247,7 @@ def triton_acp_block_start(acp, acp_eps: float, q: Tensor, k: Tensor, c_hi: Tens
     if isinstance(acp, str) and acp == "auto" and q.stride(-1) == 1 and k.stride(-1) == 1:
         check_acp_eps(acp_eps)
         return _block_start(c_hi, c_lo, p, parts=_norm_parts(q, k, p), log_eps_bits=_log_eps_bits(acp_eps))
-    delta = acp_delta(acp, acp_eps, q, k, p, delta_from_data=triton_acp_delta)  # [B, HQ]
-    return triton_block_start(c_hi, c_lo, delta, p)
+    return triton_block_start(c_hi, c_lo, acp_delta(acp, acp_eps, q, k, p), p)  # delta [B, HQ]
 
 
 @triton.jit
@@ -256,8 +255,8 @@ def _block_end_kernel(BS, BE, CU, TQ, HQ, MB, NB,
                       G: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, IS_VARLEN: tl.constexpr):
     # per (key-block chunk, sequence x head): the number of the sequence's query blocks m
     # with block_start[m] <= n, in vector compares
-    i_n = tl.program_id(0)
-    i_bh = tl.program_id(1).to(tl.int64)
+    i_bh = tl.program_id(0).to(tl.int64)  # the first axis: no 65535 limit
+    i_n = tl.program_id(1)
     if IS_VARLEN:
         i_b = i_bh // HQ
         tq = tl.load(CU + i_b + 1) - tl.load(CU + i_b)
@@ -281,7 +280,7 @@ def block_end_from_start(block_start: Tensor, p: Problem) -> Tensor:
     mb = block_start.shape[-1]
     be = torch.empty(p.batch, p.hq, nb, dtype=torch.int32, device=block_start.device)
     block_n = min(128, max(16, triton.next_power_of_2(nb)))
-    _block_end_kernel[(triton.cdiv(nb, block_n), p.batch * p.hq)](
+    _block_end_kernel[(p.batch * p.hq, triton.cdiv(nb, block_n))](
         block_start.contiguous(), be, p.cu_seqlens if p.cu_seqlens is not None else block_start,
         p.tq, p.hq, mb, nb, G=ACP_BLOCK, BLOCK_M=32, BLOCK_N=block_n, IS_VARLEN=p.cu_seqlens is not None,
         num_warps=4,

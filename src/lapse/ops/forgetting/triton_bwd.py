@@ -648,13 +648,15 @@ def bwd_config(d: int, group: int = 1, acp: bool = False) -> tuple[dict, dict]:
             dict(BM=32, BN=16, num_warps=4, num_stages=1, MAKE_ROWS=True))
 
 
-POISON_SCRATCH = False  # tests: scratch buffers a kernel reads filled with NaN, not left as they come
 
 
 def _scratch(n: int, dtype, device):
-    """An uninitialised buffer of ``n`` elements (NaN with ``POISON_SCRATCH``, so that a slot
-    read before any kernel wrote it shows in the result)."""
-    return torch.full((n,), float("nan"), dtype=dtype, device=device) if POISON_SCRATCH else \
+    """An uninitialised buffer of ``n`` elements; NaN where the tests poison the kernels'
+    outputs (``triton_ops.POISON_OUTPUTS``), so that a slot read before any kernel wrote it
+    shows in the result."""
+    from . import triton_ops  # (it imports this module)
+
+    return torch.full((n,), float("nan"), dtype=dtype, device=device) if triton_ops.POISON_OUTPUTS else \
         torch.empty(n, dtype=dtype, device=device)
 
 
