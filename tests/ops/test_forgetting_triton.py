@@ -618,6 +618,52 @@ def test_long_acp_tiles_gpu(case, monkeypatch):
     _check_gpu(case)
 
 
+# Both of the routed forward's launches have programs to run (checked): with "auto", the
+# "mixed" gates' slow heads keep every key and the fast ones prune; with a bound of 0.5 under
+# queries scaled by 4 (as LONG_ACP_CASES) and the first third of the keys by 8, half the
+# heads decay steadily (-0.25 a step) and half barely (-1e-3): the bound is far below the
+# logits, so the keys ACP prunes carry weight (35-46% of the output's norm) and a pruned head
+# run with the dense tiles fails the comparison
+ROUTE_CASES = [
+    (2, 257, 257, 4, 2, 64, "mixed", 0.5, None),
+    (1, 300, 300, 4, 2, 128, "mixed", 0.5, [0, 1, 260, 300]),
+    (1, 200, 257, 4, 1, 128, "mixed", 0.5, None),
+    (1, 257, 257, 4, 2, 64, "mixed", "auto", None),
+]
+
+
+@pytest.mark.parametrize("case", ROUTE_CASES, ids=[_id(c) for c in ROUTE_CASES])
+def test_routed_forward_matches_naive(case, monkeypatch):
+    """``ROUTE``: the (sequence, head)s that ACP prunes nowhere run in a launch with the dense
+    table's tiles, the others in a second with the ACP table's; each program of either launch
+    not its own returns at once. Against the float64 oracle, outputs poisoned (a program
+    neither launch runs leaves NaN)."""
+    if torch.cuda.is_available():
+        pytest.skip("interpreter shapes; the GPU runs test_routed_forward_gpu")
+    _with_options(monkeypatch, fwd=dict(ROUTE=True))
+    b, tq, tk, hq, h, d, gate, acp, cu = case
+    cu_t = None if cu is None else torch.tensor(cu, dtype=torch.int32)
+    q, k, v, lg, do = _inputs(b, tq, tk, hq, h, d, gate, torch.float32, "cpu", seed=tq + tk)
+    if acp == 0.5:
+        q = 4 * q
+        k[:, : tk // 3] *= 8
+        lg = torch.where(torch.arange(hq) < hq // 2, -0.25, -1e-3).expand_as(lg).contiguous()
+    starts = forgetting_attention(q, k, v, lg, acp=acp, cu_seqlens=cu_t, backend="torch",
+                                  return_stats=True)[1].block_start
+    unpruned = starts.amax(-1) == 0
+    assert unpruned.any() and not unpruned.all()
+    _compare(q, k, v, lg, do, torch.float32, acp, cu_t, None)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", GPU_CASES, ids=[_id(c) for c in GPU_CASES])
+def test_routed_forward_gpu(case, monkeypatch):
+    if case[7] is None:
+        pytest.skip("ACP only")
+    _with_options(monkeypatch, fwd=dict(ROUTE=True))
+    _check_gpu(case)
+
+
 # D 64 (a power of two: the tensor-memory engine's adds take a head's D columns whole):
 # batch rows whose last query tile runs past the sequence (its rows add zeros into the next
 # row's dQ), Tq < Tk, ACP, packed sequences

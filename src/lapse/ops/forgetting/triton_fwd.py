@@ -158,7 +158,7 @@ def _fwd_inner(
 
 @triton.jit
 def _fwd_kernel(
-    Q, K, V, CHI, CLO, BSTART, O, LSE, CU,
+    Q, K, V, CHI, CLO, BSTART, O, LSE, CU, UNPRUNED,
     stride_qb, stride_qt, stride_qh,
     stride_kb, stride_kt, stride_kh,
     stride_vb, stride_vt, stride_vh,
@@ -168,10 +168,14 @@ def _fwd_kernel(
     G: tl.constexpr, IS_VARLEN: tl.constexpr, USE_ACP: tl.constexpr, DOT_PREC: tl.constexpr,
     USE_TMA: tl.constexpr, BIAS: tl.constexpr = True, PAIRS: tl.constexpr = False,
     LOOPS: tl.constexpr = 0, ROW_BIAS: tl.constexpr = False, FIXED_MAX: tl.constexpr = False,
-    HEADS_FIRST: tl.constexpr = False,
+    HEADS_FIRST: tl.constexpr = False, ROUTE: tl.constexpr = 0,
 ):
     # the last query tiles have the most keys: schedule them first to shorten the tail
     i_m, i_bh = program_tile(True, HEADS_FIRST)
+    if ROUTE:  # one of two launches (launch_fwd's ROUTE): 1 serves the (sequence, head)s that
+        # ACP prunes nowhere (UNPRUNED[i_bh] = 1), 2 the others
+        if (tl.load(UNPRUNED + i_bh) != 0) != (ROUTE == 1):
+            return
     i_b = i_bh // HQ
     i_h = i_bh % HQ
     i_hk = i_h // GROUP
@@ -430,13 +434,24 @@ def launch_fwd(q, k, v, c_hi, c_lo, block_start, cu, p, o, lse2, config=None):
             return
         cfg = dict(fwd_config(p.d, q.element_size(), block_start is not None, p.tk))
         cfg.pop("GLUON", None)
-    use_tma = tma_mode(cfg.pop("TMA", False), q, k, v, p)
-    if q.element_size() == 4:  # float32 keeps the exact order of the bias's terms
-        cfg.pop("ROW_BIAS", None)
-    if q.dtype == torch.float16:  # FIXED_MAX's weights may pass float16's range (65504), and
-        cfg.pop("FIXED_MAX", None)  # every such tile would be done twice
-    with device_descriptors(use_tma == 1 and q.is_cuda):
-        _launch_fwd(q, k, v, c_hi, c_lo, block_start, cu, p, o, lse2, cfg, use_tma)
+    runs = [(cfg, block_start, None)]
+    route = cfg.pop("ROUTE", False)
+    if route and block_start is not None:
+        # the (sequence, head)s that ACP prunes nowhere take the dense kernel's tiles (one
+        # launch), the others the ACP table's (a second; first with ROUTE=2): ACP's tiles
+        # suit short rows
+        unpruned = (block_start.amax(-1) == 0).to(torch.int32)  # [B, HQ]
+        dense = fwd_config(p.d, q.element_size(), False, p.tk)
+        runs = [(dict(dense, ROUTE=1), None, unpruned), (dict(cfg, ROUTE=2), block_start, unpruned)]
+        runs = runs[::-1] if route == 2 else runs
+    for cfg, bs, unpruned in runs:
+        use_tma = tma_mode(cfg.pop("TMA", False), q, k, v, p)
+        if q.element_size() == 4:  # float32 keeps the exact order of the bias's terms
+            cfg.pop("ROW_BIAS", None)
+        if q.dtype == torch.float16:  # FIXED_MAX's weights may pass float16's range (65504), and
+            cfg.pop("FIXED_MAX", None)  # every such tile would be done twice
+        with device_descriptors(use_tma == 1 and q.is_cuda):
+            _launch_fwd(q, k, v, c_hi, c_lo, bs, cu, p, o, lse2, cfg, use_tma, unpruned)
 
 
 @contextlib.contextmanager
@@ -490,10 +505,12 @@ def tma_device(x) -> bool:
     return not x.is_cuda or torch.cuda.get_device_capability(x.device)[0] >= 9
 
 
-def _launch_fwd(q, k, v, c_hi, c_lo, block_start, cu, p, o, lse2, cfg, use_tma):
+def _launch_fwd(q, k, v, c_hi, c_lo, block_start, cu, p, o, lse2, cfg, use_tma, unpruned=None):
     """The launch of :func:`launch_fwd` (``cfg`` its options, ``TMA`` taken out). ``BIAS=False``
     leaves out the FoX bias: plain causal softmax attention in the same kernel, a timing
-    diagnostic of what the bias costs (``tune_fox_fwd.py --bias-off``), never for results."""
+    diagnostic of what the bias costs (``tune_fox_fwd.py --bias-off``), never for results.
+    ``ROUTE`` 1 or 2 in ``cfg`` (with ``unpruned``, ``[B, HQ]`` int32) runs the programs of
+    the (sequence, head)s ACP prunes nowhere, or of the others, only."""
     bm, bn = cfg.pop("BM"), cfg.pop("BN")
     pairs = cfg.pop("PAIRS", False)
     grid = tile_grid(triton.cdiv(p.tq, bm), p.batch * p.hq, cfg.get("HEADS_FIRST", False))
@@ -506,7 +523,7 @@ def _launch_fwd(q, k, v, c_hi, c_lo, block_start, cu, p, o, lse2, cfg, use_tma):
     _fwd_kernel[grid](
         qa, ka, va, c_hi, torch.stack((c_hi, c_lo), -1) if pairs else c_lo,
         block_start if block_start is not None else c_hi, o, lse2,
-        cu if cu is not None else c_hi,
+        cu if cu is not None else c_hi, unpruned if unpruned is not None else c_hi,
         q.stride(0), q.stride(1), q.stride(2),
         k.stride(0), k.stride(1), k.stride(2),
         v.stride(0), v.stride(1), v.stride(2),
