@@ -836,7 +836,8 @@ def _flip_load_options(monkeypatch):
     query's own c_i in every logit, or in the lse only) and the forward's ``FIXED_MAX``
     (the online maximum, or the diagonal keys' as every key's reference), the queries' rows made the other
     way (``MAKE_ROWS`` flipped: by the dQ kernel run first, or by a launch of their own), every
-    kernel's grid the other way round (``HEADS_FIRST`` flipped), the ``LOOPS``
+    kernel's grid the other way round (``HEADS_FIRST`` flipped), the forward's unpruned heads
+    routed to the dense tiles where the table does not (``ROUTE`` flipped), the ``LOOPS``
     options off where the table sets them and all on where it does not, so the options
     the tables do not pick stay tested."""
     from lapse.ops.forgetting import triton_bwd, triton_fwd
@@ -850,7 +851,7 @@ def _flip_load_options(monkeypatch):
         cfg = fwd(*a, **kw)
         return dict(cfg, PAIRS=not cfg.get("PAIRS", False), LOOPS=loops(cfg),
                     ROW_BIAS=not cfg.get("ROW_BIAS", False), FIXED_MAX=not cfg.get("FIXED_MAX", False),
-                    HEADS_FIRST=not cfg.get("HEADS_FIRST", False))
+                    HEADS_FIRST=not cfg.get("HEADS_FIRST", False), ROUTE=0 if cfg.get("ROUTE") else 1)
 
     def bwd_flipped(*a, **kw):
         kv, q = bwd(*a, **kw)

@@ -378,19 +378,31 @@ def fwd_config(d: int, dtype_bytes: int, acp: bool = False, tk: int = 0) -> dict
     ``ROW_BIAS`` and ``PAIRS`` (twentieth session, ``docs/bench/session20/h200-fwd-acp-d128.json``),
     ms at T 4k / 16k against the 64-row table: 0.643 / 1.482 against 0.598 / 1.649. Where the
     rows keep few keys (4k) the 64-row tiles stay ahead.
+
+    ``ROUTE`` (16-bit inputs with ACP at D 128, and at D 64 from ``LONG_ACP_KEYS`` keys on;
+    :func:`launch_fwd`): the (sequence, head)s that ACP prunes nowhere go through a launch
+    with the dense table's tiles, the others through this table's, so that heads which keep
+    every key do not run on tiles chosen for short rows. Twenty-first session on an H200
+    (``docs/bench/session21/h200-acp-route.json``, the bench's workload: 30% of the heads
+    global), the forward kernels alone, ms at T 4k / 16k against one launch: D 128 1.035 /
+    2.412 against 1.124 / 2.683; D 64 0.612 / 1.528 against 0.572 / 1.614 (at 4k the
+    unpruned heads' launch is too short to fill the GPU's waves).
     """
     rb = dtype_bytes < 4
     if d <= 64:
         if acp:
             cfg = dict(BM=64, BN=64, num_warps=4, num_stages=3, TMA="host", PAIRS=True, ROW_BIAS=rb)
+            if rb and d == 64 and tk >= LONG_ACP_KEYS:
+                cfg["ROUTE"] = 1
             return dict(cfg, FIXED_MAX=True, maxnreg=168) if rb else cfg
         return dict(BM=128, BN=64, num_warps=4, num_stages=3, TMA=True, PAIRS=rb, ROW_BIAS=rb, FIXED_MAX=rb)
     if d <= 128:
         if acp and rb and d == 128 and tk >= LONG_ACP_KEYS:  # measured at D 128 only
             return dict(BM=128, BN=64, num_warps=8, num_stages=3, TMA="host", PAIRS=True, ROW_BIAS=True,
-                        LOOPS=3, FIXED_MAX=True)
+                        LOOPS=3, FIXED_MAX=True, ROUTE=1)
         if acp:
-            return dict(BM=64, BN=64, num_warps=4, num_stages=3, PAIRS=False, LOOPS=3, FIXED_MAX=rb)
+            cfg = dict(BM=64, BN=64, num_warps=4, num_stages=3, PAIRS=False, LOOPS=3, FIXED_MAX=rb)
+            return dict(cfg, ROUTE=1) if rb and d == 128 else cfg
         return dict(BM=128, BN=128, num_warps=8, num_stages=3, TMA="host", PAIRS=True, ROW_BIAS=rb,
                     FIXED_MAX=rb)
     return dict(BM=64, BN=32, num_warps=4, num_stages=2)
