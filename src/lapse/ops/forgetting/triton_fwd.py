@@ -309,6 +309,7 @@ def _fwd_kernel(
 
 
 LONG_ACP_KEYS = 8192  # D 128 with ACP: from this many keys on, 128-row tiles (fwd_config)
+ROUTE_D64_KEYS = 16384  # D 64 with ACP: from this many keys on, ROUTE (fwd_config)
 
 
 def fwd_config(d: int, dtype_bytes: int, acp: bool = False, tk: int = 0) -> dict:
@@ -379,20 +380,21 @@ def fwd_config(d: int, dtype_bytes: int, acp: bool = False, tk: int = 0) -> dict
     ms at T 4k / 16k against the 64-row table: 0.643 / 1.482 against 0.598 / 1.649. Where the
     rows keep few keys (4k) the 64-row tiles stay ahead.
 
-    ``ROUTE`` (16-bit inputs with ACP at D 128, and at D 64 from ``LONG_ACP_KEYS`` keys on;
+    ``ROUTE`` (16-bit inputs with ACP at D 128, and at D 64 from ``ROUTE_D64_KEYS`` keys on;
     :func:`launch_fwd`): the (sequence, head)s that ACP prunes nowhere go through a launch
     with the dense table's tiles, the others through this table's, so that heads which keep
     every key do not run on tiles chosen for short rows. Twenty-first session on an H200
     (``docs/bench/session21/h200-acp-route.json``, the bench's workload: 30% of the heads
     global), the forward kernels alone, ms at T 4k / 16k against one launch: D 128 1.035 /
-    2.412 against 1.124 / 2.683; D 64 0.612 / 1.528 against 0.572 / 1.614 (at 4k the
-    unpruned heads' launch is too short to fill the GPU's waves).
+    2.412 against 1.124 / 2.683, at 8k 1.594 against 1.673 (``h200-acp-route-8k.json``); D 64
+    0.612 / 1.528 against 0.572 / 1.614, at 8k 0.925 against 0.888 (at D 64 and T below 16k
+    the two launches' tails cost more than the dense tiles gain).
     """
     rb = dtype_bytes < 4
     if d <= 64:
         if acp:
             cfg = dict(BM=64, BN=64, num_warps=4, num_stages=3, TMA="host", PAIRS=True, ROW_BIAS=rb)
-            if rb and d == 64 and tk >= LONG_ACP_KEYS:
+            if rb and d == 64 and tk >= ROUTE_D64_KEYS:
                 cfg["ROUTE"] = 1
             return dict(cfg, FIXED_MAX=True, maxnreg=168) if rb else cfg
         return dict(BM=128, BN=64, num_warps=4, num_stages=3, TMA=True, PAIRS=rb, ROW_BIAS=rb, FIXED_MAX=rb)
