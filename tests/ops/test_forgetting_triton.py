@@ -632,15 +632,17 @@ ROUTE_CASES = [
 ]
 
 
+@pytest.mark.parametrize("one_loop", [False, True], ids=["loops", "one_loop"])
 @pytest.mark.parametrize("case", ROUTE_CASES, ids=[_id(c) for c in ROUTE_CASES])
-def test_routed_forward_matches_naive(case, monkeypatch):
+def test_routed_forward_matches_naive(case, one_loop, monkeypatch):
     """``ROUTE``: the (sequence, head)s that ACP prunes nowhere run in a launch with the dense
     table's tiles, the others in a second with the ACP table's; each program of either launch
     not its own returns at once. Against the float64 oracle, outputs poisoned (a program
-    neither launch runs leaves NaN)."""
+    neither launch runs leaves NaN). ``ONE_LOOP``: every kept key in one loop, each tile
+    masked, instead of the diagonal, edge and interior loops."""
     if torch.cuda.is_available():
         pytest.skip("interpreter shapes; the GPU runs test_routed_forward_gpu")
-    _with_options(monkeypatch, fwd=dict(ROUTE=True))
+    _with_options(monkeypatch, fwd=dict(ROUTE=True, ONE_LOOP=one_loop))
     b, tq, tk, hq, h, d, gate, acp, cu = case
     cu_t = None if cu is None else torch.tensor(cu, dtype=torch.int32)
     q, k, v, lg, do = _inputs(b, tq, tk, hq, h, d, gate, torch.float32, "cpu", seed=tq + tk)
@@ -657,11 +659,21 @@ def test_routed_forward_matches_naive(case, monkeypatch):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("case", GPU_CASES, ids=[_id(c) for c in GPU_CASES])
-def test_routed_forward_gpu(case, monkeypatch):
-    if case[7] is None:
-        pytest.skip("ACP only")
-    _with_options(monkeypatch, fwd=dict(ROUTE=True))
+@pytest.mark.parametrize("one_loop", [False, True], ids=["loops", "one_loop"])
+def test_routed_forward_gpu(case, one_loop, monkeypatch):
+    if case[7] is None and not one_loop:
+        pytest.skip("ROUTE serves ACP only")
+    _with_options(monkeypatch, fwd=dict(ROUTE=True, ONE_LOOP=one_loop))
     _check_gpu(case)
+
+
+@pytest.mark.parametrize("case", CPU_CASES, ids=[_id(c) for c in CPU_CASES])
+def test_one_loop_forward_matches_naive(case, monkeypatch):
+    """``ONE_LOOP`` over the interpreter's cases, dense and ACP, against the float64 oracle."""
+    if torch.cuda.is_available():
+        pytest.skip("interpreter shapes; the GPU runs test_routed_forward_gpu")
+    _with_options(monkeypatch, fwd=dict(ONE_LOOP=True))
+    _check_cpu(case, seed=5 * case[1] + case[2] + case[5])
 
 
 # D 64 (a power of two: the tensor-memory engine's adds take a head's D columns whole):

@@ -168,7 +168,7 @@ def _fwd_kernel(
     G: tl.constexpr, IS_VARLEN: tl.constexpr, USE_ACP: tl.constexpr, DOT_PREC: tl.constexpr,
     USE_TMA: tl.constexpr, BIAS: tl.constexpr = True, PAIRS: tl.constexpr = False,
     LOOPS: tl.constexpr = 0, ROW_BIAS: tl.constexpr = False, FIXED_MAX: tl.constexpr = False,
-    HEADS_FIRST: tl.constexpr = False, ROUTE: tl.constexpr = 0,
+    HEADS_FIRST: tl.constexpr = False, ROUTE: tl.constexpr = 0, ONE_LOOP: tl.constexpr = False,
 ):
     # the last query tiles have the most keys: schedule them first to shorten the tail
     i_m, i_bh = program_tile(True, HEADS_FIRST)
@@ -253,7 +253,13 @@ def _fwd_kernel(
     run_edge, run_mid, run_diag = loop_runs(ks_lo, mid, diag, last_abs + 1, LOOPS)
     # ROW_BIAS: the loops' logits leave out the query's own c_i; the lse adds it at the end
     b_cl = tl.zeros_like(b_cq) if ROW_BIAS else b_cq
-    if FIXED_MAX:  # the diagonal keys first, with the online maximum; then their maximum, which
+    if ONE_LOOP:  # one pipelined loop over every kept key, each tile masked (causal and ACP):
+        # for short rows, one pipeline start instead of three
+        acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, b_q, b_cl, o_abs, b_kstart, p_k, p_v, p_chi, p_clo,
+                                   c_ref, stride_kt, stride_vt, ks_lo, last_abs + 1, tk, qk_scale, o_d, m_d,
+                                   BN, 2, DOT_PREC, USE_TMA, BIAS, PAIRS, None, kv_row, kv_col, ROW_BIAS)
+        redo = False
+    elif FIXED_MAX:  # the diagonal keys first, with the online maximum; then their maximum, which
         # every row has (its own key, bias 0), is every other key's reference: no row maximum
         # and no rescaling there. A logit more than ~127 (base 2) above it overflows l or acc
         # to inf: the tile is done again the usual way (one branch a program)
