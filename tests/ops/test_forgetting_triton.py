@@ -278,6 +278,38 @@ def test_folded_acp_search_equals_delta_then_search(case, looped, monkeypatch):
         pruning.triton_acp_block_start("auto", 1.5, q, k, c_hi, c_lo, p)
 
 
+@pytest.mark.parametrize("gate", ["mixed", "fast", "extreme", "tiny"])
+def test_staircase_never_steps_down(gate):
+    """The boundary search's starts never decrease along a sequence's query blocks, in
+    float32 gates of every kind (steps of about -1e-7 included, where the hi + lo sums round):
+    ``ROUTE`` takes a head whose last query block keeps every key as one that ACP prunes
+    nowhere. Tq < Tk, and packed sequences with an empty one."""
+    from lapse.ops.forgetting import pruning
+    from lapse.ops.forgetting.triton_ops import triton_gate_cumsum
+
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    steps = 0  # heads whose staircase steps at all: the check has something to hold
+    for b, tq, tk, cu in [(2, 1000, 1000, None), (1, 700, 1000, None), (1, 1000, 1000, [0, 0, 300, 1000])]:
+        hq = 6
+        g = torch.Generator(device="cpu").manual_seed(tq + tk)
+        if gate == "tiny":  # steps near float32's resolution of c: its rounding decides
+            lg = -torch.rand(b, tk, hq, generator=g) * 1e-7 * torch.logspace(0, 6, hq)
+        else:
+            lg = _inputs(b, 1, tk, hq, 1, 8, gate, torch.float32, "cpu", seed=tk)[3]
+        q, k = torch.zeros(b, tq, hq, 8), torch.zeros(b, tk, hq, 8)
+        cu_t = None if cu is None else torch.tensor(cu, dtype=torch.int32, device=dev)
+        p = validate(q.to(dev), k.to(dev), k.to(dev), lg.to(dev), None, cu_t, "triton")
+        c_hi, c_lo = triton_gate_cumsum(lg.to(dev), p)
+        for delta in (-1e-6, -0.5, -20.0):
+            bs = pruning.triton_block_start(c_hi, c_lo, torch.full((p.batch, hq), delta, dtype=torch.float64,
+                                                                   device=dev), p).cpu()
+            for i, n in enumerate(p.seqlens or [tq] * b):
+                blocks = bs[i, :, : -(-n // 64)]
+                assert (blocks[:, 1:] >= blocks[:, :-1]).all(), (gate, delta, i)
+                steps += int((blocks.amax(-1) > blocks.amin(-1)).sum())
+    assert steps > 10
+
+
 @pytest.mark.parametrize("shape", [(2, 3, 200, 200, None), (1, 2, 40, 300, None),
                                    (1, 4, 9000, 9000, [0, 0, 64, 65, 4000, 9000])],
                          ids=["square", "tq<tk", "varlen-with-empty"])
@@ -625,11 +657,18 @@ def test_long_acp_tiles_gpu(case, monkeypatch):
 # logits, so the keys ACP prunes carry weight (35-46% of the output's norm) and a pruned head
 # run with the dense tiles fails the comparison
 ROUTE_CASES = [
-    (2, 257, 257, 4, 2, 64, "mixed", 0.5, None),
+    (2, 256, 256, 4, 2, 64, "mixed", 0.5, None),
     (1, 300, 300, 4, 2, 128, "mixed", 0.5, [0, 1, 260, 300]),
     (1, 200, 257, 4, 1, 128, "mixed", 0.5, None),
     (1, 257, 257, 4, 2, 64, "mixed", "auto", None),
 ]
+
+
+def _route_small_calls(monkeypatch):
+    """``ROUTE`` at the tests' sizes (the launch takes it from ``ROUTE_MIN_ROWS`` query rows)."""
+    from lapse.ops.forgetting import triton_fwd
+
+    monkeypatch.setattr(triton_fwd, "ROUTE_MIN_ROWS", 0)
 
 
 @pytest.mark.parametrize("one_loop", [False, True], ids=["loops", "one_loop"])
@@ -642,6 +681,7 @@ def test_routed_forward_matches_naive(case, one_loop, monkeypatch):
     masked, instead of the diagonal, edge and interior loops."""
     if torch.cuda.is_available():
         pytest.skip("interpreter shapes; the GPU runs test_routed_forward_gpu")
+    _route_small_calls(monkeypatch)
     _with_options(monkeypatch, fwd=dict(ROUTE=True, ONE_LOOP=one_loop))
     b, tq, tk, hq, h, d, gate, acp, cu = case
     cu_t = None if cu is None else torch.tensor(cu, dtype=torch.int32)
@@ -663,6 +703,7 @@ def test_routed_forward_matches_naive(case, one_loop, monkeypatch):
 def test_routed_forward_gpu(case, one_loop, monkeypatch):
     if case[7] is None and not one_loop:
         pytest.skip("ROUTE serves ACP only")
+    _route_small_calls(monkeypatch)
     _with_options(monkeypatch, fwd=dict(ROUTE=True, ONE_LOOP=one_loop))
     _check_gpu(case)
 
@@ -875,6 +916,7 @@ def _flip_load_options(monkeypatch):
 
     monkeypatch.setattr(triton_fwd, "fwd_config", fwd_flipped)
     monkeypatch.setattr(triton_bwd, "bwd_config", bwd_flipped)
+    _route_small_calls(monkeypatch)
 
 
 @pytest.mark.parametrize("case", CPU_CASES, ids=[_id(c) for c in CPU_CASES])

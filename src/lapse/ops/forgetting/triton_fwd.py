@@ -158,7 +158,7 @@ def _fwd_inner(
 
 @triton.jit
 def _fwd_kernel(
-    Q, K, V, CHI, CLO, BSTART, O, LSE, CU, UNPRUNED,
+    Q, K, V, CHI, CLO, BSTART, O, LSE, CU,
     stride_qb, stride_qt, stride_qh,
     stride_kb, stride_kt, stride_kh,
     stride_vb, stride_vt, stride_vh,
@@ -172,10 +172,6 @@ def _fwd_kernel(
 ):
     # the last query tiles have the most keys: schedule them first to shorten the tail
     i_m, i_bh = program_tile(True, HEADS_FIRST)
-    if ROUTE:  # one of two launches (launch_fwd's ROUTE): 1 serves the (sequence, head)s that
-        # ACP prunes nowhere (UNPRUNED[i_bh] = 1), 2 the others
-        if (tl.load(UNPRUNED + i_bh) != 0) != (ROUTE == 1):
-            return
     i_b = i_bh // HQ
     i_h = i_bh % HQ
     i_hk = i_h // GROUP
@@ -191,6 +187,11 @@ def _fwd_kernel(
         i_bt = i_b
     if i_m * BM >= tq:
         return
+    if ROUTE:  # one of two launches (launch_fwd's ROUTE): 1 serves the (sequence, head)s that
+        # ACP prunes nowhere, 2 the others. The staircase never steps down, so a head's last
+        # query block keeps every key only where every block does
+        if (tl.load(BSTART + i_bh * MB + (tq - 1) // G) == 0) != (ROUTE == 1):
+            return
     off = tk - tq
     o_m = i_m * BM + tl.arange(0, BM)
     m_m = o_m < tq
@@ -316,6 +317,10 @@ def _fwd_kernel(
 
 LONG_ACP_KEYS = 8192  # D 128 with ACP: from this many keys on, 128-row tiles (fwd_config)
 ROUTE_D64_KEYS = 16384  # D 64 with ACP: from this many keys on, ROUTE (fwd_config)
+# ROUTE serves calls of at least this many query rows (B x HQ x Tq): below, its second launch's
+# host time (a Triton launch) would be a larger share, and its waves shorter. Not measured
+# there: the bench's workload has 786,432
+ROUTE_MIN_ROWS = 1 << 18
 
 
 def fwd_config(d: int, dtype_bytes: int, acp: bool = False, tk: int = 0) -> dict:
@@ -454,24 +459,26 @@ def launch_fwd(q, k, v, c_hi, c_lo, block_start, cu, p, o, lse2, config=None):
             return
         cfg = dict(fwd_config(p.d, q.element_size(), block_start is not None, p.tk))
         cfg.pop("GLUON", None)
-    runs = [(cfg, block_start, None)]
+    runs = [(cfg, False)]
     route = cfg.pop("ROUTE", False)
-    if route and block_start is not None:
+    if route and block_start is not None and p.batch * p.hq * p.tq >= ROUTE_MIN_ROWS:
         # the (sequence, head)s that ACP prunes nowhere take the dense kernel's tiles (one
         # launch), the others the ACP table's (a second; first with ROUTE=2): ACP's tiles
         # suit short rows
-        unpruned = (block_start.amax(-1) == 0).to(torch.int32)  # [B, HQ]
         dense = fwd_config(p.d, q.element_size(), False, p.tk)
-        runs = [(dict(dense, ROUTE=1), None, unpruned), (dict(cfg, ROUTE=2), block_start, unpruned)]
+        runs = [(dict(dense, ROUTE=1), True), (dict(cfg, ROUTE=2), False)]
         runs = runs[::-1] if route == 2 else runs
-    for cfg, bs, unpruned in runs:
+    pairs = None  # the keys' (c_hi, c_lo) side by side, made once for either launch
+    for cfg, dense in runs:
         use_tma = tma_mode(cfg.pop("TMA", False), q, k, v, p)
         if q.element_size() == 4:  # float32 keeps the exact order of the bias's terms
             cfg.pop("ROW_BIAS", None)
         if q.dtype == torch.float16:  # FIXED_MAX's weights may pass float16's range (65504), and
             cfg.pop("FIXED_MAX", None)  # every such tile would be done twice
+        if cfg.get("PAIRS") and pairs is None:
+            pairs = torch.stack((c_hi, c_lo), -1)
         with device_descriptors(use_tma == 1 and q.is_cuda):
-            _launch_fwd(q, k, v, c_hi, c_lo, bs, cu, p, o, lse2, cfg, use_tma, unpruned)
+            _launch_fwd(q, k, v, c_hi, c_lo, block_start, cu, p, o, lse2, cfg, use_tma, dense, pairs)
 
 
 @contextlib.contextmanager
@@ -525,14 +532,19 @@ def tma_device(x) -> bool:
     return not x.is_cuda or torch.cuda.get_device_capability(x.device)[0] >= 9
 
 
-def _launch_fwd(q, k, v, c_hi, c_lo, block_start, cu, p, o, lse2, cfg, use_tma, unpruned=None):
+def _launch_fwd(q, k, v, c_hi, c_lo, block_start, cu, p, o, lse2, cfg, use_tma, dense=False, pairs=None):
     """The launch of :func:`launch_fwd` (``cfg`` its options, ``TMA`` taken out). ``BIAS=False``
     leaves out the FoX bias: plain causal softmax attention in the same kernel, a timing
     diagnostic of what the bias costs (``tune_fox_fwd.py --bias-off``), never for results.
-    ``ROUTE`` 1 or 2 in ``cfg`` (with ``unpruned``, ``[B, HQ]`` int32) runs the programs of
-    the (sequence, head)s ACP prunes nowhere, or of the others, only."""
+    ``ROUTE`` 1 or 2 in ``cfg`` runs the programs of the (sequence, head)s ACP prunes
+    nowhere, or of the others, only; ``dense``: without ACP (``block_start`` then routes
+    only). ``pairs``: ``(c_hi, c_lo)`` stacked on a last axis, where ``PAIRS`` is asked."""
     bm, bn = cfg.pop("BM"), cfg.pop("BN")
-    pairs = cfg.pop("PAIRS", False)
+    if cfg.pop("PAIRS", False):
+        c_lo = pairs if pairs is not None else torch.stack((c_hi, c_lo), -1)
+        pairs = True
+    else:
+        pairs = False
     grid = tile_grid(triton.cdiv(p.tq, bm), p.batch * p.hq, cfg.get("HEADS_FIRST", False))
     mb = block_start.shape[-1] if block_start is not None else 1
     bd = max(16, triton.next_power_of_2(p.d))
@@ -541,16 +553,15 @@ def _launch_fwd(q, k, v, c_hi, c_lo, block_start, cu, p, o, lse2, cfg, use_tma, 
         qa = head_rows_descriptor(q, bm, bd)
         ka, va = head_rows_descriptor(k, bn, bd), head_rows_descriptor(v, bn, bd)
     _fwd_kernel[grid](
-        qa, ka, va, c_hi, torch.stack((c_hi, c_lo), -1) if pairs else c_lo,
-        block_start if block_start is not None else c_hi, o, lse2,
-        cu if cu is not None else c_hi, unpruned if unpruned is not None else c_hi,
+        qa, ka, va, c_hi, c_lo, block_start if block_start is not None else c_hi, o, lse2,
+        cu if cu is not None else c_hi,
         q.stride(0), q.stride(1), q.stride(2),
         k.stride(0), k.stride(1), k.stride(2),
         v.stride(0), v.stride(1), v.stride(2),
         o.stride(0), o.stride(1), o.stride(2),
         p.scale * LOG2E, p.tq, p.tk, c_hi.shape[-1], p.hq, p.hq // p.h, mb,
         D=p.d, BD=bd, BM=bm, BN=bn, G=64,
-        IS_VARLEN=cu is not None, USE_ACP=block_start is not None,
+        IS_VARLEN=cu is not None, USE_ACP=block_start is not None and not dense,
         DOT_PREC="ieee" if q.dtype.itemsize == 4 else "tf32",
         USE_TMA=use_tma, PAIRS=pairs,
         **cfg,
