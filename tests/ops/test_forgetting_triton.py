@@ -651,12 +651,14 @@ def test_long_acp_tiles_gpu(case, monkeypatch):
     _check_gpu(case)
 
 
-# Both of the routed forward's launches have programs to run (checked): with "auto", the
-# "mixed" gates' slow heads keep every key and the fast ones prune; with a bound of 0.5 under
-# queries scaled by 4 (as LONG_ACP_CASES) and the first third of the keys by 8, half the
-# heads decay steadily (-0.25 a step) and half barely (-1e-3): the bound is far below the
-# logits, so the keys ACP prunes carry weight (35-46% of the output's norm) and a pruned head
-# run with the dense tiles fails the comparison
+# Both of the routed launches have programs to run (checked): with "auto", the "mixed" gates'
+# slow heads keep every key and the fast ones prune; with a bound of 0.5 under queries scaled
+# by 4 (as LONG_ACP_CASES) and the first third of the keys by 8, half the heads decay steadily
+# (-0.25 a step) and half barely (-1e-3): the bound is far below the logits, so the keys ACP
+# prunes carry weight (35-46% of the output's norm) and a pruned head run with the dense tiles
+# fails the comparison. With two batch rows the first half of the heads decays (each key head's
+# query heads alike), with one every second head (a key head's query heads differ: its dK/dV
+# takes the ACP launch, one of its dQ the dense one)
 ROUTE_CASES = [
     (2, 256, 256, 4, 2, 64, "mixed", 0.5, None),
     (1, 300, 300, 4, 2, 128, "mixed", 0.5, [0, 1, 260, 300]),
@@ -677,20 +679,22 @@ def _route_small_calls(monkeypatch):
 def test_routed_forward_matches_naive(case, one_loop, monkeypatch):
     """``ROUTE``: the (sequence, head)s that ACP prunes nowhere run in a launch with the dense
     table's tiles, the others in a second with the ACP table's; each program of either launch
-    not its own returns at once. Against the float64 oracle, outputs poisoned (a program
-    neither launch runs leaves NaN). ``ONE_LOOP``: every kept key in one loop, each tile
-    masked, instead of the diagonal, edge and interior loops."""
+    not its own returns at once. In the backward the dK/dV kernel routes by key head (dense
+    where all its query heads are), the dQ kernel by query head. Against the float64 oracle,
+    outputs poisoned (a program neither launch runs leaves NaN). ``ONE_LOOP``: every kept key
+    in one loop, each tile masked, instead of the diagonal, edge and interior loops."""
     if torch.cuda.is_available():
         pytest.skip("interpreter shapes; the GPU runs test_routed_forward_gpu")
     _route_small_calls(monkeypatch)
-    _with_options(monkeypatch, fwd=dict(ROUTE=True, ONE_LOOP=one_loop))
+    _with_options(monkeypatch, fwd=dict(ROUTE=True, ONE_LOOP=one_loop), kv=dict(ROUTE=True))
     b, tq, tk, hq, h, d, gate, acp, cu = case
     cu_t = None if cu is None else torch.tensor(cu, dtype=torch.int32)
     q, k, v, lg, do = _inputs(b, tq, tk, hq, h, d, gate, torch.float32, "cpu", seed=tq + tk)
     if acp == 0.5:
         q = 4 * q
         k[:, : tk // 3] *= 8
-        lg = torch.where(torch.arange(hq) < hq // 2, -0.25, -1e-3).expand_as(lg).contiguous()
+        decays = torch.arange(hq) < hq // 2 if b == 2 else torch.arange(hq) % 2 == 1
+        lg = torch.where(decays, -0.25, -1e-3).expand_as(lg).contiguous()
     starts = forgetting_attention(q, k, v, lg, acp=acp, cu_seqlens=cu_t, backend="torch",
                                   return_stats=True)[1].block_start
     unpruned = starts.amax(-1) == 0
@@ -705,7 +709,7 @@ def test_routed_forward_gpu(case, one_loop, monkeypatch):
     if case[7] is None and not one_loop:
         pytest.skip("ROUTE serves ACP only")
     _route_small_calls(monkeypatch)
-    _with_options(monkeypatch, fwd=dict(ROUTE=True, ONE_LOOP=one_loop))
+    _with_options(monkeypatch, fwd=dict(ROUTE=True, ONE_LOOP=one_loop), kv=dict(ROUTE=True))
     _check_gpu(case)
 
 
@@ -890,8 +894,8 @@ def _flip_load_options(monkeypatch):
     query's own c_i in every logit, or in the lse only) and the forward's ``FIXED_MAX``
     (the online maximum, or the diagonal keys' as every key's reference), the queries' rows made the other
     way (``MAKE_ROWS`` flipped: by the dQ kernel run first, or by a launch of their own), every
-    kernel's grid the other way round (``HEADS_FIRST`` flipped), the forward's unpruned heads
-    routed to the dense tiles where the table does not (``ROUTE`` flipped), the ``LOOPS``
+    kernel's grid the other way round (``HEADS_FIRST`` flipped), the unpruned heads routed to
+    the dense tiles where the tables do not (``ROUTE`` flipped, forward and backward), the ``LOOPS``
     options off where the table sets them and all on where it does not, so the options
     the tables do not pick stay tested."""
     from lapse.ops.forgetting import triton_bwd, triton_fwd
@@ -910,7 +914,7 @@ def _flip_load_options(monkeypatch):
     def bwd_flipped(*a, **kw):
         kv, q = bwd(*a, **kw)
         return (dict(kv, ROWS4=False, LOOPS=loops(kv), ROW_BIAS=not kv.get("ROW_BIAS", False),
-                     HEADS_FIRST=not kv.get("HEADS_FIRST", False)),
+                     HEADS_FIRST=not kv.get("HEADS_FIRST", False), ROUTE=0 if kv.get("ROUTE") else 1),
                 dict(q, PAIRS=not q.get("PAIRS", False), MAKE_ROWS=not q.get("MAKE_ROWS", False),
                      LOOPS=loops(q), ROW_BIAS=not q.get("ROW_BIAS", False),
                      HEADS_FIRST=not q.get("HEADS_FIRST", False)))

@@ -40,6 +40,7 @@ import triton
 import triton.language as tl
 
 from ..backend import LOG2E, LOG2E_TL
+from . import triton_fwd
 from .gate_scan import sequence_span
 from .triton_fwd import (
     device_descriptors,
@@ -217,7 +218,7 @@ def _bwd_dkdv_kernel(
     G: tl.constexpr, GROUP: tl.constexpr, IS_VARLEN: tl.constexpr, USE_ACP: tl.constexpr,
     DOT_PREC: tl.constexpr, FUSE_DQ: tl.constexpr, BIAS: tl.constexpr = 1, ROWS4: tl.constexpr = False,
     LOOPS: tl.constexpr = 0, ROW_BIAS: tl.constexpr = False, USE_TMA: tl.constexpr = False,
-    HEADS_FIRST: tl.constexpr = False, USE_TMA_DS: tl.constexpr = False,
+    HEADS_FIRST: tl.constexpr = False, USE_TMA_DS: tl.constexpr = False, ROUTE: tl.constexpr = 0,
 ):
     i_n, i_bh = program_tile(False, HEADS_FIRST)  # the first key tiles have the most queries
     i_b = i_bh // H
@@ -235,6 +236,14 @@ def _bwd_dkdv_kernel(
     k0 = i_n * BN
     if k0 >= tk:
         return
+    if ROUTE:  # one of two launches (launch_bwd's ROUTE): 1 serves the kv heads whose query
+        # heads ACP prunes nowhere (each head's last query block keeps every key), 2 the others
+        n_pruned = 0
+        for g in tl.static_range(GROUP):
+            last = tl.load(BSTART + (i_b * HQ + i_hk * GROUP + g) * MB + (tq - 1) // G)
+            n_pruned += (last != 0).to(tl.int32)
+        if (n_pruned == 0) != (ROUTE == 1):
+            return
     off = tk - tq
     o_n = k0 + tl.arange(0, BN)
     m_n = o_n < tk
@@ -454,7 +463,7 @@ def _bwd_dq_kernel(
     G: tl.constexpr, IS_VARLEN: tl.constexpr, USE_ACP: tl.constexpr, DOT_PREC: tl.constexpr,
     BIAS: tl.constexpr = 1, PAIRS: tl.constexpr = False, MAKE_ROWS: tl.constexpr = False,
     HAS_DLSE: tl.constexpr = False, LOOPS: tl.constexpr = 0, ROW_BIAS: tl.constexpr = False,
-    USE_TMA: tl.constexpr = False, HEADS_FIRST: tl.constexpr = False,
+    USE_TMA: tl.constexpr = False, HEADS_FIRST: tl.constexpr = False, ROUTE: tl.constexpr = 0,
 ):
     # the last query tiles have the most keys: schedule them first to shorten the tail
     i_m, i_bh = program_tile(True, HEADS_FIRST)
@@ -473,6 +482,9 @@ def _bwd_dq_kernel(
         i_bt = i_b
     if i_m * BM >= tq:
         return
+    if ROUTE:  # (as the dK/dV kernel's, by query head)
+        if (tl.load(BSTART + i_bh * MB + (tq - 1) // G) == 0) != (ROUTE == 1):
+            return
     off = tk - tq
     o_m = i_m * BM + tl.arange(0, BM)
     m_m = o_m < tq
@@ -675,7 +687,96 @@ def launch_bwd(q, k, v, o, do, lse2, dlse, c_hi, c_lo, block_start, block_end, c
     ``BIAS`` in either config is a timing diagnostic (``tune_fox_bwd.py --bias-off``), never
     for results: 1 (default) the FoX backward, 0 plain softmax attention's (no bias, no
     gate sums), 2 the gate sums without the bias, 3 the bias without the gate sums."""
-    cfg_kv, cfg_q = configs or bwd_config(p.d, p.hq // p.h, block_start is not None)
+    use_acp = block_start is not None
+    runs = [_prepared(*(configs or bwd_config(p.d, p.hq // p.h, use_acp)), q, k, v, do, p, 0)]
+    if use_acp and runs[0][0].get("ROUTE") and p.batch * p.hq * p.tq >= triton_fwd.ROUTE_MIN_ROWS:
+        # the kv heads (dK/dV) and query heads (dQ) that ACP prunes nowhere take the dense
+        # tables' tiles without ACP (one launch each), the others the ACP tables' (a second):
+        # where both tables keep dS or both do not, and make the rows the same way
+        dense = _prepared(*bwd_config(p.d, p.hq // p.h, False), q, k, v, do, p, 1)
+        if dense[2:4] == runs[0][2:4] and dense[2] in (0, 4):
+            runs = [dense, runs[0][:-1] + (2,)]
+    for run in runs:
+        run[0].pop("ROUTE", None)
+    fuse, make_rows = runs[0][2], runs[0][3]
+    bd = max(16, triton.next_power_of_2(p.d))
+    dummy = c_hi
+    varlen = cu is not None
+    common = dict(D=p.d, BD=bd, G=64, IS_VARLEN=varlen, USE_ACP=use_acp,
+                  DOT_PREC="ieee" if q.dtype.itemsize == 4 else "tf32")
+    tc = c_hi.shape[-1]
+    rows = torch.empty(*lse2.shape, 4, dtype=torch.float32, device=lse2.device)
+    dl = dlse.float().contiguous() if dlse is not None else dummy
+    launches_q = [_dq_launcher(q, k, v, o, do, lse2, dl, rows, c_hi, c_lo, block_start, cu, p, dq, dcr,
+                               cfg_q, dict(common, USE_ACP=use_acp and route != 1),
+                               dict(MAKE_ROWS=make_rows, HAS_DLSE=dlse is not None, USE_TMA=tma_q,
+                                    **({"ROUTE": route} if route else {})))
+                  for _, cfg_q, _, _, _, _, tma_q, route in runs]
+    if make_rows:
+        for launch_q in launches_q:
+            launch_q()
+    else:
+        bt = max(16, 4096 // bd)
+        _rows_kernel[(triton.cdiv(p.tq, bt), p.batch * p.hq)](
+            o, do, lse2, dl, c_hi, c_lo, rows, cu if varlen else dummy,
+            o.stride(0), o.stride(1), o.stride(2), do.stride(0), do.stride(1), do.stride(2),
+            p.tq, p.tk, tc, q.shape[1], p.hq, D=p.d, BD=bd, BT=bt, IS_VARLEN=varlen,
+            HAS_DLSE=dlse is not None,
+        )
+    ds_strides = (0, 0, 0)
+    if fuse == 4:  # dS kept: each head's staircase of key blocks
+        ds_head = _ds_head(p)
+        dqa = _scratch(p.batch * p.hq * ds_head, q.dtype, q.device)
+        ds_strides = (ds_head, 0, 0)
+    elif fuse:
+        dqa = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+        dcr.zero_()
+    else:
+        dqa = dummy
+    for cfg_kv, _, _, _, ds_tma, tma_kv, _, route in runs:
+        bm, bn = cfg_kv.pop("BM"), cfg_kv.pop("BN")
+        dqa_arg = head_rows_descriptor(dqa, bm, bd) if fuse == 2 else dqa
+        qa, doa = (head_rows_descriptor(q, bm, bd), head_rows_descriptor(do, bm, bd)) if tma_kv else (q, do)
+        if route:
+            cfg_kv["ROUTE"] = route
+        grid = tile_grid(triton.cdiv(p.tk, bn), p.batch * p.h, cfg_kv.get("HEADS_FIRST", False))
+        with device_descriptors(ds_tma and q.is_cuda):  # the kept dS's, made by the programs
+            _bwd_dkdv_kernel[grid](
+                qa, k, v, doa, rows, c_hi, c_lo,
+                block_start if use_acp else dummy, block_end if use_acp else dummy,
+                cu if varlen else dummy, dk, dv, dcc, dqa_arg, dcr,
+                q.stride(0), q.stride(1), q.stride(2),
+                k.stride(0), k.stride(1), k.stride(2),
+                v.stride(0), v.stride(1), v.stride(2),
+                do.stride(0), do.stride(1), do.stride(2),
+                dk.stride(0), dk.stride(1), dk.stride(2),
+                dv.stride(0), dv.stride(1), dv.stride(2),
+                *(dqa.stride()[:3] if fuse in (1, 2, 3) else ds_strides),
+                p.scale * LOG2E, p.scale, p.tq, p.tk, tc, p.hq, p.h,
+                block_start.shape[-1] if use_acp else 1, block_end.shape[-1] if use_acp else 1,
+                q.shape[0] * q.shape[1],
+                BM=bm, BN=bn, GROUP=p.hq // p.h, FUSE_DQ=fuse, USE_TMA=tma_kv, USE_TMA_DS=ds_tma,
+                **dict(common, USE_ACP=use_acp and route != 1), **cfg_kv,
+            )
+    if fuse == 4:  # (routed or not, every head's kept blocks are written: one launch)
+        _dq_from_ds_kernel[tile_grid(triton.cdiv(p.tq, 64), p.batch * p.hq, False)](
+            dqa, k, block_start if use_acp else dummy, dq, dcr,
+            k.stride(0), k.stride(1), k.stride(2), dq.stride(0), dq.stride(1), dq.stride(2),
+            p.scale, p.tq, tc, p.hq, block_start.shape[-1] if use_acp else 1, ds_head,
+            D=p.d, BD=bd, G=64, GROUP=p.hq // p.h, USE_ACP=use_acp,
+            DOT_PREC=common["DOT_PREC"], num_warps=4, num_stages=3,
+        )
+    elif fuse:
+        dq.copy_(dqa.mul_(p.scale))
+    elif not make_rows:
+        for launch_q in launches_q:
+            launch_q()
+
+
+def _prepared(cfg_kv, cfg_q, q, k, v, do, p, route):
+    """One pair of configs as :func:`launch_bwd` runs it: ``(dK/dV options, dQ options,
+    FUSE_DQ mode, MAKE_ROWS, kept dS through descriptors, TMA in the dK/dV kernel, TMA in the
+    dQ kernel, route)``, the decided keys taken out of the options."""
     cfg_kv, cfg_q = dict(cfg_kv), dict(cfg_q)
     if q.element_size() == 4:  # float32 keeps the exact order of the bias's terms
         cfg_kv.pop("ROW_BIAS", None)
@@ -687,71 +788,7 @@ def launch_bwd(q, k, v, o, do, lse2, dlse, c_hi, c_lo, block_start, block_end, c
     cfg_kv.pop("DS_TMA", None)
     tma_kv, tma_q = (cfg.pop("TMA", False) == "host" and _host_tma(q, k, v, do, p) for cfg in (cfg_kv, cfg_q))
     make_rows = bool(cfg_q.pop("MAKE_ROWS", False)) and not fuse
-    bd = max(16, triton.next_power_of_2(p.d))
-    use_acp = block_start is not None
-    dummy = c_hi
-    varlen = cu is not None
-    common = dict(D=p.d, BD=bd, G=64, IS_VARLEN=varlen, USE_ACP=use_acp,
-                  DOT_PREC="ieee" if q.dtype.itemsize == 4 else "tf32")
-    tc = c_hi.shape[-1]
-    rows = torch.empty(*lse2.shape, 4, dtype=torch.float32, device=lse2.device)
-    dl = dlse.float().contiguous() if dlse is not None else dummy
-    launch_q = _dq_launcher(q, k, v, o, do, lse2, dl, rows, c_hi, c_lo, block_start, cu, p, dq, dcr,
-                            cfg_q, common,
-                            dict(MAKE_ROWS=make_rows, HAS_DLSE=dlse is not None, USE_TMA=tma_q))
-    if make_rows:
-        launch_q()
-    else:
-        bt = max(16, 4096 // bd)
-        _rows_kernel[(triton.cdiv(p.tq, bt), p.batch * p.hq)](
-            o, do, lse2, dl, c_hi, c_lo, rows, cu if varlen else dummy,
-            o.stride(0), o.stride(1), o.stride(2), do.stride(0), do.stride(1), do.stride(2),
-            p.tq, p.tk, tc, q.shape[1], p.hq, D=p.d, BD=bd, BT=bt, IS_VARLEN=varlen,
-            HAS_DLSE=dlse is not None,
-        )
-    bm, bn = cfg_kv.pop("BM"), cfg_kv.pop("BN")
-    ds_strides = (0, 0, 0)
-    if fuse == 4:  # dS kept: each head's staircase of key blocks
-        ds_head = _ds_head(p)
-        dqa = _scratch(p.batch * p.hq * ds_head, q.dtype, q.device)
-        ds_strides = (ds_head, 0, 0)
-    elif fuse:
-        dqa = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
-        dcr.zero_()
-    else:
-        dqa = dummy
-    dqa_arg = head_rows_descriptor(dqa, bm, bd) if fuse == 2 else dqa
-    qa, doa = (head_rows_descriptor(q, bm, bd), head_rows_descriptor(do, bm, bd)) if tma_kv else (q, do)
-    with device_descriptors(ds_tma and q.is_cuda):  # the kept dS's, made by the programs
-        _bwd_dkdv_kernel[tile_grid(triton.cdiv(p.tk, bn), p.batch * p.h, cfg_kv.get("HEADS_FIRST", False))](
-            qa, k, v, doa, rows, c_hi, c_lo,
-            block_start if use_acp else dummy, block_end if use_acp else dummy,
-            cu if varlen else dummy, dk, dv, dcc, dqa_arg, dcr,
-            q.stride(0), q.stride(1), q.stride(2),
-            k.stride(0), k.stride(1), k.stride(2),
-            v.stride(0), v.stride(1), v.stride(2),
-            do.stride(0), do.stride(1), do.stride(2),
-            dk.stride(0), dk.stride(1), dk.stride(2),
-            dv.stride(0), dv.stride(1), dv.stride(2),
-            *(dqa.stride()[:3] if fuse in (1, 2, 3) else ds_strides),
-            p.scale * LOG2E, p.scale, p.tq, p.tk, tc, p.hq, p.h,
-            block_start.shape[-1] if use_acp else 1, block_end.shape[-1] if use_acp else 1,
-            q.shape[0] * q.shape[1],
-            BM=bm, BN=bn, GROUP=p.hq // p.h, FUSE_DQ=fuse, USE_TMA=tma_kv, USE_TMA_DS=ds_tma, **common,
-            **cfg_kv,
-        )
-    if fuse == 4:
-        _dq_from_ds_kernel[tile_grid(triton.cdiv(p.tq, 64), p.batch * p.hq, False)](
-            dqa, k, block_start if use_acp else dummy, dq, dcr,
-            k.stride(0), k.stride(1), k.stride(2), dq.stride(0), dq.stride(1), dq.stride(2),
-            p.scale, p.tq, tc, p.hq, block_start.shape[-1] if use_acp else 1, ds_head,
-            D=p.d, BD=bd, G=64, GROUP=p.hq // p.h, USE_ACP=use_acp,
-            DOT_PREC=common["DOT_PREC"], num_warps=4, num_stages=3,
-        )
-    elif fuse:
-        dq.copy_(dqa.mul_(p.scale))
-    elif not make_rows:
-        launch_q()
+    return cfg_kv, cfg_q, fuse, make_rows, ds_tma, tma_kv, tma_q, route
 
 
 def _host_tma(q, k, v, do, p) -> bool:
