@@ -45,8 +45,8 @@ def _time_set(q, k, v, lg, do, fwd_variants, bwd_variants) -> list[dict]:
     grads = [torch.empty_like(x) for x in (q, k, v)] + [torch.empty_like(lse2) for _ in range(2)]
     t, d = p.tq, p.d
     out = []
-    runs = [("dense", None, triton_fwd.fwd_config(d, 2, False, t), triton_bwd.bwd_config(d, 1, False)),
-            ("acp", bs, triton_fwd.fwd_config(d, 2, True, t), triton_bwd.bwd_config(d, 1, True))]
+    runs = [("dense", None, triton_fwd.fwd_config(d, 2, False, t), triton_bwd.bwd_config(d, 1, False, t)),
+            ("acp", bs, triton_fwd.fwd_config(d, 2, True, t), triton_bwd.bwd_config(d, 1, True, t))]
     kv0, q0 = runs[1][3]
     runs += [(f"acp fwd {x}", bs, {**runs[1][2], **json.loads(x)}, None) for x in fwd_variants]
     for x in bwd_variants:

@@ -4,7 +4,8 @@ On the issue-2 workload (24 heads, B x T = 32k) the forward of ``forgetting_atte
 and with ``acp="auto"``, is timed: by ``do_bench`` (as ``lapse bench attention`` does), by
 replaying it captured in a CUDA graph (no host work), and on the host alone (the mean wall
 time of 50 calls issued without waiting, the queue kept ahead by a long kernel first). When
-the first is near the host time and above the graph's, the bench measures Python.
+the first is near the host time and above the graph's, the bench measures Python. The
+forward+backward (``torch.autograd.grad``) is timed by ``do_bench`` too.
 Run it under two trees (``PYTHONPATH``) to compare them.
 
     python scripts/diag_op_host.py --shapes 4096x64 4096x128
@@ -67,6 +68,14 @@ def main() -> None:
             row = dict(label=args.label, T=t, D=d, acp=acp,
                        do_bench_ms=triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median"),
                        host_ms=_host_ms(fn))
+            xs = [x.detach().requires_grad_() for x in (wl.q, wl.k, wl.v, wl.log_fgate)]
+            do = torch.randn_like(wl.q)
+
+            def fwd_bwd():
+                o = forgetting_attention(*xs, acp=acp, backend="triton")
+                return torch.autograd.grad(o, xs, do)
+
+            row["fwd_bwd_ms"] = triton.testing.do_bench(fwd_bwd, warmup=25, rep=100, return_mode="median")
             try:
                 row["graph_ms"] = _graph_ms(fn)
             except Exception as e:  # noqa: BLE001 - not capturable: say so
@@ -74,7 +83,8 @@ def main() -> None:
                 print(f"graph: {type(e).__name__}: {str(e)[:120]}")
             rows.append(row)
             print(f"{args.label} T {t} D {d} acp {acp}: do_bench {row['do_bench_ms']:.3f} ms, host "
-                  f"{row['host_ms']:.3f} ms, graph {row['graph_ms']:.3f} ms", flush=True)
+                  f"{row['host_ms']:.3f} ms, graph {row['graph_ms']:.3f} ms, "
+                  f"fwd+bwd {row['fwd_bwd_ms']:.3f} ms", flush=True)
     if args.out:
         with open(args.out, "w") as f:
             json.dump(dict(device=torch.cuda.get_device_name(), rows=rows), f, indent=1)

@@ -12,7 +12,7 @@ echo "$GPU"
 tag="$(echo "$GPU" | grep -oiE "h100|h200" | tr A-Z a-z)"
 commit=(); [[ -n "${COMMIT:-}" ]] && commit=(--commit "$COMMIT")
 timeout 240 python3 -m pytest -q -m gpu tests/ops/test_forgetting_triton.py -p no:cacheprovider --tb=short \
-    -k "routed or never_steps_down or long_acp or other_load_options or test_triton_gpu" 2>&1 \
+    -k "route or never_steps_down or long_acp or other_load_options or test_triton_gpu or kept_ds" 2>&1 \
     | grep -E "^(E |FAILED|ERROR)|passed|failed" | head -n 20
 for i in 1 2; do
     PYTHONPATH="$PWD/ab_old/src76" timeout 60 python3 scripts/diag_op_host.py --shapes 4096x128 16384x128 16384x64 \
@@ -20,7 +20,7 @@ for i in 1 2; do
     timeout 60 python3 scripts/diag_op_host.py --shapes 4096x128 16384x128 16384x64 --label new \
         --out "$OUT/$tag-op-host-new-$i.json" 2>&1 | grep -v Warn
 done
-for d in 64 128; do
+for d in ${BENCH_DIMS:-64 128}; do
     timeout 120 python3 -m lapse.cli bench attention --seq-lens 4096 8192 16384 --tokens 32768 --heads 24 \
         --head-dim "$d" --providers sdpa-default lapse lapse-acp \
         --out-dir "$OUT/$tag-attention-d$d" "${commit[@]}" 2>&1 | grep -E "^\| (sdpa|lapse)|^## " | head -n 20

@@ -101,7 +101,7 @@ def main() -> None:
             bsx, bex = (bs, be) if acp else (None, None)
             o, lse2 = torch.empty_like(q), torch.empty_like(c_hi)
             triton_fwd.launch_fwd(q, k, v, c_hi, c_lo, bsx, None, p, o, lse2)
-            kv0, q0 = triton_bwd.bwd_config(d, args.group, acp)
+            kv0, q0 = triton_bwd.bwd_config(d, args.group, acp, p.tk)
             grads = [torch.empty_like(x) for x in (q, k, v)] + [torch.empty_like(lse2) for _ in range(2)]
 
             def run(cfgs):

@@ -702,6 +702,25 @@ def test_routed_forward_matches_naive(case, one_loop, monkeypatch):
     _compare(q, k, v, lg, do, torch.float32, acp, cu_t, None)
 
 
+def test_route_where_the_tables_take_it():
+    """The tables route 16-bit ACP at D 128 in the forward, at D 64 from ``ROUTE_D64_KEYS``
+    keys on, and the backward at D 128 from ``LONG_ACP_KEYS`` keys on without grouped heads:
+    where it was measured faster (BENCHMARKS.md, "Twenty-first session")."""
+    from lapse.ops.forgetting import triton_bwd, triton_fwd
+
+    long, d64 = triton_fwd.LONG_ACP_KEYS, triton_fwd.ROUTE_D64_KEYS
+    assert triton_fwd.fwd_config(128, 2, True, 4096).get("ROUTE")
+    assert triton_fwd.fwd_config(128, 2, True, long).get("ROUTE")
+    assert triton_fwd.fwd_config(64, 2, True, d64).get("ROUTE")
+    assert not triton_fwd.fwd_config(64, 2, True, d64 - 1).get("ROUTE")
+    assert not triton_fwd.fwd_config(128, 4, True, long).get("ROUTE")  # float32
+    assert not triton_fwd.fwd_config(128, 2, False, long).get("ROUTE")
+    assert triton_bwd.bwd_config(128, 1, True, long)[0].get("ROUTE")
+    assert not triton_bwd.bwd_config(128, 1, True, long - 1)[0].get("ROUTE")
+    assert not triton_bwd.bwd_config(128, 4, True, long)[0].get("ROUTE")
+    assert not triton_bwd.bwd_config(64, 1, True, 4 * long)[0].get("ROUTE")
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("case", GPU_CASES, ids=[_id(c) for c in GPU_CASES])
 @pytest.mark.parametrize("one_loop", [False, True], ids=["loops", "one_loop"])

@@ -560,8 +560,9 @@ def _bwd_dq_kernel(
     tl.store(DCR + p_row + o_m, b_dcr, mask=m_m)
 
 
-def bwd_config(d: int, group: int = 1, acp: bool = False) -> tuple[dict, dict]:
-    """(dK/dV config, dQ config). dK/dV: BM divides ACP_BLOCK; dQ: BN divides it.
+def bwd_config(d: int, group: int = 1, acp: bool = False, tk: int = 0) -> tuple[dict, dict]:
+    """(dK/dV config, dQ config). dK/dV: BM divides ACP_BLOCK; dQ: BN divides it; ``tk`` the
+    key length (D 128 with ACP: ``ROUTE`` from ``LONG_ACP_KEYS`` keys on).
 
     Chosen by scripts/gpu_fox_dev.py --tune on an H100 (T = 16384, bf16), dense and ACP.
     With grouped-query heads (the dK/dV kernel loops over the group) 128-key tiles were
@@ -636,6 +637,15 @@ def bwd_config(d: int, group: int = 1, acp: bool = False) -> tuple[dict, dict]:
     with ACP (4.734) and with grouped heads (16.391; dense without them 11.306, a 3% gain), so
     where dS would pass its budget the two kernels run. Measured at D 128 only: other head
     dims up to 128 keep the two kernels.
+
+    ``ROUTE`` in the dK/dV config (:func:`launch_bwd`: the key heads whose query heads ACP
+    prunes nowhere through the dense tables' tiles without ACP, the query heads likewise in
+    the dQ kernel), twenty-first session on an H200, bf16, the bench's workload (30% of the
+    heads global; ``docs/bench/session21/h200-acp-route-bwd.json``), the backward kernels, ms
+    at T 4k / 8k / 16k against one launch each: D 128 2.749 / 4.265 / 7.215 against 2.711 /
+    4.338 / 7.596; D 64 1.749 / 2.873 / 4.907 against 1.688 / 2.813 / 4.935. So D 128 from
+    ``LONG_ACP_KEYS`` keys on, without grouped heads (not measured with them: a key head goes
+    dense only where all its query heads would).
     """
     if d <= 64:
         if group > 1 and not acp:
@@ -652,8 +662,9 @@ def bwd_config(d: int, group: int = 1, acp: bool = False) -> tuple[dict, dict]:
             kv, q = dict(kv, LOOPS=1), dict(q, LOOPS=1)
         return kv, q
     if d <= 128:  # D 128: dS kept where it fits (FUSE_DQ="ds"; else the dQ kernel below)
+        route = {"ROUTE": 1} if acp and d == 128 and group == 1 and tk >= triton_fwd.LONG_ACP_KEYS else {}
         return (dict(BM=32, BN=64, num_warps=4, num_stages=3, ROWS4=True, TMA="host", ROW_BIAS=True,
-                     FUSE_DQ="ds" if d == 128 else False),
+                     FUSE_DQ="ds" if d == 128 else False, **route),
                 dict(BM=64, BN=64, num_warps=4, num_stages=2, PAIRS=acp and group == 1, MAKE_ROWS=True,
                      TMA="host", ROW_BIAS=group > 1 or not acp))
     return (dict(BM=16, BN=32, num_warps=4, num_stages=1),
@@ -688,12 +699,12 @@ def launch_bwd(q, k, v, o, do, lse2, dlse, c_hi, c_lo, block_start, block_end, c
     for results: 1 (default) the FoX backward, 0 plain softmax attention's (no bias, no
     gate sums), 2 the gate sums without the bias, 3 the bias without the gate sums."""
     use_acp = block_start is not None
-    runs = [_prepared(*(configs or bwd_config(p.d, p.hq // p.h, use_acp)), q, k, v, do, p, 0)]
+    runs = [_prepared(*(configs or bwd_config(p.d, p.hq // p.h, use_acp, p.tk)), q, k, v, do, p, 0)]
     if use_acp and runs[0][0].get("ROUTE") and p.batch * p.hq * p.tq >= triton_fwd.ROUTE_MIN_ROWS:
         # the kv heads (dK/dV) and query heads (dQ) that ACP prunes nowhere take the dense
         # tables' tiles without ACP (one launch each), the others the ACP tables' (a second):
         # where both tables keep dS or both do not, and make the rows the same way
-        dense = _prepared(*bwd_config(p.d, p.hq // p.h, False), q, k, v, do, p, 1)
+        dense = _prepared(*bwd_config(p.d, p.hq // p.h, False, p.tk), q, k, v, do, p, 1)
         if dense[2:4] == runs[0][2:4] and dense[2] in (0, 4):
             runs = [dense, runs[0][:-1] + (2,)]
     for run in runs:
