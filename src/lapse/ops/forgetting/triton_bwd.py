@@ -673,18 +673,16 @@ def bwd_config(d: int, group: int = 1, acp: bool = False, tk: int = 0) -> tuple[
 
 
 
-def _scratch(n: int, dtype, device):
-    """An uninitialised buffer of ``n`` elements; NaN where the tests poison the kernels'
-    outputs (``triton_ops.POISON_OUTPUTS``), so that a slot read before any kernel wrote it
+def _scratch(n: int, dtype, device, poison: bool):
+    """An uninitialised buffer of ``n`` elements; with ``poison`` (the tests' poisoned
+    outputs, ``triton_ops.POISON_OUTPUTS``) NaN, so that a slot read before any kernel wrote it
     shows in the result."""
-    from . import triton_ops  # (it imports this module)
-
-    return torch.full((n,), float("nan"), dtype=dtype, device=device) if triton_ops.POISON_OUTPUTS else \
+    return torch.full((n,), float("nan"), dtype=dtype, device=device) if poison else \
         torch.empty(n, dtype=dtype, device=device)
 
 
 def launch_bwd(q, k, v, o, do, lse2, dlse, c_hi, c_lo, block_start, block_end, cu, p,
-               dq, dk, dv, dcc, dcr, configs=None):
+               dq, dk, dv, dcc, dcr, configs=None, poison=False):
     """Runs the backward kernels; dk/dv/dq in the inputs' dtypes, dcc/dcr float32 [B, HQ, Tc].
 
     ``o`` and the base-2 ``lse2`` ``[B, HQ, Tc]`` are the forward's; ``dlse`` ``[B, HQ, Tq]``
@@ -697,7 +695,8 @@ def launch_bwd(q, k, v, o, do, lse2, dlse, c_hi, c_lo, block_start, block_end, c
     ``[B * T, H * D]`` views, where :func:`_host_tma` holds (else pointer loads).
     ``BIAS`` in either config is a timing diagnostic (``tune_fox_bwd.py --bias-off``), never
     for results: 1 (default) the FoX backward, 0 plain softmax attention's (no bias, no
-    gate sums), 2 the gate sums without the bias, 3 the bias without the gate sums."""
+    gate sums), 2 the gate sums without the bias, 3 the bias without the gate sums.
+    ``poison``: scratch buffers NaN-filled (the tests' poisoned outputs)."""
     use_acp = block_start is not None
     runs = [_prepared(*(configs or bwd_config(p.d, p.hq // p.h, use_acp, p.tk)), q, k, v, do, p, 0)]
     if use_acp and runs[0][0].get("ROUTE") and p.batch * p.hq * p.tq >= triton_fwd.ROUTE_MIN_ROWS:
@@ -737,7 +736,7 @@ def launch_bwd(q, k, v, o, do, lse2, dlse, c_hi, c_lo, block_start, block_end, c
     ds_strides = (0, 0, 0)
     if fuse == 4:  # dS kept: each head's staircase of key blocks
         ds_head = _ds_head(p)
-        dqa = _scratch(p.batch * p.hq * ds_head, q.dtype, q.device)
+        dqa = _scratch(p.batch * p.hq * ds_head, q.dtype, q.device, poison)
         ds_strides = (ds_head, 0, 0)
     elif fuse:
         dqa = torch.zeros(q.shape, dtype=torch.float32, device=q.device)

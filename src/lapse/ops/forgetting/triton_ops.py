@@ -48,7 +48,7 @@ def backward_kernels(q, k, v, o, do, lse2, dlse, c_hi, c_lo, block_start, p: Pro
     dq, dk, dv = _empty_like(q), _empty_like(k), _empty_like(v)
     dcc, dcr = _empty_like(lse2), _empty_like(lse2)
     launch_bwd(q, k, v, o, do, lse2, dlse, c_hi, c_lo, block_start, block_end, p.cu_seqlens,
-               p, dq, dk, dv, dcc, dcr)
+               p, dq, dk, dv, dcc, dcr, poison=POISON_OUTPUTS)
     return dq, dk, dv, dcc, dcr
 
 
