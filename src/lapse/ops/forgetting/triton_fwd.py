@@ -469,7 +469,7 @@ def launch_fwd(q, k, v, c_hi, c_lo, block_start, cu, p, o, lse2, config=None):
         runs = [(dict(dense, ROUTE=1), True), (dict(cfg, ROUTE=2), False)]
         runs = runs[::-1] if route == 2 else runs
     pairs = None  # the keys' (c_hi, c_lo) side by side, made once for either launch
-    for cfg, dense in runs:
+    for cfg, no_acp in runs:
         use_tma = tma_mode(cfg.pop("TMA", False), q, k, v, p)
         if q.element_size() == 4:  # float32 keeps the exact order of the bias's terms
             cfg.pop("ROW_BIAS", None)
@@ -478,7 +478,7 @@ def launch_fwd(q, k, v, c_hi, c_lo, block_start, cu, p, o, lse2, config=None):
         if cfg.get("PAIRS") and pairs is None:
             pairs = torch.stack((c_hi, c_lo), -1)
         with device_descriptors(use_tma == 1 and q.is_cuda):
-            _launch_fwd(q, k, v, c_hi, c_lo, block_start, cu, p, o, lse2, cfg, use_tma, dense, pairs)
+            _launch_fwd(q, k, v, c_hi, c_lo, block_start, cu, p, o, lse2, cfg, use_tma, no_acp, pairs)
 
 
 @contextlib.contextmanager
