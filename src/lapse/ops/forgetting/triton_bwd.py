@@ -35,6 +35,8 @@ may read each key's ``(c_hi, c_lo)`` in one 8-byte load (``PAIRS``,
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 import triton
 import triton.language as tl
@@ -45,6 +47,7 @@ from .gate_scan import sequence_span
 from .triton_fwd import (
     device_descriptors,
     head_rows_descriptor,
+    keeps_every_key,
     key_bias,
     loop_runs,
     program_tile,
@@ -237,12 +240,11 @@ def _bwd_dkdv_kernel(
     if k0 >= tk:
         return
     if ROUTE:  # one of two launches (launch_bwd's ROUTE): 1 serves the kv heads whose query
-        # heads ACP prunes nowhere (each head's last query block keeps every key), 2 the others
-        n_pruned = 0
+        # heads ACP prunes nowhere, 2 the others
+        n_kept = 0
         for g in tl.static_range(GROUP):
-            last = tl.load(BSTART + (i_b * HQ + i_hk * GROUP + g) * MB + (tq - 1) // G)
-            n_pruned += (last != 0).to(tl.int32)
-        if (n_pruned == 0) != (ROUTE == 1):
+            n_kept += keeps_every_key(BSTART, i_b * HQ + i_hk * GROUP + g, MB, tq, G).to(tl.int32)
+        if (n_kept == GROUP) != (ROUTE == 1):
             return
     off = tk - tq
     o_n = k0 + tl.arange(0, BN)
@@ -483,7 +485,7 @@ def _bwd_dq_kernel(
     if i_m * BM >= tq:
         return
     if ROUTE:  # (as the dK/dV kernel's, by query head)
-        if (tl.load(BSTART + i_bh * MB + (tq - 1) // G) == 0) != (ROUTE == 1):
+        if keeps_every_key(BSTART, i_bh, MB, tq, G) != (ROUTE == 1):
             return
     off = tk - tq
     o_m = i_m * BM + tl.arange(0, BM)
@@ -698,17 +700,20 @@ def launch_bwd(q, k, v, o, do, lse2, dlse, c_hi, c_lo, block_start, block_end, c
     gate sums), 2 the gate sums without the bias, 3 the bias without the gate sums.
     ``poison``: scratch buffers NaN-filled (the tests' poisoned outputs)."""
     use_acp = block_start is not None
-    runs = [_prepared(*(configs or bwd_config(p.d, p.hq // p.h, use_acp, p.tk)), q, k, v, do, p, 0)]
-    if use_acp and runs[0][0].get("ROUTE") and p.batch * p.hq * p.tq >= triton_fwd.ROUTE_MIN_ROWS:
+    run = _BwdRun.of(*(configs or bwd_config(p.d, p.hq // p.h, use_acp, p.tk)), q, k, v, do, p)
+    runs = [run]
+    if use_acp and run.route and p.batch * p.hq * p.tq >= triton_fwd.ROUTE_MIN_ROWS:
         # the kv heads (dK/dV) and query heads (dQ) that ACP prunes nowhere take the dense
         # tables' tiles without ACP (one launch each), the others the ACP tables' (a second):
         # where both tables keep dS or both do not, and make the rows the same way
-        dense = _prepared(*bwd_config(p.d, p.hq // p.h, False, p.tk), q, k, v, do, p, 1)
-        if dense[2:4] == runs[0][2:4] and dense[2] in (0, 4):
-            runs = [dense, runs[0][:-1] + (2,)]
-    for run in runs:
-        run[0].pop("ROUTE", None)
-    fuse, make_rows = runs[0][2], runs[0][3]
+        dense = _BwdRun.of(*bwd_config(p.d, p.hq // p.h, False, p.tk), q, k, v, do, p)
+        if (dense.fuse, dense.make_rows) == (run.fuse, run.make_rows) and run.fuse in (0, 4):
+            runs = [dense._replace(route=1), run._replace(route=2)]
+        else:
+            runs = [run._replace(route=0)]
+    else:
+        runs = [run._replace(route=0)]
+    fuse, make_rows = run.fuse, run.make_rows
     bd = max(16, triton.next_power_of_2(p.d))
     dummy = c_hi
     varlen = cu is not None
@@ -721,7 +726,7 @@ def launch_bwd(q, k, v, o, do, lse2, dlse, c_hi, c_lo, block_start, block_end, c
                                cfg_q, dict(common, USE_ACP=use_acp and route != 1),
                                dict(MAKE_ROWS=make_rows, HAS_DLSE=dlse is not None, USE_TMA=tma_q,
                                     **({"ROUTE": route} if route else {})))
-                  for _, cfg_q, _, _, _, _, tma_q, route in runs]
+                  for cfg_q, tma_q, route in ((r.q, r.tma_q, r.route) for r in runs)]
     if make_rows:
         for launch_q in launches_q:
             launch_q()
@@ -743,7 +748,8 @@ def launch_bwd(q, k, v, o, do, lse2, dlse, c_hi, c_lo, block_start, block_end, c
         dcr.zero_()
     else:
         dqa = dummy
-    for cfg_kv, _, _, _, ds_tma, tma_kv, _, route in runs:
+    for r in runs:
+        cfg_kv, ds_tma, tma_kv, route = dict(r.kv), r.ds_tma, r.tma_kv, r.route
         bm, bn = cfg_kv.pop("BM"), cfg_kv.pop("BN")
         dqa_arg = head_rows_descriptor(dqa, bm, bd) if fuse == 2 else dqa
         qa, doa = (head_rows_descriptor(q, bm, bd), head_rows_descriptor(do, bm, bd)) if tma_kv else (q, do)
@@ -783,22 +789,36 @@ def launch_bwd(q, k, v, o, do, lse2, dlse, c_hi, c_lo, block_start, block_end, c
             launch_q()
 
 
-def _prepared(cfg_kv, cfg_q, q, k, v, do, p, route):
-    """One pair of configs as :func:`launch_bwd` runs it: ``(dK/dV options, dQ options,
-    FUSE_DQ mode, MAKE_ROWS, kept dS through descriptors, TMA in the dK/dV kernel, TMA in the
-    dQ kernel, route)``, the decided keys taken out of the options."""
-    cfg_kv, cfg_q = dict(cfg_kv), dict(cfg_q)
-    if q.element_size() == 4:  # float32 keeps the exact order of the bias's terms
-        cfg_kv.pop("ROW_BIAS", None)
-        cfg_q.pop("ROW_BIAS", None)
-    fuse = _fuse_mode(cfg_kv.pop("FUSE_DQ", False), q, p, cfg_kv)
-    cfg_kv.pop("DS_MAX_BYTES", None)
-    # kept dS stored through descriptors (DS_TMA, default): rows 16-byte aligned, Hopper or later
-    ds_tma = fuse == 4 and cfg_kv.pop("DS_TMA", True) and p.tq * q.element_size() % 16 == 0 and tma_device(q)
-    cfg_kv.pop("DS_TMA", None)
-    tma_kv, tma_q = (cfg.pop("TMA", False) == "host" and _host_tma(q, k, v, do, p) for cfg in (cfg_kv, cfg_q))
-    make_rows = bool(cfg_q.pop("MAKE_ROWS", False)) and not fuse
-    return cfg_kv, cfg_q, fuse, make_rows, ds_tma, tma_kv, tma_q, route
+class _BwdRun(NamedTuple):
+    """One pair of configs as :func:`launch_bwd` runs it, the decided keys taken out of the
+    options."""
+
+    kv: dict  # the dK/dV kernel's remaining options
+    q: dict  # the dQ kernel's
+    fuse: int  # FUSE_DQ's mode (_fuse_mode)
+    make_rows: bool  # the dQ kernel runs first and makes the rows
+    ds_tma: bool  # kept dS stored through descriptors
+    tma_kv: bool  # the dK/dV kernel's tiles through host descriptors
+    tma_q: bool  # the dQ kernel's
+    route: int  # ROUTE: asked by the config; then 0 one launch, 1 the dense launch, 2 the ACP one
+
+    @classmethod
+    def of(cls, cfg_kv, cfg_q, q, k, v, do, p) -> _BwdRun:
+        cfg_kv, cfg_q = dict(cfg_kv), dict(cfg_q)
+        if q.element_size() == 4:  # float32 keeps the exact order of the bias's terms
+            cfg_kv.pop("ROW_BIAS", None)
+            cfg_q.pop("ROW_BIAS", None)
+        route = int(bool(cfg_kv.pop("ROUTE", False)))
+        fuse = _fuse_mode(cfg_kv.pop("FUSE_DQ", False), q, p, cfg_kv)
+        cfg_kv.pop("DS_MAX_BYTES", None)
+        # kept dS stored through descriptors (DS_TMA, default): rows 16-byte aligned, Hopper or later
+        ds_tma = (fuse == 4 and cfg_kv.pop("DS_TMA", True) and p.tq * q.element_size() % 16 == 0
+                  and tma_device(q))
+        cfg_kv.pop("DS_TMA", None)
+        tma_kv, tma_q = (cfg.pop("TMA", False) == "host" and _host_tma(q, k, v, do, p)
+                         for cfg in (cfg_kv, cfg_q))
+        make_rows = bool(cfg_q.pop("MAKE_ROWS", False)) and not fuse
+        return cls(cfg_kv, cfg_q, fuse, make_rows, bool(ds_tma), tma_kv, tma_q, route)
 
 
 def _host_tma(q, k, v, do, p) -> bool:

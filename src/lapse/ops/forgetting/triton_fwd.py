@@ -74,6 +74,14 @@ def tile_grid(tiles: int, heads: int, heads_first: bool) -> tuple[int, int]:
 
 
 @triton.jit
+def keeps_every_key(BSTART, i_bh, MB, tq, G: tl.constexpr):
+    """Whether ACP prunes nothing for (sequence x head) ``i_bh`` of ``tq`` queries: its last
+    query block keeps every key. The boundary search's staircase never steps down along a
+    sequence, so then no block prunes (``ROUTE``: which of two launches serves the head)."""
+    return tl.load(BSTART + i_bh * MB + (tq - 1) // G) == 0
+
+
+@triton.jit
 def loop_runs(a, b, c, d, LOOPS: tl.constexpr):
     """Whether each of three consecutive loops ``[a, b)``, ``[b, c)``, ``[c, d)`` is entered:
     every one (``LOOPS`` even: the loops as they are), or those with a step (odd: a
@@ -188,9 +196,8 @@ def _fwd_kernel(
     if i_m * BM >= tq:
         return
     if ROUTE:  # one of two launches (launch_fwd's ROUTE): 1 serves the (sequence, head)s that
-        # ACP prunes nowhere, 2 the others. The staircase never steps down, so a head's last
-        # query block keeps every key only where every block does
-        if (tl.load(BSTART + i_bh * MB + (tq - 1) // G) == 0) != (ROUTE == 1):
+        # ACP prunes nowhere, 2 the others
+        if keeps_every_key(BSTART, i_bh, MB, tq, G) != (ROUTE == 1):
             return
     off = tk - tq
     o_m = i_m * BM + tl.arange(0, BM)
