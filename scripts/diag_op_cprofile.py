@@ -25,6 +25,8 @@ def main() -> None:
     ap.add_argument("--shape", default="1x512x24x64", help="B x T x H x D")
     ap.add_argument("--calls", type=int, default=300)
     ap.add_argument("--top", type=int, default=22)
+    ap.add_argument("--sort", default="tottime", help="pstats order: tottime, cumulative")
+    ap.add_argument("--only", default="", help="only the calls whose name contains this")
     args = ap.parse_args()
     set_value_checks(False)
     b, t, h, d = (int(x) for x in args.shape.split("x"))
@@ -40,6 +42,8 @@ def main() -> None:
         "acp fwd, ROUTE at any size": lambda: forgetting_attention(q, k, v, lg, acp="auto", backend="triton"),
     }
     for name, fn in calls.items():
+        if args.only not in name:
+            continue
         if "ROUTE" in name:
             triton_fwd.ROUTE_MIN_ROWS = 0  # the routed launches (at D 128; D 64 from 16k keys)
         grad = "bwd" in name
@@ -59,7 +63,7 @@ def main() -> None:
             prof.disable()
             torch.cuda.synchronize()
         s = io.StringIO()
-        pstats.Stats(prof, stream=s).sort_stats("tottime").print_stats(args.top)
+        pstats.Stats(prof, stream=s).sort_stats(args.sort).print_stats(args.top)
         print(f"=== {name}: {wall:.3f} ms a call (wall, no profiler)")
         print("\n".join(s.getvalue().splitlines()[6:6 + args.top + 3]))
 
