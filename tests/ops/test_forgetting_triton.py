@@ -577,6 +577,27 @@ KEPT_DS_CASES = CPU_CASES + [(2, 130, 130, 4, 2, 96, "fast", "auto", None),
                              (2, 200, 200, 4, 2, 128, "mixed", 1.0, None)]
 
 
+@pytest.mark.parametrize("capturing", [False, True], ids=["eager", "captured"])
+@pytest.mark.parametrize("free_gib", [70, 20], ids=["much-free", "little-free"])
+def test_kept_ds_budget(free_gib, capturing, monkeypatch):
+    """The kept dS's budget on an 80 GiB GPU: a quarter of it with most of it free (the bench's
+    D 128, T 16k dS, 12.9 GB, fits), half of what is free (with the allocator's cache) when
+    that is less, and an eighth while a CUDA graph is captured, whatever is free."""
+    from lapse.ops.forgetting import triton_bwd
+
+    gib = 2**30
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda d: SimpleNamespace(total_memory=80 * gib))
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda d: (free_gib * gib, 80 * gib))
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda d: 6 * gib)
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda d: 4 * gib)
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: capturing)
+    want = 10 * gib if capturing else min(20 * gib, (free_gib + 2) * gib // 2)
+    assert triton_bwd._ds_budget(torch.device("cuda")) == want
+    p = SimpleNamespace(tk=16384, tq=16384)
+    fits = 2 * 24 * triton_bwd._ds_head(p) * 2 <= want
+    assert fits == (free_gib == 70 and not capturing)
+
+
 @pytest.mark.parametrize("stores", ["descriptors", "pointers"])
 @pytest.mark.parametrize("case", KEPT_DS_CASES, ids=[_id(c) for c in KEPT_DS_CASES])
 def test_backward_with_dq_from_kept_ds_matches_naive(case, stores, monkeypatch):

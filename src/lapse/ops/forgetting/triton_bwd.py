@@ -827,8 +827,15 @@ def _host_tma(q, k, v, do, p) -> bool:
     return tma_mode("host", q, k, v, p) == 2 and do.is_contiguous() and tma_ready(do)
 
 
-DS_MAX_FRACTION = 1 / 8  # FUSE_DQ="ds": kept dS at most this share of the GPU's memory,
-DS_MAX_FREE = 1 / 2  # and of what is free at the call (the driver's and the allocator's cache)
+# FUSE_DQ="ds": kept dS at most this share of the GPU's memory (1/8 until the twenty-second
+# session: the bench's D 128, T 16k dS, 12.9 GB, then missed an 80 GB H100's budget and its
+# backward took the two kernels, 28.50 against 26.35 ms forward+backward; ``docs/bench/
+# session22/ab``), and at most this share of what is free at the call (the driver's free memory
+# and the allocator's cache); while a CUDA graph is captured, which cannot ask what is free and
+# whose pool keeps the scratch for the graph's life, at most DS_MAX_CAPTURED of the GPU's memory
+DS_MAX_FRACTION = 1 / 4
+DS_MAX_FREE = 1 / 2
+DS_MAX_CAPTURED = 1 / 8
 
 
 def _ds_budget(device) -> int:
@@ -836,15 +843,15 @@ def _ds_budget(device) -> int:
     and ``DS_MAX_FREE`` of what is free now, so a run near its memory limit takes the two
     kernels (dS for all heads at once: taken a few heads at a time, the launches' tails made
     it slower than the two kernels at 16k; BENCHMARKS.md, "Twentieth session"). While a CUDA
-    graph is captured the free memory is not asked for."""
+    graph is captured, ``DS_MAX_CAPTURED`` of the GPU's memory and no more."""
     if device.type != "cuda":
         return 2**40
-    budget = torch.cuda.get_device_properties(device).total_memory * DS_MAX_FRACTION
-    if not torch.cuda.is_current_stream_capturing():
-        free = torch.cuda.mem_get_info(device)[0]
-        cached = torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
-        budget = min(budget, (free + cached) * DS_MAX_FREE)
-    return int(budget)
+    total = torch.cuda.get_device_properties(device).total_memory
+    if torch.cuda.is_current_stream_capturing():
+        return int(total * DS_MAX_CAPTURED)
+    free = torch.cuda.mem_get_info(device)[0]
+    cached = torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
+    return int(min(total * DS_MAX_FRACTION, (free + cached) * DS_MAX_FREE))
 
 
 def _ds_head(p) -> int:
