@@ -61,6 +61,33 @@ def test_ratios_use_the_fastest_baseline_of_each_mode():
     assert "sdpa-efficient: n/a: NotAvailable" in table
 
 
+def test_graph_times_ratios_and_efficiency():
+    """The CUDA-graph times get their own ratios (to the fastest eager baseline's graph time)
+    and ACP efficiency, and a line each in the table's notes; a failed capture says why."""
+    result = _result(
+        lapse=_timed(3.0, 12.0),
+        lapse_acp={**_timed(1.5, 6.0), "pruned": 0.6},
+        sdpa_default=_timed(2.0, 7.0),
+    )
+    graph = {"lapse": (2.5, 11.0), "lapse-acp": (1.2, 5.0), "sdpa-default": (1.9, 6.8)}
+    for name, (fwd, fwd_bwd) in graph.items():
+        result["providers"][name]["fwd"]["graph_ms"] = fwd
+        result["providers"][name]["fwd+bwd"]["graph_ms"] = fwd_bwd
+    result["providers"]["sdpa-default"]["fwd+bwd"] = {"ms": 7.0, "graph_error": "RuntimeError: capture"}
+    bench._derive(result)
+    rows = result["providers"]
+    assert rows["lapse"]["fwd"]["graph_vs_fastest"] == pytest.approx(2.5 / 1.9)
+    assert "graph_vs_fastest" not in rows["lapse"]["fwd+bwd"]  # the baseline's capture failed
+    assert rows["lapse-acp"]["fwd"]["graph_efficiency"] == pytest.approx(2.5 * 0.4 / 1.2)
+    assert rows["lapse-acp"]["fwd+bwd"]["graph_efficiency"] == pytest.approx(11.0 * 0.4 / 5.0)
+    assert rows["lapse-acp"]["fwd+bwd"]["efficiency"] == pytest.approx(12.0 * 0.4 / 6.0)
+    table = bench.markdown_table(result, ("fwd", "fwd+bwd"))
+    assert ("lapse-acp: replayed from a CUDA graph (GPU time, no launches): "
+            f"fwd 1.200 ms ({1.2 / 1.9:.2f}x), efficiency {2.5 * 0.4 / 1.2:.2f}; fwd+bwd 5.000 ms, efficiency {11.0 * 0.4 / 5.0:.2f}") in table
+    assert "sdpa-default: replayed from a CUDA graph (GPU time, no launches): fwd 1.900 ms (1.00x); " \
+        "fwd+bwd n/a: RuntimeError: capture" in table
+
+
 def test_no_baseline_ran():
     result = _result(lapse=_timed(3.0, 12.0), sdpa_flash=_timed(None, None))
     bench._derive(result)

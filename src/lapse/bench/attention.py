@@ -164,6 +164,10 @@ class AttentionBenchConfig:
     """do_bench warmup, in ms."""
     rep_ms: int = 100
     """do_bench measuring time, in ms."""
+    graph_times: bool = True
+    """Also time lapse and SDPA replayed from a CUDA graph: their kernels' GPU time, without
+    the host's launches (an eager call whose launches take longer than its kernels measures
+    the host; ACP's forward+backward at 4k comes near that)."""
     seed: int = 0
     """Seed of the workload and of dO."""
     check: bool = True
@@ -739,6 +743,47 @@ def _peak_mib(fn: Callable[[], object]) -> float | None:
     return (torch.cuda.max_memory_allocated() - before) / 2**20
 
 
+GRAPH_TIMED = ("lapse", "lapse-acp", "sdpa-default", "sdpa-flash", "sdpa-efficient", "sdpa-cudnn")
+
+
+def _graph_ms(r: Runner, mode: str, d_out: Tensor, cfg: AttentionBenchConfig) -> dict:
+    """``{"graph_ms": ...}``: the call of ``mode`` captured in a CUDA graph and the replay
+    timed, or ``{"graph_error": ...}`` where capture fails. Captured, lapse's backward keeps
+    dS only within an eighth of the GPU's memory (``triton_bwd.DS_MAX_CAPTURED``)."""
+    try:
+        with r.context():
+            if mode == "fwd":
+                with torch.no_grad():
+                    return {"graph_ms": _time_graphed(r.forward, cfg)}
+            d = r.from_bthd(d_out).contiguous()
+
+            def call() -> object:
+                return torch.autograd.grad(r.forward(), r.grad_inputs, d)
+
+            return {"graph_ms": _time_graphed(call, cfg)}
+    except Exception as e:
+        return {"graph_error": _short(e)}
+    finally:
+        _free()
+
+
+def _graph_note(row: dict, modes) -> str:
+    """The row's CUDA-graph times: ms, x the fastest softmax's graph time, ACP's efficiency."""
+    parts = []
+    for mode in modes:
+        m = row.get(mode, {})
+        if "graph_ms" in m:
+            part = f"{mode} {m['graph_ms']:.3f} ms"
+            if "graph_vs_fastest" in m:
+                part += f" ({m['graph_vs_fastest']:.2f}x)"
+            if "graph_efficiency" in m:
+                part += f", efficiency {m['graph_efficiency']:.2f}"
+            parts.append(part)
+        elif "graph_error" in m:
+            parts.append(f"{mode} n/a: {m['graph_error']}")
+    return "; ".join(parts)
+
+
 def _bench_provider(
     name: Provider, wl: Workload, cfg: AttentionBenchConfig, ref, d_out: Tensor, result: dict
 ) -> dict:
@@ -786,6 +831,8 @@ def _bench_provider(
                     ms = _time(call, cfg)
                     peak = _peak_mib(call)
             row[mode] = {"ms": ms, "tflops": result_flops(result, mode) / ms / 1e9, "peak_mib": peak}
+            if cfg.graph_times and name in GRAPH_TIMED and torch.cuda.is_available():
+                row[mode].update(_graph_ms(r, mode, d_out, cfg))
         except Exception as e:
             row[mode] = {"error": _short(e)}
             row.setdefault("traceback", traceback.format_exc())
@@ -886,14 +933,22 @@ def _derive(result: dict) -> None:
                 row[mode]["vs_fastest"] = t / t_fast
             if t is not None and t_flash is not None:
                 row[mode]["vs_sdpa_flash"] = t / t_flash
+        fastest_graph = rows.get(result["fastest_softmax"].get(mode, {}).get("provider"), {})
+        t_graph = fastest_graph.get(mode, {}).get("graph_ms")
+        for row in rows.values():
+            g = row.get(mode, {}).get("graph_ms")
+            if g is not None and t_graph is not None:
+                row[mode]["graph_vs_fastest"] = g / t_graph
     acp = rows.get("lapse-acp")
     if acp is None:
         return
     pruned = acp.get("pruned")
     for mode in ("fwd", "fwd+bwd"):
-        t_dense, t_acp = ms("lapse", mode), ms("lapse-acp", mode)
-        if None not in (pruned, t_dense, t_acp):
-            acp[mode]["efficiency"] = t_dense * (1 - pruned) / t_acp
+        for key, out in (("ms", "efficiency"), ("graph_ms", "graph_efficiency")):
+            t_dense = rows.get("lapse", {}).get(mode, {}).get(key)
+            t_acp = acp.get(mode, {}).get(key)
+            if None not in (pruned, t_dense, t_acp):
+                acp[mode][out] = t_dense * (1 - pruned) / t_acp
     search = acp.get("boundary_search", {})
     t_acp = ms("lapse-acp", "fwd")
     if "search_ms" in search and t_acp is not None:
@@ -966,6 +1021,9 @@ def markdown_table(result: dict, modes: tuple[str, ...]) -> str:
         for n in row.get("notes", []):
             if n.startswith(("pruned fraction n/a", "SDPA's default backend choice")):
                 notes.append(f"{name}: {n}")
+        graphed = _graph_note(row, modes)
+        if graphed:
+            notes.append(f"{name}: replayed from a CUDA graph (GPU time, no launches): {graphed}")
         search = row.get("boundary_search")
         if search is not None:
             if "error" in search:
