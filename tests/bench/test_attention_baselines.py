@@ -83,7 +83,8 @@ def test_graph_times_ratios_and_efficiency():
     assert rows["lapse-acp"]["fwd+bwd"]["efficiency"] == pytest.approx(12.0 * 0.4 / 6.0)
     table = bench.markdown_table(result, ("fwd", "fwd+bwd"))
     assert ("lapse-acp: replayed from a CUDA graph (GPU time, no launches): "
-            f"fwd 1.200 ms ({1.2 / 1.9:.2f}x), efficiency {2.5 * 0.4 / 1.2:.2f}; fwd+bwd 5.000 ms, efficiency {11.0 * 0.4 / 5.0:.2f}") in table
+            f"fwd 1.200 ms ({1.2 / 1.9:.2f}x), efficiency {2.5 * 0.4 / 1.2:.2f}; "
+            f"fwd+bwd 5.000 ms, efficiency {11.0 * 0.4 / 5.0:.2f}") in table
     assert "sdpa-default: replayed from a CUDA graph (GPU time, no launches): fwd 1.900 ms (1.00x); " \
         "fwd+bwd n/a: RuntimeError: capture" in table
 
