@@ -164,10 +164,11 @@ class AttentionBenchConfig:
     """do_bench warmup, in ms."""
     rep_ms: int = 100
     """do_bench measuring time, in ms."""
-    graph_times: bool = True
+    graph_times: bool = False
     """Also time lapse and SDPA replayed from a CUDA graph: their kernels' GPU time, without
     the host's launches (an eager call whose launches take longer than its kernels measures
-    the host; ACP's forward+backward at 4k comes near that)."""
+    the host; ACP's forward+backward at 4k comes near that). Opt-in: written in the
+    twenty-second session after its last GPU call, so not yet run on a GPU."""
     seed: int = 0
     """Seed of the workload and of dO."""
     check: bool = True
