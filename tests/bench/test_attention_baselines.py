@@ -89,6 +89,38 @@ def test_graph_times_ratios_and_efficiency():
         "fwd+bwd n/a: RuntimeError: capture" in table
 
 
+@pytest.mark.parametrize("fails", [False, True], ids=["captured", "capture-fails"])
+def test_graph_ms_gives_captures_the_eager_ds_budget(fails, monkeypatch):
+    """While ``_graph_ms`` captures, lapse's kept dS gets the eager budget (so graph and eager
+    timings run the same kernels), restored afterwards; a failed capture is reported, not
+    raised."""
+    import contextlib
+
+    from lapse.ops.forgetting import triton_bwd
+
+    seen = []
+
+    def fake_time_graphed(fn, cfg):
+        seen.append(triton_bwd.DS_MAX_CAPTURED)
+        if fails:
+            raise RuntimeError("operation not permitted when stream is capturing")
+        return 1.25
+
+    monkeypatch.setattr(bench, "_time_graphed", fake_time_graphed)
+    runner = types.SimpleNamespace(context=contextlib.nullcontext, forward=lambda: None,
+                                   from_bthd=lambda d: d, grad_inputs=[])
+    before = triton_bwd.DS_MAX_CAPTURED
+    for mode in ("fwd", "fwd+bwd"):
+        got = bench._graph_ms(runner, mode, torch.zeros(1), AttentionBenchConfig())
+        assert got == ({"graph_error": "RuntimeError: operation not permitted when stream is capturing"}
+                       if fails else {"graph_ms": 1.25})
+    assert seen == [triton_bwd.DS_MAX_FRACTION] * 2 and triton_bwd.DS_MAX_CAPTURED == before
+    assert triton_bwd.DS_MAX_FRACTION != before  # the test would pass vacuously otherwise
+    cfg = AttentionBenchConfig(graph_times=True)
+    assert cfg.command().endswith(" --graph-times")
+    assert tyro.cli(AttentionBenchConfig, args=shlex.split(cfg.command())[3:]) == cfg
+
+
 def test_no_baseline_ran():
     result = _result(lapse=_timed(3.0, 12.0), sdpa_flash=_timed(None, None))
     bench._derive(result)

@@ -593,9 +593,10 @@ def test_kept_ds_budget(free_gib, capturing, monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: capturing)
     want = 10 * gib if capturing else min(20 * gib, (free_gib + 2) * gib // 2)
     assert triton_bwd._ds_budget(torch.device("cuda")) == want
-    p = SimpleNamespace(tk=16384, tq=16384)
-    fits = 2 * 24 * triton_bwd._ds_head(p) * 2 <= want
-    assert fits == (free_gib == 70 and not capturing)
+    p = SimpleNamespace(tk=16384, tq=16384, batch=2, hq=24, cu_seqlens=None)
+    q = SimpleNamespace(device=torch.device("cuda"), element_size=lambda: 2)
+    mode = triton_bwd._fuse_mode("ds", q, p, {"BN": 64, "BM": 64})  # 4: dS kept; 0: the two kernels
+    assert mode == (4 if free_gib == 70 and not capturing else 0)
 
 
 @pytest.mark.parametrize("stores", ["descriptors", "pointers"])
