@@ -682,10 +682,9 @@ def _time_graphed(fn: Callable[[], object], cfg: AttentionBenchConfig) -> float:
     """The GPU time of ``fn``'s kernels: ``fn`` captured once in a CUDA graph and the replay
     timed. Timed eagerly, a call whose kernels take less time than their launches measures
     the host's launches instead (``do_bench`` records its events around them)."""
-    fn()  # compiles
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):  # capture's warm-up on a side stream, as torch asks
+    with torch.cuda.stream(side):  # the warm-up (and compile) on a side stream, as capture asks
         fn()
     torch.cuda.current_stream().wait_stream(side)
     graph = torch.cuda.CUDAGraph()
@@ -747,7 +746,7 @@ def _peak_mib(fn: Callable[[], object]) -> float | None:
     return (torch.cuda.max_memory_allocated() - before) / 2**20
 
 
-GRAPH_TIMED = ("lapse", "lapse-acp", "sdpa-default", "sdpa-flash", "sdpa-efficient", "sdpa-cudnn")
+GRAPH_TIMED = ("lapse", "lapse-acp", *SOFTMAX_BASELINES)
 
 
 def _graph_ms(r: Runner, mode: str, d_out: Tensor, cfg: AttentionBenchConfig) -> dict:
@@ -931,8 +930,8 @@ def _derive(result: dict) -> None:
     tables recorded before issue 16), ACP efficiency and the boundary-search share."""
     rows = result["providers"]
 
-    def ms(name: str, mode: str) -> float | None:
-        return rows.get(name, {}).get(mode, {}).get("ms")
+    def ms(name: str | None, mode: str, key: str = "ms") -> float | None:
+        return rows.get(name, {}).get(mode, {}).get(key)
 
     result["fastest_softmax"] = {}
     for mode in ("fwd", "fwd+bwd"):
@@ -947,8 +946,7 @@ def _derive(result: dict) -> None:
                 row[mode]["vs_fastest"] = t / t_fast
             if t is not None and t_flash is not None:
                 row[mode]["vs_sdpa_flash"] = t / t_flash
-        fastest_graph = rows.get(result["fastest_softmax"].get(mode, {}).get("provider"), {})
-        t_graph = fastest_graph.get(mode, {}).get("graph_ms")
+        t_graph = ms(result["fastest_softmax"].get(mode, {}).get("provider"), mode, "graph_ms")
         for row in rows.values():
             g = row.get(mode, {}).get("graph_ms")
             if g is not None and t_graph is not None:
@@ -959,8 +957,7 @@ def _derive(result: dict) -> None:
     pruned = acp.get("pruned")
     for mode in ("fwd", "fwd+bwd"):
         for key, out in (("ms", "efficiency"), ("graph_ms", "graph_efficiency")):
-            t_dense = rows.get("lapse", {}).get(mode, {}).get(key)
-            t_acp = acp.get(mode, {}).get(key)
+            t_dense, t_acp = ms("lapse", mode, key), ms("lapse-acp", mode, key)
             if None not in (pruned, t_dense, t_acp):
                 acp[mode][out] = t_dense * (1 - pruned) / t_acp
     search = acp.get("boundary_search", {})
