@@ -3,7 +3,9 @@
 # multiprocessor, each looping over query tiles) on the GPU: its GPU tests, then the kernels
 # alone against the tables in one process (tune_fox_fwd.py --variants; the table timed first
 # and again last, for the call's spread).
-# Usage, from the repo root: bash scripts/gpu.sh bash scripts/gpu_issue16_s23_persistent.sh
+# Measured at 7c1f193 (the option was then taken out: it lost everywhere, BENCHMARKS.md,
+# "Twenty-third session"); to rerun: git checkout 7c1f193, then
+# bash scripts/gpu.sh bash scripts/gpu_issue16_s23_persistent.sh
 set -uo pipefail
 export PYTHONUNBUFFERED=1
 OUT="${OUT:-runs/issue16-s23-persistent}"

@@ -696,21 +696,19 @@ def _route_small_calls(monkeypatch):
     monkeypatch.setattr(triton_fwd, "ROUTE_MIN_ROWS", 0)
 
 
-@pytest.mark.parametrize("mode", ["loops", "one_loop", "persistent"])
+@pytest.mark.parametrize("one_loop", [False, True], ids=["loops", "one_loop"])
 @pytest.mark.parametrize("case", ROUTE_CASES, ids=[_id(c) for c in ROUTE_CASES])
-def test_routed_forward_matches_naive(case, mode, monkeypatch):
+def test_routed_forward_matches_naive(case, one_loop, monkeypatch):
     """``ROUTE``: the (sequence, head)s that ACP prunes nowhere run in a launch with the dense
     table's tiles, the others in a second with the ACP table's; each program of either launch
     not its own returns at once. In the backward the dK/dV kernel routes by key head (dense
     where all its query heads are), the dQ kernel by query head. Against the float64 oracle,
     outputs poisoned (a program neither launch runs leaves NaN). ``ONE_LOOP``: every kept key
-    in one loop, each tile masked, instead of the diagonal, edge and interior loops;
-    ``PERSISTENT``: each launch's programs loop over every tile, and skip the other's."""
+    in one loop, each tile masked, instead of the diagonal, edge and interior loops."""
     if torch.cuda.is_available():
         pytest.skip("interpreter shapes; the GPU runs test_routed_forward_gpu")
     _route_small_calls(monkeypatch)
-    fwd = dict(ROUTE=True, ONE_LOOP=mode == "one_loop", PERSISTENT=int(mode == "persistent"))
-    _with_options(monkeypatch, fwd=fwd, kv=dict(ROUTE=True))
+    _with_options(monkeypatch, fwd=dict(ROUTE=True, ONE_LOOP=one_loop), kv=dict(ROUTE=True))
     b, tq, tk, hq, h, d, gate, acp, cu = case
     cu_t = None if cu is None else torch.tensor(cu, dtype=torch.int32)
     q, k, v, lg, do = _inputs(b, tq, tk, hq, h, d, gate, torch.float32, "cpu", seed=tq + tk)
@@ -747,13 +745,12 @@ def test_route_where_the_tables_take_it():
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("case", GPU_CASES, ids=[_id(c) for c in GPU_CASES])
-@pytest.mark.parametrize("mode", ["loops", "one_loop", "persistent"])
-def test_routed_forward_gpu(case, mode, monkeypatch):
-    if case[7] is None and mode != "one_loop":
+@pytest.mark.parametrize("one_loop", [False, True], ids=["loops", "one_loop"])
+def test_routed_forward_gpu(case, one_loop, monkeypatch):
+    if case[7] is None and not one_loop:
         pytest.skip("ROUTE serves ACP only")
     _route_small_calls(monkeypatch)
-    fwd = dict(ROUTE=True, ONE_LOOP=mode == "one_loop", PERSISTENT=int(mode == "persistent"))
-    _with_options(monkeypatch, fwd=fwd, kv=dict(ROUTE=True))
+    _with_options(monkeypatch, fwd=dict(ROUTE=True, ONE_LOOP=one_loop), kv=dict(ROUTE=True))
     _check_gpu(case)
 
 
@@ -764,26 +761,6 @@ def test_one_loop_forward_matches_naive(case, monkeypatch):
         pytest.skip("interpreter shapes; the GPU runs test_routed_forward_gpu")
     _with_options(monkeypatch, fwd=dict(ONE_LOOP=True))
     _check_cpu(case, seed=5 * case[1] + case[2] + case[5])
-
-
-@pytest.mark.parametrize("case", CPU_CASES, ids=[_id(c) for c in CPU_CASES])
-def test_persistent_forward_matches_naive(case, monkeypatch):
-    """``PERSISTENT``: a few programs a multiprocessor (the interpreter counts 4), each
-    looping over query tiles, every head's last tile first; a tile past its sequence does
-    nothing. Against the float64 oracle, outputs poisoned, so a tile no program takes shows
-    as NaN. The routed launches run persistent in ``test_routed_forward_matches_naive``."""
-    if torch.cuda.is_available():
-        pytest.skip("interpreter shapes; the GPU runs test_persistent_forward_gpu")
-    _with_options(monkeypatch, fwd=dict(PERSISTENT=1))
-    _check_cpu(case, seed=7 * case[1] + case[2] + case[5])
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("case", GPU_CASES, ids=[_id(c) for c in GPU_CASES])
-@pytest.mark.parametrize("per_sm", [1, 2])
-def test_persistent_forward_gpu(case, per_sm, monkeypatch):
-    _with_options(monkeypatch, fwd=dict(PERSISTENT=per_sm))
-    _check_gpu(case)
 
 
 # D 64 (a power of two: the tensor-memory engine's adds take a head's D columns whole):

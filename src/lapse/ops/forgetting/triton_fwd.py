@@ -29,7 +29,6 @@ weights overflow that reference (a logit ~127 above it, base 2) is done again th
 from __future__ import annotations
 
 import contextlib
-import functools
 
 import torch
 import triton
@@ -178,46 +177,9 @@ def _fwd_kernel(
     USE_TMA: tl.constexpr, BIAS: tl.constexpr = True, PAIRS: tl.constexpr = False,
     LOOPS: tl.constexpr = 0, ROW_BIAS: tl.constexpr = False, FIXED_MAX: tl.constexpr = False,
     HEADS_FIRST: tl.constexpr = False, ROUTE: tl.constexpr = 0, ONE_LOOP: tl.constexpr = False,
-    PERSISTENT: tl.constexpr = 0, NT=1, NBH=1,
 ):
-    if PERSISTENT:  # a few programs a multiprocessor, each taking the tiles pid, pid + programs,
-        # ... of the NT x NBH (query tiles x sequences and heads), every head's last (longest)
-        # query tile first
-        for w in tl.range(tl.program_id(0), NT * NBH, tl.num_programs(0), num_stages=1):
-            _fwd_tile(
-                Q, K, V, CHI, CLO, BSTART, O, LSE, CU, stride_qb, stride_qt, stride_qh,
-                stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
-                stride_ob, stride_ot, stride_oh, qk_scale, TQ, TK, TC, HQ, GROUP, MB,
-                (NT - 1 - w // NBH).to(tl.int64), (w % NBH).to(tl.int64),
-                D, BD, BM, BN, G, IS_VARLEN, USE_ACP, DOT_PREC, USE_TMA, BIAS, PAIRS, LOOPS,
-                ROW_BIAS, FIXED_MAX, ROUTE, ONE_LOOP)
-    else:
-        # the last query tiles have the most keys: schedule them first to shorten the tail
-        i_m, i_bh = program_tile(True, HEADS_FIRST)
-        _fwd_tile(
-            Q, K, V, CHI, CLO, BSTART, O, LSE, CU, stride_qb, stride_qt, stride_qh,
-            stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
-            stride_ob, stride_ot, stride_oh, qk_scale, TQ, TK, TC, HQ, GROUP, MB, i_m, i_bh,
-            D, BD, BM, BN, G, IS_VARLEN, USE_ACP, DOT_PREC, USE_TMA, BIAS, PAIRS, LOOPS,
-            ROW_BIAS, FIXED_MAX, ROUTE, ONE_LOOP)
-
-
-@triton.jit
-def _fwd_tile(
-    Q, K, V, CHI, CLO, BSTART, O, LSE, CU,
-    stride_qb, stride_qt, stride_qh,
-    stride_kb, stride_kt, stride_kh,
-    stride_vb, stride_vt, stride_vh,
-    stride_ob, stride_ot, stride_oh,
-    qk_scale, TQ, TK, TC, HQ, GROUP, MB, i_m, i_bh,
-    D: tl.constexpr, BD: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
-    G: tl.constexpr, IS_VARLEN: tl.constexpr, USE_ACP: tl.constexpr, DOT_PREC: tl.constexpr,
-    USE_TMA: tl.constexpr, BIAS: tl.constexpr, PAIRS: tl.constexpr, LOOPS: tl.constexpr,
-    ROW_BIAS: tl.constexpr, FIXED_MAX: tl.constexpr, ROUTE: tl.constexpr, ONE_LOOP: tl.constexpr,
-):
-    """Query tile ``i_m`` of (sequence x query head) ``i_bh``: its output rows and lse. No
-    early return (inlined into the persistent loop): a tile past its sequence, or one of
-    the other launch's (``ROUTE``), does nothing."""
+    # the last query tiles have the most keys: schedule them first to shorten the tail
+    i_m, i_bh = program_tile(True, HEADS_FIRST)
     i_b = i_bh // HQ
     i_h = i_bh % HQ
     i_hk = i_h // GROUP
@@ -231,30 +193,12 @@ def _fwd_tile(
         tq = TQ
         tk = TK
         i_bt = i_b
-    run = i_m * BM < tq
+    if i_m * BM >= tq:
+        return
     if ROUTE:  # one of two launches (launch_fwd's ROUTE): 1 serves the (sequence, head)s that
         # ACP prunes nowhere, 2 the others
-        run = run & (keeps_every_key(BSTART, i_bh, MB, tq, G) == (ROUTE == 1))
-    if run:
-        _fwd_tile_body(
-            Q, K, V, CHI, CLO, BSTART, O, LSE, stride_qb, stride_qt, stride_qh,
-            stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
-            stride_ob, stride_ot, stride_oh, qk_scale, TQ, TK, TC,
-            HQ, MB, i_m, i_b, i_h, i_hk, i_bt, bos, tq, tk, D, BD, BM, BN, G, USE_ACP, DOT_PREC,
-            USE_TMA, BIAS, PAIRS, LOOPS, ROW_BIAS, FIXED_MAX, ONE_LOOP)
-
-
-@triton.jit
-def _fwd_tile_body(
-    Q, K, V, CHI, CLO, BSTART, O, LSE, stride_qb, stride_qt, stride_qh,
-    stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
-    stride_ob, stride_ot, stride_oh, qk_scale, TQ, TK, TC,
-    HQ, MB, i_m, i_b, i_h, i_hk, i_bt, bos, tq, tk,
-    D: tl.constexpr, BD: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
-    G: tl.constexpr, USE_ACP: tl.constexpr, DOT_PREC: tl.constexpr,
-    USE_TMA: tl.constexpr, BIAS: tl.constexpr, PAIRS: tl.constexpr, LOOPS: tl.constexpr,
-    ROW_BIAS: tl.constexpr, FIXED_MAX: tl.constexpr, ONE_LOOP: tl.constexpr,
-):
+        if keeps_every_key(BSTART, i_bh, MB, tq, G) != (ROUTE == 1):
+            return
     off = tk - tq
     o_m = i_m * BM + tl.arange(0, BM)
     m_m = o_m < tq
@@ -589,17 +533,6 @@ def head_rows_descriptor(x, rows: int, bd: int):
     return TensorDescriptor.from_tensor(x.view(-1, x.shape[-2] * x.shape[-1]), [rows, bd])
 
 
-@functools.cache
-def _multiprocessors(device: torch.device) -> int:
-    return torch.cuda.get_device_properties(device).multi_processor_count
-
-
-def multiprocessors(device: torch.device) -> int:
-    """The streaming multiprocessors of a CUDA ``device`` (cached); 4 for the CPU interpreter,
-    so that its persistent programs each take several tiles."""
-    return _multiprocessors(device) if device.type == "cuda" else 4
-
-
 def tma_device(x) -> bool:
     """Whether ``x``'s device has the tensor-memory engine (Hopper, sm_90, or later); the
     CPU interpreter emulates descriptors."""
@@ -619,11 +552,7 @@ def _launch_fwd(q, k, v, c_hi, c_lo, block_start, cu, p, o, lse2, cfg, use_tma, 
         pairs = True
     else:
         pairs = False
-    nt = triton.cdiv(p.tq, bm)
-    grid = tile_grid(nt, p.batch * p.hq, cfg.get("HEADS_FIRST", False))
-    if cfg.get("PERSISTENT"):  # programs a multiprocessor, each looping over tiles
-        grid = (min(nt * p.batch * p.hq, cfg["PERSISTENT"] * multiprocessors(q.device)),)
-        cfg.update(NT=nt, NBH=p.batch * p.hq)
+    grid = tile_grid(triton.cdiv(p.tq, bm), p.batch * p.hq, cfg.get("HEADS_FIRST", False))
     mb = block_start.shape[-1] if block_start is not None else 1
     bd = max(16, triton.next_power_of_2(p.d))
     qa, ka, va = q, k, v
