@@ -73,3 +73,29 @@ def test_any_feature_combination_decodes_like_the_full_forward(kind, features):
             store.advance()
     torch.testing.assert_close(torch.cat(parts, 1), full, atol=1e-12, rtol=0)
     assert (layer.logit_bound() is not None) == features.get("qk_norm", False)
+
+
+def test_the_qk_norm_bound_holds_for_bfloat16_queries_and_keys():
+    """``logit_bound`` bounds ``|scale q.k|`` for the q and k the kernels read: with gains
+    equal across a head's channels the normalised vectors sit on the bound's sphere, and
+    rounding to bfloat16 lifts about half of them above it (by up to 2^-8), so a bound
+    without the rounding factor fails here."""
+    torch.manual_seed(0)
+    layer = ForgettingAttention(d_model=64, n_heads=4, n_kv_heads=2, head_dim=32, layer_idx=0, qk_norm=True)
+    with torch.no_grad():
+        layer.q_norm.weight.copy_(torch.tensor([0.5, 1.0, 1.7, 3.0])[:, None].expand_as(layer.q_norm.weight))
+        layer.k_norm.weight.copy_(torch.tensor([1.3, 0.8])[:, None].expand_as(layer.k_norm.weight))
+    layer = layer.bfloat16()
+    seen = {}
+    q_src, k_src = layer.qk_sources()
+    q_src.register_forward_hook(lambda m, i, o: seen.__setitem__("q", o))
+    k_src.register_forward_hook(lambda m, i, o: seen.__setitem__("k", o))
+    with torch.no_grad():
+        layer(torch.randn(4, 512, 64, dtype=torch.bfloat16), torch.arange(512)[None])
+    q, k = seen["q"].float(), seen["k"].float()  # [B, T, H, D]
+    assert q.dtype == k.dtype == torch.float32 and seen["q"].dtype == torch.bfloat16
+    k = k.repeat_interleave(2, dim=2)
+    largest = q.norm(dim=-1).amax((0, 1)) * k.norm(dim=-1).amax((0, 1)) * layer.scale  # >= |scale q.k|
+    bound = layer.logit_bound()
+    assert (largest <= bound).all(), (largest, bound)
+    assert (largest > bound / (1 + 2**-8) ** 4).all()  # on the sphere: the factor is what it covers

@@ -35,6 +35,8 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from lapse.ops.forgetting.common import qk_norm_bound
+
 LOCAL_SHARE = 0.7
 LOCAL_RATE_RANGE = (0.05, 0.7)
 GLOBAL_LOGIT = 9.0
@@ -103,8 +105,9 @@ class WorkloadSpec:
     @property
     def qk_norm_bound(self) -> float:
         """ACP bound ``U`` known from QK-norm: ``|q| = |k| = sqrt(D)``, so
-        ``|scale q.k| <= D * scale = sqrt(D)``."""
-        return self.head_dim * self.scale
+        ``|scale q.k| <= D * scale = sqrt(D)``, times the factor for the rounding of the
+        16-bit ``q`` and ``k`` (what a QK-norm layer's ``logit_bound`` gives)."""
+        return qk_norm_bound(1.0, 1.0, self.head_dim, self.scale)
 
     @property
     def seqlens(self) -> list[int]:

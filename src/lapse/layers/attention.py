@@ -22,6 +22,7 @@ from torch import Tensor, nn
 from lapse.kv import KVCache, PagedView, ShiftState
 from lapse.ops import attention_key_scores
 from lapse.ops.forgetting import forgetting_attention_paged_decode
+from lapse.ops.forgetting.common import qk_norm_bound
 
 from .fused import FusedWeights
 from .norm import RMSNorm
@@ -248,14 +249,15 @@ class Attention(nn.Module):
 
         With QK-norm: ``max|g_q,h| * max|g_k,h| * D * scale``; an RMS-normalised vector
         with gains g has norm at most ``max|g| sqrt(D)``, so no pass over the data is
-        needed (SPEC section 3). Without it a bound needs the data.
+        needed (SPEC section 3), with a factor for the rounding of 16-bit q and k
+        (:func:`~lapse.ops.forgetting.common.qk_norm_bound`). Without it a bound needs the data.
         """
         if self.q_norm is None:
             return None
         g_q = self.q_norm.weight.abs().amax(-1).float()  # [H]
         g_k = self.k_norm.weight.abs().amax(-1).float()  # [K]
         g_k = g_k.repeat_interleave(self.n_heads // self.n_kv_heads)  # [H]
-        return g_q * g_k * self.head_dim * self.scale  # [H]
+        return qk_norm_bound(g_q, g_k, self.head_dim, self.scale)  # [H]
 
     def qk_sources(self) -> tuple[nn.Module, nn.Module]:
         """The submodules whose outputs are the ``q`` and ``k`` that :meth:`attend` receives

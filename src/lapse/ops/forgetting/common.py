@@ -23,6 +23,21 @@ from ..backend import check_backend
 # of them compute exactly the same pruned function whatever tile sizes their kernels use.
 ACP_BLOCK = 64
 
+# An RMS-normalised vector with gains g has norm at most max|g| sqrt(D) in exact arithmetic;
+# stored in a 16-bit float each element is rounded (by at most 2^-8 of itself in bfloat16,
+# 2^-11 in float16), which can lift the norm above that by the same factor. Allowing two
+# roundings of each of q and k (the normalisation and the gains' product) keeps the bound
+# from QK-norm gains a bound for the tensors the kernels read (SPEC section 3).
+QK_NORM_ROUNDING = (1 + 2.0**-8) ** 4
+
+
+def qk_norm_bound(g_q: Tensor | float, g_k: Tensor | float, d: int, scale: float):
+    """``U >= max |scale q.k|`` for RMS-normalised ``q``, ``k`` of head dim ``d`` with largest
+    absolute gains ``g_q``, ``g_k`` (per head, or numbers): ``g_q g_k d scale`` times
+    :data:`QK_NORM_ROUNDING`, so it holds after rounding to bfloat16 or float16."""
+    return g_q * g_k * d * scale * QK_NORM_ROUNDING
+
+
 # log f = -inf (a gate that forgets everything) is allowed. A cumulative sum through
 # -inf would give c_i - c_j = -inf - (-inf) = NaN, so log gates are floored here: a pair
 # separated by a floored gate has bias <= LOG_GATE_FLOOR and a weight that is exactly 0
