@@ -61,6 +61,9 @@ def test_qk_rms_normalised_and_v_standard_normal():
     assert spec.qk_norm_bound == pytest.approx(math.sqrt(64) * (1 + 2**-8) ** 4)
     s = torch.einsum("bthd,bshd->bhts", wl.q.float(), wl.k.float()).abs().max() * spec.scale
     assert float(s) <= spec.qk_norm_bound
+    # |scale q.k| <= |q| |k| scale: the largest bf16 norms pass sqrt(D), and stay within the bound
+    largest = wl.q.float().norm(dim=-1).max() * wl.k.float().norm(dim=-1).max() * spec.scale
+    assert math.sqrt(64) < float(largest) <= spec.qk_norm_bound
 
 
 def test_gate_statistics():

@@ -4,7 +4,8 @@ Providers (``--providers``):
 
 - ``lapse``: ``forgetting_attention(..., backend="triton")``, dense.
 - ``lapse-acp``: the same with ACP (``acp="auto"``, i.e. ``U`` from the largest query and
-  key norms, or ``--acp-bound qk-norm``: ``U = D * scale`` known from QK-norm), eps e^-10.
+  key norms, or ``--acp-bound qk-norm``: ``U = D * scale`` known from QK-norm, times the
+  rounding factor of ``qk_norm_bound``), eps e^-10.
 - ``sdpa-default``, ``sdpa-flash``, ``sdpa-efficient``, ``sdpa-cudnn``: PyTorch SDPA,
   causal, *no gate*, with PyTorch's own backend choice (what a Transformer user gets; the
   notes name the kernel that ran, cuDNN on an H100 with torch 2.11) or forced to one
@@ -153,7 +154,7 @@ class AttentionBenchConfig:
     acp_bound: Literal["auto", "qk-norm"] = "auto"
     """ACP bound U: 'auto' (from the largest query/key norms, measured inside the timed
     call; what issue 2 asks), or 'qk-norm' (the known U = D * scale of unit-gain QK-norm,
-    passed as a float)."""
+    times the factor for 16-bit rounding of qk_norm_bound, passed as a float)."""
     acp_eps: float = math.exp(-10)
     """ACP's bound on the pruned attention mass per row."""
     castle_window: int = 512

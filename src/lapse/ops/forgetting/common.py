@@ -25,9 +25,10 @@ ACP_BLOCK = 64
 
 # An RMS-normalised vector with gains g has norm at most max|g| sqrt(D) in exact arithmetic;
 # stored in a 16-bit float each element is rounded (by at most 2^-8 of itself in bfloat16,
-# 2^-11 in float16), which can lift the norm above that by the same factor. Allowing two
-# roundings of each of q and k (the normalisation and the gains' product) keeps the bound
-# from QK-norm gains a bound for the tensors the kernels read (SPEC section 3).
+# 2^-11 in float16), which can lift the norm above that by the same factor. The layers' RMSNorm
+# works in float32 and rounds once; the fused decode input rounds twice (to the projection's
+# dtype, then to the cache's). Allowing two roundings of each of q and k keeps the bound from
+# QK-norm gains a bound for the tensors the kernels read (SPEC section 3 gives the exact one).
 QK_NORM_ROUNDING = (1 + 2.0**-8) ** 4
 
 
