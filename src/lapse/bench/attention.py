@@ -168,8 +168,8 @@ class AttentionBenchConfig:
     graph_times: bool = False
     """Also time lapse and SDPA replayed from a CUDA graph: their kernels' GPU time, without
     the host's launches (an eager call whose launches take longer than its kernels measures
-    the host; ACP's forward+backward at 4k comes near that). Opt-in: written in the
-    twenty-second session after its last GPU call, so not yet run on a GPU."""
+    the host; ACP's forward+backward at 4k comes near that). Opt-in (BENCHMARKS.md,
+    "Twenty-third session": the two timings agreed within 4% but for two cells)."""
     seed: int = 0
     """Seed of the workload and of dO."""
     check: bool = True

@@ -7,6 +7,7 @@ Triton is optional; the PyTorch paths work without it.
 
 from __future__ import annotations
 
+import functools
 import os
 
 import torch
@@ -28,6 +29,17 @@ LN2 = 0.6931471805599453
 # tl.constexpr (plain floats without Triton, where no kernel is compiled).
 LOG2E_TL = tl.constexpr(LOG2E) if tl is not None else LOG2E
 LN2_TL = tl.constexpr(LN2) if tl is not None else LN2
+
+
+@functools.cache
+def _capability(index: int) -> tuple[int, int]:
+    return torch.cuda.get_device_capability(index)
+
+
+def cuda_capability(x: Tensor) -> tuple[int, int]:
+    """The compute capability of CUDA tensor ``x``'s device, cached by device (the query costs
+    about 13 us of host time, and the kernels' launches ask it at every call)."""
+    return _capability(x.device.index)
 
 
 def triton_jit(fn):

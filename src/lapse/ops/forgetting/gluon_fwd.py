@@ -45,7 +45,7 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-from ..backend import LOG2E, LOG2E_TL
+from ..backend import LOG2E, LOG2E_TL, cuda_capability
 
 
 @gluon.jit
@@ -240,7 +240,7 @@ def gluon_config(d: int) -> dict:
 
 def supported(q, k, v, block_start, cu, p) -> bool:
     """Whether :func:`launch` serves these inputs (else the Triton kernel does)."""
-    return (q.is_cuda and torch.cuda.get_device_capability(q.device)[0] == 9
+    return (q.is_cuda and cuda_capability(q)[0] == 9
             and block_start is None and cu is None and p.tq == p.tk
             and q.dtype in (torch.bfloat16, torch.float16) and q.dtype == k.dtype == v.dtype
             and p.d in (64, 128) and all(x.is_contiguous() for x in (q, k, v)))

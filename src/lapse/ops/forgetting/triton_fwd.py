@@ -29,13 +29,12 @@ weights overflow that reference (a logit ~127 above it, base 2) is done again th
 from __future__ import annotations
 
 import contextlib
-import functools
 
 import torch
 import triton
 import triton.language as tl
 
-from ..backend import LOG2E, LOG2E_TL
+from ..backend import LOG2E, LOG2E_TL, cuda_capability
 
 
 @triton.jit
@@ -534,18 +533,10 @@ def head_rows_descriptor(x, rows: int, bd: int):
     return TensorDescriptor.from_tensor(x.view(-1, x.shape[-2] * x.shape[-1]), [rows, bd])
 
 
-@functools.cache
-def _has_tma(index: int) -> bool:
-    return torch.cuda.get_device_capability(index)[0] >= 9
-
-
 def tma_device(x) -> bool:
     """Whether ``x``'s device has the tensor-memory engine (Hopper, sm_90, or later); the
-    CPU interpreter emulates descriptors. Cached by device (a capability query costs about
-    13 us of host time, and every forward and backward asks)."""
-    if not x.is_cuda:
-        return True
-    return _has_tma(x.device.index if x.device.index is not None else torch.cuda.current_device())
+    CPU interpreter emulates descriptors."""
+    return not x.is_cuda or cuda_capability(x)[0] >= 9
 
 
 def _launch_fwd(q, k, v, c_hi, c_lo, block_start, cu, p, o, lse2, cfg, use_tma, dense=False, pairs=None):
