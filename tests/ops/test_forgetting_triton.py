@@ -724,6 +724,59 @@ def test_routed_forward_matches_naive(case, one_loop, monkeypatch):
     _compare(q, k, v, lg, do, torch.float32, acp, cu_t, None)
 
 
+def test_d64_tables_by_length():
+    """At D 64 the 16-bit tables run four programs a multiprocessor (64-row tiles, 128 registers,
+    2 stages) where that was measured faster (BENCHMARKS.md, "Twenty-fourth session"): the ACP
+    forward at every length, the dense one below ``SHORT_DENSE_KEYS`` keys. float32 keeps its
+    tiles."""
+    from lapse.ops.forgetting import triton_fwd
+
+    short = triton_fwd.SHORT_DENSE_KEYS
+    four = dict(BM=64, num_stages=2, maxnreg=128)
+    pick = lambda cfg: {k: cfg.get(k) for k in four}  # noqa: E731
+    assert pick(triton_fwd.fwd_config(64, 2, False, short - 1)) == four
+    assert pick(triton_fwd.fwd_config(64, 2, False, short)) == dict(BM=128, num_stages=3, maxnreg=None)
+    assert pick(triton_fwd.fwd_config(64, 4, False, 1024))["BM"] == 128  # float32
+    for tk in (1024, short, 2 * short):
+        assert pick(triton_fwd.fwd_config(64, 2, True, tk)) == four
+    assert triton_fwd.fwd_config(64, 4, True, 1024).get("maxnreg") is None
+
+
+LONG_DENSE_CASES = [
+    (2, 200, 200, 4, 2, 64, "mixed", None, None),
+    (1, 300, 300, 4, 4, 64, "mixed", None, [0, 1, 100, 300]),
+    (1, 130, 257, 4, 1, 64, "extreme", None, None),
+]
+
+
+@pytest.mark.parametrize("case", LONG_DENSE_CASES, ids=[_id(c) for c in LONG_DENSE_CASES])
+def test_long_dense_tiles_match_naive(case, monkeypatch):
+    """The D 64 dense forward's 128-row tiles, which the table gives 16-bit inputs from
+    ``SHORT_DENSE_KEYS`` keys on, in float16 at interpreter sizes (the threshold at 0), against
+    the float64 oracle: the shorter lengths of the other tests take the 64-row tiles."""
+    from lapse.ops.forgetting import triton_fwd
+
+    if torch.cuda.is_available():
+        pytest.skip("interpreter shapes; the GPU runs test_long_dense_tiles_gpu")
+    monkeypatch.setattr(triton_fwd, "SHORT_DENSE_KEYS", 0)
+    assert triton_fwd.fwd_config(64, 2, False, 200)["BM"] == 128
+    b, tq, tk, hq, h, d, gate, acp, cu = case
+    cu_t = None if cu is None else torch.tensor(cu, dtype=torch.int32)
+    q, k, v, lg, do = _inputs(b, tq, tk, hq, h, d, gate, torch.float16, "cpu", seed=tq + tk)
+    _compare(q, k, v, lg, do, torch.float16, acp, cu_t, None)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", GPU_CASES, ids=[_id(c) for c in GPU_CASES])
+def test_long_dense_tiles_gpu(case, monkeypatch):
+    from lapse.ops.forgetting import triton_fwd
+
+    if case[7] is not None or case[5] > 64:
+        pytest.skip("D 64's dense table only")
+    monkeypatch.setattr(triton_fwd, "SHORT_DENSE_KEYS", 0)
+    _check_gpu(case)
+
+
 def test_route_where_the_tables_take_it():
     """The tables route 16-bit ACP at D 128 in the forward, at D 64 from ``ROUTE_D64_KEYS``
     keys on, and the backward at D 128 from ``LONG_ACP_KEYS`` keys on without grouped heads:

@@ -324,6 +324,7 @@ def _fwd_kernel(
 
 LONG_ACP_KEYS = 8192  # D 128 with ACP: from this many keys on, 128-row tiles (fwd_config)
 ROUTE_D64_KEYS = 16384  # D 64 with ACP: from this many keys on, ROUTE (fwd_config)
+SHORT_DENSE_KEYS = 8192  # D 64 dense, 16-bit: below this many keys, 64-row tiles (fwd_config)
 # ROUTE serves calls of at least this many query rows (B x HQ x Tq): below, its second launch's
 # host time (a Triton launch) would be a larger share, and its waves shorter. Not measured
 # there: the bench's workload has 786,432
@@ -407,6 +408,17 @@ def fwd_config(d: int, dtype_bytes: int, acp: bool = False, tk: int = 0) -> dict
     2.412 against 1.124 / 2.683, at 8k 1.594 against 1.673 (``h200-acp-route-8k.json``); D 64
     0.612 / 1.528 against 0.572 / 1.614, at 8k 0.925 against 0.888 (at D 64 and T below 16k
     the two launches' tails cost more than the dense tiles gain).
+
+    Four programs a multiprocessor at D 64 (16-bit inputs; twenty-fourth session on an H200,
+    ``docs/bench/session24/``): capped at 128 registers with 2 stages, the ACP forward's 64 x
+    64 tiles spill 24 B a thread on the sm_90 compile and fit four programs of 4 warps (42 KB
+    of shared memory each) where the 168-register cap fit three. The kernels alone, ms at T
+    4k / 8k / 16k against the 168-register, 3-stage table: 0.523 / 0.844 / 1.444 against 0.553
+    / 0.901 / 1.472 (``h200-fwd-acp.json``; in the first call, all heads / the local heads at
+    4k: 0.528 / 0.195 against 0.564 / 0.221, ``h200-acp-heads-d64.json``). The dense forward
+    takes the same 64-row tiles at 128 registers and 2 stages (no spills) below
+    ``SHORT_DENSE_KEYS`` keys: 1.097 and 1.102 ms against 1.133 and 1.148 at 4k in two calls,
+    but 2.373 against 2.349 at 8k and 4.583 against 4.409 at 16k (``h200-fwd-dense.json``).
     """
     rb = dtype_bytes < 4
     if d <= 64:
@@ -414,8 +426,9 @@ def fwd_config(d: int, dtype_bytes: int, acp: bool = False, tk: int = 0) -> dict
             cfg = dict(BM=64, BN=64, num_warps=4, num_stages=3, TMA="host", PAIRS=True, ROW_BIAS=rb)
             if rb and d == 64 and tk >= ROUTE_D64_KEYS:
                 cfg["ROUTE"] = 1
-            return dict(cfg, FIXED_MAX=True, maxnreg=168) if rb else cfg
-        return dict(BM=128, BN=64, num_warps=4, num_stages=3, TMA=True, PAIRS=rb, ROW_BIAS=rb, FIXED_MAX=rb)
+            return dict(cfg, FIXED_MAX=True, maxnreg=128, num_stages=2) if rb else cfg
+        cfg = dict(BM=128, BN=64, num_warps=4, num_stages=3, TMA=True, PAIRS=rb, ROW_BIAS=rb, FIXED_MAX=rb)
+        return dict(cfg, BM=64, num_stages=2, maxnreg=128) if rb and tk < SHORT_DENSE_KEYS else cfg
     if d <= 128:
         if acp and rb and d == 128 and tk >= LONG_ACP_KEYS:  # measured at D 128 only
             return dict(BM=128, BN=64, num_warps=8, num_stages=3, TMA="host", PAIRS=True, ROW_BIAS=True,
