@@ -648,12 +648,22 @@ def bwd_config(d: int, group: int = 1, acp: bool = False, tk: int = 0) -> tuple[
     4.338 / 7.596; D 64 1.749 / 2.873 / 4.907 against 1.688 / 2.813 / 4.935. So D 128 from
     ``LONG_ACP_KEYS`` keys on, without grouped heads (not measured with them: a key head goes
     dense only where all its query heads would).
+
+    The D 64 dK/dV kernel takes 64 queries a step (twenty-fourth session, H100,
+    ``docs/bench/session24/h100-bwd-dkdv-bm64.json``; it was 32 since the eleventh session's
+    tuning, and no later sweep tried 64 under the 168-register cap). Capped it spills 588 B a
+    thread on the sm_90 compile and is still the fastest option; its gradients equal the
+    32-query steps' bit for bit. The backward, ms at T 4k / 8k / 16k, against the 32-query
+    table timed first and last: dense 3.255 / 6.178 / 12.007 against 3.572-3.619 / 6.860-6.958
+    / 13.162-13.484; ACP 1.514 / 2.584 / 4.374 against 1.667-1.693 / 2.684-2.749 /
+    4.749-5.066. Without the cap (254 registers, no spills) 3.344 / 6.177 / 13.857 and 1.600 /
+    2.671 / 4.512; 8 warps 1.6-1.7x slower.
     """
     if d <= 64:
         if group > 1 and not acp:
             kv = dict(BM=32, BN=128, num_warps=4, num_stages=3, ROWS4=True, TMA="host", ROW_BIAS=True)
         else:  # at most 168 registers a thread: three programs a multiprocessor, not two
-            kv = dict(BM=32, BN=64, num_warps=4, num_stages=3, ROWS4=True, maxnreg=168, TMA="host",
+            kv = dict(BM=64, BN=64, num_warps=4, num_stages=3, ROWS4=True, maxnreg=168, TMA="host",
                       ROW_BIAS=True)
         q = dict(BM=64, BN=64, num_warps=4, num_stages=3, PAIRS=True, MAKE_ROWS=True, TMA="host")
         if group == 1:  # with 176 registers a thread, two programs a multiprocessor; capped, three
