@@ -662,7 +662,7 @@ def bwd_config(d: int, group: int = 1, acp: bool = False, tk: int = 0) -> tuple[
     if d <= 64:
         if group > 1 and not acp:
             kv = dict(BM=32, BN=128, num_warps=4, num_stages=3, ROWS4=True, TMA="host", ROW_BIAS=True)
-        else:  # at most 168 registers a thread: three programs a multiprocessor, not two
+        else:  # 64 queries a step; at most 168 registers a thread: three programs a multiprocessor
             kv = dict(BM=64, BN=64, num_warps=4, num_stages=3, ROWS4=True, maxnreg=168, TMA="host",
                       ROW_BIAS=True)
         q = dict(BM=64, BN=64, num_warps=4, num_stages=3, PAIRS=True, MAKE_ROWS=True, TMA="host")
