@@ -155,3 +155,40 @@ def test_the_command_line_prints_one_line(tmp_path):
     )
     assert done.returncode == 2 and done.stdout == ""
     assert done.stderr == "error: steps must be a positive integer, got 0\n"
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["train", "cpu-tiny", "--device", "cuda", "--no-progress"],
+         "error: device 'cuda': no CUDA GPU is visible (pass --device cpu or auto)"),
+        (["train", "cpu-tiny", "--device", "tpu", "--no-progress"],
+         "error: unknown device 'tpu' (auto, cpu, cuda or cuda:N)"),
+        (["bench", "decode"], "error: device 'cuda': no CUDA GPU is visible (pass --device cpu or auto)"),
+    ],
+    ids=["train-cuda", "train-unknown", "bench-decode"],
+)
+def test_a_device_this_machine_lacks_is_one_line(args, message, tmp_path, capsys, monkeypatch):
+    """--device naming a GPU the machine does not have (or no device at all) stops before any
+    model or run folder is made, with one line (it was a torch traceback)."""
+    monkeypatch.delenv("LAPSE_DEBUG", raising=False)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    run_dir = tmp_path / "run"
+    with pytest.raises(SystemExit) as e:
+        main([*args, "--run-dir", str(run_dir)] if args[0] == "train" else args)
+    assert e.value.code == 2
+    assert capsys.readouterr().err.splitlines() == [message]
+    assert not run_dir.exists()
+
+
+def test_an_evaluation_of_a_hf_model_alone_writes_to_the_working_folder(tmp_path, monkeypatch):
+    """With --hf and no lapse model the default output folder is ./eval/<name>/ (it raised a
+    TypeError after lm-eval had written its results)."""
+    from pathlib import Path
+
+    from lapse.eval.common import output_folder
+    from lapse.eval.lm_eval_config import LmEvalConfig
+
+    monkeypatch.chdir(tmp_path)
+    cfg = LmEvalConfig(hf=tmp_path, tasks=("lapse_tiny_mc",))
+    assert output_folder({"results": {}}, cfg, "lm-eval") == Path("eval/lm-eval")

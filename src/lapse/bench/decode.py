@@ -58,6 +58,7 @@ from lapse.generation import (
 from lapse.kv import DenseStore
 from lapse.models import Decoder, param_count, preset
 from lapse.models.checkpoint import latest_checkpoint, load_weights, read_run
+from lapse.ops.backend import resolve_device
 
 PROVIDERS = ("lapse", "lapse-compile", "hf-llama-compile", "hf-llama-eager")
 # the attention kind whose state a policy reads (FoX's gates, DCP's drop flags): skipped on others
@@ -382,7 +383,7 @@ def run(cfg: DecodeBenchConfig) -> dict:
 
 
 def _run(cfg: DecodeBenchConfig) -> dict:
-    device = torch.device(cfg.device)
+    device = resolve_device(cfg.device)
     dtype = getattr(torch, cfg.dtype)
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu"
     bandwidth = cfg.bandwidth or next((bw for key, bw in HBM_BANDWIDTH.items() if key in name), None)

@@ -28,6 +28,7 @@ import platform
 import statistics
 import subprocess
 import time
+import warnings
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
@@ -131,6 +132,9 @@ def run(cfg: TrainBenchConfig) -> dict:
     # CPU runs (a tiny preset) check the wiring only; timings that matter come from CUDA.
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     cuda = device.type == "cuda"
+    if not cuda:
+        warnings.warn("no CUDA GPU is visible: timing on the CPU, which checks the wiring only "
+                      "(minutes a step beyond the tiny preset: --preset tiny)", stacklevel=2)
     set_value_checks(False)
     if cfg.run is not None:
         saved = read_run(cfg.run)

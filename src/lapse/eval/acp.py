@@ -54,6 +54,7 @@ from lapse.data import CorpusConfig
 from lapse.eval.common import LoadedModel, eval_windows, load_model
 from lapse.files import save_figure, write_text_atomic
 from lapse.models import Decoder, attention_class
+from lapse.ops.backend import resolve_device
 from lapse.ops.forgetting import ACP_BLOCK, LOG_GATE_FLOOR
 
 DEFAULT_EPS: tuple[float, ...] = tuple(math.exp(-k) for k in (1, 5, 10, 15, 20))
@@ -322,12 +323,6 @@ def _window_loss_sum(model: Decoder, windows: Tensor) -> float:
     return float(loss) * windows.shape[0] * (windows.shape[1] - 1)
 
 
-def _resolve_device(device: str) -> torch.device:
-    if device == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(device)
-
-
 def _load(cfg: AcpEvalConfig, device: torch.device, **overrides) -> LoadedModel:
     return load_model(cfg.model, device=device, dtype=torch.float32, **overrides)
 
@@ -434,7 +429,7 @@ def run_acp(cfg: AcpEvalConfig) -> dict:
     (the content of ``results.json``). Raises ``ValueError`` for a model without a forget
     gate, a missing path or a head that does not exist."""
     t0 = time.perf_counter()
-    device = _resolve_device(cfg.device)
+    device = resolve_device(cfg.device)
     dense = _load(cfg, device, acp=False)
     mc = dense.config
     bound_from_gains = dense.model.blocks[0].attn.logit_bound() is not None  # QK-norm gains

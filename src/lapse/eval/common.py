@@ -142,13 +142,13 @@ class ExportConfig:
 
 def output_folder(result: dict, cfg, name: str) -> Path:
     """Where an evaluation wrote its files: its ``out_dir``, by default
-    ``<first model>/eval/<name>/``."""
+    ``<first model>/eval/<name>/`` (``./eval/<name>/`` for a ``--hf`` model alone)."""
     out = result.get("out_dir") if isinstance(result, dict) else None
     if out is None:
-        out = getattr(cfg, "out_dir", None)
-    if out is None:
-        model = cfg.models[0] if hasattr(cfg, "models") else cfg.model
-        out = Path(model) / "eval" / name
+        out = getattr(cfg, "resolved_out_dir", None) or getattr(cfg, "out_dir", None)
+    if out is None:  # with --hf alone there is no model folder: the working directory's eval/
+        model = (cfg.models or [None])[0] if hasattr(cfg, "models") else cfg.model
+        out = Path(model or ".") / "eval" / name
     return Path(out)
 
 

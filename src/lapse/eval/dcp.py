@@ -44,6 +44,7 @@ from lapse.data import TokenShards, cached_with, prepare_data
 from lapse.eval.common import LoadedModel, eval_windows, load_model
 from lapse.files import save_figure, write_json_atomic, write_text_atomic
 from lapse.layers import DCPAttention
+from lapse.ops.backend import resolve_device
 from lapse.ops.dcp import LOG_FLOOR, dcp_sparsity
 
 
@@ -278,8 +279,7 @@ def run_dcp_study(cfg: DcpStudyConfig) -> dict:
     returns the results (the content of ``results.json``). Raises ``ValueError`` for a
     run without DCP attention or two runs of one gamma."""
     t0 = time.perf_counter()
-    device = torch.device("cuda" if cfg.device == "auto" and torch.cuda.is_available()
-                          else ("cpu" if cfg.device == "auto" else cfg.device))
+    device = resolve_device(cfg.device)
     out_dir = cfg.out_dir
     out_dir.mkdir(parents=True, exist_ok=True)
 

@@ -25,6 +25,7 @@ from lapse.data.tokenizer import TransformersTokenizer
 from lapse.eval.common import LoadedModel, load_model
 from lapse.hf import LapseForCausalLM, load_pretrained
 from lapse.models import Decoder
+from lapse.ops.backend import resolve_device
 
 
 @dataclass(kw_only=True)
@@ -80,8 +81,7 @@ def load_lm(
 ) -> EvalLM:
     """A lapse model (``model``: a run, checkpoint or export folder) or a pretrained Hugging
     Face model (``hf``, ``gguf_file``), as an :class:`EvalLM`."""
-    if device == "auto":
-        device = "cuda" if torch.cuda.is_available() else "cpu"
+    device = resolve_device(device)
     if hf is not None:
         lm, tokenizer = load_pretrained(hf, gguf_file, dtype=dtype, device=device)
         name = Path(gguf_file or Path(hf).name).stem

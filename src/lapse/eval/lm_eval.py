@@ -74,6 +74,7 @@ from lapse.files import write_text_atomic
 from lapse.generation import Dense, Policy, generate
 from lapse.hf import EvictingCache
 from lapse.kv import DenseStore
+from lapse.ops.backend import resolve_device
 
 TASKS_DIR = Path(__file__).with_name("lm_eval_tasks")
 """The bundled task YAMLs (``lapse_tiny_mc``, ``lapse_tiny_ppl``, ``lapse_tiny_gen``;
@@ -124,8 +125,7 @@ class LapseLM(TemplateLM):
         if policy is not None and not isinstance(policy, Policy):
             raise TypeError(f"policy must be a lapse.generation policy, got {type(policy).__name__}")
         self.batch_size = _positive_int("batch_size", batch_size)
-        if device in (None, "auto"):
-            device = "cuda" if torch.cuda.is_available() else "cpu"
+        device = resolve_device("auto" if device is None else device)
         if isinstance(pretrained, LoadedModel):
             self.loaded = pretrained
             self.loaded.model.to(device=device, dtype=_DTYPES[dtype]).eval()

@@ -46,6 +46,7 @@ from lapse.eval.policy import streamed_loss
 from lapse.files import save_figure, write_text_atomic
 from lapse.generation import PolicyOptions
 from lapse.models import Decoder
+from lapse.ops.backend import resolve_device
 
 SMOOTHING_RULE = (
     "centred moving average; near the ends the window shrinks symmetrically to the positions "
@@ -348,9 +349,7 @@ def _load_models(cfg: LossEvalConfig) -> list[LoadedModel]:
     for path in cfg.models:
         if not Path(path).exists():
             raise ValueError(f"model path does not exist: {path}")
-    device = torch.device(
-        ("cuda" if torch.cuda.is_available() else "cpu") if cfg.device == "auto" else cfg.device
-    )
+    device = resolve_device(cfg.device)
     dtype = {
         "auto": torch.bfloat16 if device.type == "cuda" else torch.float32,
         "float32": torch.float32,

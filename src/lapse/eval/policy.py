@@ -55,6 +55,7 @@ from lapse.files import save_figure, write_text_atomic
 from lapse.generation import Dense, Policy, PolicyName, PolicyOptions
 from lapse.hf import CACHE_ARG, EvictingCache
 from lapse.kv import LayerSnapshot
+from lapse.ops.backend import resolve_device
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -148,7 +149,7 @@ def streamed_loss(
         raise ValueError(
             f"windows must hold at least one row of token ids in [0, {vocab}), got {tuple(windows.shape)}"
         )
-    device = next(lm.parameters()).device if device is None else torch.device(device)
+    device = next(lm.parameters()).device if device is None else resolve_device(device)
     batch_size = n if batch_size is None else batch_size
     if not isinstance(batch_size, int) or batch_size < 1:
         raise ValueError(f"batch_size must be a positive integer, got {batch_size!r}")

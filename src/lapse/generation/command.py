@@ -24,6 +24,7 @@ from lapse.files import write_text_atomic
 from lapse.kv import DenseStore, PagedStore
 from lapse.models import Decoder
 from lapse.models.checkpoint import CHECKPOINT_NAME, CONFIG_FILE, latest_checkpoint, load_weights, read_run
+from lapse.ops.backend import resolve_device
 
 from .generate import generate, paged_store_for, supports_paged
 from .policies import Dense, Policy, PolicyName, PolicyOptions
@@ -93,10 +94,8 @@ class GenerateConfig(PolicyOptions):
             raise ValueError(f"--batch-size must be at least 1, got {self.batch_size}")
 
     def torch_device(self) -> torch.device:
-        """``--device``, with ``auto`` resolved (CUDA when available)."""
-        if self.device == "auto":
-            return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-        return torch.device(self.device)
+        """``--device``, with ``auto`` resolved (CUDA when available), checked."""
+        return resolve_device(self.device)
 
 
 def load_run_model(path: Path, device: torch.device) -> tuple[Decoder, object]:

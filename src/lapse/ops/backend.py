@@ -31,6 +31,27 @@ LOG2E_TL = tl.constexpr(LOG2E) if tl is not None else LOG2E
 LN2_TL = tl.constexpr(LN2) if tl is not None else LN2
 
 
+def resolve_device(name: str | torch.device) -> torch.device:
+    """The device a ``--device`` value names: ``"auto"`` is CUDA where a GPU is visible, else
+    the CPU. Raises a one-line ``ValueError`` for a name torch does not know and for a CUDA
+    device this machine does not have, before any model is built on it."""
+    if isinstance(name, torch.device):
+        dev = name
+    elif name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    else:
+        try:
+            dev = torch.device(name)
+        except (RuntimeError, TypeError):
+            raise ValueError(f"unknown device {name!r} (auto, cpu, cuda or cuda:N)") from None
+    if dev.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ValueError(f"device {str(name)!r}: no CUDA GPU is visible (pass --device cpu or auto)")
+        if dev.index is not None and dev.index >= torch.cuda.device_count():
+            raise ValueError(f"device {str(name)!r}: only {torch.cuda.device_count()} CUDA GPU(s) visible")
+    return dev
+
+
 @functools.cache
 def _capability(index: int) -> tuple[int, int]:
     return torch.cuda.get_device_capability(index)
