@@ -216,3 +216,15 @@ def test_smollm2_from_gguf_generates_under_h2o_and_dense_equals_dynamic_cache():
     cache = EvictingCache(H2O(budget=16, recent=4), model=model)
     model.generate(ids, **{CACHE_ARG: cache}, **greedy)
     assert max(int(n.max()) for n in cache.store.lengths) <= 16 + 1
+
+
+def test_a_lapse_export_folder_is_refused_in_one_line(tmp_path, capsys):
+    """``lapse export`` writes lapse's own tokenizer, which transformers cannot read: --hf says
+    so and where to generate from (it was a transformers traceback about sentencepiece)."""
+    (tmp_path / "config.json").write_text("{}")
+    (tmp_path / "tokenizer").mkdir()
+    (tmp_path / "tokenizer" / "lapse_tokenizer.json").write_text("{}")
+    with pytest.raises(SystemExit):
+        main(["generate", "--hf", str(tmp_path), "--prompt", "the quick brown"])
+    err = capsys.readouterr().err.splitlines()
+    assert len(err) == 1 and "is a `lapse export` folder" in err[0] and "lapse generate RUN" in err[0]

