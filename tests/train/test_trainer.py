@@ -411,6 +411,8 @@ def test_resume_takes_run_time_fields_only(tmp_path, data_dir, capsys):
     first = train(tiny(tmp_path, data_dir, steps=4, stop_at_step=2, val_every=0, acp_stats_every=0))
     with pytest.raises(ValueError, match=r"resume cannot change \['lr'\]"):
         resume(first["run_dir"], lr=1.0)
+    with pytest.raises(ValueError, match="--steps 1 is below the 2 steps .* pass at least 2"):
+        resume(first["run_dir"], steps=1)  # it printed "finished at step 2/1" and saved steps: 1
     cli_main(["resume", first["run_dir"], "--no-progress", "--log-every", "2", "--keep-checkpoints", "1"])
     assert "finished at step 4/4" in capsys.readouterr().out
     assert [checkpoint_step(p) for p in checkpoint_folders(first["run_dir"])] == [4]

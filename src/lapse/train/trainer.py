@@ -48,6 +48,7 @@ from lapse.models.checkpoint import (
     IMPORTED_FILE,
     CheckpointError,
     checkpoint_folders,
+    checkpoint_step,
     corpus_config_from_json,
     latest_checkpoint,
     latest_intact_checkpoint,
@@ -108,6 +109,11 @@ def resume(run_dir: str | Path, **overrides) -> dict:
             f"`lapse train PRESET --init-from {run_dir}`"
         )
     cfg = config_from_json(read_run(run_dir).config)
+    folders = checkpoint_folders(run_dir)
+    done = checkpoint_step(folders[0]) if folders else 0
+    if overrides.get("steps") is not None and overrides["steps"] < done:
+        raise ValueError(f"--steps {overrides['steps']} is below the {done} steps {run_dir} has done: "
+                         f"pass at least {done}")
     # a stop or a time limit belongs to the session that set it, not to the run
     session = {"run_dir": run_dir, "time_limit_minutes": None, "stop_at_step": None}
     session.update({k: v for k, v in overrides.items() if v is not None})
