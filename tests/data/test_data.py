@@ -191,6 +191,16 @@ def test_hf_source_without_datasets_is_a_clear_error(tmp_path, monkeypatch):
         iter_documents(CorpusConfig(kind="hf", paths=(str(tmp_path),)))
 
 
+
+def test_hf_source_that_is_no_saved_dataset_is_a_clear_error(tmp_path):
+    """A folder of text files given as kind "hf": datasets raises FileNotFoundError from deep
+    inside (a traceback on the command line); lapse names the kind that would read it."""
+    pytest.importorskip("datasets")
+    (tmp_path / "a.txt").write_text("some text")
+    with pytest.raises(ValueError, match="not a Hugging Face dataset saved with save_to_disk.*kind text"):
+        list(iter_documents(CorpusConfig(kind="hf", paths=(str(tmp_path),))))
+
+
 # Tokenizers
 
 

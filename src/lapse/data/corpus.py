@@ -322,7 +322,13 @@ def _hf_table(path: str, text_field: str, split: Split) -> _HFTable:
         raise ValueError(
             f"reading the Hugging Face dataset at {folder} needs the `datasets` package: pip install datasets"
         ) from e
-    loaded = datasets.load_from_disk(str(folder))
+    try:
+        loaded = datasets.load_from_disk(str(folder))
+    except FileNotFoundError:  # datasets' word for a folder that save_to_disk did not write
+        raise ValueError(
+            f"{folder} is not a Hugging Face dataset saved with save_to_disk (corpus.kind='hf'); "
+            "for a folder of text files pass --corpus.kind text"
+        ) from None
     if isinstance(loaded, datasets.DatasetDict):
         # its own splits only when it has both: splitting "train" by hash for validation
         # while reading "train" whole for training would put documents in both
