@@ -192,3 +192,20 @@ def test_an_evaluation_of_a_hf_model_alone_writes_to_the_working_folder(tmp_path
     monkeypatch.chdir(tmp_path)
     cfg = LmEvalConfig(hf=tmp_path, tasks=("lapse_tiny_mc",))
     assert output_folder({"results": {}}, cfg, "lm-eval") == Path("eval/lm-eval")
+
+
+def test_ctrl_c_outside_a_training_step_is_one_line_and_exit_130(capsys, monkeypatch):
+    """A second Ctrl-C while a stopped run writes its report, or one during an evaluation:
+    ``interrupted`` and 130, as a shell reports it (it was a traceback and 1)."""
+    import lapse.cli
+
+    class Interrupted:
+        def cli(self, **kwargs):
+            raise KeyboardInterrupt
+
+    monkeypatch.delenv("LAPSE_DEBUG", raising=False)
+    monkeypatch.setattr(lapse.cli, "_app", Interrupted)
+    with pytest.raises(SystemExit) as e:
+        main(["eval", "ppl"])
+    assert e.value.code == 130
+    assert capsys.readouterr().err.splitlines() == ["interrupted"]

@@ -223,7 +223,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     """Entry point of the ``lapse`` command (``argv`` defaults to ``sys.argv[1:]``).
 
     A user error (a bad value, a missing file, a damaged checkpoint, a run folder in use)
-    prints one line, ``error: ...``, and exits with status 2; ``--debug`` (anywhere on the
+    prints one line, ``error: ...``, and exits with status 2; Ctrl-C (where a command does not
+    handle it itself) prints ``interrupted`` and exits with 130; ``--debug`` (anywhere on the
     line) or ``LAPSE_DEBUG=1`` shows the traceback instead.
     """
     args = list(sys.argv[1:] if argv is None else argv)
@@ -243,6 +244,11 @@ def main(argv: Sequence[str] | None = None) -> None:
                 raise
             print(f"error: {_one_line(e)}", file=sys.stderr)
             raise SystemExit(2) from None
+        except KeyboardInterrupt:  # a training run stops at its own first Ctrl-C; this is a second
+            if debug:  # one, or one during an evaluation or a benchmark
+                raise
+            print("interrupted", file=sys.stderr)
+            raise SystemExit(130) from None
 
 
 USER_ERRORS = (ValueError, TypeError, FileNotFoundError, NotADirectoryError, PermissionError, RunInUse)
