@@ -200,7 +200,8 @@ def eval_windows(
     run = loaded.train_config
     if run is None and (corpus is None or loaded.tokenizer_path is None):
         raise ValueError(
-            f"{loaded.path} is not a training run: pass a corpus, and save a tokenizer beside the model"
+            f"{loaded.path} is not a training run: pass a corpus (on the command line: corpus:corpus-config "
+            "--corpus.kind text --corpus.paths FILE), and save a tokenizer beside the model"
         )
     if run is not None:
         tokenizer, vocab_size = run.tokenizer, run.model.vocab_size
@@ -219,7 +220,7 @@ def eval_windows(
     if data.validation is None:
         raise ValueError(
             f"the corpus of {loaded.name} has no validation split (val_fraction = 0): pass a corpus to "
-            "evaluate on (--corpus.kind, --corpus.paths)"
+            "evaluate on (on the command line: corpus:corpus-config --corpus.kind text --corpus.paths FILE)"
         )
     sampler = WindowSampler(shards=data.validation, seq_len=seq_len, batch_size=num, seed=seed)
     x, y = sampler.batch(0)

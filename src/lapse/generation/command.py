@@ -50,7 +50,8 @@ class GenerateConfig(PolicyOptions):
     prompts_file: Path | None = None
     """JSONL, one ``{"prompt": "..."}`` per line; completions go to ``out``."""
     out: Path | None = None
-    """Where ``--prompts-file`` completions go (default: ``<prompts_file>.out.jsonl``)."""
+    """Where ``--prompts-file`` completions go (default: beside it, its suffix replaced:
+    ``prompts.jsonl`` -> ``prompts.out.jsonl``)."""
     max_new_tokens: int = 128
     """Tokens to generate per prompt (stops early at the tokenizer's end of text)."""
     max_context: int | None = None
