@@ -113,8 +113,13 @@ def test_bench_attention_smoke_gpu(tmp_path):
             "error: /nonexistent/run is not a training run folder (no config.json)",
         ),
         (["export", "/nonexistent/run", "/tmp/out"], "error: model path does not exist: /nonexistent/run"),
+        (["train", "cpu-tiny", "--model.n-heads", "3"],
+         "error: n_heads (3) must divide d_model (64): the head dim is d_model / n_heads"),
+        (["train", "cpu-tiny", "--corpus.val-fraction", "1.5"],
+         "error: val_fraction must be in [0, 1), got 1.5"),
     ],
-    ids=["steps", "batch-size", "lr", "corpus-path", "run-dir", "resume", "export"],
+    ids=["steps", "batch-size", "lr", "corpus-path", "run-dir", "resume", "export", "nested-model",
+         "nested-corpus"],
 )
 def test_user_errors_are_one_line_and_exit_2(args, message, capsys, monkeypatch):
     monkeypatch.delenv("LAPSE_DEBUG", raising=False)

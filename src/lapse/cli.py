@@ -16,6 +16,7 @@ Wiring only: each command runs a typed config of the package that does the work.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
 import traceback
@@ -230,7 +231,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     args = list(sys.argv[1:] if argv is None else argv)
     debug = "--debug" in args or os.environ.get("LAPSE_DEBUG", "") not in ("", "0")
     args = [a for a in args if a != "--debug"]
-    with warnings.catch_warnings():
+    with warnings.catch_warnings(), _config_errors_in_one_line(not debug):
         warnings.showwarning = _show_warning
         try:
             _app().cli(
@@ -239,6 +240,9 @@ def main(argv: Sequence[str] | None = None) -> None:
                 "--debug (or LAPSE_DEBUG=1): tracebacks for errors.",
                 args=args,
             )
+        except ConfigError as e:
+            print(f"error: {_one_line(e)}", file=sys.stderr)
+            raise SystemExit(2) from None
         except USER_ERRORS as e:
             if debug or not _raised_by_lapse(e):
                 raise
@@ -249,6 +253,26 @@ def main(argv: Sequence[str] | None = None) -> None:
                 raise
             print("interrupted", file=sys.stderr)
             raise SystemExit(130) from None
+
+
+class ConfigError(ValueError):
+    """A nested config's own check failed while tyro built it (``--model.n-heads 3``, say)."""
+
+
+def _config_errors_in_one_line(active: bool):
+    """Inside, a ``ValueError`` from a nested config's ``__post_init__`` comes out as a
+    :class:`ConfigError` instead of tyro's box, which names tyro's internal wrappers. Uses
+    tyro's parse-error hook (``tyro._errors.on_parse_error``, tyro 1.0.17; where a tyro lacks
+    it, the box stays)."""
+    hook = getattr(getattr(tyro, "_errors", None), "on_parse_error", None)
+    if not active or hook is None:
+        return contextlib.nullcontext()
+
+    def one_line(event) -> None:
+        if type(event).__name__ == "InstantiationFailure":
+            raise ConfigError(event.message)
+
+    return hook(one_line)
 
 
 USER_ERRORS = (ValueError, TypeError, FileNotFoundError, NotADirectoryError, PermissionError, RunInUse)
