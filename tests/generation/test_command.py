@@ -173,3 +173,14 @@ def test_top_p_out_of_range_is_one_line(run, capsys):
     with pytest.raises(SystemExit) as e:
         main(["generate", str(run), "--prompt", "x", "--top-p", "2"])
     assert e.value.code == 2 and "--top-p must be in (0, 1]" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("args, message", [(["--temperature", "-1"], "--temperature must be >= 0, got -1.0"),
+                                           (["--top-k", "0"], "--top-k must be a positive integer, got 0")])
+def test_sampling_values_are_checked_before_the_prompt_is_echoed(run, capsys, args, message):
+    """They were checked by the sampler, after the model loaded and the prompt was printed:
+    the error line came glued to it (``xerror: ...``)."""
+    with pytest.raises(SystemExit) as e:
+        main(["generate", str(run), "--prompt", "x", *args])
+    captured = capsys.readouterr()
+    assert e.value.code == 2 and captured.out == "" and captured.err.splitlines() == [f"error: {message}"]

@@ -90,6 +90,10 @@ class GenerateConfig(PolicyOptions):
             raise FileNotFoundError(f"--prompts-file {self.prompts_file} does not exist")
         if self.max_new_tokens < 1:
             raise ValueError(f"--max-new-tokens must be at least 1, got {self.max_new_tokens}")
+        if not self.temperature >= 0:  # here, before the model loads and the prompt is echoed
+            raise ValueError(f"--temperature must be >= 0, got {self.temperature}")
+        if self.top_k is not None and self.top_k < 1:
+            raise ValueError(f"--top-k must be a positive integer, got {self.top_k}")
         if self.top_p is not None and not 0 < self.top_p <= 1:
             raise ValueError(f"--top-p must be in (0, 1], got {self.top_p}")
         if self.batch_size < 1:
