@@ -93,6 +93,13 @@ def test_run_folder_has_everything_and_loss_falls(tmp_path, data_dir):
     assert "finished" in report and "validation loss" in report
 
 
+
+def test_acp_statistics_at_the_last_step_too(tmp_path, data_dir):
+    """As validation, the ACP statistics are also taken at the last step, so a run shorter than
+    acp_stats_every still reports its pruning (a 40-step cpu-small run had none)."""
+    run = train(tiny(tmp_path, data_dir, steps=7, acp_stats_every=5, checkpoint_every=0, val_every=0))
+    assert [r["step"] for r in kinds(read_metrics(Path(run["run_dir"])), "acp")] == [5, 7]
+
 def test_exact_resume_continues_the_same_curve(tmp_path, data_dir):
     straight = train(tiny(tmp_path / "a", data_dir, steps=16, checkpoint_every=0))
     first = train(tiny(tmp_path / "b", data_dir, steps=16, checkpoint_every=0, stop_at_step=7))

@@ -176,7 +176,8 @@ class TrainConfig:
     """Batches of ``batch_size`` rows per validation (the same windows every time)."""
 
     acp_stats_every: int = 50
-    """Steps between ACP pruned-fraction statistics (per layer and head); 0: never."""
+    """Steps between ACP pruned-fraction statistics (per layer and head), and at the last step;
+    0: never."""
 
     checkpoint_every: int = 100
     """Steps between checkpoints (and one at the end or on interruption); 0: only those."""
