@@ -18,6 +18,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import Annotated
 
 import numpy as np
 import torch
@@ -134,9 +135,9 @@ def load_model(
 class ExportConfig:
     """Write a trained model as a Hugging Face folder (save_pretrained + tokenizer/)."""
 
-    model: tyro.conf.Positional[Path]
+    model: Annotated[Path, tyro.conf.Positional, tyro.conf.arg(metavar="RUN")]
     """A run folder or one of its checkpoint folders."""
-    out_dir: tyro.conf.Positional[Path]
+    out_dir: Annotated[Path, tyro.conf.Positional, tyro.conf.arg(metavar="OUT_DIR")]
     """The folder to write (config.json, model.safetensors, tokenizer/)."""
 
 
