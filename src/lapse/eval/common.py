@@ -43,6 +43,7 @@ from lapse.models.checkpoint import (
     load_weights,
     read_run,
 )
+from lapse.ops.backend import resolve_device
 
 
 @dataclass
@@ -90,8 +91,7 @@ def load_model(
     ``acp_eps=1e-3``, ``attn_backend="naive"``) without touching the weights. Raises
     ``ValueError`` naming the path when nothing loadable is there.
     """
-    if device == "auto":
-        device = "cuda" if torch.cuda.is_available() else "cpu"
+    device = resolve_device(device)
     path = Path(path)
     if not path.exists():
         raise ValueError(f"model path does not exist: {path}")
