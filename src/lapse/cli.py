@@ -240,10 +240,7 @@ def main(argv: Sequence[str] | None = None) -> None:
                 "--debug (or LAPSE_DEBUG=1): tracebacks for errors.",
                 args=args,
             )
-        except ConfigError as e:
-            print(f"error: {_one_line(e)}", file=sys.stderr)
-            raise SystemExit(2) from None
-        except USER_ERRORS as e:
+        except USER_ERRORS as e:  # a ConfigError too: raised by the hook below, in lapse's code
             if debug or not _raised_by_lapse(e):
                 raise
             print(f"error: {_one_line(e)}", file=sys.stderr)

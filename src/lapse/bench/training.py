@@ -127,10 +127,11 @@ def run(cfg: TrainBenchConfig) -> dict:
     from lapse.models import Decoder, flops_per_token, optimizer_groups, prepare_blocks, preset
     from lapse.models.checkpoint import dcp_parameter_names, latest_checkpoint, load_weights, read_run
     from lapse.models.mfu import peak_tflops
+    from lapse.ops.backend import resolve_device
     from lapse.ops.forgetting import set_value_checks
 
     # CPU runs (a tiny preset) check the wiring only; timings that matter come from CUDA.
-    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    device = resolve_device("auto")
     cuda = device.type == "cuda"
     if not cuda:
         warnings.warn("no CUDA GPU is visible: timing on the CPU, which checks the wiring only "

@@ -555,8 +555,8 @@ def _train(run: _Run, stop: _StopFlag) -> str:
             return "interrupted"
         # every acp_stats_every steps, and at the last one (as validation), so a run shorter than
         # the interval still reports its pruning
-        due = (run.step + 1) % cfg.acp_stats_every == 0 if cfg.acp_stats_every > 0 else False
-        collect = cfg.model.acp and cfg.acp_stats_every > 0 and (due or run.step + 1 == cfg.steps)
+        every = cfg.acp_stats_every
+        collect = cfg.model.acp and every > 0 and ((run.step + 1) % every == 0 or run.step + 1 == cfg.steps)
         _optimizer_step(run, collect)
         step = run.step
         if step % cfg.log_every == 0 or step == cfg.steps:
