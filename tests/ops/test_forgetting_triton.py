@@ -981,6 +981,48 @@ def test_gluon_forward_gpu(case, variant, monkeypatch):
 
 
 
+GLUON_ACP_VARIANTS = {  # gluon_fwd.launch_acp's options: its default, and three consumers a program
+    "default": {},
+    "3-consumers": dict(NC=3, COMPUTE_REGS=160, STAGES=2, PROGRAMS=1),
+}
+GLUON_ACP_CASES = [
+    (2, 1024, 1024, 8, 8, 64, "mixed", "auto", None),
+    (3, 257, 257, 4, 2, 64, "fast", "auto", None),
+    (1, 4160, 4160, 4, 4, 128, "mixed", "auto", None),
+    (2, 1000, 1000, 6, 3, 128, "fast", "auto", None),
+    (1, 200, 200, 2, 2, 64, "extreme", "auto", None),
+    (1, 300, 300, 2, 2, 48, "fast", "auto", None),  # D 48: not served, the Triton kernel runs
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("route", [False, True], ids=["all-heads", "routed"])
+@pytest.mark.parametrize("variant", list(GLUON_ACP_VARIANTS))
+@pytest.mark.parametrize("case", GLUON_ACP_CASES, ids=[_id(c) for c in GLUON_ACP_CASES])
+def test_gluon_acp_forward_gpu(case, variant, route, monkeypatch):
+    """The persistent Gluon ACP forward (Hopper, opt-in ``GLUON_ACP``) against the float64
+    oracle, outputs poisoned first, on every head or on the pruned ones after the dense tiles'
+    launch (``ROUTE``); the Triton backward then runs on its o and lse."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    from lapse.ops.forgetting import triton_fwd
+
+    plain = triton_fwd.fwd_config
+
+    def gluon_acp(d, dtype_bytes, acp=False, tk=0):
+        cfg = plain(d, dtype_bytes, acp, tk)
+        if not acp:
+            return cfg
+        cfg.pop("ROUTE", None)
+        return dict(cfg, GLUON_ACP=GLUON_ACP_VARIANTS[variant], **({"ROUTE": 1} if route else {}))
+
+    monkeypatch.setattr(triton_fwd, "fwd_config", gluon_acp)
+    monkeypatch.setattr(triton_fwd, "ROUTE_MIN_ROWS", 1)
+    b, tq, tk, hq, h, d, gate, acp, cu = case
+    q, k, v, lg, do = _inputs(b, tq, tk, hq, h, d, gate, torch.bfloat16, "cuda", seed=d + tq)
+    _compare(q, k, v, lg, do, torch.bfloat16, acp, None, True if gate == "fast" else None)
+
+
 def _flip_load_options(monkeypatch):
     """Every kernel with its per-row / per-key inputs read the other way than its table
     says: the forward's and the dQ kernel's ``PAIRS`` flipped, the dK/dV kernel's

@@ -479,6 +479,7 @@ def launch_fwd(q, k, v, c_hi, c_lo, block_start, cu, p, o, lse2, config=None):
             return
         cfg = dict(fwd_config(p.d, q.element_size(), block_start is not None, p.tk))
         cfg.pop("GLUON", None)
+    gluon_acp = cfg.pop("GLUON_ACP", None)  # options of gluon_fwd.launch_acp for the ACP launch
     runs = [(cfg, False)]
     route = cfg.pop("ROUTE", False)
     if route and block_start is not None and p.batch * p.hq * p.tq >= ROUTE_MIN_ROWS:
@@ -490,6 +491,10 @@ def launch_fwd(q, k, v, c_hi, c_lo, block_start, cu, p, o, lse2, config=None):
         runs = runs[::-1] if route == 2 else runs
     pairs = None  # the keys' (c_hi, c_lo) side by side, made once for either launch
     for cfg, no_acp in runs:
+        if (gluon_acp is not None and not no_acp
+                and _launch_gluon_acp(q, k, v, c_hi, c_lo, block_start, cu, p, o, lse2, gluon_acp,
+                                      cfg.get("ROUTE") == 2)):
+            continue
         use_tma = tma_mode(cfg.pop("TMA", False), q, k, v, p)
         if q.element_size() == 4:  # float32 keeps the exact order of the bias's terms
             cfg.pop("ROW_BIAS", None)
@@ -499,6 +504,21 @@ def launch_fwd(q, k, v, c_hi, c_lo, block_start, cu, p, o, lse2, config=None):
             pairs = torch.stack((c_hi, c_lo), -1)
         with device_descriptors(use_tma == 1 and q.is_cuda):
             _launch_fwd(q, k, v, c_hi, c_lo, block_start, cu, p, o, lse2, cfg, use_tma, no_acp, pairs)
+
+
+def _launch_gluon_acp(q, k, v, c_hi, c_lo, block_start, cu, p, o, lse2, options, routed: bool) -> bool:
+    """Runs ACP's launch with ``gluon_fwd.py``'s persistent kernel where it serves the inputs
+    (``routed``: the (sequence, head)s ACP prunes somewhere only); False where it does not.
+    Opt-in (``GLUON_ACP`` in the config: a dict of its options, ``{}`` for its defaults)."""
+    try:  # Hopper only; Gluon has no CPU interpreter, and older Tritons lack its Hopper API
+        from . import gluon_fwd
+    except ImportError:
+        return False
+    if not gluon_fwd.acp_supported(q, k, v, block_start, cu, p):
+        return False
+    gluon_fwd.launch_acp(q, k, v, c_hi, c_lo, block_start, p, o, lse2,
+                         {**gluon_fwd.acp_config(p.d), **options}, skip_full=routed)
+    return True
 
 
 @contextlib.contextmanager
