@@ -981,9 +981,11 @@ def test_gluon_forward_gpu(case, variant, monkeypatch):
 
 
 
-GLUON_ACP_VARIANTS = {  # gluon_fwd.launch_acp's options: its default, and three consumers a program
-    "default": {},
-    "3-consumers": dict(NC=3, COMPUTE_REGS=160, STAGES=2, PROGRAMS=1),
+GLUON_ACP_VARIANTS = {  # gluon_fwd.launch_acp's options by D: its default, and several consumers a
+    # program (three at D 64; at D 128 two fit the shared memory)
+    "default": {64: {}, 128: {}},
+    "consumers": {64: dict(NC=3, COMPUTE_REGS=160, STAGES=2, PROGRAMS=1),
+                  128: dict(NC=2, COMPUTE_REGS=152, STAGES=2, PROGRAMS=1)},
 }
 GLUON_ACP_CASES = [
     (2, 1024, 1024, 8, 8, 64, "mixed", "auto", None),
@@ -1014,7 +1016,8 @@ def test_gluon_acp_forward_gpu(case, variant, route, monkeypatch):
         if not acp:
             return cfg
         cfg.pop("ROUTE", None)
-        return dict(cfg, GLUON_ACP=GLUON_ACP_VARIANTS[variant], **({"ROUTE": 1} if route else {}))
+        options = GLUON_ACP_VARIANTS[variant].get(d, {})
+        return dict(cfg, GLUON_ACP=options, **({"ROUTE": 1} if route else {}))
 
     monkeypatch.setattr(triton_fwd, "fwd_config", gluon_acp)
     monkeypatch.setattr(triton_fwd, "ROUTE_MIN_ROWS", 1)
