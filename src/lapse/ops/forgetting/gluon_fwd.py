@@ -277,6 +277,16 @@ def launch(q, k, v, c_hi, c_lo, p, o, lse2, config=None) -> None:
 # ahead across tiles: it brings the next tile's Q (two buffers) and keys while the compute
 # partition still finishes this one, so one tile's end overlaps the next one's start. The
 # ring buffers' phases count key tiles across the whole loop.
+#
+# Status (BENCHMARKS.md, "Twenty-fifth session"): correct (its GPU tests hold it to the
+# float64 oracle), opt-in (``GLUON_ACP`` in the forward's config). On an H200, as the routed
+# launch of the bench workload's local heads, it is 10-26% faster than the Triton kernel at
+# D 128 (0.219-0.226 ms against 0.244-0.305 at T 4k-16k) and 29-32% slower at D 64 (0.263-0.275
+# against 0.204-0.209): Gluon pads the one-warp load partition to a 4-warp group, so a program
+# is 8 warps and at 128 registers only two fit a multiprocessor where the Triton kernel runs
+# four; ptxas allocates the whole kernel at ``maxnreg``, so more consumers a program only trade
+# that for spills. End to end the D 128 forward gains 2-3%, not enough to carry the complexity
+# into the tables.
 
 
 @gluon.jit
@@ -506,9 +516,11 @@ def acp_config(d: int) -> dict:
     """The persistent ACP forward's options by head dim: 64-row tiles (one ACP block), ``NC``
     consumers a program (each a 4-warp compute partition with ``COMPUTE_REGS`` registers a
     thread and a load warp; the load warps take one 4-warp group's registers), ``PROGRAMS`` a
-    multiprocessor, ``maxnreg`` registers a thread at launch."""
-    return dict(BM=64, BN=64, num_warps=4, STAGES=3 if d <= 64 else 2, NC=1, COMPUTE_REGS=24, PROGRAMS=2,
-                maxnreg=128)
+    multiprocessor, ``maxnreg`` registers a thread at launch. The fastest of
+    ``scripts/diag_gluon_acp.py`` on an H200 (``docs/bench/session25/``): at D 64 four programs
+    a multiprocessor (two resident: a program is 8 warps), at D 128 two (its shared memory)."""
+    return dict(BM=64, BN=64, num_warps=4, STAGES=3 if d <= 64 else 2, NC=1, COMPUTE_REGS=24,
+                PROGRAMS=4 if d <= 64 else 2, maxnreg=128)
 
 
 def acp_supported(q, k, v, block_start, cu, p) -> bool:
