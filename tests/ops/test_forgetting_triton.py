@@ -997,6 +997,20 @@ GLUON_ACP_CASES = [
 ]
 
 
+
+def test_gluon_acp_config_falls_back_off_hopper(monkeypatch):
+    """Where the persistent Gluon ACP kernel cannot run (here: the CPU interpreter), a
+    ``GLUON_ACP`` config runs the Triton ACP kernel, to the same float64 rule, pruning."""
+    if torch.cuda.is_available():
+        pytest.skip("CPU interpreter test")
+    from lapse.ops.forgetting import triton_fwd
+
+    plain = triton_fwd.fwd_config
+    monkeypatch.setattr(triton_fwd, "fwd_config",
+                        lambda d, b, acp=False, tk=0: dict(plain(d, b, acp, tk), GLUON_ACP={}))
+    q, k, v, lg, do = _inputs(1, 200, 200, 2, 1, 64, "fast", torch.float32, "cpu", seed=5)
+    _compare(q, k, v, lg, do, torch.float32, "auto", None, True)
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("route", [False, True], ids=["all-heads", "routed"])
 @pytest.mark.parametrize("variant", list(GLUON_ACP_VARIANTS))
