@@ -1006,10 +1006,26 @@ def test_gluon_acp_config_falls_back_off_hopper(monkeypatch):
     from lapse.ops.forgetting import triton_fwd
 
     plain = triton_fwd.fwd_config
-    monkeypatch.setattr(triton_fwd, "fwd_config",
-                        lambda d, b, acp=False, tk=0: dict(plain(d, b, acp, tk), GLUON_ACP={}))
-    q, k, v, lg, do = _inputs(1, 200, 200, 2, 1, 64, "fast", torch.float32, "cpu", seed=5)
-    _compare(q, k, v, lg, do, torch.float32, "auto", None, True)
+    for option in ({}, "routed"):  # the routed launch: the heads ACP prunes, after the dense tiles'
+        monkeypatch.setattr(triton_fwd, "fwd_config",
+                            lambda d, b, acp=False, tk=0, o=option: dict(plain(d, b, acp, tk), GLUON_ACP=o,
+                                                                         ROUTE=1))
+        monkeypatch.setattr(triton_fwd, "ROUTE_MIN_ROWS", 1)
+        q, k, v, lg, do = _inputs(1, 200, 200, 2, 1, 64, "mixed", torch.float32, "cpu", seed=5)
+        _compare(q, k, v, lg, do, torch.float32, "auto", None, True)
+
+
+def test_d128_acp_table_routes_to_gluon():
+    """The D 128 ACP table (16-bit) asks for the persistent Gluon kernel on its routed launch,
+    at both its tilings; D 64 and float32 do not."""
+    from lapse.ops.forgetting import triton_fwd
+
+    for tk in (4096, triton_fwd.LONG_ACP_KEYS):
+        cfg = triton_fwd.fwd_config(128, 2, True, tk)
+        assert cfg["GLUON_ACP"] == "routed" and cfg["ROUTE"] == 1
+    assert "GLUON_ACP" not in triton_fwd.fwd_config(64, 2, True, 4096)
+    assert "GLUON_ACP" not in triton_fwd.fwd_config(128, 4, True, 4096)
+    assert "GLUON_ACP" not in triton_fwd.fwd_config(128, 2, False, 4096)
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("route", [False, True], ids=["all-heads", "routed"])

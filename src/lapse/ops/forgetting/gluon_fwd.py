@@ -38,6 +38,8 @@ and the reference the GPU tests hold it to. There is no CPU interpreter for Gluo
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 from triton.experimental import gluon
@@ -532,6 +534,11 @@ def acp_supported(q, k, v, block_start, cu, p) -> bool:
             and p.d in (64, 128) and all(x.is_contiguous() for x in (q, k, v)))
 
 
+@functools.lru_cache(maxsize=None)
+def _multiprocessors(device: int | None) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
 def launch_acp(q, k, v, c_hi, c_lo, block_start, p, o, lse2, config=None, skip_full=False) -> None:
     """Writes ``o`` and the base-2 lse of ACP's forward (:func:`acp_supported` inputs) with the
     persistent kernel; ``skip_full``: only the (sequence, head)s that ACP prunes somewhere."""
@@ -552,8 +559,7 @@ def launch_acp(q, k, v, c_hi, c_lo, block_start, p, o, lse2, config=None, skip_f
     v_desc = TensorDescriptor(v2, list(v2.shape), list(v2.stride()), [bn, d], kv_layout)
     n_tiles = triton.cdiv(t, bm)
     n_items = n_tiles * b * hq
-    sms = torch.cuda.get_device_properties(q.device).multi_processor_count
-    grid = (min(n_items, sms * programs), )
+    grid = (min(n_items, _multiprocessors(q.device.index) * programs), )
     _acp_kernel[grid](q_desc, k_desc, v_desc, c_hi, c_lo, block_start, o, lse2, p.scale * LOG2E, t,
                       c_hi.shape[-1], block_start.shape[-1], hq, hq // h, b * hq, n_tiles, n_items, D=d,
                       BM=bm, BN=bn, SKIP_FULL=skip_full, **cfg)

@@ -419,6 +419,12 @@ def fwd_config(d: int, dtype_bytes: int, acp: bool = False, tk: int = 0) -> dict
     takes the same 64-row tiles at 128 registers and 2 stages (no spills) below
     ``SHORT_DENSE_KEYS`` keys: 1.097 and 1.102 ms against 1.133 and 1.148 at 4k in two calls,
     but 2.373 against 2.349 at 8k and 4.583 against 4.409 at 16k (``h200-fwd-dense.json``).
+
+    ``GLUON_ACP="routed"`` (D 128 with ACP, 16-bit inputs; twenty-fifth session): where ``ROUTE``
+    splits the heads, the second launch (the heads ACP prunes) runs ``gluon_fwd.py``'s persistent
+    kernel on Hopper. On an H200 that launch took 0.219-0.221 / 0.225-0.226 ms at T 4k / 16k
+    against the Triton kernel's 0.244-0.245 / 0.303-0.305 (``docs/bench/session25/``); at D 64 it
+    loses (0.263-0.275 against 0.204-0.209), so D 64 keeps the Triton kernel.
     """
     rb = dtype_bytes < 4
     if d <= 64:
@@ -432,10 +438,10 @@ def fwd_config(d: int, dtype_bytes: int, acp: bool = False, tk: int = 0) -> dict
     if d <= 128:
         if acp and rb and d == 128 and tk >= LONG_ACP_KEYS:  # measured at D 128 only
             return dict(BM=128, BN=64, num_warps=8, num_stages=3, TMA="host", PAIRS=True, ROW_BIAS=True,
-                        LOOPS=3, FIXED_MAX=True, ROUTE=1)
+                        LOOPS=3, FIXED_MAX=True, ROUTE=1, GLUON_ACP="routed")
         if acp:
             cfg = dict(BM=64, BN=64, num_warps=4, num_stages=3, PAIRS=False, LOOPS=3, FIXED_MAX=rb)
-            return dict(cfg, ROUTE=1) if rb and d == 128 else cfg
+            return dict(cfg, ROUTE=1, GLUON_ACP="routed") if rb and d == 128 else cfg
         return dict(BM=128, BN=128, num_warps=8, num_stages=3, TMA="host", PAIRS=True, ROW_BIAS=rb,
                     FIXED_MAX=rb)
     return dict(BM=64, BN=32, num_warps=4, num_stages=2)
@@ -509,7 +515,13 @@ def launch_fwd(q, k, v, c_hi, c_lo, block_start, cu, p, o, lse2, config=None):
 def _launch_gluon_acp(q, k, v, c_hi, c_lo, block_start, cu, p, o, lse2, options, routed: bool) -> bool:
     """Runs ACP's launch with ``gluon_fwd.py``'s persistent kernel where it serves the inputs
     (``routed``: the (sequence, head)s ACP prunes somewhere only); False where it does not.
-    Opt-in (``GLUON_ACP`` in the config: a dict of its options, ``{}`` for its defaults)."""
+    ``options`` (``GLUON_ACP`` in the config): a dict of the kernel's options over its defaults,
+    or ``"routed"``: its defaults, for the routed launch only (the table's choice at D 128: on the
+    heads ACP prunes nowhere the kernel is slower than the dense tiles)."""
+    if options == "routed":
+        if not routed:
+            return False
+        options = {}
     try:  # Hopper only; Gluon has no CPU interpreter, and older Tritons lack its Hopper API
         from . import gluon_fwd
     except ImportError:

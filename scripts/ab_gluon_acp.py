@@ -1,0 +1,110 @@
+"""The D 128 ACP table with and without its persistent Gluon launch (``GLUON_ACP="routed"``),
+in one process (issue 16).
+
+Times ``forgetting_attention`` forward and forward+backward with ``acp="auto"`` on the issue-2
+workload (B x T = 32k, 12 heads of 128), through the table as it is and through the table with
+``GLUON_ACP`` taken out (the Triton kernel on both routed launches), alternating, beside the dense
+op and SDPA's default backend; eager (``do_bench``) and replayed from a CUDA graph
+(``do_bench_cudagraph``). The two sides' outputs and gradients are compared first.
+
+    bash scripts/gpu.sh python3 scripts/ab_gluon_acp.py --out ab_gluon_acp.json
+"""
+
+# ruff: noqa: B023 (each closure over loop variables is timed inside its own iteration)
+from __future__ import annotations
+
+import argparse
+
+import torch
+import torch.nn.functional as F
+import triton
+from tune_fox_fwd import _dump, _issue2, _ms  # the same workload, timer, output (scripts/ on the path)
+
+from lapse.ops.forgetting import forgetting_attention, set_value_checks, triton_fwd
+
+TABLE = triton_fwd.fwd_config
+
+
+def _without_gluon(*a, **kw) -> dict:
+    cfg = TABLE(*a, **kw)
+    cfg.pop("GLUON_ACP", None)
+    return cfg
+
+
+def _graph_ms(fn) -> float:
+    try:
+        return triton.testing.do_bench_cudagraph(fn, rep=100, return_mode="median")
+    except Exception as e:  # noqa: BLE001 - a call that does not capture: say so, time on
+        print(f"  graph: {type(e).__name__}: {str(e)[:100]}")
+        return float("nan")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--shapes", nargs="+", default=["4096x128", "8192x128", "16384x128"])
+    ap.add_argument("--rounds", type=int, default=3, help="alternations of the two versions")
+    ap.add_argument("--out", default="ab_gluon_acp.json")
+    args = ap.parse_args()
+    versions = {"triton": _without_gluon, "gluon": TABLE}
+    set_value_checks(False)
+    rows = []
+    for shape in args.shapes:
+        t, d, h, b, (q, k, v, lg) = _issue2(shape)
+        q, k, v = (x.detach().requires_grad_() for x in (q, k, v))
+        lg = lg.detach().requires_grad_()
+        do = torch.randn_like(q)
+        qs, ks, vs = (x.detach().transpose(1, 2).requires_grad_() for x in (q, k, v))
+        dos = do.transpose(1, 2)
+
+        def fwd(acp="auto"):
+            with torch.no_grad():
+                return forgetting_attention(q, k, v, lg, acp=acp)
+
+        def fwd_bwd(acp="auto"):
+            o = forgetting_attention(q, k, v, lg, acp=acp)
+            return torch.autograd.grad(o, (q, k, v, lg), do)
+
+        def sdpa():
+            o = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True)
+            return torch.autograd.grad(o, (qs, ks, vs), dos)
+
+        outs = {}
+        for name, table in versions.items():
+            triton_fwd.fwd_config = table
+            outs[name] = (fwd(), *fwd_bwd())
+        rel = [float((a.float() - c.float()).norm() / c.float().norm().clamp_min(1e-30))
+               for a, c in zip(outs["gluon"], outs["triton"], strict=True)]
+        _, stats = forgetting_attention(q, k, v, lg, acp="auto", return_stats=True)
+        pruned = float(stats.pruned_fraction.double().mean())
+        times = {f"{name}_{mode}_{how}": [] for name in versions for mode in ("fwd", "fwd_bwd")
+                 for how in ("eager", "graph")}
+        for _ in range(args.rounds):
+            for name, table in versions.items():
+                triton_fwd.fwd_config = table
+                times[f"{name}_fwd_eager"].append(_ms(fwd))
+                times[f"{name}_fwd_bwd_eager"].append(_ms(fwd_bwd))
+                times[f"{name}_fwd_graph"].append(_graph_ms(fwd))
+                times[f"{name}_fwd_bwd_graph"].append(_graph_ms(fwd_bwd))
+        triton_fwd.fwd_config = TABLE
+        dense = {how: (timer(lambda: fwd(None)), timer(lambda: fwd_bwd(None)))
+                 for how, timer in (("eager", _ms), ("graph", _graph_ms))}
+        sdpa_ms = {"eager": _ms(sdpa), "graph": _graph_ms(sdpa)}
+        row = dict(T=t, D=d, H=h, B=b, pruned=pruned, rel_gluon_vs_triton=rel, sdpa_fwd_bwd=sdpa_ms,
+                   dense=dense, **{key: min(x) for key, x in times.items()}, all_times=times)
+        rows.append(row)
+        print(f"{shape}: pruned {pruned:.3f}; gluon vs triton rel (o, dq, dk, dv, dg) "
+              + " ".join(f"{x:.1e}" for x in rel), flush=True)
+        for how in ("eager", "graph"):
+            df, dfb = dense[how]
+            line = []
+            for name in versions:
+                f_, fb = row[f"{name}_fwd_{how}"], row[f"{name}_fwd_bwd_{how}"]
+                line.append(f"{name} fwd {f_:.3f} (eff {df * (1 - pruned) / f_:.2f}) fwd+bwd {fb:.3f} "
+                            f"(eff {dfb * (1 - pruned) / fb:.2f}, x cuDNN {fb / sdpa_ms[how]:.3f})")
+            print(f"  {how}: " + " | ".join(line) + f" | dense {df:.3f} / {dfb:.3f}, SDPA {sdpa_ms[how]:.3f}",
+                  flush=True)
+    _dump(args.out, rows)
+
+
+if __name__ == "__main__":
+    main()
