@@ -534,7 +534,7 @@ def acp_supported(q, k, v, block_start, cu, p) -> bool:
             and p.d in (64, 128) and all(x.is_contiguous() for x in (q, k, v)))
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _multiprocessors(device: int | None) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
