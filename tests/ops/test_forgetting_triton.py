@@ -1027,6 +1027,27 @@ def test_d128_acp_table_routes_to_gluon():
     assert "GLUON_ACP" not in triton_fwd.fwd_config(128, 4, True, 4096)
     assert "GLUON_ACP" not in triton_fwd.fwd_config(128, 2, False, 4096)
 
+
+def test_gluon_acp_routed_only_routed_and_on_its_triton(monkeypatch):
+    """The table's ``GLUON_ACP="routed"`` declines (the Triton kernel runs) on a launch that is
+    not routed, and on a Triton other than the one it was measured with, before it looks at the
+    inputs."""
+    from lapse.ops.forgetting import gluon_fwd, triton_fwd
+
+    calls = []
+    monkeypatch.setattr(gluon_fwd, "acp_supported", lambda *a: True)  # as on Hopper
+    monkeypatch.setattr(gluon_fwd, "acp_config", lambda d: {})
+    monkeypatch.setattr(gluon_fwd, "launch_acp", lambda *a, **kw: calls.append(kw))
+    p = SimpleNamespace(d=128)
+
+    def launch(routed):
+        return triton_fwd._launch_gluon_acp(*[None] * 7, p, None, None, "routed", routed)
+
+    assert launch(False) is False and not calls
+    assert launch(True) is True and calls == [dict(skip_full=True)]
+    monkeypatch.setattr(triton_fwd, "GLUON_ACP_TRITON", "0.0.")
+    assert launch(True) is False and len(calls) == 1
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("route", [False, True], ids=["all-heads", "routed"])
 @pytest.mark.parametrize("variant", list(GLUON_ACP_VARIANTS))

@@ -329,6 +329,7 @@ SHORT_DENSE_KEYS = 8192  # D 64 dense, 16-bit: below this many keys, 64-row tile
 # host time (a Triton launch) would be a larger share, and its waves shorter. Not measured
 # there: the bench's workload has 786,432
 ROUTE_MIN_ROWS = 1 << 18
+GLUON_ACP_TRITON = "3.6."  # the Triton whose Gluon the table's GLUON_ACP="routed" was measured with
 
 
 def fwd_config(d: int, dtype_bytes: int, acp: bool = False, tk: int = 0) -> dict:
@@ -424,7 +425,11 @@ def fwd_config(d: int, dtype_bytes: int, acp: bool = False, tk: int = 0) -> dict
     splits the heads, the second launch (the heads ACP prunes) runs ``gluon_fwd.py``'s persistent
     kernel on Hopper. On an H200 that launch took 0.219-0.221 / 0.225-0.226 ms at T 4k / 16k
     against the Triton kernel's 0.244-0.245 / 0.303-0.305 (``docs/bench/session25/``); at D 64 it
-    loses (0.263-0.275 against 0.204-0.209), so D 64 keeps the Triton kernel.
+    loses (0.263-0.275 against 0.204-0.209), so D 64 keeps the Triton kernel. The op on an H100
+    (``scripts/ab_gluon_acp.py``, ``h100-ab-gluon-acp.json``, replayed from CUDA graphs, best of
+    three), ms at T 4k / 8k / 16k: forward 0.625 / 0.896 / 1.382 against 0.639 / 0.955 / 1.430;
+    forward+backward 2.216 / 3.397 / 5.679 against 2.224 / 3.458 / 5.688. Taken with Triton 3.6
+    only (``GLUON_ACP_TRITON``).
     """
     rb = dtype_bytes < 4
     if d <= 64:
@@ -518,8 +523,9 @@ def _launch_gluon_acp(q, k, v, c_hi, c_lo, block_start, cu, p, o, lse2, options,
     ``options`` (``GLUON_ACP`` in the config): a dict of the kernel's options over its defaults,
     or ``"routed"``: its defaults, for the routed launch only (the table's choice at D 128: on the
     heads ACP prunes nowhere the kernel is slower than the dense tiles)."""
-    if options == "routed":
-        if not routed:
+    if options == "routed":  # the table's choice, measured with Triton 3.6's Gluon (experimental:
+        # its API moves between releases), so other Tritons keep the Triton kernel
+        if not routed or not triton.__version__.startswith(GLUON_ACP_TRITON):
             return False
         options = {}
     try:  # Hopper only; Gluon has no CPU interpreter, and older Tritons lack its Hopper API
