@@ -281,14 +281,14 @@ def launch(q, k, v, c_hi, c_lo, p, o, lse2, config=None) -> None:
 # ring buffers' phases count key tiles across the whole loop.
 #
 # Status (BENCHMARKS.md, "Twenty-fifth session"): correct (its GPU tests hold it to the
-# float64 oracle), opt-in (``GLUON_ACP`` in the forward's config). On an H200, as the routed
-# launch of the bench workload's local heads, it is 10-26% faster than the Triton kernel at
-# D 128 (0.219-0.226 ms against 0.244-0.305 at T 4k-16k) and 29-32% slower at D 64 (0.263-0.275
-# against 0.204-0.209): Gluon pads the one-warp load partition to a 4-warp group, so a program
-# is 8 warps and at 128 registers only two fit a multiprocessor where the Triton kernel runs
-# four; ptxas allocates the whole kernel at ``maxnreg``, so more consumers a program only trade
-# that for spills. End to end the D 128 forward gains 2-3%, not enough to carry the complexity
-# into the tables.
+# float64 oracle). On an H200, as the routed launch of the bench workload's local heads, it is
+# 10-26% faster than the Triton kernel at D 128 (0.219-0.226 ms against 0.244-0.305 at T 4k-16k)
+# and 29-32% slower at D 64 (0.263-0.275 against 0.204-0.209): Gluon pads the one-warp load
+# partition to a 4-warp group, so a program is 8 warps and at 128 registers only two fit a
+# multiprocessor where the Triton kernel runs four; ptxas allocates the whole kernel at
+# ``maxnreg``, so more consumers a program only trade that for spills. So the D 128 ACP table
+# takes it for its routed launch (``GLUON_ACP="routed"`` in ``triton_fwd.fwd_config``: the op's
+# forward 2-6% faster on an H100), and elsewhere it is opt-in (``GLUON_ACP`` a dict of options).
 
 
 @gluon.jit
