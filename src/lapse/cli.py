@@ -41,6 +41,7 @@ from lapse.eval.niah import NiahConfig
 from lapse.eval.policy import PolicyLossConfig
 from lapse.eval.report import ReportConfig
 from lapse.generation.command import GenerateConfig
+from lapse.models.checkpoint import is_export_folder
 from lapse.train.config import TRAIN_PRESETS, ResumeConfig, TrainConfig
 from lapse.train.importing import ImportConfig
 from lapse.train.lock import RunInUse
@@ -179,13 +180,18 @@ def _app() -> SubcommandApp:
 
     @app.command(name="generate")
     def generate(cfg: Annotated[GenerateConfig, tyro.conf.arg(name="")]) -> None:
-        """Generate text from a trained run, or a pretrained Hugging Face model (--hf PATH
-        [--gguf-file NAME]), under an eviction policy (dense, window, acp, h2o, a2sf); ends
-        with tokens/s and the KV bytes held against a dense cache."""
+        """Generate text from a trained run (or a `lapse export` folder), or a pretrained Hugging
+        Face model (--hf PATH [--gguf-file NAME]), under an eviction policy (dense, window, acp,
+        h2o, a2sf); ends with tokens/s and the KV bytes held against a dense cache."""
         if cfg.hf is not None:
             from lapse.hf.command import run_generate_hf
 
             run_generate_hf(cfg)
+            return
+        if cfg.model is not None and is_export_folder(cfg.model):
+            from lapse.hf.command import run_generate_export
+
+            run_generate_export(cfg)
             return
         from lapse.generation.command import run_generate
 

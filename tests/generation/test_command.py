@@ -184,3 +184,23 @@ def test_sampling_values_are_checked_before_the_prompt_is_echoed(run, capsys, ar
         main(["generate", str(run), "--prompt", "x", *args])
     captured = capsys.readouterr()
     assert e.value.code == 2 and captured.out == "" and captured.err.splitlines() == [f"error: {message}"]
+
+
+def test_generate_from_an_export_folder_writes_the_runs_text(run, tmp_path, capsys):
+    """``lapse generate EXPORT`` (a ``lapse export`` folder) loads the decoder and lapse's
+    tokenizer from it and writes, greedily, the run's own text (it was refused: transformers
+    cannot read lapse's tokenizer)."""
+    from lapse.hf import LapseConfig
+    from lapse.models.checkpoint import EXPORT_MODEL_TYPE, is_export_folder
+
+    assert LapseConfig.model_type == EXPORT_MODEL_TYPE
+    export = tmp_path / "export"
+    main(["export", str(run), str(export)])
+    assert is_export_folder(export) and not is_export_folder(run)
+    capsys.readouterr()
+    texts = []
+    for model in (run, export):
+        main(["generate", str(model), "--prompt", "def f(x):", "--max-new-tokens", "24",
+              "--max-context", "64"])
+        texts.append(capsys.readouterr().out.strip().splitlines()[:-1])  # the summary line's time differs
+    assert texts[0] == texts[1] and texts[0][0].startswith("def f(x):")

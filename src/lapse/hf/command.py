@@ -18,13 +18,28 @@ from tqdm.auto import tqdm
 from transformers import TextStreamer
 
 from lapse.files import write_text_atomic
-from lapse.generation.command import GenerateConfig, TextStream, print_summary, read_prompts
+from lapse.generation.command import GenerateConfig, TextStream, print_summary, read_prompts, run_generate
 
 from .compat import CACHE_ARG
 from .convert import decoder_from_hf
 from .decode import generate
 from .evicting import EvictingCache
 from .loading import load_pretrained
+
+
+def run_generate_export(cfg: GenerateConfig) -> dict:
+    """Generates from a ``lapse export`` folder (``cfg.model``) as from a run: the decoder that
+    :class:`~lapse.hf.LapseForCausalLM` wraps, lapse's tokenizer beside it, lapse's own loop."""
+    from lapse.data import load_tokenizer
+
+    from .model import LapseForCausalLM
+
+    device = cfg.torch_device()
+    tokenizer_dir = cfg.model / "tokenizer"
+    if not tokenizer_dir.is_dir():
+        raise ValueError(f"{cfg.model} has no tokenizer/ folder: was it written by `lapse export`?")
+    decoder = LapseForCausalLM.from_pretrained(cfg.model).model
+    return run_generate(cfg, loaded=(decoder.to(device).eval(), load_tokenizer(tokenizer_dir)))
 
 
 def run_generate_hf(cfg: GenerateConfig) -> dict:

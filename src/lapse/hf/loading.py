@@ -108,7 +108,7 @@ def load_pretrained(
     if gguf is None and lapse_tokenizer.is_file() and not (folder / "tokenizer_config.json").is_file():
         raise ValueError(
             f"{folder} is a `lapse export` folder, whose tokenizer ({lapse_tokenizer}) is lapse's own, "
-            "which transformers cannot read: generate from the run it was exported from (lapse generate RUN)"
+            "which transformers cannot read: give the folder without --hf (lapse generate FOLDER)"
         )
     register_attention()
     extra = {} if gguf is None else {"gguf_file": gguf}

@@ -107,6 +107,19 @@ def corpus_config_from_json(obj: dict) -> CorpusConfig:
     return CorpusConfig(**obj)
 
 
+EXPORT_MODEL_TYPE = "lapse"  # config.json's model_type in a `lapse export` folder (lapse.hf.LapseConfig)
+
+
+def is_export_folder(path: str | Path) -> bool:
+    """Whether ``path`` is a Hugging Face folder that ``lapse export`` wrote: a ``config.json``
+    whose ``model_type`` is lapse's (a run folder's config.json has none)."""
+    config = Path(path) / CONFIG_FILE
+    try:
+        return config.is_file() and json.loads(config.read_text()).get("model_type") == EXPORT_MODEL_TYPE
+    except (OSError, ValueError, AttributeError):
+        return False
+
+
 def checkpoint_folders(run_dir: str | Path) -> list[Path]:
     """The run's checkpoint folders, newest (highest step) first, intact or not."""
     run_dir = Path(run_dir)
