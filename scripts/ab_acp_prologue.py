@@ -23,8 +23,7 @@ import os
 import subprocess
 
 import torch
-import torch.nn.functional as F
-from tune_fox_fwd import _dump, _issue2, _ms  # the same workload, timer, output (scripts/ on the path)
+from tune_fox_fwd import _dump, _ms, _op_calls  # the same workload, timer, output (scripts/ on the path)
 
 from lapse.ops.forgetting import forgetting_attention, pruning, set_value_checks, triton_ops
 from lapse.ops.forgetting.common import acp_delta
@@ -77,24 +76,7 @@ def main() -> None:
     set_value_checks(False)
     rows = []
     for shape in args.shapes:
-        t, d, h, b, (q, k, v, lg) = _issue2(shape)
-        q, k, v = (x.detach().requires_grad_() for x in (q, k, v))
-        lg = lg.detach().requires_grad_()
-        do = torch.randn_like(q)
-        qs, ks, vs = (x.detach().transpose(1, 2).requires_grad_() for x in (q, k, v))
-        dos = do.transpose(1, 2)
-
-        def fwd(acp="auto"):
-            with torch.no_grad():
-                return forgetting_attention(q, k, v, lg, acp=acp)
-
-        def fwd_bwd(acp="auto"):
-            o = forgetting_attention(q, k, v, lg, acp=acp)
-            return torch.autograd.grad(o, (q, k, v, lg), do)
-
-        def sdpa():
-            o = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True)
-            return torch.autograd.grad(o, (qs, ks, vs), dos)
+        fwd, fwd_bwd, sdpa, (t, d, h, b, (q, k, v, lg)) = _op_calls(shape)
 
         outs = {}
         for name, fns in versions.items():

@@ -57,6 +57,34 @@ def _issue2(shape: str):
     return t, d, h, 32768 // t, _workload(32768 // t, t, h, d)
 
 
+def _op_calls(shape: str):
+    """The op on the issue-2 workload of ``shape`` as three calls to time: ``fwd(acp)`` (no
+    grad), ``fwd_bwd(acp)`` (every input's gradient under a fixed random ``dO``) and SDPA's
+    default backend forward+backward on the same tensors; with ``(T, D, heads, B, inputs)``."""
+    from lapse.ops.forgetting import forgetting_attention
+
+    t, d, h, b, (q, k, v, lg) = _issue2(shape)
+    q, k, v = (x.detach().requires_grad_() for x in (q, k, v))
+    lg = lg.detach().requires_grad_()
+    do = torch.randn_like(q)
+    qs, ks, vs = (x.detach().transpose(1, 2).requires_grad_() for x in (q, k, v))
+    dos = do.transpose(1, 2)
+
+    def fwd(acp="auto"):
+        with torch.no_grad():
+            return forgetting_attention(q, k, v, lg, acp=acp)
+
+    def fwd_bwd(acp="auto"):
+        o = forgetting_attention(q, k, v, lg, acp=acp)
+        return torch.autograd.grad(o, (q, k, v, lg), do)
+
+    def sdpa():
+        o = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True)
+        return torch.autograd.grad(o, (qs, ks, vs), dos)
+
+    return fwd, fwd_bwd, sdpa, (t, d, h, b, (q, k, v, lg))
+
+
 def _prepared(shape: str, group: int = 1):
     """The issue-2 workload of ``shape`` ready for the kernels: ``(T, D, heads, B, q, k, v,
     problem, c_hi, c_lo, ACP block starts)``; with ``group`` > 1 the keys and values keep

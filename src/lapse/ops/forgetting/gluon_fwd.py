@@ -248,6 +248,21 @@ def supported(q, k, v, block_start, cu, p) -> bool:
             and p.d in (64, 128) and all(x.is_contiguous() for x in (q, k, v)))
 
 
+def _descriptors(q, k, v, bm: int, bn: int):
+    """TMA descriptors over ``[B * T, H * D]`` views of ``q``, ``k``, ``v``: a block is ``bm``
+    (queries) or ``bn`` (keys, values) rows of one head's D columns."""
+    b, t, hq, d = q.shape
+    h = k.shape[2]
+    el = gl.bfloat16 if q.dtype == torch.bfloat16 else gl.float16
+    q2, k2, v2 = q.view(b * t, hq * d), k.view(b * t, h * d), v.view(b * t, h * d)
+    q_desc = TensorDescriptor(q2, list(q2.shape), list(q2.stride()), [bm, d],
+                              gl.NVMMASharedLayout.get_default_for([bm, d], el))
+    kv_layout = gl.NVMMASharedLayout.get_default_for([bn, d], el)
+    k_desc = TensorDescriptor(k2, list(k2.shape), list(k2.stride()), [bn, d], kv_layout)
+    v_desc = TensorDescriptor(v2, list(v2.shape), list(v2.stride()), [bn, d], kv_layout)
+    return q_desc, k_desc, v_desc
+
+
 def launch(q, k, v, c_hi, c_lo, p, o, lse2, config=None) -> None:
     """Writes ``o`` ``[B, T, HQ, D]`` and the base-2 lse ``[B, HQ, Tc]`` (:func:`supported`
     inputs only)."""
@@ -259,13 +274,7 @@ def launch(q, k, v, c_hi, c_lo, p, o, lse2, config=None) -> None:
         cfg.pop("maxnreg", None)
     b, t, hq, d = q.shape
     h = k.shape[2]
-    el = gl.bfloat16 if q.dtype == torch.bfloat16 else gl.float16
-    q2, k2, v2 = q.view(b * t, hq * d), k.view(b * t, h * d), v.view(b * t, h * d)
-    q_desc = TensorDescriptor(q2, list(q2.shape), list(q2.stride()), [bm, d],
-                              gl.NVMMASharedLayout.get_default_for([bm, d], el))
-    kv_layout = gl.NVMMASharedLayout.get_default_for([bn, d], el)
-    k_desc = TensorDescriptor(k2, list(k2.shape), list(k2.stride()), [bn, d], kv_layout)
-    v_desc = TensorDescriptor(v2, list(v2.shape), list(v2.stride()), [bn, d], kv_layout)
+    q_desc, k_desc, v_desc = _descriptors(q, k, v, bm, bn)
     grid = (triton.cdiv(t, bm), b * hq)
     _fwd_kernel[grid](q_desc, k_desc, v_desc, c_hi, c_lo, o, lse2, p.scale * LOG2E, t, c_hi.shape[-1], hq,
                       hq // h, D=d, BM=bm, BN=bn, **cfg)
@@ -546,17 +555,11 @@ def launch_acp(q, k, v, c_hi, c_lo, block_start, p, o, lse2, config=None, skip_f
     bm, bn, programs = cfg.pop("BM"), cfg.pop("BN"), cfg.pop("PROGRAMS")
     cfg.setdefault("NC", 1)
     cfg.setdefault("COMPUTE_REGS", 24)  # unused with one consumer
-    if cfg.get("maxnreg") is None:
+    if cfg.get("maxnreg") is None:  # registers per thread at launch (the partitions then move them)
         cfg.pop("maxnreg", None)
     b, t, hq, d = q.shape
     h = k.shape[2]
-    el = gl.bfloat16 if q.dtype == torch.bfloat16 else gl.float16
-    q2, k2, v2 = q.view(b * t, hq * d), k.view(b * t, h * d), v.view(b * t, h * d)
-    q_desc = TensorDescriptor(q2, list(q2.shape), list(q2.stride()), [bm, d],
-                              gl.NVMMASharedLayout.get_default_for([bm, d], el))
-    kv_layout = gl.NVMMASharedLayout.get_default_for([bn, d], el)
-    k_desc = TensorDescriptor(k2, list(k2.shape), list(k2.stride()), [bn, d], kv_layout)
-    v_desc = TensorDescriptor(v2, list(v2.shape), list(v2.stride()), [bn, d], kv_layout)
+    q_desc, k_desc, v_desc = _descriptors(q, k, v, bm, bn)
     n_tiles = triton.cdiv(t, bm)
     n_items = n_tiles * b * hq
     grid = (min(n_items, _multiprocessors(q.device.index) * programs), )
