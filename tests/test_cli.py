@@ -33,6 +33,20 @@ def test_bench_attention_help(capsys):
         assert flag in out
 
 
+
+def test_resume_help_says_an_unset_flag_keeps_the_saved_setting(capsys, monkeypatch):
+    """``lapse resume``'s on/off pairs (both of a pair showed "default: False") say that unset,
+    the run keeps what it was saved with."""
+    monkeypatch.setenv("COLUMNS", "200")  # one line a flag
+    with pytest.raises(SystemExit) as e:
+        main(["resume", "--help"])
+    assert e.value.code == 0
+    lines = capsys.readouterr().out.splitlines()
+    for flag in ("--progress", "--no-progress", "--compile", "--no-compile", "--cuda-graphs",
+                 "--no-cuda-graphs"):
+        line = next(x for x in lines if x.strip("│ ").startswith(flag + " "))
+        assert "(unset: as saved)" in line and "default" not in line, line
+
 @pytest.mark.parametrize(
     "cfg",
     [

@@ -19,7 +19,7 @@ import math
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Literal
+from typing import Annotated, Literal
 
 import tyro
 
@@ -298,6 +298,9 @@ it records, never the model, the data or the optimisation (the curve would not c
 
 
 _FLAGS = ("progress", "compile", "cuda_graphs")  # ResumeConfig's on/off pairs
+# one flag of such a pair: unset, the run keeps what it was saved with (what the help says)
+_SessionFlag = Annotated[bool, tyro.conf.FlagCreatePairsOff,
+                         tyro.conf.arg(help_behavior_hint="(unset: as saved)")]
 
 
 @dataclass(kw_only=True)
@@ -314,9 +317,9 @@ class ResumeConfig:
     """End this session after this step with a checkpoint."""
     time_limit_minutes: float | None = None
     """Stop cleanly after this much more training time."""
-    progress: tyro.conf.FlagCreatePairsOff[bool] = False
+    progress: _SessionFlag = False
     """Show the progress bar."""
-    no_progress: tyro.conf.FlagCreatePairsOff[bool] = False
+    no_progress: _SessionFlag = False
     """Hide the progress bar."""
     log_every: int | None = None
     """Steps between metrics lines."""
@@ -330,13 +333,13 @@ class ResumeConfig:
     """The newest this many checkpoints are kept, plus pinned ones."""
     pin_steps: tuple[int, ...] | None = None
     """Steps at which a checkpoint is written and kept for good."""
-    compile: tyro.conf.FlagCreatePairsOff[bool] = False
+    compile: _SessionFlag = False
     """``torch.compile`` each block."""
-    no_compile: tyro.conf.FlagCreatePairsOff[bool] = False
+    no_compile: _SessionFlag = False
     """Run the blocks eagerly."""
-    cuda_graphs: tyro.conf.FlagCreatePairsOff[bool] = False
+    cuda_graphs: _SessionFlag = False
     """Replay the compiled blocks as CUDA graphs."""
-    no_cuda_graphs: tyro.conf.FlagCreatePairsOff[bool] = False
+    no_cuda_graphs: _SessionFlag = False
     """Launch the compiled blocks' kernels one by one."""
     device: str | None = None
     """``cuda``, ``cpu``, ``auto``."""
