@@ -18,9 +18,19 @@ import argparse
 import triton
 from tune_fox_fwd import _dump, _ms, _op_calls  # the same workload, timer, output (scripts/ on the path)
 
-from lapse.ops.forgetting import forgetting_attention, set_value_checks, triton_fwd
+from lapse.ops.forgetting import forgetting_attention, gluon_fwd, set_value_checks, triton_fwd
 
 TABLE = triton_fwd.fwd_config
+GLUON_CALLS = []  # one entry a Gluon ACP launch (a wrapper below counts them)
+_launch_acp = gluon_fwd.launch_acp
+
+
+def _counted_launch_acp(*a, **kw):
+    GLUON_CALLS.append(1)
+    return _launch_acp(*a, **kw)
+
+
+gluon_fwd.launch_acp = _counted_launch_acp
 
 
 def _without_gluon(*a, **kw) -> dict:
@@ -52,7 +62,11 @@ def main() -> None:
         outs = {}
         for name, table in versions.items():
             triton_fwd.fwd_config = table
+            ran = len(GLUON_CALLS)
             outs[name] = (fwd(), *fwd_bwd())
+            if name == "gluon" and len(GLUON_CALLS) == ran:
+                print(f"{shape}: the table's Gluon launch did not run (a Triton other than 3.6, not Hopper, "
+                      "or too few rows to route): both sides are the Triton kernel")
         rel = [float((a.float() - c.float()).norm() / c.float().norm().clamp_min(1e-30))
                for a, c in zip(outs["gluon"], outs["triton"], strict=True)]
         _, stats = forgetting_attention(q, k, v, lg, acp="auto", return_stats=True)

@@ -2,12 +2,13 @@
 the issue-2 workload: correctness first (outputs and lse against the Triton ACP forward's,
 the Gluon outputs poisoned with NaN first), then the kernels alone, ms.
 
-Timed: the Triton ACP table (all heads); its two routed launches alone (the heads ACP prunes
-nowhere on the dense tiles, ``ROUTE=1``; the others on the ACP tiles, ``ROUTE=2``); the Gluon
-kernel on the pruned heads alone (``skip_full``) at each ``--variants`` option; the Gluon
-kernel on every head; and the routed pair with the Gluon kernel as its second launch. The
-efficiency of a local-heads launch is against the dense forward's time scaled by the local
-heads' share and kept fraction.
+Timed: the ACP table with its Gluon launch taken out (the Triton kernel), and as it is
+(``table acp``: at D 128 its routed launch is this kernel); the Triton table's two routed
+launches alone (the heads ACP prunes nowhere on the dense tiles, ``ROUTE=1``; the others on the
+ACP tiles, ``ROUTE=2``); the Gluon kernel on the pruned heads alone (``skip_full``) at each
+``--variants`` option; the Gluon kernel on every head; and the routed pair with the Gluon kernel
+as its second launch. The efficiency of a local-heads launch is against the dense forward's time
+scaled by the local heads' share and kept fraction.
 
     python scripts/diag_gluon_acp.py --shapes 4096x64 16384x128 --out gluon_acp.json
 """
@@ -36,11 +37,19 @@ def _triton_launch(q, k, v, c_hi, c_lo, bs, p, o, lse2, route: int) -> None:
     acp = route == 2
     cfg = triton_fwd.fwd_config(p.d, q.element_size(), acp, p.tk)
     cfg.pop("ROUTE", None)
+    cfg.pop("GLUON_ACP", None)  # the Triton kernel on either launch
     use_tma = triton_fwd.tma_mode(cfg.pop("TMA", False), q, k, v, p)
     pairs = torch.stack((c_hi, c_lo), -1)
     with triton_fwd.device_descriptors(use_tma == 1):
         triton_fwd._launch_fwd(q, k, v, c_hi, c_lo, bs, None, p, o, lse2, dict(cfg, ROUTE=route), use_tma,
                                not acp, pairs)
+
+
+def _triton_table(p, q) -> dict:
+    """The ACP forward's table without its Gluon launch (``GLUON_ACP``): the Triton kernel."""
+    cfg = triton_fwd.fwd_config(p.d, q.element_size(), True, p.tk)
+    cfg.pop("GLUON_ACP", None)
+    return cfg
 
 
 def _errors(o, lse2, o_ref, lse_ref, t) -> dict:
@@ -61,7 +70,7 @@ def _case(t: int, d: int, kv_heads: int | None, timed: bool, variants: list[str]
     bs = triton_block_start(c_hi, c_lo, acp_delta("auto", EPS, q, k, p), p)
     pruned = float(pruned_fraction(bs, p).mean())
     o_ref, lse_ref = torch.empty_like(q), torch.empty_like(c_hi)
-    triton_fwd.launch_fwd(q, k, v, c_hi, c_lo, bs, None, p, o_ref, lse_ref)
+    triton_fwd.launch_fwd(q, k, v, c_hi, c_lo, bs, None, p, o_ref, lse_ref, _triton_table(p, q))
     row = dict(T=t, D=d, B=wl.spec.batch, HQ=p.hq, H=p.h, pruned=pruned)
     o, lse2 = torch.empty_like(q), torch.empty_like(c_hi)
 
@@ -84,7 +93,9 @@ def _case(t: int, d: int, kv_heads: int | None, timed: bool, variants: list[str]
     if not timed:
         return row
     ms = {"dense": _ms(lambda: triton_fwd.launch_fwd(q, k, v, c_hi, c_lo, None, None, p, o, lse2)),
-          "triton acp": _ms(lambda: triton_fwd.launch_fwd(q, k, v, c_hi, c_lo, bs, None, p, o, lse2)),
+          "triton acp": _ms(lambda: triton_fwd.launch_fwd(q, k, v, c_hi, c_lo, bs, None, p, o, lse2,
+                                                          _triton_table(p, q))),
+          "table acp": _ms(lambda: triton_fwd.launch_fwd(q, k, v, c_hi, c_lo, bs, None, p, o, lse2)),
           "triton route 1": _ms(lambda: route(1)),
           "triton route 2": _ms(lambda: route(2)),
           "gluon local": _ms(lambda: gluon(None, True))}

@@ -33,7 +33,6 @@ def test_bench_attention_help(capsys):
         assert flag in out
 
 
-
 def test_resume_help_says_an_unset_flag_keeps_the_saved_setting(capsys, monkeypatch):
     """``lapse resume``'s on/off pairs (both of a pair showed "default: False") say that unset,
     the run keeps what it was saved with."""
@@ -46,6 +45,7 @@ def test_resume_help_says_an_unset_flag_keeps_the_saved_setting(capsys, monkeypa
                  "--no-cuda-graphs"):
         line = next(x for x in lines if x.strip("│ ").startswith(flag + " "))
         assert "(unset: as saved)" in line and "default" not in line, line
+
 
 @pytest.mark.parametrize(
     "cfg",

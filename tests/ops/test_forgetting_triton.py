@@ -997,7 +997,6 @@ GLUON_ACP_CASES = [
 ]
 
 
-
 def test_gluon_acp_config_falls_back_off_hopper(monkeypatch):
     """Where the persistent Gluon ACP kernel cannot run (here: the CPU interpreter), a
     ``GLUON_ACP`` config runs the Triton ACP kernel, to the same float64 rule, pruning."""
@@ -1007,9 +1006,11 @@ def test_gluon_acp_config_falls_back_off_hopper(monkeypatch):
 
     plain = triton_fwd.fwd_config
     for option in ({}, "routed"):  # the routed launch: the heads ACP prunes, after the dense tiles'
-        monkeypatch.setattr(triton_fwd, "fwd_config",
-                            lambda d, b, acp=False, tk=0, o=option: dict(plain(d, b, acp, tk), GLUON_ACP=o,
-                                                                         ROUTE=1))
+
+        def table(d, b, acp=False, tk=0, option=option):
+            return dict(plain(d, b, acp, tk), GLUON_ACP=option, ROUTE=1) if acp else plain(d, b, acp, tk)
+
+        monkeypatch.setattr(triton_fwd, "fwd_config", table)
         monkeypatch.setattr(triton_fwd, "ROUTE_MIN_ROWS", 1)
         q, k, v, lg, do = _inputs(1, 200, 200, 2, 1, 64, "mixed", torch.float32, "cpu", seed=5)
         _compare(q, k, v, lg, do, torch.float32, "auto", None, True)
@@ -1043,10 +1044,41 @@ def test_gluon_acp_routed_only_routed_and_on_its_triton(monkeypatch):
     def launch(routed):
         return triton_fwd._launch_gluon_acp(*[None] * 7, p, None, None, "routed", routed)
 
+    monkeypatch.setattr(triton_fwd, "GLUON_ACP_TRITON", triton.__version__)  # whatever Triton runs
     assert launch(False) is False and not calls
     assert launch(True) is True and calls == [dict(skip_full=True)]
     monkeypatch.setattr(triton_fwd, "GLUON_ACP_TRITON", "0.0.")
     assert launch(True) is False and len(calls) == 1
+
+
+@pytest.mark.parametrize("route", [False, True], ids=["one-launch", "routed"])
+def test_launch_fwd_offers_gluon_the_acp_launch_only(monkeypatch, route):
+    """``launch_fwd`` offers its ``GLUON_ACP`` option to the ACP launch alone: once, routed
+    (``ROUTE``'s second launch) or not; never to the dense tiles' launch. (Here the offer is
+    declined, so the Triton kernel runs every launch, to the float64 rule.)"""
+    from lapse.ops.forgetting import triton_fwd
+
+    plain = triton_fwd.fwd_config
+    offers = []
+
+    def offer(*a):
+        offers.append((a[-2], a[-1]))  # (options, routed)
+        return False
+
+    monkeypatch.setattr(triton_fwd, "_launch_gluon_acp", offer)
+    monkeypatch.setattr(triton_fwd, "ROUTE_MIN_ROWS", 1)
+
+    def table(d, b, acp=False, tk=0):
+        cfg = plain(d, b, acp, tk)
+        return dict(cfg, GLUON_ACP="routed", **({"ROUTE": 1} if route else {})) if acp else cfg
+
+    monkeypatch.setattr(triton_fwd, "fwd_config", table)
+    q, k, v, lg, do = _inputs(1, 200, 200, 2, 1, 64, "mixed", torch.float32, "cpu", seed=5)
+    o = forgetting_attention(q, k, v, lg, acp="auto", backend="triton")
+    assert offers == [("routed", route)]
+    want = forgetting_attention(q.double(), k.double(), v.double(), lg, acp="auto", backend="naive")
+    assert _rel(o, want) < 1e-4
+
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("route", [False, True], ids=["all-heads", "routed"])
@@ -1058,7 +1090,7 @@ def test_gluon_acp_forward_gpu(case, variant, route, monkeypatch):
     launch (``ROUTE``); the Triton backward then runs on its o and lse."""
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA")
-    from lapse.ops.forgetting import triton_fwd
+    from lapse.ops.forgetting import gluon_fwd, triton_fwd
 
     plain = triton_fwd.fwd_config
 
@@ -1072,9 +1104,14 @@ def test_gluon_acp_forward_gpu(case, variant, route, monkeypatch):
 
     monkeypatch.setattr(triton_fwd, "fwd_config", gluon_acp)
     monkeypatch.setattr(triton_fwd, "ROUTE_MIN_ROWS", 1)
+    launches = []
+    launch = gluon_fwd.launch_acp
+    monkeypatch.setattr(gluon_fwd, "launch_acp", lambda *a, **kw: (launches.append(kw), launch(*a, **kw)))
     b, tq, tk, hq, h, d, gate, acp, cu = case
     q, k, v, lg, do = _inputs(b, tq, tk, hq, h, d, gate, torch.bfloat16, "cuda", seed=d + tq)
     _compare(q, k, v, lg, do, torch.bfloat16, acp, None, True if gate == "fast" else None)
+    if d in (64, 128) and torch.cuda.get_device_capability()[0] == 9:  # it served the forward
+        assert launches and all(kw["skip_full"] == route for kw in launches)
 
 
 def _flip_load_options(monkeypatch):

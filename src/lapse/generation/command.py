@@ -39,7 +39,8 @@ from .policies import Dense, Policy, PolicyName, PolicyOptions
 
 @dataclass(kw_only=True)
 class GenerateConfig(PolicyOptions):
-    """Generate text from a trained run (or one of its checkpoints) under an eviction policy."""
+    """Generate text from a trained run (or one of its checkpoints, or a ``lapse export``
+    folder) under an eviction policy."""
 
     model: tyro.conf.Positional[Path | None] = None
     """A run folder (its newest intact checkpoint), one of its checkpoint folders, or a

@@ -1,5 +1,6 @@
-"""The dense FoX forward on Hopper in Gluon, with the next tile's ``Q K^T`` in flight
-during this tile's softmax (issue 16).
+"""The FoX forward on Hopper in Gluon, with the next tile's ``Q K^T`` in flight during this
+tile's softmax (issue 16): dense (:func:`launch`, below), and with ACP as a persistent kernel
+(:func:`launch_acp`, at the end of the file).
 
 Triton's own compiler waits on every ``Q K^T`` product right after issuing it: in
 ``triton_fwd.py`` compiled for sm_90, even a loop that computes the next tile's logits
@@ -30,8 +31,8 @@ Triton kernel's 1.45 / 5.11 and 1.24 / 4.11. So it stays opt-in (``GLUON=True`` 
 forward's config): the start for FA3's ping-pong of two compute partitions, which the
 Triton compiler cannot express.
 
-Scope: dense (no ACP), ``T_q == T_k``, no varlen, bf16 or fp16, D 64 or 128, tensors
-``[B, T, H, D]`` contiguous. ``triton_fwd.launch_fwd`` takes this path where
+Scope of the dense kernel: no ACP, ``T_q == T_k``, no varlen, bf16 or fp16, D 64 or 128, tensors
+``[B, T, H, D]`` contiguous and 16-byte aligned. ``triton_fwd.launch_fwd`` takes this path where
 :func:`supported` holds and the config asks for it; the Triton kernel is the fallback
 and the reference the GPU tests hold it to. There is no CPU interpreter for Gluon.
 """
@@ -48,6 +49,8 @@ from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warp
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from ..backend import LOG2E, LOG2E_TL, cuda_capability
+from .common import ACP_BLOCK
+from .triton_fwd import tma_ready
 
 
 @gluon.jit
@@ -174,7 +177,7 @@ def _compute(q_smem, k_smem, v_smem, q_ready, k_ready, v_ready, k_empty, v_empty
     b_o = acc / l_o[:, None]
     o_mo = m0 + gl.arange(0, BM, layout=row_o)
     o_d = gl.arange(0, D, layout=col_o)
-    p_o = O + ((i_b * T + o_mo[:, None]) * HQ + i_h) * D + o_d[None, :]
+    p_o = O + ((i_b * T + o_mo[:, None]).to(gl.int64) * HQ + i_h) * D + o_d[None, :]  # 64-bit: big o
     gl.store(p_o, b_o.to(dtype), mask=(o_mo < T)[:, None])
     # log-sum-exp in base 2 of the true logits (the ref shift cancels between c_i and c_j)
     gl.store(LSE + (i_b * HQ + i_h) * TC + o_m, m_i + gl.log2(l_i) + b_cq, mask=o_m < T)
@@ -245,7 +248,7 @@ def supported(q, k, v, block_start, cu, p) -> bool:
     return (q.is_cuda and cuda_capability(q)[0] == 9
             and block_start is None and cu is None and p.tq == p.tk
             and q.dtype in (torch.bfloat16, torch.float16) and q.dtype == k.dtype == v.dtype
-            and p.d in (64, 128) and all(x.is_contiguous() for x in (q, k, v)))
+            and p.d in (64, 128) and all(x.is_contiguous() for x in (q, k, v)) and tma_ready(q, k, v))
 
 
 def _descriptors(q, k, v, bm: int, bn: int):
@@ -456,7 +459,7 @@ def _acp_compute(bufs, ptrs, args, D: gl.constexpr, BM: gl.constexpr, BN: gl.con
             b_o = acc / l_o[:, None]
             o_mo = m0 + gl.arange(0, BM, layout=row_o)
             o_d = gl.arange(0, D, layout=col_o)
-            p_o = O + ((i_b * T + o_mo[:, None]) * HQ + i_h) * D + o_d[None, :]
+            p_o = O + ((i_b * T + o_mo[:, None]).to(gl.int64) * HQ + i_h) * D + o_d[None, :]  # 64-bit
             gl.store(p_o, b_o.to(dtype), mask=(o_mo < T)[:, None])
             gl.store(LSE + (i_b * HQ + i_h) * TC + o_m, m_i + gl.log2(l_i) + b_cq, mask=o_m < T)
             kv += n
@@ -540,7 +543,7 @@ def acp_supported(q, k, v, block_start, cu, p) -> bool:
     return (block_start is not None and q.is_cuda and cuda_capability(q)[0] == 9
             and cu is None and p.tq == p.tk
             and q.dtype in (torch.bfloat16, torch.float16) and q.dtype == k.dtype == v.dtype
-            and p.d in (64, 128) and all(x.is_contiguous() for x in (q, k, v)))
+            and p.d in (64, 128) and all(x.is_contiguous() for x in (q, k, v)) and tma_ready(q, k, v))
 
 
 @functools.cache
@@ -550,11 +553,21 @@ def _multiprocessors(device: int | None) -> int:
 
 def launch_acp(q, k, v, c_hi, c_lo, block_start, p, o, lse2, config=None, skip_full=False) -> None:
     """Writes ``o`` and the base-2 lse of ACP's forward (:func:`acp_supported` inputs) with the
-    persistent kernel; ``skip_full``: only the (sequence, head)s that ACP prunes somewhere."""
+    persistent kernel; ``skip_full``: only the (sequence, head)s that ACP prunes somewhere.
+    Without it every head runs here, and the programs' runs of items, which go from the longest
+    tiles to the shortest, balance badly where heads keep every key (a diagnostic, not a path
+    the tables take)."""
     cfg = dict(config or acp_config(p.d))
     bm, bn, programs = cfg.pop("BM"), cfg.pop("BN"), cfg.pop("PROGRAMS")
     cfg.setdefault("NC", 1)
-    cfg.setdefault("COMPUTE_REGS", 24)  # unused with one consumer
+    if cfg["NC"] == 1:
+        cfg.setdefault("COMPUTE_REGS", 24)  # unused with one consumer
+    # the kernel's assumptions: a query tile is one ACP block (one first kept key for its rows),
+    # a key tile divides it, the lookahead holds two key tiles, one 4-warp compute layout
+    if not (bm == ACP_BLOCK and ACP_BLOCK % bn == 0 and cfg["STAGES"] >= 2 and cfg["num_warps"] == 4
+            and 1 <= cfg["NC"] <= 4 and "COMPUTE_REGS" in cfg):
+        raise ValueError(f"launch_acp needs BM={ACP_BLOCK}, BN dividing it, STAGES >= 2, num_warps=4, NC 1-4 "
+                         f"and COMPUTE_REGS with NC > 1; got {config}")
     if cfg.get("maxnreg") is None:  # registers per thread at launch (the partitions then move them)
         cfg.pop("maxnreg", None)
     b, t, hq, d = q.shape

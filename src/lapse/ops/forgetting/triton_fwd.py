@@ -498,6 +498,7 @@ def launch_fwd(q, k, v, c_hi, c_lo, block_start, cu, p, o, lse2, config=None):
         # launch), the others the ACP table's (a second; first with ROUTE=2): ACP's tiles
         # suit short rows
         dense = fwd_config(p.d, q.element_size(), False, p.tk)
+        dense.pop("GLUON_ACP", None)
         runs = [(dict(dense, ROUTE=1), True), (dict(cfg, ROUTE=2), False)]
         runs = runs[::-1] if route == 2 else runs
     pairs = None  # the keys' (c_hi, c_lo) side by side, made once for either launch
