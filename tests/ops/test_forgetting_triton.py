@@ -1051,6 +1051,45 @@ def test_gluon_acp_routed_only_routed_and_on_its_triton(monkeypatch):
     assert launch(True) is False and len(calls) == 1
 
 
+
+def test_launch_acp_host_side(monkeypatch):
+    """``gluon_fwd.launch_acp``'s host side on the CPU (the kernel replaced by a recorder, the
+    device's multiprocessors set): one program a multiprocessor x ``PROGRAMS`` at most, the
+    descriptors' blocks, the counts the kernel reads; options its kernel cannot serve are
+    refused in one line before any launch."""
+    from lapse.ops.forgetting import gluon_fwd
+
+    launches = []
+
+    class Kernel:
+        def __getitem__(self, grid):
+            return lambda *a, **kw: launches.append((grid, a, kw))
+
+    monkeypatch.setattr(gluon_fwd, "_acp_kernel", Kernel())
+    monkeypatch.setattr(gluon_fwd, "_multiprocessors", lambda device: 3)
+    b, t, hq, h, d = 2, 200, 4, 2, 128
+    q = torch.zeros(b, t, hq, d, dtype=torch.bfloat16)
+    k = v = torch.zeros(b, t, h, d, dtype=torch.bfloat16)
+    c_hi = torch.zeros(b, hq, 256)
+    bs = torch.zeros(b, hq, 4, dtype=torch.int32)
+    p = SimpleNamespace(d=d, scale=d ** -0.5)
+    gluon_fwd.launch_acp(q, k, v, c_hi, c_hi, bs, p, q, c_hi, None, skip_full=True)
+    (grid, args, kw), = launches
+    assert grid == (3 * gluon_fwd.acp_config(d)["PROGRAMS"], )  # 4 tiles x 8 heads = 32 items
+    assert [x.block_shape for x in args[:3]] == [[64, d]] * 3
+    assert args[9:] == (t, 256, 4, hq, hq // h, b * hq, 4, 4 * b * hq)
+    assert kw["SKIP_FULL"] is True and kw["BM"] == 64 and kw["NC"] == 1
+    for bad in (dict(BM=128), dict(BN=128), dict(STAGES=1), dict(num_warps=8), dict(NC=2)):
+        with pytest.raises(ValueError, match="launch_acp needs"):
+            gluon_fwd.launch_acp(q, k, v, c_hi, c_hi, bs, p, q, c_hi, {**gluon_fwd.acp_config(d), **bad})
+    assert len(launches) == 1
+    monkeypatch.setattr(gluon_fwd, "_fwd_kernel", Kernel())  # the dense kernel's launch, the same way
+    gluon_fwd.launch(q, k, v, c_hi, c_hi, p, q, c_hi)
+    grid, args, kw = launches[1]
+    bm = gluon_fwd.gluon_config(d)["BM"]
+    assert grid == (triton.cdiv(t, bm), b * hq) and args[8:] == (t, 256, hq, hq // h)
+    assert [x.block_shape for x in args[:3]] == [[bm, d], [64, d], [64, d]]
+
 @pytest.mark.parametrize("route", [False, True], ids=["one-launch", "routed"])
 def test_launch_fwd_offers_gluon_the_acp_launch_only(monkeypatch, route):
     """``launch_fwd`` offers its ``GLUON_ACP`` option to the ACP launch alone: once, routed

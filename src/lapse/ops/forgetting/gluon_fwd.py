@@ -177,7 +177,7 @@ def _compute(q_smem, k_smem, v_smem, q_ready, k_ready, v_ready, k_empty, v_empty
     b_o = acc / l_o[:, None]
     o_mo = m0 + gl.arange(0, BM, layout=row_o)
     o_d = gl.arange(0, D, layout=col_o)
-    p_o = O + ((i_b * T + o_mo[:, None]).to(gl.int64) * HQ + i_h) * D + o_d[None, :]  # 64-bit: big o
+    p_o = O + ((i_b * T + o_mo[:, None]) * HQ + i_h) * D + o_d[None, :]
     gl.store(p_o, b_o.to(dtype), mask=(o_mo < T)[:, None])
     # log-sum-exp in base 2 of the true logits (the ref shift cancels between c_i and c_j)
     gl.store(LSE + (i_b * HQ + i_h) * TC + o_m, m_i + gl.log2(l_i) + b_cq, mask=o_m < T)
@@ -248,7 +248,8 @@ def supported(q, k, v, block_start, cu, p) -> bool:
     return (q.is_cuda and cuda_capability(q)[0] == 9
             and block_start is None and cu is None and p.tq == p.tk
             and q.dtype in (torch.bfloat16, torch.float16) and q.dtype == k.dtype == v.dtype
-            and p.d in (64, 128) and all(x.is_contiguous() for x in (q, k, v)) and tma_ready(q, k, v))
+            and p.d in (64, 128) and all(x.is_contiguous() for x in (q, k, v)) and tma_ready(q, k, v)
+            and q.numel() < 2**31)  # 32-bit offsets in the kernel
 
 
 def _descriptors(q, k, v, bm: int, bn: int):
@@ -459,7 +460,7 @@ def _acp_compute(bufs, ptrs, args, D: gl.constexpr, BM: gl.constexpr, BN: gl.con
             b_o = acc / l_o[:, None]
             o_mo = m0 + gl.arange(0, BM, layout=row_o)
             o_d = gl.arange(0, D, layout=col_o)
-            p_o = O + ((i_b * T + o_mo[:, None]).to(gl.int64) * HQ + i_h) * D + o_d[None, :]  # 64-bit
+            p_o = O + ((i_b * T + o_mo[:, None]) * HQ + i_h) * D + o_d[None, :]
             gl.store(p_o, b_o.to(dtype), mask=(o_mo < T)[:, None])
             gl.store(LSE + (i_b * HQ + i_h) * TC + o_m, m_i + gl.log2(l_i) + b_cq, mask=o_m < T)
             kv += n
@@ -533,8 +534,8 @@ def acp_config(d: int) -> dict:
     multiprocessor, ``maxnreg`` registers a thread at launch. The fastest of
     ``scripts/diag_gluon_acp.py`` on an H200 (``docs/bench/session25/``): at D 64 four programs
     a multiprocessor (two resident: a program is 8 warps), at D 128 two (its shared memory)."""
-    return dict(BM=64, BN=64, num_warps=4, STAGES=3 if d <= 64 else 2, NC=1, COMPUTE_REGS=24,
-                PROGRAMS=4 if d <= 64 else 2, maxnreg=128)
+    return dict(BM=64, BN=64, num_warps=4, STAGES=3 if d <= 64 else 2, NC=1, PROGRAMS=4 if d <= 64 else 2,
+                maxnreg=128)
 
 
 def acp_supported(q, k, v, block_start, cu, p) -> bool:
@@ -543,7 +544,8 @@ def acp_supported(q, k, v, block_start, cu, p) -> bool:
     return (block_start is not None and q.is_cuda and cuda_capability(q)[0] == 9
             and cu is None and p.tq == p.tk
             and q.dtype in (torch.bfloat16, torch.float16) and q.dtype == k.dtype == v.dtype
-            and p.d in (64, 128) and all(x.is_contiguous() for x in (q, k, v)) and tma_ready(q, k, v))
+            and p.d in (64, 128) and all(x.is_contiguous() for x in (q, k, v)) and tma_ready(q, k, v)
+            and q.numel() < 2**31)  # 32-bit offsets in the kernel
 
 
 @functools.cache
