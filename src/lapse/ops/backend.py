@@ -101,3 +101,13 @@ def resolve_backend(backend: str, x: Tensor, allowed: tuple[str, ...] = BACKENDS
         if x.dtype == torch.float64:
             raise TypeError("backend='triton' takes float16, bfloat16 or float32, got float64")
     return backend
+
+
+def tma_ready(*xs) -> bool:
+    """Whether the tensor-memory engine can read these [B, T, H, D] tensors: every row
+    start 16-byte aligned (base, batch, time and head strides) and unit stride in D."""
+    return all(
+        x.stride(-1) == 1 and x.data_ptr() % 16 == 0
+        and all(st * x.element_size() % 16 == 0 for st in x.stride()[:-1])
+        for x in xs
+    )

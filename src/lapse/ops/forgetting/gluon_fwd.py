@@ -48,9 +48,8 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-from ..backend import LOG2E, LOG2E_TL, cuda_capability
+from ..backend import LOG2E, LOG2E_TL, cuda_capability, tma_ready
 from .common import ACP_BLOCK
-from .triton_fwd import tma_ready
 
 
 @gluon.jit

@@ -34,7 +34,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ..backend import LOG2E, LOG2E_TL, cuda_capability
+from ..backend import LOG2E, LOG2E_TL, cuda_capability, tma_ready
 
 
 @triton.jit
@@ -450,16 +450,6 @@ def fwd_config(d: int, dtype_bytes: int, acp: bool = False, tk: int = 0) -> dict
         return dict(BM=128, BN=128, num_warps=8, num_stages=3, TMA="host", PAIRS=True, ROW_BIAS=rb,
                     FIXED_MAX=rb)
     return dict(BM=64, BN=32, num_warps=4, num_stages=2)
-
-
-def tma_ready(*xs) -> bool:
-    """Whether the tensor-memory engine can read these [B, T, H, D] tensors: every row
-    start 16-byte aligned (base, batch, time and head strides) and unit stride in D."""
-    return all(
-        x.stride(-1) == 1 and x.data_ptr() % 16 == 0
-        and all(st * x.element_size() % 16 == 0 for st in x.stride()[:-1])
-        for x in xs
-    )
 
 
 def _tma_allocator(size: int, alignment: int, stream):
