@@ -204,3 +204,50 @@ def test_generate_from_an_export_folder_writes_the_runs_text(run, tmp_path, caps
               "--max-context", "64"])
         texts.append(capsys.readouterr().out.strip().splitlines()[:-1])  # the summary line's time differs
     assert texts[0] == texts[1] and texts[0][0].startswith("def f(x):")
+
+
+def _prompts(path, n):
+    path.write_text("".join(json.dumps({"id": i, "prompt": f"def f{i}(x):"}) + "\n" for i in range(n)))
+    return path
+
+
+def test_ctrl_c_keeps_the_finished_completions(run, tmp_path, capsys, monkeypatch):
+    """Ctrl-C during ``--prompts-file`` writes the completions already finished, each with its
+    prompt's row (the ``id`` kept), and says how many; it used to write nothing. The output's
+    folder is made when missing."""
+    from lapse.generation import command
+
+    calls = []
+    real = command.generate
+
+    def generate(*a, **kw):  # the second batch is interrupted
+        calls.append(1)
+        if len(calls) == 2:
+            raise KeyboardInterrupt
+        return real(*a, **kw)
+
+    monkeypatch.setattr(command, "generate", generate)
+    out = tmp_path / "new" / "out.jsonl"
+    with pytest.raises(SystemExit) as e:
+        main(["generate", str(run), "--prompts-file", str(_prompts(tmp_path / "p.jsonl", 3)), "--out",
+              str(out), "--batch-size", "1", "--max-new-tokens", "4", "--max-context", "64"])
+    assert e.value.code == 130
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    assert [r["id"] for r in rows] == [0] and isinstance(rows[0]["completion"], str)
+    assert "1 of 3 completions written to" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("case", ["out-is-input", "folder"])
+def test_prompts_file_paths_are_checked_first(run, tmp_path, capsys, case):
+    """``--out`` naming the prompts file itself (it was overwritten), and a folder as
+    ``--prompts-file`` (it said "does not exist"): one line each, before the model loads."""
+    prompts = _prompts(tmp_path / "p.jsonl", 2)
+    args = ["--prompts-file", str(prompts), "--out", str(prompts)] if case == "out-is-input" else [
+        "--prompts-file", str(tmp_path)]
+    with pytest.raises(SystemExit) as e:
+        main(["generate", str(run), *args])
+    assert e.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and ("is the --prompts-file itself" in err[0] if case == "out-is-input"
+                              else "is not a file" in err[0]), err
+    assert prompts.read_text().count("prompt") == 2

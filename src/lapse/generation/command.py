@@ -9,6 +9,7 @@ bytes the paged store held against what a dense cache would hold.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import sys
 import time
@@ -93,8 +94,13 @@ class GenerateConfig(PolicyOptions):
             raise ValueError("give exactly one of --prompt and --prompts-file")
         if self.prompt is not None and not self.prompt:
             raise ValueError("--prompt is empty: give some text to continue")
-        if self.prompts_file is not None and not self.prompts_file.is_file():
-            raise FileNotFoundError(f"--prompts-file {self.prompts_file} does not exist")
+        if self.prompts_file is not None:
+            if not self.prompts_file.exists():
+                raise FileNotFoundError(f"--prompts-file {self.prompts_file} does not exist")
+            if not self.prompts_file.is_file():
+                raise ValueError(f"--prompts-file {self.prompts_file} is not a file (JSONL, a prompt a line)")
+            if self.out_path().resolve() == self.prompts_file.resolve():
+                raise ValueError(f"--out {self.out} is the --prompts-file itself: give another path")
         if self.max_new_tokens < 1:
             raise ValueError(f"--max-new-tokens must be at least 1, got {self.max_new_tokens}")
         if not self.temperature >= 0:  # here, before the model loads and the prompt is echoed
@@ -105,6 +111,10 @@ class GenerateConfig(PolicyOptions):
             raise ValueError(f"--top-p must be in (0, 1], got {self.top_p}")
         if self.batch_size < 1:
             raise ValueError(f"--batch-size must be at least 1, got {self.batch_size}")
+
+    def out_path(self) -> Path:
+        """Where ``--prompts-file`` completions go: ``--out``, or beside the prompts."""
+        return self.out or self.prompts_file.with_suffix(".out.jsonl")
 
     def torch_device(self) -> torch.device:
         """``--device``, with ``auto`` resolved (CUDA when available), checked."""
@@ -159,52 +169,47 @@ def run_generate(cfg: GenerateConfig, loaded: tuple[Decoder, object] | None = No
     size = 1 if cfg.prompt is not None else cfg.batch_size
     batches = [encoded[i : i + size] for i in range(0, len(encoded), size)]
     progress = tqdm(total=len(encoded), unit="prompt", disable=cfg.prompt is not None or len(batches) == 1)
-    for batch in batches:
-        lengths = [len(ids) for ids in batch]
-        ids = torch.full((len(batch), max(lengths)), tokenizer.eos_id, device=device)
-        for b, row in enumerate(batch):
-            ids[b, : len(row)] = torch.tensor(row, device=device)
-        if supports_paged(model) or not isinstance(policy, Dense):
-            store = paged_store_for(model, len(batch), max(lengths), cfg.max_new_tokens, policy)
-        else:  # a kind whose slots change after they are written: the dense store
-            store = DenseStore(model.config.n_layers, capacity=max(lengths) + cfg.max_new_tokens)
-        stream = TextStream(tokenizer, tokenizer.eos_id, echo=cfg.prompt is not None)
-        if cfg.prompt is not None:
-            print(cfg.prompt, end="", flush=True)
-        start = time.perf_counter()
-        out = generate(
-            model,
-            ids,
-            cfg.max_new_tokens,
-            temperature=cfg.temperature,
-            top_k=cfg.top_k,
-            top_p=cfg.top_p,
-            generator=generator,
-            stop_tokens=(tokenizer.eos_id,),
-            cache=store,
-            policy=policy if isinstance(store, PagedStore) else None,
-            compile=cfg.compile,
-            on_token=stream,
-            lengths=lengths if len(set(lengths)) > 1 else None,
-        )
-        seconds += time.perf_counter() - start
-        for b, n in enumerate(lengths):
-            new = out[b, n : n + cfg.max_new_tokens].tolist()
-            new = new[: new.index(tokenizer.eos_id)] if tokenizer.eos_id in new else new
-            tokens += len(new)
-            completions.append(tokenizer.decode(new))
-        held, dense = held + store.bytes_held(), dense + store.bytes_if_dense()
-        progress.update(len(batch))
-        if cfg.prompt is not None:
-            print(flush=True)
+    with completions_saved(cfg, completions):  # on Ctrl-C too: the finished ones
+        for batch in batches:
+            lengths = [len(ids) for ids in batch]
+            ids = torch.full((len(batch), max(lengths)), tokenizer.eos_id, device=device)
+            for b, row in enumerate(batch):
+                ids[b, : len(row)] = torch.tensor(row, device=device)
+            if supports_paged(model) or not isinstance(policy, Dense):
+                store = paged_store_for(model, len(batch), max(lengths), cfg.max_new_tokens, policy)
+            else:  # a kind whose slots change after they are written: the dense store
+                store = DenseStore(model.config.n_layers, capacity=max(lengths) + cfg.max_new_tokens)
+            stream = TextStream(tokenizer, tokenizer.eos_id, echo=cfg.prompt is not None)
+            if cfg.prompt is not None:
+                print(cfg.prompt, end="", flush=True)
+            start = time.perf_counter()
+            out = generate(
+                model,
+                ids,
+                cfg.max_new_tokens,
+                temperature=cfg.temperature,
+                top_k=cfg.top_k,
+                top_p=cfg.top_p,
+                generator=generator,
+                stop_tokens=(tokenizer.eos_id,),
+                cache=store,
+                policy=policy if isinstance(store, PagedStore) else None,
+                compile=cfg.compile,
+                on_token=stream,
+                lengths=lengths if len(set(lengths)) > 1 else None,
+            )
+            seconds += time.perf_counter() - start
+            for b, n in enumerate(lengths):
+                new = out[b, n : n + cfg.max_new_tokens].tolist()
+                new = new[: new.index(tokenizer.eos_id)] if tokenizer.eos_id in new else new
+                tokens += len(new)
+                completions.append(tokenizer.decode(new))
+            held, dense = held + store.bytes_held(), dense + store.bytes_if_dense()
+            progress.update(len(batch))
+            if cfg.prompt is not None:
+                print(flush=True)
     progress.close()
-    if cfg.prompts_file is not None:
-        out_path = cfg.out or cfg.prompts_file.with_suffix(".out.jsonl")
-        rows = [json.dumps({"prompt": p, "completion": c}) for p, c in zip(prompts, completions, strict=True)]
-        write_text_atomic(out_path, "\n".join(rows) + "\n")
-        print(f"{len(rows)} completions written to {out_path}")
-    summary = print_summary(tokens, seconds, held, dense, cfg.policy, policy)
-    return summary
+    return print_summary(tokens, seconds, held, dense, cfg.policy, policy)
 
 
 def print_summary(tokens: int, seconds: float, held: int, dense: int, name: str, policy: Policy) -> dict:
@@ -227,8 +232,43 @@ def print_summary(tokens: int, seconds: float, held: int, dense: int, name: str,
     return summary
 
 
+@contextlib.contextmanager
+def completions_saved(cfg: GenerateConfig, completions: list[str]):
+    """Around a ``--prompts-file`` generation loop that appends to ``completions`` in the
+    prompts' order: writes them to :meth:`GenerateConfig.out_path` (each line the prompt's row
+    with its ``"completion"``, its folder made) when the loop ends, and the finished ones when
+    Ctrl-C stops it. Nothing without ``--prompts-file``."""
+    if cfg.prompts_file is None:
+        yield
+        return
+    try:
+        yield
+    except KeyboardInterrupt:
+        if completions:
+            progress_note = _write_completions(cfg, completions)
+            print(f"\n{progress_note} before the interruption", file=sys.stderr)
+        raise
+    print(_write_completions(cfg, completions))
+
+
+def _write_completions(cfg: GenerateConfig, completions: list[str]) -> str:
+    rows = read_prompt_rows(cfg.prompts_file)
+    lines = [json.dumps({**row, "completion": c}) for row, c in zip(rows, completions, strict=False)]
+    out = cfg.out_path()
+    out.parent.mkdir(parents=True, exist_ok=True)
+    write_text_atomic(out, "\n".join(lines) + "\n")
+    done = str(len(lines)) if len(lines) == len(rows) else f"{len(lines)} of {len(rows)}"
+    return f"{done} completions written to {out}"
+
+
 def read_prompts(path: Path) -> list[str]:
     """The ``"prompt"`` of every non-empty JSONL line; one-line errors naming the line."""
+    return [row["prompt"] for row in read_prompt_rows(path)]
+
+
+def read_prompt_rows(path: Path) -> list[dict]:
+    """Every non-empty JSONL line as a dict with a ``"prompt"`` string (its other fields kept
+    for the output); one-line errors naming the line."""
     prompts = []
     for n, line in enumerate(path.read_text().splitlines(), 1):
         if not line.strip():
@@ -239,7 +279,7 @@ def read_prompts(path: Path) -> list[str]:
             raise ValueError(f"{path}:{n} is not JSON ({e.msg})") from None
         if not isinstance(row, dict) or not isinstance(row.get("prompt"), str):
             raise ValueError(f'{path}:{n} has no "prompt" string')
-        prompts.append(row["prompt"])
+        prompts.append(row)
     if not prompts:
         raise ValueError(f"{path} holds no prompts")
     return prompts

@@ -10,15 +10,20 @@ its tokenizer come from :func:`lapse.hf.load_pretrained` (a folder, a GGUF file,
 
 from __future__ import annotations
 
-import json
 import time
 
 import torch
 from tqdm.auto import tqdm
 from transformers import TextStreamer
 
-from lapse.files import write_text_atomic
-from lapse.generation.command import GenerateConfig, TextStream, print_summary, read_prompts, run_generate
+from lapse.generation.command import (
+    GenerateConfig,
+    TextStream,
+    completions_saved,
+    print_summary,
+    read_prompts,
+    run_generate,
+)
 
 from .compat import CACHE_ARG
 from .convert import decoder_from_hf
@@ -78,64 +83,60 @@ def run_generate_hf(cfg: GenerateConfig) -> dict:
     batches = [encoded[i : i + size] for i in range(0, len(encoded), size)]
     progress = tqdm(total=len(encoded), unit="prompt", disable=cfg.prompt is not None or len(batches) == 1)
     completions, tokens, seconds, held, dense = [], 0, 0.0, 0, 0
-    for batch in batches:
-        t = max(len(ids) for ids in batch)
-        ids = torch.full((len(batch), t), pad, dtype=torch.long)
-        mask = torch.zeros_like(ids)
-        for b, row in enumerate(batch):  # left padding
-            ids[b, t - len(row) :] = torch.tensor(row)
-            mask[b, t - len(row) :] = 1
-        cache = EvictingCache(policy, model=model, max_context=t + cfg.max_new_tokens)
-        if cfg.prompt is not None:
-            print(cfg.prompt, end="", flush=True)
-        start = time.perf_counter()
-        if decoder is not None:  # the model's prefill, then lapse's compiled decode loop
-            stream = TextStream(tokenizer, tokenizer.eos_token_id, echo=cfg.prompt is not None)
-            eos = () if tokenizer.eos_token_id is None else (tokenizer.eos_token_id,)
-            out = generate(
-                model,
-                ids.to(device),
-                cfg.max_new_tokens,
-                policy,
-                attention_mask=mask.to(device),
-                decoder=decoder,
-                cache=cache,
-                compile=True,
-                temperature=cfg.temperature,
-                top_k=cfg.top_k,
-                top_p=cfg.top_p,
-                generator=generator,
-                stop_tokens=eos,
-                on_token=stream,
-            )
+    with completions_saved(cfg, completions):  # on Ctrl-C too: the finished ones
+        for batch in batches:
+            t = max(len(ids) for ids in batch)
+            ids = torch.full((len(batch), t), pad, dtype=torch.long)
+            mask = torch.zeros_like(ids)
+            for b, row in enumerate(batch):  # left padding
+                ids[b, t - len(row) :] = torch.tensor(row)
+                mask[b, t - len(row) :] = 1
+            cache = EvictingCache(policy, model=model, max_context=t + cfg.max_new_tokens)
             if cfg.prompt is not None:
-                print(flush=True)  # as the streamer of model.generate ends its text
-        else:
-            streamer = None
-            if cfg.prompt is not None:
-                streamer = TextStreamer(tokenizer, skip_prompt=True, skip_special_tokens=True)
-            out = model.generate(
-                ids.to(device),
-                attention_mask=mask.to(device),
-                **{CACHE_ARG: cache},
-                max_new_tokens=cfg.max_new_tokens,
-                pad_token_id=pad,
-                streamer=streamer,
-                **sampling,
-            )
-        seconds += time.perf_counter() - start
-        for b in range(len(batch)):
-            new = out[b, t:].tolist()
-            stop = [i for i, token in enumerate(new) if token == tokenizer.eos_token_id]
-            new = new[: stop[0]] if stop else new
-            tokens += len(new)
-            completions.append(tokenizer.decode(new, skip_special_tokens=True))
-        held, dense = held + cache.store.bytes_held(), dense + cache.store.bytes_if_dense()
-        progress.update(len(batch))
+                print(cfg.prompt, end="", flush=True)
+            start = time.perf_counter()
+            if decoder is not None:  # the model's prefill, then lapse's compiled decode loop
+                stream = TextStream(tokenizer, tokenizer.eos_token_id, echo=cfg.prompt is not None)
+                eos = () if tokenizer.eos_token_id is None else (tokenizer.eos_token_id,)
+                out = generate(
+                    model,
+                    ids.to(device),
+                    cfg.max_new_tokens,
+                    policy,
+                    attention_mask=mask.to(device),
+                    decoder=decoder,
+                    cache=cache,
+                    compile=True,
+                    temperature=cfg.temperature,
+                    top_k=cfg.top_k,
+                    top_p=cfg.top_p,
+                    generator=generator,
+                    stop_tokens=eos,
+                    on_token=stream,
+                )
+                if cfg.prompt is not None:
+                    print(flush=True)  # as the streamer of model.generate ends its text
+            else:
+                streamer = None
+                if cfg.prompt is not None:
+                    streamer = TextStreamer(tokenizer, skip_prompt=True, skip_special_tokens=True)
+                out = model.generate(
+                    ids.to(device),
+                    attention_mask=mask.to(device),
+                    **{CACHE_ARG: cache},
+                    max_new_tokens=cfg.max_new_tokens,
+                    pad_token_id=pad,
+                    streamer=streamer,
+                    **sampling,
+                )
+            seconds += time.perf_counter() - start
+            for b in range(len(batch)):
+                new = out[b, t:].tolist()
+                stop = [i for i, token in enumerate(new) if token == tokenizer.eos_token_id]
+                new = new[: stop[0]] if stop else new
+                tokens += len(new)
+                completions.append(tokenizer.decode(new, skip_special_tokens=True))
+            held, dense = held + cache.store.bytes_held(), dense + cache.store.bytes_if_dense()
+            progress.update(len(batch))
     progress.close()
-    if cfg.prompts_file is not None:
-        out_path = cfg.out or cfg.prompts_file.with_suffix(".out.jsonl")
-        rows = [json.dumps({"prompt": p, "completion": c}) for p, c in zip(prompts, completions, strict=True)]
-        write_text_atomic(out_path, "\n".join(rows) + "\n")
-        print(f"{len(rows)} completions written to {out_path}")
     return print_summary(tokens, seconds, held, dense, cfg.policy, policy)
