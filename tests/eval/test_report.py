@@ -36,6 +36,10 @@ def test_report_gathers_runs_and_relinks_images(fox_run, transformer_run, tmp_pa
 def test_report_errors_and_default_path(fox_run, tmp_path):
     with pytest.raises(ValueError, match="does not exist"):
         ReportConfig(runs=(tmp_path / "nope",))
+    # a folder that is no training run (an evaluation's, a checkpoint's): it wrote a bogus page
+    for folder in (tmp_path, next(fox_run.glob("checkpoint-*"))):
+        with pytest.raises(ValueError, match="is not a training run"):
+            ReportConfig(runs=(folder,))
     run = tmp_path / "r"
     shutil.copytree(fox_run, run)
     assert build_report(ReportConfig(runs=(run,))) == run / "eval" / "report.md"

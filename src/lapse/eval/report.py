@@ -20,6 +20,7 @@ from pathlib import Path
 import tyro
 
 from lapse.files import write_text_atomic
+from lapse.models.checkpoint import CONFIG_FILE, is_export_folder
 
 _IMAGE = re.compile(r"(!\[[^\]]*\]\()([^)\s]+)(\))")
 _HEADING = re.compile(r"^(#{1,4}) ", re.M)
@@ -43,6 +44,9 @@ class ReportConfig:
         for run in self.runs:
             if not Path(run).is_dir():
                 raise ValueError(f"run folder does not exist: {run}")
+            if not (Path(run) / CONFIG_FILE).is_file() or is_export_folder(run):
+                raise ValueError(f"{run} is not a training run (no {CONFIG_FILE} of `lapse train`): "
+                                 "lapse report takes run folders, and reads their evaluations from RUN/eval/")
 
 
 def _summary(run: Path) -> dict:
