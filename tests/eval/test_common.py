@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -79,3 +81,18 @@ def test_windows_of_a_bpe_model_use_its_own_tokenizer(tmp_path, eval_data_dir):
     ids = load_model(run).tokenizer.encode("the quick brown fox jumps over the lazy dog.")
     assert len(ids) < 40  # merges were learned: these are BPE ids, not bytes
     assert int(got[0].max()) >= 258  # and the windows hold merged tokens
+
+
+def test_default_eval_dir(tmp_path):
+    """A run's evaluations in RUN/eval/<name>; a checkpoint's in its run's eval/, named after
+    it (not inside the checkpoint, which rotation deletes); ./eval/<name> without a model."""
+    from lapse.eval.common import default_eval_dir
+
+    run = tmp_path / "run"
+    (run / "checkpoint-0000300").mkdir(parents=True)
+    (run / "config.json").write_text("{}")
+    assert default_eval_dir(run, "ppl") == run / "eval" / "ppl"
+    assert default_eval_dir(run / "checkpoint-0000300", "ppl") == run / "eval" / "ppl-checkpoint-0000300"
+    assert default_eval_dir(None, "niah") == Path("eval") / "niah"
+    lone = tmp_path / "checkpoint-0000001"  # a folder so named outside a run is a model folder
+    assert default_eval_dir(lone, "acp") == lone / "eval" / "acp"

@@ -132,6 +132,13 @@ def test_limits_and_default_output_folder(fox_run, tmp_path):
     r = run_per_token_loss(cfg)
     assert r["seq_len"] == 64 and r["num_sequences"] == 2  # the training context; 130 // 64 windows
     assert (fox_run / "eval" / "per-token-loss" / "per_token_loss.png").exists()
+    # a checkpoint folder's evaluation goes to its run's eval/ (the run deletes the checkpoints it
+    # rotates out, and with them what was written inside), named after the checkpoint
+    checkpoint = next(fox_run.glob("checkpoint-*"))
+    run_per_token_loss(PerTokenLossConfig(models=(str(checkpoint),), num_sequences=1, max_tokens=65,
+                                          progress=False))
+    assert (fox_run / "eval" / f"per-token-loss-{checkpoint.name}" / "per_token_loss.png").exists()
+    assert not (checkpoint / "eval").exists()
     r = run_per_token_loss(PerTokenLossConfig(models=(str(fox_run),), seq_len=32, num_sequences=6,
                                               max_seconds=1e-9, out_dir=tmp_path, progress=False))
     assert r["num_sequences"] == 1 and "max_seconds" in r["stopped_early"]

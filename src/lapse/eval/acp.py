@@ -51,7 +51,7 @@ from torch import Tensor
 from tqdm.auto import tqdm
 
 from lapse.data import CorpusConfig
-from lapse.eval.common import LoadedModel, eval_windows, load_model
+from lapse.eval.common import LoadedModel, default_eval_dir, eval_windows, load_model
 from lapse.files import save_figure, write_text_atomic
 from lapse.models import Decoder, attention_class
 from lapse.ops.backend import resolve_device
@@ -448,7 +448,7 @@ def run_acp(cfg: AcpEvalConfig) -> dict:
                     f"head ({layer}, {head}) does not exist: the model has {n_layers} layers of "
                     f"{n_heads} heads (both counted from 0)"
                 )
-    out_dir = cfg.out_dir if cfg.out_dir is not None else cfg.model / "eval" / "acp"
+    out_dir = cfg.out_dir if cfg.out_dir is not None else default_eval_dir(cfg.model, "acp")
     windows = eval_windows(
         dense, t, cfg.num_sequences, seed=cfg.seed, corpus=cfg.corpus, data_dir=cfg.data_dir
     )  # [N, T + 1]

@@ -143,14 +143,27 @@ class ExportConfig:
 
 def output_folder(result: dict, cfg, name: str) -> Path:
     """Where an evaluation wrote its files: its ``out_dir``, by default
-    ``<first model>/eval/<name>/`` (``./eval/<name>/`` for a ``--hf`` model alone)."""
+    :func:`default_eval_dir` of its first model."""
     out = result.get("out_dir") if isinstance(result, dict) else None
     if out is None:
         out = getattr(cfg, "resolved_out_dir", None) or getattr(cfg, "out_dir", None)
     if out is None:  # with --hf alone there is no model folder: the working directory's eval/
         model = (cfg.models or [None])[0] if hasattr(cfg, "models") else cfg.model
-        out = Path(model or ".") / "eval" / name
+        out = default_eval_dir(model, name)
     return Path(out)
+
+
+def default_eval_dir(model: str | Path | None, name: str) -> Path:
+    """Where an evaluation of ``model`` writes unless told: ``<model>/eval/<name>/``; for one
+    of a run's checkpoint folders ``<run>/eval/<name>-<checkpoint>/`` (a run deletes the
+    checkpoints it rotates out, and ``lapse report RUN`` reads ``RUN/eval/``); ``./eval/<name>/``
+    without a model folder (``--hf`` alone)."""
+    if model is None:
+        return Path("eval") / name
+    model = Path(model)
+    if CHECKPOINT_NAME.fullmatch(model.name) and (model.parent / CONFIG_FILE).exists():
+        return model.parent / "eval" / f"{name}-{model.name}"
+    return model / "eval" / name
 
 
 def export_hf(path: str | Path, out_dir: str | Path) -> Path:

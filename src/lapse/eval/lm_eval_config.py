@@ -12,6 +12,7 @@ from typing import Literal
 
 import torch
 
+from lapse.eval.common import default_eval_dir
 from lapse.eval.lm import HfOptions
 from lapse.generation import PolicyOptions
 
@@ -94,4 +95,4 @@ class LmEvalConfig(PolicyOptions, HfOptions):
 
     @property
     def resolved_out_dir(self) -> Path:
-        return self.out_dir if self.out_dir is not None else (self.model or Path(".")) / "eval" / "lm-eval"
+        return self.out_dir if self.out_dir is not None else default_eval_dir(self.model, "lm-eval")

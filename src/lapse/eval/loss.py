@@ -40,7 +40,7 @@ from tqdm.auto import tqdm
 
 from lapse.data import CorpusConfig
 from lapse.data.tokenizer import tokenizer_info
-from lapse.eval.common import LoadedModel, eval_windows, load_model
+from lapse.eval.common import LoadedModel, default_eval_dir, eval_windows, load_model
 from lapse.eval.lm import HfOptions, as_causal_lm, load_lm, text_windows
 from lapse.eval.policy import streamed_loss
 from lapse.files import save_figure, write_text_atomic
@@ -513,8 +513,8 @@ def _results(cfg: LossEvalConfig, name: str, models: list[LoadedModel], curves, 
 def _write(cfg: LossEvalConfig, results: dict, plot, png: str, summary) -> dict:
     """Plot, summary and results into ``cfg.out_dir`` (default
     ``<first model>/eval/<evaluation>/``); the results with ``out_dir`` added."""
-    first = Path(cfg.models[0]) if cfg.models else Path(".")  # --hf alone: ./eval/<evaluation>/
-    out_dir = cfg.out_dir if cfg.out_dir is not None else first / "eval" / results["evaluation"]
+    first = cfg.models[0] if cfg.models else None  # --hf alone: ./eval/<evaluation>/
+    out_dir = cfg.out_dir if cfg.out_dir is not None else default_eval_dir(first, results["evaluation"])
     out_dir.mkdir(parents=True, exist_ok=True)
     plot(results, out_dir / png)
     write_text_atomic(out_dir / "summary.md", summary(results))

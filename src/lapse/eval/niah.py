@@ -45,7 +45,7 @@ import torch
 import torch.nn.functional as F
 
 from lapse.data import Tokenizer, python_source_documents, text_documents
-from lapse.eval.common import LoadedModel
+from lapse.eval.common import LoadedModel, default_eval_dir
 from lapse.eval.lm import HfOptions, load_lm
 from lapse.eval.policy import greedy_continuation, streamed_loss
 from lapse.files import save_figure, write_text_atomic
@@ -162,7 +162,7 @@ class NiahConfig(PolicyOptions, HfOptions):
             if not self.haystack.exists():
                 raise ValueError(f"haystack path does not exist: {self.haystack}")
         if self.out_dir is None:
-            self.out_dir = (self.models[0] if self.models else Path(".")) / "eval" / "niah"
+            self.out_dir = default_eval_dir(self.models[0] if self.models else None, "niah")
         self.out_dir = Path(self.out_dir)
 
     def needle_text(self, number: int) -> str:

@@ -49,7 +49,7 @@ from torch import Tensor, nn
 from tqdm.auto import tqdm
 
 from lapse.data import CorpusConfig
-from lapse.eval.common import eval_windows
+from lapse.eval.common import default_eval_dir, eval_windows
 from lapse.eval.lm import EvalLM, HfOptions, as_causal_lm, load_lm, text_windows
 from lapse.files import save_figure, write_text_atomic
 from lapse.generation import Dense, Policy, PolicyName, PolicyOptions
@@ -389,7 +389,7 @@ def run_policy_loss(cfg: PolicyLossConfig) -> dict:
         "sequence_losses": r.loss.double().mean(1).tolist(),
         "sequence_dense_losses": r.dense_loss.double().mean(1).tolist(),
     }
-    out_dir = cfg.out_dir if cfg.out_dir is not None else Path(cfg.model or ".") / "eval" / "policy-loss"
+    out_dir = cfg.out_dir if cfg.out_dir is not None else default_eval_dir(cfg.model, "policy-loss")
     out_dir.mkdir(parents=True, exist_ok=True)
     _plot(results, out_dir / "policy_loss.png")
     write_text_atomic(out_dir / "summary.md", _summary(results))
