@@ -96,3 +96,16 @@ def test_default_eval_dir(tmp_path):
     assert default_eval_dir(None, "niah") == Path("eval") / "niah"
     lone = tmp_path / "checkpoint-0000001"  # a folder so named outside a run is a model folder
     assert default_eval_dir(lone, "acp") == lone / "eval" / "acp"
+
+
+def test_an_export_folder_needs_a_corpus_and_says_only_that(fox_run, tmp_path):
+    """An export has its tokenizer beside it: the error asks for a corpus alone (it also asked
+    for a tokenizer); ``lapse eval dcp``, which takes no corpus, says it needs the run."""
+    from lapse.eval.dcp import DcpStudyConfig, run_dcp_study
+
+    export_hf(fox_run, tmp_path / "hf")
+    with pytest.raises(ValueError, match="pass a corpus") as e:
+        eval_windows(load_model(tmp_path / "hf"), 32, 2)
+    assert "tokenizer" not in str(e.value)
+    with pytest.raises(ValueError, match="draws from a run's own validation text"):
+        run_dcp_study(DcpStudyConfig(runs=(tmp_path / "hf",), out_dir=tmp_path / "out"))

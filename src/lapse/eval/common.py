@@ -208,10 +208,10 @@ def eval_windows(
     """
     run = loaded.train_config
     if run is None and (corpus is None or loaded.tokenizer_path is None):
-        raise ValueError(
-            f"{loaded.path} is not a training run: pass a corpus (on the command line: corpus:corpus-config "
-            "--corpus.kind text --corpus.paths FILE), and save a tokenizer beside the model"
-        )
+        needs = [] if corpus is not None else ["pass a corpus (on the command line: corpus:corpus-config "
+                                               "--corpus.kind text --corpus.paths FILE)"]
+        needs += [] if loaded.tokenizer_path is not None else ["save a tokenizer beside the model"]
+        raise ValueError(f"{loaded.path} is not a training run: {', and '.join(needs)}")
     if run is not None:
         tokenizer, vocab_size = run.tokenizer, run.model.vocab_size
         corpus = corpus if corpus is not None else run.corpus

@@ -284,6 +284,9 @@ def run_dcp_study(cfg: DcpStudyConfig) -> dict:
     out_dir.mkdir(parents=True, exist_ok=True)
 
     first = load_model(cfg.runs[0], device=device)
+    if first.train_config is None:  # the windows and snippets come from the run's own validation text
+        raise ValueError(f"{cfg.runs[0]} is not a training run: lapse eval dcp draws from a run's own "
+                         "validation text (evaluate the run a `lapse export` folder was written from)")
     t = first.context if cfg.seq_len is None else cfg.seq_len
     windows = eval_windows(first, t, cfg.num_sequences, seed=cfg.seed)  # [N, T + 1]
     snippets = validation_snippets(first, cfg.snippets, cfg.snippet_tokens, cfg.seed) if cfg.snippets else []
