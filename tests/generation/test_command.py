@@ -128,8 +128,9 @@ def test_prompts_file_batches_ragged_prompts_as_one_at_a_time(run, tmp_path, pol
         (["--prompt", "x", "--policy", "window", "--window", "0"], "window must be a positive integer"),
         (["--prompt", "x", "--policy", "h2o", "--budget", "4", "--recent", "8"], "must fit in the budget"),
         ([], "give exactly one of --prompt and --prompts-file"),
+        (["--prompt", "x", "--policy", "h2o", "--budget", "2.5"], "budget above 1 counts tokens"),
     ],
-    ids=["empty", "too-long", "window-0", "budget", "no-prompt"],
+    ids=["empty", "too-long", "window-0", "budget", "no-prompt", "budget-fraction-above-1"],
 )
 def test_bad_input_is_one_line(run, capsys, args, message):
     with pytest.raises(SystemExit) as e:

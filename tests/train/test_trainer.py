@@ -118,9 +118,13 @@ def test_exact_resume_continues_the_same_curve(tmp_path, data_dir):
     assert all(torch.equal(wa[k], wb[k]) for k in wa)
 
 
-def test_resume_after_the_end_extends_the_run(tmp_path, data_dir):
+def test_resume_after_the_end_extends_the_run(tmp_path, data_dir, capsys):
     done = train(tiny(tmp_path, data_dir, steps=5, val_every=0, acp_stats_every=0))
+    capsys.readouterr()
+    assert resume(done["run_dir"])["step"] == 5  # nothing to do: it says how to train on
+    assert "has done all its 5 steps: to train on, give a larger total (--steps N)" in capsys.readouterr().out
     more = resume(done["run_dir"], steps=8)
+    assert "has done all its" not in capsys.readouterr().out
     assert more["step"] == 8
     steps = [r["step"] for r in kinds(read_metrics(Path(done["run_dir"])), "train")]
     assert steps == list(range(1, 9))

@@ -475,7 +475,9 @@ def markdown_table(results: dict) -> str:
         f"Decode step, {what}, {env['dtype']}, {env['device']}, "
         f"torch {env['torch']}, "
         f"commit {env['commit']}, {env['date']}: ms per step (wall time of {env['steps']} greedy steps after "
-        f"{env['warmup']} warm-up steps; limit: bytes read once at {env['bandwidth']} B/s)",
+        f"{env['warmup']} warm-up step{'s' if env['warmup'] != 1 else ''}; "
+        + (f"limit: bytes read once at {env['bandwidth']} B/s)" if env.get("bandwidth") else
+           "limit: none, no memory bandwidth known for this device)"),
         "",
         "| workload | model | " + " | ".join(cols) + " |",
         "| --- | --- | " + " | ".join("---" for _ in cols) + " |",

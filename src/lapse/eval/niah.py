@@ -576,7 +576,7 @@ def plot_heatmaps(results: dict, path: Path) -> Path:
                 marked = True
             fig.colorbar(image, ax=ax, fraction=0.05, pad=0.02, format=ticks)
     fig.suptitle(
-        f"needle in a haystack, {cfg['mode']} mode, {cfg['trials']} trials per cell"
+        f"needle in a haystack, {cfg['mode']} mode, {_trials(cfg['trials'])} per cell"
         + (" (dashed line: training context)" if marked else "")
         + ("; grey: not run (time limit)" if not all(m["complete"] for m in models) else ""),
         fontsize=11,
@@ -594,7 +594,7 @@ def summary_markdown(results: dict, image: str) -> str:
     lines = [
         "# Needle in a haystack",
         "",
-        f"{cfg['mode'].capitalize()} mode, {cfg['trials']} trials per cell (seed {cfg['seed']}), haystack: "
+        f"{cfg['mode'].capitalize()} mode, {_trials(cfg['trials'])} per cell (seed {cfg['seed']}), haystack: "
         f"{results['haystack']['source']}. Each prompt has exactly the stated number of tokens; the needle "
         "sits at the segment boundary nearest to the depth, as a fraction of the haystack.",
         "",
@@ -660,3 +660,7 @@ def _jsonable(value):
     if isinstance(value, Path):
         return str(value)
     return value
+
+
+def _trials(n: int) -> str:
+    return f"{n} trial" + ("" if n == 1 else "s")

@@ -114,6 +114,9 @@ def resume(run_dir: str | Path, **overrides) -> dict:
     if overrides.get("steps") is not None and overrides["steps"] < done:
         raise ValueError(f"--steps {overrides['steps']} is below the {done} steps {run_dir} has done: "
                          f"pass at least {done}")
+    steps = overrides.get("steps") or cfg.steps
+    if done >= steps and int(os.environ.get("RANK", "0")) == 0:
+        print(f"{run_dir} has done all its {steps} steps: to train on, give a larger total (--steps N)")
     # a stop or a time limit belongs to the session that set it, not to the run
     session = {"run_dir": run_dir, "time_limit_minutes": None, "stop_at_step": None}
     session.update({k: v for k, v in overrides.items() if v is not None})

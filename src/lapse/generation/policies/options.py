@@ -51,6 +51,10 @@ class PolicyOptions:
             raise ValueError(
                 f"--budget must be positive (a share of the prompt or a count), got {self.budget}"
             )
+        if self.budget > 1 and self.budget != int(self.budget):  # it was cut to the integer below
+            raise ValueError(
+                f"--budget above 1 counts tokens: give an integer, or a share up to 1, got {self.budget}"
+            )
         self.make_policy()  # bad policy fields fail here, before any model loads
 
     def make_policy(self) -> Policy | None:
