@@ -47,6 +47,15 @@ def test_dense_streamed_loss_equals_the_full_forward(arch):
     torch.testing.assert_close(r.token_share, torch.ones_like(r.token_share), atol=1e-12, rtol=0)
 
 
+@pytest.mark.parametrize("arch", ["fox-pro", "transformer-llama"])
+def test_a_lapse_model_streams_past_its_training_context(arch):
+    """Under a policy a lapse model runs past ``max_seq_len`` as the dense path does (it was
+    refused; the results mark such lengths as extrapolation), equal to the full forward."""
+    model, windows, prefix = _model(arch, max_seq_len=16), _windows(2, 41), 13
+    r = streamed_loss(model, windows, Dense(), prefix=prefix)
+    torch.testing.assert_close(r.loss, per_position_loss(model, windows)[:, prefix:], atol=ATOL, rtol=0)
+
+
 @torch.no_grad()
 def _dense_attention(model: Decoder, ids: torch.Tensor) -> torch.Tensor:
     """The attention probabilities ``[B, H, T, T]`` of a 1-layer FoX (LLaMA block: no
