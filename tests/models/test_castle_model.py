@@ -194,7 +194,7 @@ def test_paged_store_prefill_equals_the_uncached_forward():
         ({"castle_window": 0}, "castle_window .* must be a positive integer"),
         ({"castle_window": -4}, "castle_window .* must be a positive integer"),
         ({"attn_head_dim": 0}, "attn_head_dim must be a positive integer"),
-        ({"arch": "castle", "acp": True}, "acp=True needs an attention kind with a forget gate"),
+        ({"arch": "castle", "acp": True}, "acp=True needs a forget gate"),
         ({"arch": "castle", "d_model": 100, "n_heads": 12}, "castle keeps the head dim"),
         ({"attention": "castle", "d_model": 60, "n_heads": 4}, "RoPE needs an even head dim"),
     ],

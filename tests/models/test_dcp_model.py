@@ -60,7 +60,7 @@ def test_config_and_registry():
     for r in (0, -1, 2.0):
         with pytest.raises(ValueError, match="dcp_r .* must be a positive integer"):
             preset("tiny", attention="dcp", dcp_r=r)
-    with pytest.raises(ValueError, match="acp=True needs an attention kind with a forget gate"):
+    with pytest.raises(ValueError, match="acp=True needs a forget gate"):
         ModelConfig(attention="dcp", acp=True)
 
 

@@ -206,7 +206,7 @@ def test_optimizer_groups_exclude_norms_and_biases():
         ({"d_model": 100, "n_heads": 12}, "must divide d_model"),
         ({"arch": "fox-gpt"}, "arch must be one of"),
         ({"n_heads": 4, "d_model": 64, "n_kv_heads": 3}, "must divide n_heads"),
-        ({"arch": "transformer-pro", "acp": True}, "acp=True needs an attention kind with a forget gate"),
+        ({"arch": "transformer-pro", "acp": True}, "needs a forget gate.*turn ACP off .--model.no-acp"),
         ({"attention": "mamba"}, "unknown attention kind 'mamba'; valid kinds: softmax, forgetting"),
         ({"block": "gpt"}, "block must be one of"),
         ({"vocab_size": 0}, "vocab_size must be a positive integer"),

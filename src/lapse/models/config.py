@@ -249,8 +249,8 @@ class ModelConfig:
             raise ValueError(f"init_std must be positive, got {self.init_std!r}")
         if self.acp and not kind.supports_acp:
             raise ValueError(
-                f"acp=True needs an attention kind with a forget gate (forgetting); "
-                f"{self.name} has none to prune with"
+                f"acp=True needs a forget gate (attention kind forgetting); "
+                f"{self.attention} attention has none to prune with: turn ACP off (--model.no-acp)"
             )
 
     def _match_heads(self) -> None:
