@@ -125,3 +125,14 @@ def test_dcp_needs_a_dcp_model_and_a_softmax_checkpoint(source, tmp_path, capsys
     with pytest.raises(SystemExit):
         cli_main(["train", "cpu-tiny", "--init-from", str(tmp_path / "nowhere"), "--steps", "1"])
     assert "is not a run or checkpoint folder" in capsys.readouterr().err
+
+
+def test_model_options_that_fine_tuning_drops_are_named(source, tmp_path, capsys):
+    """``--init-from`` fine-tunes the source's model: a model option it therefore drops (here
+    the width) is named in a warning (it was dropped without a word); DCP's own are kept."""
+    _finetune(source, tmp_path / "plain")
+    assert "ignored" not in capsys.readouterr().err
+    _finetune(source, tmp_path / "wide", "--model.d-model", "128")
+    err = [line for line in capsys.readouterr().err.splitlines() if "ignored" in line]
+    assert len(err) == 1 and err[0].startswith("warning: --init-from ")
+    assert err[0].endswith("fine-tunes its model: ignored --model.d-model 128 (transformer has 64)"), err

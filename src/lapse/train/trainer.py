@@ -32,7 +32,7 @@ import time
 import warnings
 from collections.abc import Callable
 from contextlib import ExitStack, contextmanager
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass, fields, replace
 from datetime import datetime
 from pathlib import Path
 
@@ -61,7 +61,7 @@ from lapse.models.mfu import peak_tflops
 from lapse.ops.forgetting import set_value_checks
 
 from .checkpoint import load_checkpoint, remove_stale_temporaries, save_checkpoint, set_aside
-from .config import RESUME_FIELDS, DCPTrainConfig, TrainConfig
+from .config import RESUME_FIELDS, TRAIN_PRESETS, DCPTrainConfig, TrainConfig
 from .data import prepare_data, with_run_tokenizer
 from .dcp import DCPTraining, dcp_layers
 from .distributed import (
@@ -183,11 +183,30 @@ def with_init_model(cfg: TrainConfig) -> TrainConfig:
                 f"DCP is fine-tuned from softmax attention; {run} holds a {model.name} model"
             )
         model = replace(model, attention="dcp", dcp_r=cfg.model.dcp_r, dcp_beta_init=cfg.model.dcp_beta_init)
+    _warn_ignored_model_options(cfg, model, run)
     tokenizer = saved.tokenizer
     if tokenizer not in ("byte", "bpe") and not Path(tokenizer).exists() and (run / "tokenizer").is_dir():
         tokenizer = str(run / "tokenizer")  # a run folder moved since (an imported one names its own)
     out = replace(cfg, model=model, tokenizer=tokenizer)
     return with_run_tokenizer(out, run / "tokenizer")
+
+
+def _warn_ignored_model_options(cfg: TrainConfig, model, run: Path) -> None:
+    """Warns of the model options given on top of ``cfg``'s preset that fine-tuning from
+    ``run`` does not take (its model is ``run``'s, DCP's fields aside): they were dropped
+    without a word."""
+    if cfg.preset_name not in TRAIN_PRESETS:
+        return
+    preset = TRAIN_PRESETS[cfg.preset_name][1]().model
+    ignored = [
+        f"--model.{f.name.replace('_', '-')} {getattr(cfg.model, f.name)} "
+        f"({run.name} has {getattr(model, f.name)})"
+        for f in fields(model)
+        if getattr(cfg.model, f.name) != getattr(preset, f.name)  # given on the command line
+        and getattr(cfg.model, f.name) != getattr(model, f.name)
+    ]
+    if ignored:
+        warnings.warn(f"--init-from {run} fine-tunes its model: ignored " + ", ".join(ignored), stacklevel=3)
 
 
 def _autocast(device: torch.device, dtype: torch.dtype):
