@@ -149,10 +149,8 @@ def run_generate(cfg: GenerateConfig, loaded: tuple[Decoder, object] | None = No
     policy = cfg.make_policy()
     policy.check(model)
     limit = cfg.max_context or model.config.max_seq_len
-    if cfg.prompt is not None:
-        prompts = [cfg.prompt]
-    else:
-        prompts = read_prompts(cfg.prompts_file)
+    rows = [{"prompt": cfg.prompt}] if cfg.prompt is not None else read_prompt_rows(cfg.prompts_file)
+    prompts = [row["prompt"] for row in rows]
     generator = torch.Generator(device=device).manual_seed(cfg.seed)
     completions, tokens, seconds, held, dense = [], 0, 0.0, 0, 0
     encoded = []
@@ -169,7 +167,7 @@ def run_generate(cfg: GenerateConfig, loaded: tuple[Decoder, object] | None = No
     size = 1 if cfg.prompt is not None else cfg.batch_size
     batches = [encoded[i : i + size] for i in range(0, len(encoded), size)]
     progress = tqdm(total=len(encoded), unit="prompt", disable=cfg.prompt is not None or len(batches) == 1)
-    with completions_saved(cfg, completions):  # on Ctrl-C too: the finished ones
+    with completions_saved(cfg, rows, completions):  # on Ctrl-C too: the finished ones
         for batch in batches:
             lengths = [len(ids) for ids in batch]
             ids = torch.full((len(batch), max(lengths)), tokenizer.eos_id, device=device)
@@ -233,9 +231,9 @@ def print_summary(tokens: int, seconds: float, held: int, dense: int, name: str,
 
 
 @contextlib.contextmanager
-def completions_saved(cfg: GenerateConfig, completions: list[str]):
+def completions_saved(cfg: GenerateConfig, rows: list[dict], completions: list[str]):
     """Around a ``--prompts-file`` generation loop that appends to ``completions`` in the
-    prompts' order: writes them to :meth:`GenerateConfig.out_path` (each line the prompt's row
+    order of the prompts' ``rows``: writes them to :meth:`GenerateConfig.out_path` (each line the prompt's row
     with its ``"completion"``, its folder made) when the loop ends, and the finished ones when
     Ctrl-C stops it. Nothing without ``--prompts-file``."""
     if cfg.prompts_file is None:
@@ -245,25 +243,18 @@ def completions_saved(cfg: GenerateConfig, completions: list[str]):
         yield
     except KeyboardInterrupt:
         if completions:
-            progress_note = _write_completions(cfg, completions)
-            print(f"\n{progress_note} before the interruption", file=sys.stderr)
+            print(f"\n{_write_completions(cfg, rows, completions)} before the interruption", file=sys.stderr)
         raise
-    print(_write_completions(cfg, completions))
+    print(_write_completions(cfg, rows, completions))
 
 
-def _write_completions(cfg: GenerateConfig, completions: list[str]) -> str:
-    rows = read_prompt_rows(cfg.prompts_file)
+def _write_completions(cfg: GenerateConfig, rows: list[dict], completions: list[str]) -> str:
     lines = [json.dumps({**row, "completion": c}) for row, c in zip(rows, completions, strict=False)]
     out = cfg.out_path()
     out.parent.mkdir(parents=True, exist_ok=True)
     write_text_atomic(out, "\n".join(lines) + "\n")
     done = str(len(lines)) if len(lines) == len(rows) else f"{len(lines)} of {len(rows)}"
     return f"{done} completions written to {out}"
-
-
-def read_prompts(path: Path) -> list[str]:
-    """The ``"prompt"`` of every non-empty JSONL line; one-line errors naming the line."""
-    return [row["prompt"] for row in read_prompt_rows(path)]
 
 
 def read_prompt_rows(path: Path) -> list[dict]:

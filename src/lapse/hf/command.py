@@ -21,7 +21,7 @@ from lapse.generation.command import (
     TextStream,
     completions_saved,
     print_summary,
-    read_prompts,
+    read_prompt_rows,
     run_generate,
 )
 
@@ -59,7 +59,8 @@ def run_generate_hf(cfg: GenerateConfig) -> dict:
         decoder = decoder_from_hf(model, share=True)
     generator = torch.Generator(device=device).manual_seed(cfg.seed)
     limit = cfg.max_context or model.config.max_position_embeddings
-    prompts = [cfg.prompt] if cfg.prompt is not None else read_prompts(cfg.prompts_file)
+    rows = [{"prompt": cfg.prompt}] if cfg.prompt is not None else read_prompt_rows(cfg.prompts_file)
+    prompts = [row["prompt"] for row in rows]
     encoded = []
     for prompt in prompts:
         ids = tokenizer(prompt, add_special_tokens=False).input_ids
@@ -83,7 +84,7 @@ def run_generate_hf(cfg: GenerateConfig) -> dict:
     batches = [encoded[i : i + size] for i in range(0, len(encoded), size)]
     progress = tqdm(total=len(encoded), unit="prompt", disable=cfg.prompt is not None or len(batches) == 1)
     completions, tokens, seconds, held, dense = [], 0, 0.0, 0, 0
-    with completions_saved(cfg, completions):  # on Ctrl-C too: the finished ones
+    with completions_saved(cfg, rows, completions):  # on Ctrl-C too: the finished ones
         for batch in batches:
             t = max(len(ids) for ids in batch)
             ids = torch.full((len(batch), t), pad, dtype=torch.long)

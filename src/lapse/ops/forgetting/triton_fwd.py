@@ -471,10 +471,7 @@ def launch_fwd(q, k, v, c_hi, c_lo, block_start, cu, p, o, lse2, config=None):
     where it serves the inputs, else this kernel with the default options."""
     cfg = dict(config or fwd_config(p.d, q.element_size(), block_start is not None, p.tk))
     if cfg.pop("GLUON", False):
-        try:  # Hopper only; Gluon has no CPU interpreter, and older Tritons lack its Hopper API
-            from . import gluon_fwd
-        except ImportError:
-            gluon_fwd = None
+        gluon_fwd = _gluon()
         if gluon_fwd is not None and gluon_fwd.supported(q, k, v, block_start, cu, p):
             gluon_fwd.launch(q, k, v, c_hi, c_lo, p, o, lse2, cfg)
             return
@@ -508,6 +505,16 @@ def launch_fwd(q, k, v, c_hi, c_lo, block_start, cu, p, o, lse2, config=None):
             _launch_fwd(q, k, v, c_hi, c_lo, block_start, cu, p, o, lse2, cfg, use_tma, no_acp, pairs)
 
 
+def _gluon():
+    """``gluon_fwd.py``, or None where Triton lacks Gluon's Hopper API (it has no CPU
+    interpreter either: its ``supported`` checks say so)."""
+    try:
+        from . import gluon_fwd
+    except ImportError:
+        return None
+    return gluon_fwd
+
+
 def _launch_gluon_acp(q, k, v, c_hi, c_lo, block_start, cu, p, o, lse2, options, routed: bool) -> bool:
     """Runs ACP's launch with ``gluon_fwd.py``'s persistent kernel where it serves the inputs
     (``routed``: the (sequence, head)s ACP prunes somewhere only); False where it does not.
@@ -519,11 +526,8 @@ def _launch_gluon_acp(q, k, v, c_hi, c_lo, block_start, cu, p, o, lse2, options,
         if not routed or not triton.__version__.startswith(GLUON_ACP_TRITON):
             return False
         options = {}
-    try:  # Hopper only; Gluon has no CPU interpreter, and older Tritons lack its Hopper API
-        from . import gluon_fwd
-    except ImportError:
-        return False
-    if not gluon_fwd.acp_supported(q, k, v, block_start, cu, p):
+    gluon_fwd = _gluon()
+    if gluon_fwd is None or not gluon_fwd.acp_supported(q, k, v, block_start, cu, p):
         return False
     gluon_fwd.launch_acp(q, k, v, c_hi, c_lo, block_start, p, o, lse2,
                          {**gluon_fwd.acp_config(p.d), **options}, skip_full=routed)
