@@ -16,6 +16,7 @@ import argparse
 import itertools
 import json
 import math
+import os
 
 import torch
 import torch.nn.functional as F
@@ -36,6 +37,11 @@ GLUON_OPTIONS = [(128, 64, 8, 2, False, None), (128, 64, 4, 2, True, None), (64,
 
 
 def _workload(b, t, h, d, seed=0):
+    if os.environ.get("BENCH_WORKLOAD"):  # lapse bench attention's own tensors (its random local heads)
+        from lapse.bench.workloads import WorkloadSpec, make_workload
+
+        wl = make_workload(WorkloadSpec(seq_len=t, tokens=b * t, heads=h, head_dim=d), seed=seed)
+        return wl.q, wl.k, wl.v, wl.log_fgate
     g = torch.Generator(device="cuda").manual_seed(seed)
     q = F.rms_norm(torch.randn(b, t, h, d, device="cuda", generator=g), (d,)).bfloat16()
     k = F.rms_norm(torch.randn(b, t, h, d, device="cuda", generator=g), (d,)).bfloat16()
@@ -50,10 +56,11 @@ def _workload(b, t, h, d, seed=0):
 
 
 def _issue2(shape: str):
-    """``T x D`` of the issue-2 workload: ``(T, D, heads, B, (q, k, v, log gates))``, 24
-    heads of 64 or 12 of 128, B = 32768 / T."""
-    t, d = (int(x) for x in shape.split("x"))
-    h = 24 if d <= 64 else 12
+    """``T x D`` (or ``T x D x heads``) of the issue-2 workload: ``(T, D, heads, B, (q, k, v,
+    log gates))``, by default 24 heads of 64 or 12 of 128 (``lapse bench attention`` takes 24 at
+    every D), B = 32768 / T."""
+    t, d, *heads = (int(x) for x in shape.split("x"))
+    h = heads[0] if heads else 24 if d <= 64 else 12
     return t, d, h, 32768 // t, _workload(32768 // t, t, h, d)
 
 

@@ -429,7 +429,13 @@ def fwd_config(d: int, dtype_bytes: int, acp: bool = False, tk: int = 0) -> dict
     (``scripts/ab_gluon_acp.py``, ``h100-ab-gluon-acp.json``, replayed from CUDA graphs, best of
     three), ms at T 4k / 8k / 16k: forward 0.625 / 0.896 / 1.382 against 0.639 / 0.955 / 1.430;
     forward+backward 2.216 / 3.397 / 5.679 against 2.224 / 3.458 / 5.688. Taken with Triton 3.6
-    only (``GLUON_ACP_TRITON``).
+    only (``GLUON_ACP_TRITON``), and (twenty-sixth session) only from ``LONG_ACP_KEYS`` keys on: on
+    ``lapse bench attention``'s own workload (24 heads of 128, its random choice of local heads;
+    ``BENCH_WORKLOAD=1 scripts/ab_gluon_acp.py``, ``docs/bench/session26/``) the Gluon launch
+    lost at T 4k on an H200, forward 1.187 against 1.121 ms and forward+backward 3.953 against
+    3.895 (graph times), and the bench on an H100 put the ACP forward at 1.366 ms against the
+    twenty-third session's 1.184 with the Triton kernel. At 8k (the tuning workload, 24 heads) it
+    won: 1.580 against 1.667.
     """
     rb = dtype_bytes < 4
     if d <= 64:
@@ -446,7 +452,7 @@ def fwd_config(d: int, dtype_bytes: int, acp: bool = False, tk: int = 0) -> dict
                         LOOPS=3, FIXED_MAX=True, ROUTE=1, GLUON_ACP="routed")
         if acp:
             cfg = dict(BM=64, BN=64, num_warps=4, num_stages=3, PAIRS=False, LOOPS=3, FIXED_MAX=rb)
-            return dict(cfg, ROUTE=1, GLUON_ACP="routed") if rb and d == 128 else cfg
+            return dict(cfg, ROUTE=1) if rb and d == 128 else cfg
         return dict(BM=128, BN=128, num_warps=8, num_stages=3, TMA="host", PAIRS=True, ROW_BIAS=rb,
                     FIXED_MAX=rb)
     return dict(BM=64, BN=32, num_warps=4, num_stages=2)
