@@ -195,3 +195,43 @@ def test_clear_errors(fox_run, tmp_path):
     b.tokenizer, b.name = OtherBytes(), "other"
     with pytest.raises(ValueError, match="different tokenizers"):
         check_same_tokenizer([a, b])
+
+
+def test_ctrl_c_keeps_the_finished_windows(fox_run, tmp_path, monkeypatch):
+    """A first Ctrl-C stops after the batch in flight and writes the windows finished (every
+    model's sums whole); one during the first batch still finishes it. A second one stops at
+    once."""
+    import os
+    import signal
+
+    from lapse.eval import loss as loss_mod
+
+    calls = []
+    plain = loss_mod.per_position_loss
+
+    def interrupted_at(at):
+        def per_position(*a, **kw):
+            calls.append(1)
+            if len(calls) in at:
+                os.kill(os.getpid(), signal.SIGINT)  # the handler runs before the next bytecode
+            return plain(*a, **kw)
+        return per_position
+
+    cfg = PerTokenLossConfig(models=(str(fox_run), str(fox_run)), names=("a", "b"), seq_len=32,
+                             num_sequences=6, out_dir=tmp_path, progress=False)
+    monkeypatch.setattr(loss_mod, "per_position_loss", interrupted_at({3}))  # model a, second batch
+    r = run_per_token_loss(cfg)
+    assert r["num_sequences"] == 2 and r["stopped_early"] == "SIGINT after 2 of 6 sequences"
+    assert len(calls) == 4  # both models ran the second batch
+    full = run_per_token_loss(PerTokenLossConfig(**{**cfg.__dict__, "num_sequences": 2, "out_dir": tmp_path / "f"}))
+    for got, want in zip(r["models"], full["models"], strict=True):  # the stopped run's sums are whole
+        assert got["name"] == want["name"] and np.allclose(got["loss"], want["loss"], rtol=1e-12)
+    assert "SIGINT after 2 of 6" in (tmp_path / "summary.md").read_text()
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # put back
+    calls.clear()
+    monkeypatch.setattr(loss_mod, "per_position_loss", interrupted_at({1}))  # during the first batch
+    assert run_per_token_loss(cfg)["num_sequences"] == 1
+    calls.clear()
+    monkeypatch.setattr(loss_mod, "per_position_loss", interrupted_at({1, 2}))  # twice: at once
+    with pytest.raises(KeyboardInterrupt):
+        run_per_token_loss(cfg)

@@ -45,6 +45,7 @@ from lapse.eval.lm import HfOptions, as_causal_lm, load_lm, text_windows
 from lapse.eval.policy import streamed_loss
 from lapse.files import save_figure, write_text_atomic
 from lapse.generation import PolicyOptions
+from lapse.interrupt import StopFlag, stop_signals
 from lapse.models import Decoder
 from lapse.ops.backend import resolve_device
 
@@ -315,8 +316,12 @@ def _evaluate(
     done, stopped = 0, None
     start = time.perf_counter()
     bar = tqdm(total=n, desc=desc, unit="seq", disable=not cfg.progress, dynamic_ncols=True)
-    try:
+    stop = StopFlag("stopping after this batch of windows; the finished ones are written")
+    with stop_signals(stop), bar:
         for b0 in range(0, n, cfg.batch_size):
+            if stop.reason is not None and done > 0:  # at a batch's end every model has its sums
+                stopped = f"{stop.reason} after {done} of {n} sequences"
+                break
             batch = windows[b0 : b0 + cfg.batch_size].to(device)  # [b, T + 1]
             for m, loaded in enumerate(models):
                 if policy is None:
@@ -334,8 +339,6 @@ def _evaluate(
             if cfg.max_seconds is not None and done < n and time.perf_counter() - start > cfg.max_seconds:
                 stopped = f"max_seconds ({cfg.max_seconds:g} s) after {done} of {n} sequences"
                 break
-    finally:
-        bar.close()
     return _Curves(
         loss=[(s / done).numpy() for s in sums],
         prefix_losses=[torch.cat(p).numpy() for p in per_seq],

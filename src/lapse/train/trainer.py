@@ -27,7 +27,6 @@ from __future__ import annotations
 import json
 import math
 import os
-import signal
 import time
 import warnings
 from collections.abc import Callable
@@ -42,6 +41,7 @@ from tqdm.auto import tqdm
 
 from lapse.data import PreparedData, WindowSampler
 from lapse.files import write_json_atomic
+from lapse.interrupt import StopFlag, stop_signals
 from lapse.models import Decoder, flops_per_token, keep_grads, optimizer_groups, param_count, prepare_blocks
 from lapse.models.checkpoint import (
     CONFIG_FILE,
@@ -249,38 +249,6 @@ def train_step(
     return total, grad_norm
 
 
-class _StopFlag:
-    """Set by SIGINT/SIGTERM; the loop stops at the next step boundary. A second SIGINT
-    raises ``KeyboardInterrupt`` at once."""
-
-    def __init__(self) -> None:
-        self.reason: str | None = None
-
-    def __call__(self, signum, frame) -> None:
-        if self.reason is not None and signum == signal.SIGINT:
-            raise KeyboardInterrupt
-        self.reason = signal.Signals(signum).name
-        print(
-            f"\n{self.reason}: stopping after this step with a checkpoint (Ctrl-C again to stop at once)",
-            flush=True,
-        )
-
-
-@contextmanager
-def _signals(flag: _StopFlag):
-    previous = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
-    try:
-        for s in previous:
-            signal.signal(s, flag)
-    except ValueError:  # not the main thread: run without the handlers
-        previous = {}
-    try:
-        yield
-    finally:
-        for s, handler in previous.items():
-            signal.signal(s, handler)
-
-
 class _Interval:
     """The train loss and the clock between two log points.
 
@@ -356,13 +324,13 @@ def _run(cfg: TrainConfig, *, resuming: bool) -> dict:
             run = _setup(replace(cfg, run_dir=run_dir), world, resuming)
             # The handlers stay installed until the final checkpoint is written, and again
             # for the report: a SIGTERM then must not kill the process half way.
-            stop = _StopFlag()
-            with _signals(stop):
+            stop = StopFlag("stopping after this step with a checkpoint")
+            with stop_signals(stop):
                 status = _train(run, stop)
                 _end_session(run)
             summary = _summary(run, status)
             if world.main:
-                with _signals(stop):
+                with stop_signals(stop):
                     plot_losses(run.run_dir)
                     write_report(run.run_dir, summary)
         return summary
@@ -569,7 +537,7 @@ def _save_total_steps(run_dir: Path, steps: int) -> None:
         write_json_atomic(run_dir / CONFIG_FILE, saved)
 
 
-def _train(run: _Run, stop: _StopFlag) -> str:
+def _train(run: _Run, stop: StopFlag) -> str:
     """Optimizer steps until the last one or a stop; returns the status of the session."""
     cfg = run.cfg
     while run.step < cfg.steps:
