@@ -203,7 +203,7 @@ def _app() -> SubcommandApp:
         after `import lapse.hf`)."""
         from lapse.eval.common import export_hf
 
-        print(f"wrote {export_hf(args.model, args.out_dir)}")
+        print(f"wrote {export_hf(args.model, args.out_dir, overwrite=args.overwrite)}")
 
     @app.command(name="import")
     def import_model(cfg: Annotated[ImportConfig, tyro.conf.arg(name="")]) -> None:

@@ -109,3 +109,32 @@ def test_an_export_folder_needs_a_corpus_and_says_only_that(fox_run, tmp_path):
     assert "tokenizer" not in str(e.value)
     with pytest.raises(ValueError, match="draws from a run's own validation text"):
         run_dcp_study(DcpStudyConfig(runs=(tmp_path / "hf",), out_dir=tmp_path / "out"))
+
+
+def test_export_never_writes_over_a_run_or_other_files(fox_run, tmp_path):
+    """``lapse export`` writes a new or empty folder, or an earlier export with ``overwrite``;
+    a training run (the source's own folder above all), a folder of other files and a file are
+    refused before anything is written, and the run stays whole."""
+    import shutil
+
+    run = tmp_path / "run"
+    shutil.copytree(fox_run, run)
+    before = {p: p.read_bytes() for p in run.rglob("*") if p.is_file()}
+    other = tmp_path / "other-run"
+    shutil.copytree(fox_run, other)
+    for target, message in ((other, "not empty and not a `lapse export`"), (run, "holds the model"),
+                            (tmp_path, "holds the model")):
+        with pytest.raises(ValueError, match=message):
+            export_hf(run, target, overwrite=True)
+    with pytest.raises(ValueError, match="holds the model"):  # a checkpoint's run folder
+        export_hf(latest_checkpoint(run), run)
+    (tmp_path / "file").write_text("x")
+    with pytest.raises(ValueError, match="is a file"):
+        export_hf(run, tmp_path / "file")
+    assert {p: p.read_bytes() for p in run.rglob("*") if p.is_file()} == before
+    (tmp_path / "empty").mkdir()
+    export_hf(run, tmp_path / "empty")
+    with pytest.raises(ValueError, match="--overwrite replaces it"):
+        export_hf(run, tmp_path / "empty")
+    export_hf(run, tmp_path / "empty", overwrite=True)
+    assert load_model(tmp_path / "empty").tokenizer is not None

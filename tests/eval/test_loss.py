@@ -223,7 +223,9 @@ def test_ctrl_c_keeps_the_finished_windows(fox_run, tmp_path, monkeypatch):
     r = run_per_token_loss(cfg)
     assert r["num_sequences"] == 2 and r["stopped_early"] == "SIGINT after 2 of 6 sequences"
     assert len(calls) == 4  # both models ran the second batch
-    full = run_per_token_loss(PerTokenLossConfig(**{**cfg.__dict__, "num_sequences": 2, "out_dir": tmp_path / "f"}))
+    import dataclasses
+
+    full = run_per_token_loss(dataclasses.replace(cfg, num_sequences=2, out_dir=tmp_path / "f"))
     for got, want in zip(r["models"], full["models"], strict=True):  # the stopped run's sums are whole
         assert got["name"] == want["name"] and np.allclose(got["loss"], want["loss"], rtol=1e-12)
     assert "SIGINT after 2 of 6" in (tmp_path / "summary.md").read_text()

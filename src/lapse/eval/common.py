@@ -138,7 +138,10 @@ class ExportConfig:
     model: Annotated[Path, tyro.conf.Positional, tyro.conf.arg(metavar="RUN")]
     """A run folder or one of its checkpoint folders."""
     out_dir: Annotated[Path, tyro.conf.Positional, tyro.conf.arg(metavar="OUT_DIR")]
-    """The folder to write (config.json, model.safetensors, tokenizer/)."""
+    """The folder to write (config.json, model.safetensors, tokenizer/): new or empty, or an
+    earlier export with ``--overwrite``."""
+    overwrite: bool = False
+    """Replace the export already in ``OUT_DIR`` (never any other folder's files)."""
 
 
 def output_folder(result: dict, cfg, name: str) -> Path:
@@ -166,19 +169,36 @@ def default_eval_dir(model: str | Path | None, name: str) -> Path:
     return model / "eval" / name
 
 
-def export_hf(path: str | Path, out_dir: str | Path) -> Path:
+def export_hf(path: str | Path, out_dir: str | Path, *, overwrite: bool = False) -> Path:
     """Write the model at ``path`` (a run or checkpoint folder) as a Hugging Face folder:
     ``save_pretrained`` (``config.json``, ``model.safetensors``) plus ``tokenizer/``.
     It loads with ``AutoModelForCausalLM.from_pretrained`` once ``lapse.hf`` is
-    imported, and with :func:`load_model`."""
+    imported, and with :func:`load_model`. ``out_dir`` must be new or empty, or (with
+    ``overwrite``) an earlier export: anything else (a training run, above all) is refused
+    before the model loads."""
     from lapse.hf import LapseForCausalLM
 
-    loaded = load_model(path)
     out_dir = Path(out_dir)
+    _check_export_target(Path(path), out_dir, overwrite)
+    loaded = load_model(path)
     LapseForCausalLM.from_decoder(loaded.model).save_pretrained(out_dir)
     if loaded.tokenizer is not None:
         loaded.tokenizer.save(out_dir / "tokenizer")
     return out_dir
+
+
+def _check_export_target(source: Path, out_dir: Path, overwrite: bool) -> None:
+    if out_dir.exists() and not out_dir.is_dir():
+        raise ValueError(f"{out_dir} is a file: give `lapse export` a folder to write")
+    if source.exists() and out_dir.resolve() in (source.resolve(), *source.resolve().parents):
+        raise ValueError(f"{out_dir} holds the model being exported ({source}): give a folder outside it")
+    if not out_dir.is_dir() or not any(out_dir.iterdir()):
+        return
+    if not is_export_folder(out_dir):
+        raise ValueError(f"{out_dir} is not empty and not a `lapse export` folder (a training run?): "
+                         "give a new folder")
+    if not overwrite:
+        raise ValueError(f"{out_dir} already holds a `lapse export`: --overwrite replaces it")
 
 
 def _tokenizer_beside(path: Path) -> tuple[Tokenizer | None, Path | None]:
