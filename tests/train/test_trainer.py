@@ -439,3 +439,40 @@ def test_resume_flag_pairs_set_unset_or_contradict(flag):
     assert ResumeConfig(run_dir=Path("r"), **{f"no_{flag}": True}).overrides()[flag] is False
     with pytest.raises(ValueError, match="contradict"):
         ResumeConfig(run_dir=Path("r"), **{flag: True, f"no_{flag}": True})
+
+
+def test_a_run_saves_absolute_paths_and_resumes_from_anywhere(tmp_path, monkeypatch):
+    """Corpus paths, the data folder and a tokenizer path given relative are saved absolute, so
+    ``lapse resume`` works from another working directory (the saved relative paths failed)."""
+    (tmp_path / "work" / "corpus").mkdir(parents=True)
+    (tmp_path / "work" / "corpus" / "a.txt").write_text("the quick brown fox jumps. " * 400)
+    (tmp_path / "elsewhere").mkdir()
+    monkeypatch.chdir(tmp_path / "work")
+    cfg = train_preset("cpu-tiny", run_dir=Path("run"), data_dir=Path("data"), steps=4, stop_at_step=2,
+                       val_every=0, corpus=CorpusConfig(kind="text", paths=("corpus",), val_fraction=0))
+    train(cfg)
+    saved = json.loads((tmp_path / "work" / "run" / "config.json").read_text())
+    assert saved["corpus"]["paths"] == [str(tmp_path / "work" / "corpus")]
+    assert saved["data_dir"] == str(tmp_path / "work" / "data")
+    monkeypatch.chdir(tmp_path / "elsewhere")
+    assert resume(tmp_path / "work" / "run")["step"] == 4
+    assert not (tmp_path / "elsewhere" / "runs").exists()  # the cache was found where it was made
+
+
+def test_a_new_run_refuses_a_folder_of_other_files(tmp_path, data_dir, monkeypatch):
+    """``--run-dir ""`` (the working directory) or any folder holding other files and no run is
+    refused before anything is written into it."""
+    (tmp_path / "notes.txt").write_text("mine")
+    monkeypatch.chdir(tmp_path)
+    for run_dir in (Path(""), tmp_path):
+        with pytest.raises(ValueError, match="holds other files and no run"):
+            train(replace(tiny(tmp_path, data_dir, steps=2), run_dir=run_dir))
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["notes.txt"]
+
+
+def test_resume_refuses_a_stop_at_or_before_the_steps_done(tmp_path, data_dir):
+    first = train(tiny(tmp_path, data_dir, steps=6, stop_at_step=3, val_every=0, acp_stats_every=0))
+    for stop in (2, 3):
+        with pytest.raises(ValueError, match=f"--stop-at-step {stop} is not past the 3 steps"):
+            resume(first["run_dir"], stop_at_step=stop)
+    assert resume(first["run_dir"], stop_at_step=4)["step"] == 4

@@ -75,7 +75,7 @@ from .distributed import (
     unwrap,
 )
 from .lock import RunInUse, run_lock
-from .metrics import MetricsLog, plot_losses, write_report
+from .metrics import METRICS_FILE, MetricsLog, plot_losses, write_report
 
 
 def lr_at(step: int, cfg: TrainConfig) -> float:
@@ -115,6 +115,10 @@ def resume(run_dir: str | Path, **overrides) -> dict:
         raise ValueError(f"--steps {overrides['steps']} is below the {done} steps {run_dir} has done: "
                          f"pass at least {done}")
     steps = overrides.get("steps") or cfg.steps
+    stop_at = overrides.get("stop_at_step")
+    if stop_at is not None and stop_at <= done < steps:
+        raise ValueError(f"--stop-at-step {stop_at} is not past the {done} steps {run_dir} has done: "
+                         f"pass a step above {done}")
     if done >= steps and int(os.environ.get("RANK", "0")) == 0:
         print(f"{run_dir} has done all its {steps} steps: to train on, give a larger total (--steps N)")
     # a stop or a time limit belongs to the session that set it, not to the run
@@ -317,6 +321,9 @@ class _Run:
 
 
 def _run(cfg: TrainConfig, *, resuming: bool) -> dict:
+    if not resuming:
+        cfg = _absolute_paths(cfg)
+        _check_new_run_dir(cfg.run_dir)
     world = init_world(cfg.device)
     try:
         run_dir = cfg.run_dir if resuming else _new_run_dir(cfg, world)
@@ -492,6 +499,33 @@ def _model_and_optimizer(
         fused=world.device.type == "cuda",
     )
     return model, wrapped, optimizer
+
+
+def _absolute_paths(cfg: TrainConfig) -> TrainConfig:
+    """``cfg`` with its corpus paths, data folder and tokenizer path absolute: the run's saved
+    config then resumes and evaluates from any working directory (``os.path.abspath``, which
+    keeps a glob pattern's wildcards)."""
+    corpus = cfg.corpus
+    if corpus.kind != "python":
+        corpus = replace(corpus, paths=tuple(os.path.abspath(p) for p in corpus.paths))
+    tokenizer = cfg.tokenizer if cfg.tokenizer in ("byte", "bpe") else os.path.abspath(cfg.tokenizer)
+    return replace(cfg, corpus=corpus, data_dir=Path(os.path.abspath(cfg.data_dir)), tokenizer=tokenizer)
+
+
+RUN_FILES = (CONFIG_FILE, METRICS_FILE, "tokenizer", "summary.json", "report.md", "loss.png", "eval")
+
+
+def _check_new_run_dir(run_dir: Path | None) -> None:
+    """A new run goes into a new or empty folder, or one that an earlier run left
+    (:data:`RUN_FILES`, checkpoints, hidden files such as the lock; :func:`_setup` refuses it
+    where that run has a checkpoint): never a folder of other files (``--run-dir ""`` is the
+    working directory)."""
+    if run_dir is None or not run_dir.is_dir():
+        return
+    ours = ("checkpoint", ".")  # checkpoints (set aside too), checkpoint.json, the lock, temporaries
+    if any(p.name not in RUN_FILES and not p.name.startswith(ours) for p in run_dir.iterdir()):
+        shown = f"{run_dir} (the working directory)" if run_dir.resolve() == Path.cwd() else str(run_dir)
+        raise ValueError(f"run_dir {shown} holds other files and no run: give a new folder")
 
 
 def _new_run_dir(cfg: TrainConfig, world: World) -> Path:
