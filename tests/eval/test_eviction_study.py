@@ -55,6 +55,32 @@ def test_verdict_calls_ties_below_the_spread():
     assert c["call"] == "a2sf" and c["spread"] == pytest.approx(0.2)  # mean -0.4, below zero in both
     runs[-1]["delta_loss"] = 1.05  # the sets disagree
     assert a2sf_vs_h2o(runs, ["a", "b"])["comparisons"][0]["call"] == "tie"
+    one = a2sf_vs_h2o(runs[::2], ["a"])  # one set has no spread: a difference of 3e-8 was a call
+    assert one["comparisons"][0]["call"] == "one set" and one["counts"]["one set"] == 1
+
+
+def test_a_study_checks_every_family_first_and_keeps_to_one_model(fox_run, transformer_run, tmp_path,
+                                                                 capsys):
+    """A family that does not fit the model fails before any runs (window ran, then acp failed
+    without a report); a second model's study into the same folder is refused (its numbers showed
+    under the first model's name)."""
+    import shutil
+
+    out = tmp_path / "study"
+    args = ["--budgets", "0.5", "--prompt-len", "32", "--steps", "4", "--num-sequences", "1",
+            "--niah-trials", "0", "--out-dir", str(out)]
+    with pytest.raises(SystemExit):
+        main(["eval", "eviction", str(transformer_run), "--families", "window", "acp", *args])
+    assert "ACP" in capsys.readouterr().err and not out.exists()
+    main(["eval", "eviction", str(fox_run), "--families", "window", *args])
+    assert "no call: one prompt set" in (out / "summary.md").read_text()
+    other = tmp_path / "other"
+    shutil.copytree(fox_run, other)
+    for extra in ([], ["--prompt-len", "40"]):
+        with pytest.raises(SystemExit):
+            main(["eval", "eviction", str(other), "--families", "window", *args, *extra])
+        assert "holds a study of" in capsys.readouterr().err
+    assert sorted(p.name for p in (out / "python").iterdir()) == ["window-b0.5.json"]
 
 
 def test_bad_input():

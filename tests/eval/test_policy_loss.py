@@ -173,3 +173,23 @@ def test_cli_policy_that_does_not_fit_and_missing_run(tmp_path, capsys):
                   "--out-dir", str(tmp_path / "out"), "--no-progress"])
         err = capsys.readouterr().err.strip().splitlines()[-1]  # after transformers' loading bars
         assert err.startswith("error: ") and message in err, err
+
+
+def test_a_dcp_model_streams_without_a_recall_and_refuses_score_policies():
+    """DCP's layers record no attention scores: the recall is NaN (its dense reference kept
+    zeros, and 0/0 gave NaN under every policy, even Dense), the loss still equals the full
+    forward, and H2O, which would rank every token at 0, is refused."""
+    from lapse.eval.policy import nan_to_none
+    from lapse.generation import DCPDrop
+
+    model = _model("transformer-llama", attention="dcp", acp=False, n_kv_heads=2)
+    windows, prefix = _windows(2, 30), 10
+    full = per_position_loss(model, windows)[:, prefix:]
+    for policy in (Dense(), DCPDrop(), SinkWindow(sinks=1, window=8)):
+        r = streamed_loss(model, windows, policy, prefix=prefix)
+        assert torch.isnan(r.recall).all() and nan_to_none(r.recall.double().mean()) is None
+        assert torch.isfinite(r.loss).all() and torch.isfinite(r.kl).all()
+        if isinstance(policy, Dense):
+            torch.testing.assert_close(r.loss, full, atol=ATOL, rtol=0)
+    with pytest.raises(ValueError, match="ranks tokens by their attention scores"):
+        streamed_loss(model, windows, H2O(budget=8, recent=2, per="layer"), prefix=prefix)

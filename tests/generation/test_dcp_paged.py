@@ -68,9 +68,18 @@ def test_dense_policy_and_ragged_batches():
 def test_dcp_policy_errors():
     model = _dcp_model()
     ids = torch.randint(0, model.config.vocab_size, (1, 12))
-    with pytest.raises(ValueError, match="every head must keep the same tokens"):
-        generate(model, ids, 4, policy=H2O(budget=6, recent=2))
-    assert generate(model, ids, 4, policy=H2O(budget=6, recent=2, per="layer")).shape == (1, 16)
+    # H2O/A2SF rank tokens by scores DCP's layers do not record (every token scored 0: they kept
+    # the first and the recent tokens under the policy's name); refused per layer and per head,
+    # in generate and through the evaluations' EvictingCache alike
+    from lapse.eval.policy import as_causal_lm, next_logits, policy_cache
+    from lapse.generation import A2SF
+
+    for policy in (H2O(budget=6, recent=2), H2O(budget=6, recent=2, per="layer"),
+                   A2SF(budget=6, recent=2, alpha=0.5, per="layer")):
+        with pytest.raises(ValueError, match="ranks tokens by their attention scores, which a dcp"):
+            generate(model, ids, 4, policy=policy)
+        with pytest.raises(ValueError, match="ranks tokens by their attention scores, which a dcp"):
+            next_logits(as_causal_lm(model), ids, policy_cache(as_causal_lm(model), policy, 16))
     fox = Decoder(preset("tiny", "fox-pro")).eval()
     with pytest.raises(ValueError, match="DCPDrop needs DCP attention"):
         generate(fox, ids, 4, policy=DCPDrop())

@@ -55,7 +55,7 @@ from lapse.data import CorpusConfig
 from lapse.eval.common import LoadedModel
 from lapse.eval.lm import EvalLM, HfOptions, load_lm
 from lapse.eval.niah import NiahConfig, evaluate_model, load_haystack
-from lapse.eval.policy import model_windows, streamed_loss
+from lapse.eval.policy import check_fits, model_windows, nan_to_none, streamed_loss
 from lapse.files import save_figure, write_text_atomic
 from lapse.generation import A2SF, H2O, ACPBoundary, Dense, Policy, SinkWindow
 
@@ -217,6 +217,9 @@ def run_eviction(cfg: EvictionStudyConfig) -> dict:
     loaded = load_lm(cfg.model, cfg.hf, cfg.gguf_file, device=cfg.device)
     todo = variants(cfg)
     length = cfg.prompt_len + cfg.steps + 1
+    for v in todo:  # every family before the first runs (one that does not fit failed half way)
+        check_fits(loaded.lm, v.policy, cfg.prompt_len, length - 1)
+    _check_same_study(cfg.out_dir, loaded.name, cfg.prompt_len, cfg.steps)
     windows = model_windows(
         loaded, length - 1, cfg.num_sequences, seed=cfg.seed, corpus=cfg.corpus, data_dir=None
     )  # [N, prompt_len + steps + 1]
@@ -264,7 +267,7 @@ def run_eviction(cfg: EvictionStudyConfig) -> dict:
             "ppl": math.exp(float(loss.mean())),
             "dense_ppl": math.exp(float(dense_loss.mean())),
             "mean_kl": float(r.kl.double().mean()),
-            "recall": float(r.recall.double().mean()),
+            "recall": nan_to_none(r.recall.double().mean()),
             "token_share": float(r.token_share.mean()),
             "kv_share": float(r.kv_share.mean()),
             "greedy_match": float(r.greedy.double().mean()),
@@ -272,9 +275,9 @@ def run_eviction(cfg: EvictionStudyConfig) -> dict:
                 "loss": loss.tolist(),
                 "dense_loss": dense_loss.tolist(),
                 "kl": r.kl.double().mean(1).tolist(),
-                "recall": r.recall.double().mean((1, 2)).tolist(),
+                "recall": [nan_to_none(x) for x in r.recall.double().mean((1, 2))],
             },
-            "recall_per_layer": r.recall.double().mean((0, 2)).tolist(),
+            "recall_per_layer": [nan_to_none(x) for x in r.recall.double().mean((0, 2))],
         }
         if niah is not None:
             result["niah"] = _niah_scores(evaluate_model(niah[0], niah[1], niah[2], policy=v.policy))
@@ -284,11 +287,24 @@ def run_eviction(cfg: EvictionStudyConfig) -> dict:
         write_text_atomic(folder / v.file_name, json.dumps(result, indent=1))
         print(
             f"{cfg.set_name} {v.file_name}: delta {result['delta_loss']:+.4f} kl {result['mean_kl']:.4f} "
-            f"recall {result['recall']:.4f} niah {result.get('niah_exact', float('nan')):.2f} "
+            f"recall {'n/a' if result['recall'] is None else format(result['recall'], '.4f')} "
+            f"niah {result.get('niah_exact', float('nan')):.2f} "
             f"({result['seconds']:.0f} s)",
             flush=True,
         )
     return write_report(cfg.out_dir)
+
+
+def _check_same_study(out_dir: Path, model: str, prompt_len: int, steps: int) -> None:
+    """The runs already in ``out_dir`` are of the same model, prompt and steps: the report
+    puts every set side by side under the first run's model (a second study written into the
+    same folder showed its numbers under the first one's name)."""
+    for r in load_runs(out_dir):
+        if (r["model"], r["prompt_len"], r["steps"]) != (model, prompt_len, steps):
+            raise ValueError(
+                f"{out_dir} holds a study of {r['model']} (prompt {r['prompt_len']}, steps {r['steps']}), "
+                f"not of {model} (prompt {prompt_len}, steps {steps}): give another --out-dir"
+            )
 
 
 def _niah_setup(cfg: EvictionStudyConfig, loaded: EvalLM):
@@ -343,7 +359,7 @@ def write_report(out_dir: Path) -> dict:
         raise ValueError(f"no study runs (<set>/<variant>.json) under {out_dir}")
     sets = sorted({r["set"] for r in runs})
     for key, (name, label) in MEASURES.items():
-        if any(key in r for r in runs):
+        if any(r.get(key) is not None for r in runs):
             _plot(runs, sets, key, label, out_dir / name)
     verdict = a2sf_vs_h2o(runs, sets)
     write_text_atomic(out_dir / "verdict.json", json.dumps(verdict, indent=1))
@@ -385,7 +401,9 @@ def a2sf_vs_h2o(runs: list[dict], sets: Sequence[str]) -> dict:
                 mean, spread = float(diff.mean()), float(diff.max() - diff.min())
                 agree = bool((diff > 0).all() or (diff < 0).all())
                 call = "tie"
-                if agree and abs(mean) > spread:
+                if len(sets) < 2:  # no spread to weigh the difference against
+                    call = "one set"
+                elif agree and abs(mean) > spread:
                     call = "a2sf" if (mean > 0) == higher else "h2o"
                 out.append(
                     {
@@ -398,7 +416,7 @@ def a2sf_vs_h2o(runs: list[dict], sets: Sequence[str]) -> dict:
                         "call": call,
                     }
                 )
-    counts = {c: sum(o["call"] == c for o in out) for c in ("a2sf", "h2o", "tie")}
+    counts = {c: sum(o["call"] == c for o in out) for c in ("a2sf", "h2o", "tie", "one set")}
     return {"sets": list(sets), "comparisons": out, "counts": counts}
 
 
@@ -416,7 +434,7 @@ def _plot(runs: list[dict], sets: Sequence[str], key: str, label: str, path: Pat
             pts = sorted(
                 (r["budget"] if r["budget"] is not None else r["token_share"], r[key])
                 for r in runs
-                if r["set"] == name and r["label"] == lab and key in r
+                if r["set"] == name and r["label"] == lab and r.get(key) is not None
             )
             if not pts:
                 continue
@@ -510,18 +528,24 @@ def _summary(runs: list[dict], sets: Sequence[str], verdict: dict, out_dir: Path
             "|---|---|---|---|---|---|",
         ]
         lines += [
-            f"| {r['set']} | {r['label']} | {r['delta_loss']:+.4f} | {r['mean_kl']:.4f} | {r['recall']:.4f} "
+            f"| {r['set']} | {r['label']} | {r['delta_loss']:+.4f} | {r['mean_kl']:.4f} | "
+            f"{'-' if r['recall'] is None else format(r['recall'], '.4f')} "
             f"| {r['token_share']:.3f} |"
             for r in acp
         ]
         lines.append("")
     c = verdict["counts"]
+    call = (
+        f"A2SF better in {c['a2sf']}, H2O better in {c['h2o']}, ties in {c['tie']} (a tie: the sets "
+        "disagree on the sign, or the mean difference is below its spread across the sets)."
+        if len(sets) > 1 else
+        "no call: one prompt set has no spread to weigh a difference against (run the study on "
+        "another set, --set-name, into the same --out-dir)."
+    )
     lines += [
         "## A2SF against H2O (per head, evict-one)",
         "",
-        f"Of {sum(c.values())} comparisons (alpha x budget x measure): A2SF better in {c['a2sf']}, "
-        f"H2O better in {c['h2o']}, ties in {c['tie']} (a tie: the sets disagree on the sign, or "
-        "the mean difference is below its spread across the sets).",
+        f"Of {sum(c.values())} comparisons (alpha x budget x measure): {call}",
         "",
         "| measure | variant | budget | difference per set | mean | spread | call |",
         "|---|---|---|---|---|---|---|",

@@ -54,6 +54,7 @@ from lapse.eval.lm import EvalLM, HfOptions, as_causal_lm, load_lm, text_windows
 from lapse.files import save_figure, write_text_atomic
 from lapse.generation import Dense, Policy, PolicyName, PolicyOptions
 from lapse.hf import CACHE_ARG, EvictingCache, LapseForCausalLM
+from lapse.hf.evicting import records_scores
 from lapse.kv import LayerSnapshot
 from lapse.ops.backend import resolve_device
 
@@ -118,7 +119,8 @@ def streamed_loss(
             (``lapse.generation.supports_paged``), the lapse adapter, or a LLaMA-family
             Hugging Face causal LM; in ``eval()`` mode.
         windows: int64 ``[N, L]`` token ids; position ``i`` predicts ``windows[:, i + 1]``.
-        policy: an eviction policy; ``Dense()`` gives loss = dense loss, KL 0, recall 1.
+        policy: an eviction policy; ``Dense()`` gives loss = dense loss, KL 0, recall 1
+            (NaN where the layers record no attention scores: DCP's).
         prefix: tokens prefilled before the first eviction, ``1 <= prefix <= L - 2``.
         chunk: tokens after the prefix fed per forward (the policy's pass runs before every
             ``policy.every``-th forward); 1 is ``lapse generate``'s schedule (module doc).
@@ -230,12 +232,14 @@ def _stream(
     steps = length - 1 - prefix
     n_layers = lm.config.num_hidden_layers
     cache = policy_cache(lm, policy, length - 1, chunk)
-    dense = EvictingCache(_LastStepProbs(), model=lm, max_context=length - 1) if compare else None
+    scored = records_scores(lm)  # else (DCP) no recall: the dense run keeps no scores to read it from
+    reference = _LastStepProbs() if scored else Dense()
+    dense = EvictingCache(reference, model=lm, max_context=length - 1) if compare else None
     for c in (cache, dense) if compare else (cache,):
         next_logits(lm, ids[:, :prefix], c)
     loss, greedy = torch.empty(b, steps), torch.empty(b, steps, dtype=torch.bool)
     dense_loss, kl = torch.empty(b, steps), torch.empty(b, steps)
-    recall = torch.empty(b, n_layers, steps)
+    recall = torch.full((b, n_layers, steps), float("nan"))  # NaN where the layers record no scores
     share, held, tokens = (torch.zeros(b, dtype=torch.float64) for _ in range(3))
     for i in range(steps):
         token = ids[:, prefix + i : prefix + i + 1]  # [B, 1] position prefix + i
@@ -250,7 +254,7 @@ def _stream(
             kl[:, i] = (logq.exp() * (logq - logp)).sum(-1).clamp_min(0).cpu()
         for layer in range(n_layers):
             snap = store.snapshot(layer)
-            if compare:
+            if compare and scored:
                 seen = dense.store.snapshot(layer)  # slot j holds position j: it never evicts
                 recall[:, layer, i] = kept_mass(seen.scores * seen.valid, snap).cpu()
             held_now = snap.valid.sum((1, 2)) / (snap.valid.shape[1] * snap.seqlens)  # [B]
@@ -378,8 +382,8 @@ def run_policy_loss(cfg: PolicyLossConfig) -> dict:
         "dense_mean_loss": float(dense.mean()),
         "delta": float((loss - dense).mean()),
         "mean_kl": float(r.kl.double().mean()),
-        "recall": float(r.recall.double().mean()),
-        "recall_per_layer": r.recall.double().mean((0, 2)).tolist(),
+        "recall": nan_to_none(r.recall.double().mean()),
+        "recall_per_layer": [nan_to_none(x) for x in r.recall.double().mean((0, 2))],
         "kv_share": float(r.kv_share.mean()),
         "kv_bytes": float(r.kv_bytes.mean()),
         "token_share": float(r.token_share.mean()),
@@ -387,7 +391,7 @@ def run_policy_loss(cfg: PolicyLossConfig) -> dict:
         "loss": loss.tolist(),
         "dense_loss": dense.tolist(),
         "kl": r.kl.double().mean(0).tolist(),
-        "recall_per_position": r.recall.double().mean((0, 1)).tolist(),
+        "recall_per_position": [nan_to_none(x) for x in r.recall.double().mean((0, 1))],
         "sequence_losses": r.loss.double().mean(1).tolist(),
         "sequence_dense_losses": r.dense_loss.double().mean(1).tolist(),
     }
@@ -432,8 +436,17 @@ def _plot(r: dict, path: Path) -> None:
     save_figure(fig, path, dpi=120)
 
 
+def nan_to_none(x) -> float | None:
+    """A float for JSON, ``None`` for NaN (a recall the layers give no scores for)."""
+    x = float(x)
+    return None if x != x else x
+
+
 def _summary(r: dict) -> str:
-    per_layer = ", ".join(f"{x:.4f}" for x in r["recall_per_layer"])
+    per_layer = ", ".join("n/a" if x is None else f"{x:.4f}" for x in r["recall_per_layer"])
+    recall = "n/a" if r["recall"] is None else f"{r['recall']:.4f}"
+    if r["recall"] is None:
+        per_layer = "n/a: this model's layers (DCP) record no attention scores to read it from"
     return "\n".join([
         "# Loss under an eviction policy",
         "",
@@ -445,7 +458,7 @@ def _summary(r: dict) -> str:
         "| policy | loss | dense loss | delta | mean KL | attention-mass recall | KV share | tokens held |",
         "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
         f"| {r['policy']} | {r['mean_loss']:.4f} | {r['dense_mean_loss']:.4f} | {r['delta']:+.4f} "
-        f"| {r['mean_kl']:.4g} | {r['recall']:.4f} | {100 * r['kv_share']:.1f}% "
+        f"| {r['mean_kl']:.4g} | {recall} | {100 * r['kv_share']:.1f}% "
         f"| {100 * r['token_share']:.1f}% |",
         "",
         "Mean KL: `KL(p_dense || p_policy)` of the next-token distributions (nats), averaged over "

@@ -6,6 +6,7 @@ The Hugging Face adapter is :mod:`lapse.hf`.
 """
 
 from .generate import (
+    check_policy_fits,
     compiled_decode_one_token,
     decode_one_token,
     evict,
@@ -45,6 +46,7 @@ __all__ = [
     "evict",
     "generate",
     "logit_bounds",
+    "check_policy_fits",
     "paged_store_for",
     "prefill",
     "sample",

@@ -34,7 +34,7 @@ from lapse.models.checkpoint import (
 )
 from lapse.ops.backend import resolve_device
 
-from .generate import generate, paged_store_for, supports_paged
+from .generate import check_policy_fits, generate, paged_store_for, supports_paged
 from .policies import Dense, Policy, PolicyName, PolicyOptions
 
 
@@ -147,7 +147,10 @@ def run_generate(cfg: GenerateConfig, loaded: tuple[Decoder, object] | None = No
     device = cfg.torch_device()
     model, tokenizer = loaded if loaded is not None else load_run_model(cfg.model, device)
     policy = cfg.make_policy()
-    policy.check(model)
+    if isinstance(policy, Dense):
+        policy.check(model)
+    else:  # before any prompt is read: the checks paged_store_for makes
+        check_policy_fits(model, policy)
     limit = cfg.max_context or model.config.max_seq_len
     rows = [{"prompt": cfg.prompt}] if cfg.prompt is not None else read_prompt_rows(cfg.prompts_file)
     prompts = [row["prompt"] for row in rows]

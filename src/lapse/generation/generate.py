@@ -103,23 +103,38 @@ def supports_paged(model: Decoder) -> bool:
     return all(getattr(block.attn, "supports_paged", True) for block in model.blocks)
 
 
+def check_policy_fits(model: Decoder, policy: Policy) -> None:
+    """Raises a one-line ``ValueError`` when ``policy`` cannot evict from ``model``'s paged
+    store: its own check (:meth:`Policy.check`), a kind that decodes over a dense store only,
+    a per-head decision where the layers need every head to keep the same slots, or scores
+    the layers do not record (DCP's: H2O/A2SF there would rank every token at 0)."""
+    policy.check(model)
+    name = model.config.name
+    if not supports_paged(model):
+        raise ValueError(
+            f"a {name} model decodes over a DenseStore only (its per-slot state changes after "
+            f"it is written): eviction policies do not apply to it yet; use the dense policy"
+        )
+    attns = [block.attn for block in model.blocks]
+    if policy.score_decay is not None and not all(getattr(a, "records_scores", True) for a in attns):
+        raise ValueError(
+            f"{type(policy).__name__} ranks tokens by their attention scores, which a {name} model's layers "
+            "do not record: use the dcp policy (or dense, window) on it"
+        )
+    if not policy.uniform_heads and any(getattr(a, "needs_uniform_heads", False) for a in attns):
+        raise ValueError(
+            f"a {name} model shares per-slot state across the heads of a layer, so every head "
+            f"must keep the same tokens; {type(policy).__name__} decides per head (A2SF/H2O: per='layer', "
+            "--per layer)"
+        )
+
+
 def paged_store_for(
     model: Decoder, batch: int, prompt_len: int, max_new_tokens: int, policy: Policy, page_size: int = 16
 ) -> PagedStore:
     """A paged store for ``policy``: room for the prompt, and a pool and table no larger
     than the policy's bound (plus the steps between evictions) once the prompt is cut."""
-    policy.check(model)
-    if not supports_paged(model):
-        raise ValueError(
-            f"a {model.config.name} model decodes over a DenseStore only (its per-slot state changes after "
-            f"it is written): eviction policies do not apply to it yet; use the dense policy"
-        )
-    if not policy.uniform_heads and any(getattr(b.attn, "needs_uniform_heads", False) for b in model.blocks):
-        raise ValueError(
-            f"a {model.config.name} model shares per-slot state across the heads of a layer, so every head "
-            f"must keep the same tokens; {type(policy).__name__} decides per head (A2SF/H2O: per='layer', "
-            "--per layer)"
-        )
+    check_policy_fits(model, policy)
     total = prompt_len + max_new_tokens
     policy.check_context(prompt_len, total)
     bound = policy.max_tokens(prompt_len)
@@ -301,7 +316,7 @@ def generate(
                 f"a {type(policy).__name__} policy needs a PagedStore with score_decay={policy.score_decay} "
                 f"(make it with paged_store_for), got {got}"
             )
-        policy.check(model)
+        check_policy_fits(model, policy)
     if prefilled is not None and (cache is None or cache.length == 0 or lengths is not None):
         raise ValueError("prefilled logits continue a cache that holds the prompts (and take no lengths)")
     step = compiled_decode_one_token() if compile else decode_one_token

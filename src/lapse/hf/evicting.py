@@ -65,7 +65,7 @@ from transformers import AttentionInterface, Cache
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
-from lapse.generation import DCPDrop, Policy, logit_bounds, supports_paged
+from lapse.generation import DCPDrop, Policy, check_policy_fits, logit_bounds
 from lapse.kv import PagedStore
 from lapse.models import Decoder
 from lapse.ops import attention_key_scores
@@ -259,12 +259,7 @@ class EvictingCache(Cache):
         """The policy fits the model (a clear ``ValueError`` naming the family when not)."""
         decoder = _lapse_decoder(model)
         if decoder is not None:
-            if not supports_paged(decoder):
-                raise ValueError(
-                    f"a {decoder.config.name} model decodes over a DenseStore only (its per-slot state "
-                    "changes after it is written): eviction policies do not apply to it yet"
-                )
-            self.policy.check(decoder)
+            check_policy_fits(decoder, self.policy)
             self._bounds = logit_bounds(decoder)
         else:
             _check_family(model.config, self.policy, _has_dcp(model))
@@ -472,6 +467,16 @@ def _lapse_decoder(model: nn.Module) -> Decoder | None:
     Face model."""
     decoder = getattr(model, "model", None)
     return decoder if isinstance(decoder, Decoder) else None
+
+
+def records_scores(model: nn.Module) -> bool:
+    """Whether every attention layer of ``model`` (a lapse adapter or a Hugging Face model)
+    records the attention scores H2O, A2SF and the recall of ``lapse eval policy-loss`` read:
+    DCP layers do not."""
+    decoder = _lapse_decoder(model)
+    if decoder is not None:
+        return all(getattr(block.attn, "records_scores", True) for block in decoder.blocks)
+    return not _has_dcp(model)
 
 
 def _has_dcp(model: nn.Module) -> bool:

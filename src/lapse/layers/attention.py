@@ -54,6 +54,8 @@ class Attention(nn.Module):
     needs_uniform_heads = False
     """Over a paged store, every kv head of a layer must hold the same slots (the kind
     splits layer-wide per-slot state across the heads' pages)."""
+    records_scores = True
+    """Over a store that tracks scores, the kind records each key's attention (H2O, A2SF)."""
 
     def __init__(
         self,

@@ -216,6 +216,7 @@ class DCPAttention(DCPInteraction, SoftmaxAttention):
 
     supports_paged = True
     needs_uniform_heads = True  # kint is split across the kv heads' pages (see _attend_paged)
+    records_scores = False  # its attention runs under the drop mask, without the scores H2O/A2SF read
 
     def __init__(self, *args, r: int = 64, beta_init: float = 2.0, **kwargs):
         super().__init__(*args, **kwargs)
