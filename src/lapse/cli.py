@@ -56,8 +56,15 @@ def _finish_training(summary: dict) -> None:
         raise SystemExit(130)
 
 
-def _wrote(result: dict, cfg, name: str) -> None:
-    print(f"wrote results.json, summary.md and the plots to {output_folder(result, cfg, name)}")
+def _wrote(result: dict, cfg, name: str, plots: bool = True) -> None:
+    """Says where an evaluation wrote; one a signal stopped early (its finished part written)
+    exits 130 after, as an interrupted command does, so a script sees it was cut short."""
+    what = "results.json, summary.md and the plots" if plots else "results.json and summary.md"
+    print(f"wrote {what} to {output_folder(result, cfg, name)}")
+    stopped = result.get("stopped_early") if isinstance(result, dict) else None
+    if isinstance(stopped, str) and stopped.startswith("SIG"):
+        print(f"stopped early: {stopped}", file=sys.stderr)
+        raise SystemExit(130)
 
 
 def _train_command(description: str, default: TrainConfig) -> Callable[..., None]:
@@ -163,7 +170,7 @@ def _app() -> SubcommandApp:
         """lm-evaluation-harness tasks on a lapse model (bundled lapse_tiny tasks, local YAMLs)."""
         from lapse.eval.lm_eval import run_lm_eval
 
-        _wrote(run_lm_eval(cfg), cfg, "lm-eval")
+        _wrote(run_lm_eval(cfg), cfg, "lm-eval", plots=False)
 
     app = SubcommandApp()
     app.command(train, name="train", help="Train a language model from a preset (override any field).")

@@ -237,3 +237,31 @@ def test_ctrl_c_keeps_the_finished_windows(fox_run, tmp_path, monkeypatch):
     monkeypatch.setattr(loss_mod, "per_position_loss", interrupted_at({1, 2}))  # twice: at once
     with pytest.raises(KeyboardInterrupt):
         run_per_token_loss(cfg)
+
+
+def test_a_stopped_evaluation_exits_130_after_writing(tmp_path, capsys):
+    """The CLI reports where a signal-stopped evaluation wrote, then exits 130 as an
+    interrupted command does (it exited 0); a time limit's stop is a normal end."""
+    from lapse.cli import _wrote
+
+    cfg = PerTokenLossConfig(models=("x",), out_dir=tmp_path)
+    with pytest.raises(SystemExit) as e:
+        _wrote({"stopped_early": "SIGINT after 2 of 6 sequences", "out_dir": str(tmp_path)}, cfg, "ppl")
+    assert e.value.code == 130 and "stopped early: SIGINT" in capsys.readouterr().err
+    _wrote({"stopped_early": "max_seconds (1 s) after 2 of 6", "out_dir": str(tmp_path)}, cfg, "ppl")
+    assert f"to {tmp_path}" in capsys.readouterr().out
+
+
+def test_a_policys_results_go_beside_the_dense_ones(fox_run, tmp_path):
+    """By default ``--policy window`` writes ``eval/per-token-loss-window/``: the dense run's
+    ``eval/per-token-loss/`` stays (the policy's run replaced it)."""
+    import shutil
+
+    run = tmp_path / "run"
+    shutil.copytree(fox_run, run)
+    base = dict(models=(str(run),), seq_len=32, num_sequences=1, progress=False)
+    run_per_token_loss(PerTokenLossConfig(**base))
+    r = run_per_token_loss(PerTokenLossConfig(**base, policy="window", window=8, prefix=8))
+    assert r["out_dir"] == str(run / "eval" / "per-token-loss-window")
+    assert (run / "eval" / "per-token-loss" / "results.json").exists()
+    assert json.loads((run / "eval" / "per-token-loss" / "results.json").read_text())["policy"] is None

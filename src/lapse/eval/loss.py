@@ -20,7 +20,8 @@ own op: the chunked FoX path (O(T x chunk)) on CPU, Triton on CUDA, SDPA for Tra
 All models see the same windows, cut by :func:`lapse.eval.common.eval_windows` from the
 first model's validation data (or ``corpus``), so they must share a tokenizer; different
 tokenizers are a ``ValueError``. Each evaluation writes ``results.json``, a PNG and
-``summary.md`` into its output folder (default ``<first model>/eval/<evaluation>/``).
+``summary.md`` into its output folder (default ``<first model>/eval/<evaluation>/``, and
+``<evaluation>-<policy>`` under a policy).
 """
 
 from __future__ import annotations
@@ -515,9 +516,11 @@ def _results(cfg: LossEvalConfig, name: str, models: list[LoadedModel], curves, 
 
 def _write(cfg: LossEvalConfig, results: dict, plot, png: str, summary) -> dict:
     """Plot, summary and results into ``cfg.out_dir`` (default
-    ``<first model>/eval/<evaluation>/``); the results with ``out_dir`` added."""
+    ``<first model>/eval/<evaluation>[-<policy>]/``); the results with ``out_dir`` added."""
     first = cfg.models[0] if cfg.models else None  # --hf alone: ./eval/<evaluation>/
-    out_dir = cfg.out_dir if cfg.out_dir is not None else default_eval_dir(first, results["evaluation"])
+    name = results["evaluation"] if cfg.policy is None else f"{results['evaluation']}-{cfg.policy}"
+    out_dir = cfg.out_dir if cfg.out_dir is not None else default_eval_dir(first, name)  # a policy's
+    # results beside the dense ones (they replaced them)
     out_dir.mkdir(parents=True, exist_ok=True)
     plot(results, out_dir / png)
     write_text_atomic(out_dir / "summary.md", summary(results))
