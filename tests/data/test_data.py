@@ -314,3 +314,23 @@ def test_interrupted_write_leaves_no_final_file(tmp_path, monkeypatch):
     assert not (out / "index.json").exists()
     with pytest.raises(ValueError, match="no token shards"):
         TokenShards(out)
+
+
+def test_jsonl_folders_globs_and_bad_bytes(tmp_path):
+    """A folder (searched for ``*.jsonl``) and a glob pattern work as for ``text`` (a folder was
+    an IsADirectoryError, a pattern "does not exist"); a file that is not UTF-8 is a one-line
+    ``ValueError`` naming it (a UnicodeDecodeError traceback)."""
+    folder = tmp_path / "rows"
+    (folder / "sub").mkdir(parents=True)
+    (folder / "a.jsonl").write_text(json.dumps({"text": "alpha"}) + "\n")
+    (folder / "sub" / "a.jsonl").write_text(json.dumps({"text": "beta"}) + "\n")
+    (folder / "notes.txt").write_text("not read")
+    for entry in (folder, folder / "**" / "*.jsonl"):
+        docs = dict(iter_documents(CorpusConfig(kind="jsonl", paths=(str(entry),)), split="all"))
+        assert sorted(docs.values()) == ["alpha", "beta"] and len(docs) == 2  # ids kept apart
+    one = dict(iter_documents(CorpusConfig(kind="jsonl", paths=(str(folder / "a.jsonl"),)), split="all"))
+    assert one == {"a.jsonl:1": "alpha"}  # a file's ids as before
+    bad = tmp_path / "latin.jsonl"
+    bad.write_bytes(json.dumps({"text": "ok"}).encode() + b'\n{"text": "caf\xe9"}\n')
+    with pytest.raises(ValueError, match="latin.jsonl:2: not UTF-8 text"):
+        list(iter_documents(CorpusConfig(kind="jsonl", paths=(str(bad),)), split="all"))

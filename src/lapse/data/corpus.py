@@ -113,7 +113,7 @@ def iter_documents(config: CorpusConfig, split: Split = "train") -> Iterator[Doc
             return _split_filter(_read_text_files(files, skipped), part, config.val_fraction)
 
     elif config.kind == "jsonl":
-        jsonl_files = [_existing(path) for path in config.paths]
+        jsonl_files = _jsonl_files(config.paths)
         where = ", ".join(config.paths)
         ids = (doc_id for doc_id, _ in _jsonl_records(jsonl_files, config.text_field))
 
@@ -273,14 +273,40 @@ def _read_text_files(files: list[tuple[str, Path]], skipped: list[Path]) -> Iter
 
 def jsonl_documents(paths: Iterable[str], text_field: str = "text") -> Iterator[Document]:
     """One document per non-blank line of each JSON Lines file, taken from ``text_field``;
-    ids are ``"<file name>:<line number>"``. A line without the field is a ``ValueError``."""
-    return _jsonl_records([_existing(path) for path in paths], text_field)
+    ids are ``"<file name>:<line number>"``. Each entry of ``paths`` is a file, a folder
+    (searched recursively for ``*.jsonl``, sorted) or a glob pattern. A line without the field,
+    or a file that is not UTF-8, is a ``ValueError``."""
+    return _jsonl_records(_jsonl_files(paths), text_field)
 
 
-def _jsonl_records(files: list[Path], text_field: str) -> Iterator[Document]:
-    for path in files:
-        with path.open(encoding="utf-8") as f:
-            for line_no, line in enumerate(f, start=1):
+def corpus_files(config: CorpusConfig) -> list[Path]:
+    """The files ``config`` reads (``text``, ``jsonl``; every file of an ``hf`` dataset
+    folder); none for ``python``, whose sources belong to the installation."""
+    if config.kind == "text":
+        return [path for entry in config.paths for _, path in _text_files(entry, config.patterns)]
+    if config.kind == "jsonl":
+        return [path for _, path in _jsonl_files(config.paths)]
+    if config.kind == "hf":
+        folder = _existing(config.paths[0])
+        return sorted(p for p in folder.rglob("*") if p.is_file())
+    return []
+
+
+def _jsonl_files(paths: Iterable[str]) -> list[tuple[str, Path]]:
+    """``(name, path)`` of each JSON Lines file: a file entry's name (its documents' ids have
+    always been ``<file name>:<line>``), a found file's path as :func:`_text_files` gives it."""
+    return [(path.name if Path(entry).is_file() else name, path)
+            for entry in paths for name, path in _text_files(entry, ("*.jsonl",))]
+
+
+def _jsonl_records(files: list[tuple[str, Path]], text_field: str) -> Iterator[Document]:
+    for name, path in files:
+        with path.open("rb") as f:
+            for line_no, raw in enumerate(f, start=1):
+                try:
+                    line = raw.decode("utf-8")
+                except UnicodeDecodeError as e:
+                    raise ValueError(f"{path}:{line_no}: not UTF-8 text ({e.reason})") from None
                 if not line.strip():
                     continue
                 try:
@@ -290,7 +316,7 @@ def _jsonl_records(files: list[Path], text_field: str) -> Iterator[Document]:
                 if not isinstance(record, dict) or not isinstance(record.get(text_field), str):
                     raise ValueError(f"{path}:{line_no}: no string field {text_field!r} in this record")
                 if record[text_field]:
-                    yield f"{path.name}:{line_no}", record[text_field]
+                    yield f"{name}:{line_no}", record[text_field]
 
 
 def hf_documents(

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import torch.distributed as dist
 
-from lapse.data.corpus import CorpusConfig, iter_documents
+from lapse.data.corpus import CorpusConfig, corpus_files, iter_documents
 from lapse.data.shards import TokenShards, write_shards
 from lapse.data.tokenizer import ByteTokenizer, Tokenizer, load_tokenizer, train_bpe
 from lapse.files import write_json_atomic
@@ -44,7 +44,8 @@ class PreparedData:
 
 def data_key(corpus: CorpusConfig, tokenizer: str, vocab_size: int) -> str:
     """Folder name of a (corpus, tokenizer) pair: readable prefix + hash of everything that
-    changes the tokens (the Python installation too, for the default corpus)."""
+    changes the tokens: the corpus's files' paths, sizes and modification times (the Python
+    installation for the default corpus)."""
     spec = {"corpus": asdict(corpus), "tokenizer": tokenizer}
     if tokenizer == "bpe":
         spec["vocab_size"] = vocab_size
@@ -52,6 +53,9 @@ def data_key(corpus: CorpusConfig, tokenizer: str, vocab_size: int) -> str:
         spec["tokenizer"] = str(Path(tokenizer).resolve())
     if corpus.kind == "python":
         spec["python"] = [sys.version, sys.prefix]
+    else:  # the files as they are now: an edited or added file makes a new cache (not the old tokens)
+        spec["files"] = [[str(p.resolve()), st.st_size, st.st_mtime_ns]
+                         for p in corpus_files(corpus) for st in (p.stat(),)]
     digest = hashlib.sha256(json.dumps(spec, sort_keys=True, default=str).encode()).hexdigest()[:12]
     kind = tokenizer if tokenizer in ("byte", "bpe") else "tok"
     return f"{corpus.kind}-{kind}-{digest}"
