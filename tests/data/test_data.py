@@ -334,3 +334,10 @@ def test_jsonl_folders_globs_and_bad_bytes(tmp_path):
     bad.write_bytes(json.dumps({"text": "ok"}).encode() + b'\n{"text": "caf\xe9"}\n')
     with pytest.raises(ValueError, match="latin.jsonl:2: not UTF-8 text"):
         list(iter_documents(CorpusConfig(kind="jsonl", paths=(str(bad),)), split="all"))
+
+
+def test_paths_without_a_kind_are_refused():
+    """``--corpus.paths`` with the default kind (the Python sources) was ignored: training ran on
+    the installation's sources without a word."""
+    with pytest.raises(ValueError, match="reads no paths.*--corpus.kind text"):
+        CorpusConfig(paths=("book.txt",))

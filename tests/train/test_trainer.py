@@ -476,3 +476,17 @@ def test_resume_refuses_a_stop_at_or_before_the_steps_done(tmp_path, data_dir):
         with pytest.raises(ValueError, match=f"--stop-at-step {stop} is not past the 3 steps"):
             resume(first["run_dir"], stop_at_step=stop)
     assert resume(first["run_dir"], stop_at_step=4)["step"] == 4
+
+
+def test_a_small_corpus_says_what_to_change_and_trains_without_validation(tmp_path, data_dir):
+    """One small file's validation split (1% of its bytes) holds no window: the error says what
+    to change, and --val-every 0 trains without building the validation windows (it failed the
+    same way)."""
+    book = tmp_path / "book.txt"
+    book.write_text("a small book of a few sentences. " * 100)  # 3,300 bytes: 33 validation tokens
+    corpus = CorpusConfig(kind="text", paths=(str(book),))
+    with pytest.raises(ValueError, match=r"the validation split holds no window of 65 tokens .*val-every 0"):
+        train(tiny(tmp_path / "a", data_dir, steps=2, corpus=corpus))
+    assert train(tiny(tmp_path / "b", data_dir, steps=2, corpus=corpus, val_every=0))["step"] == 2
+    with pytest.raises(ValueError, match="the training split holds no window of 4001 tokens"):
+        train(tiny(tmp_path / "c", data_dir, steps=2, corpus=corpus, val_every=0, seq_len=4000))

@@ -77,6 +77,11 @@ class CorpusConfig:
             raise TypeError(f"paths must be a tuple of strings, got the string {self.paths!r}")
         if self.kind != "python" and not self.paths:
             raise ValueError(f"kind={self.kind!r} needs at least one entry in paths")
+        if self.kind == "python" and self.paths:  # they were ignored: the installation's sources ran
+            raise ValueError(
+                f"kind='python' (the Python installation's sources) reads no paths, got {list(self.paths)}: "
+                "say what they hold with --corpus.kind text (or jsonl, hf)"
+            )
         if self.kind == "hf" and len(self.paths) != 1:
             raise ValueError(f"kind='hf' takes exactly one dataset folder, got paths={self.paths!r}")
         if not 0.0 <= self.val_fraction < 1.0:

@@ -421,13 +421,9 @@ def _setup(cfg: TrainConfig, world: World, resuming: bool) -> _Run:
         world=world,
         run_dir=run_dir,
         data=data,
-        sampler=WindowSampler(
-            shards=data.train, seq_len=cfg.context, batch_size=cfg.batch_size, seed=cfg.seed
-        ),
-        val_sampler=WindowSampler(
-            shards=data.validation, seq_len=cfg.context, batch_size=cfg.batch_size, seed=cfg.seed + 1
-        )
-        if data.validation is not None
+        sampler=_sampler(data.train, cfg, cfg.seed, "training"),
+        val_sampler=_sampler(data.validation, cfg, cfg.seed + 1, "validation")
+        if data.validation is not None and cfg.val_every
         else None,
         micro=micro,
         model=model,
@@ -499,6 +495,23 @@ def _model_and_optimizer(
         fused=world.device.type == "cuda",
     )
     return model, wrapped, optimizer
+
+
+def _sampler(shards, cfg: TrainConfig, seed: int, split: str) -> WindowSampler:
+    """The windows of one split; a split too short for one window is an error that says what
+    to change (a single small file's validation split is 1% of its bytes)."""
+    try:
+        return WindowSampler(shards=shards, seq_len=cfg.context, batch_size=cfg.batch_size, seed=seed)
+    except ValueError as e:
+        if "no window of" not in str(e):
+            raise
+        longest = max((len(t) for t in shards.shards), default=0)
+        fix = ("a larger --corpus.val-fraction, or no validation (--val-every 0 or --corpus.val-fraction 0)"
+               if split == "validation" else "a shorter --seq-len")
+        raise ValueError(
+            f"the {split} split holds no window of {cfg.context + 1} tokens (context + 1; its longest "
+            f"document has {longest}): give more text, or {fix}"
+        ) from None
 
 
 def _absolute_paths(cfg: TrainConfig) -> TrainConfig:
