@@ -228,3 +228,29 @@ def test_ctrl_c_outside_a_training_step_is_one_line_and_exit_130(capsys, monkeyp
         main(["eval", "ppl"])
     assert e.value.code == 130
     assert capsys.readouterr().err.splitlines() == ["interrupted"]
+
+
+def test_file_errors_the_standard_library_raises_for_lapse_are_one_line(tmp_path, capsys):
+    """A data folder that cannot be made (``Path.mkdir``) and a negative seed are one ``error:``
+    line (tracebacks); ``generate`` on a file or a folder that is no run says so (it said the
+    folder "holds no checkpoint yet"); a prompts file that is not UTF-8 is a one-line error."""
+    from lapse.generation.command import read_prompt_rows
+
+    (tmp_path / "file").write_text("x")
+    bad = tmp_path / "p.jsonl"
+    bad.write_bytes(b'{"prompt": "caf\\xe9"}\n'.replace(b"\\xe9", b"\xe9"))
+    cases = [
+        (["train", "cpu-tiny", "--data-dir", str(tmp_path / "file" / "data"),
+          "--run-dir", str(tmp_path / "r")], "Not a directory"),
+        (["train", "cpu-tiny", "--seed", "-1", "--run-dir", str(tmp_path / "s")],
+         "seed must be in [0, 2**32)"),
+        (["generate", str(tmp_path / "file"), "--prompt", "a"], "is a file, not a training run"),
+        (["generate", str(tmp_path), "--prompt", "a"], "is a folder with no config.json, not a training run"),
+    ]
+    for args, message in cases:
+        with pytest.raises(SystemExit) as e:
+            main(args)
+        err = capsys.readouterr().err
+        assert e.value.code == 2 and message in err and "Traceback" not in err, err
+    with pytest.raises(ValueError, match="p.jsonl is not UTF-8 text"):
+        read_prompt_rows(bad)

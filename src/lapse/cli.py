@@ -19,6 +19,7 @@ from __future__ import annotations
 import contextlib
 import os
 import sys
+import sysconfig
 import traceback
 import warnings
 from collections.abc import Callable, Sequence
@@ -285,18 +286,24 @@ def _config_errors_in_one_line(active: bool):
     return hook(one_line)
 
 
-USER_ERRORS = (ValueError, TypeError, FileNotFoundError, NotADirectoryError, PermissionError, RunInUse)
+USER_ERRORS = (ValueError, TypeError, FileNotFoundError, FileExistsError, NotADirectoryError,
+               IsADirectoryError, PermissionError, RunInUse)
 """What a user's input can cause; raised by lapse's own checks they are one line, not a traceback."""
 
 
 def _raised_by_lapse(e: BaseException) -> bool:
     """Whether the error comes from lapse's code (a check, a file it opened), not from deep
-    inside a library, where the same types mean a bug whose traceback matters."""
+    inside a library, where the same types mean a bug whose traceback matters. A file error
+    (``OSError``) that the standard library raised for lapse (``Path.mkdir`` on a path the user
+    gave) counts as lapse's: the frames of the standard library are skipped for it."""
     frames = traceback.extract_tb(e.__traceback__)
+    if isinstance(e, OSError):
+        frames = [f for f in frames if not Path(f.filename).resolve().is_relative_to(_STDLIB)]
     return bool(frames) and Path(frames[-1].filename).resolve().is_relative_to(_PACKAGE)
 
 
 _PACKAGE = Path(__file__).resolve().parent
+_STDLIB = Path(sysconfig.get_paths()["stdlib"]).resolve()
 
 
 def _one_line(e: BaseException) -> str:

@@ -130,6 +130,10 @@ def load_run_model(path: Path, device: torch.device) -> tuple[Decoder, object]:
                          "(as `lapse generate` does)")
     if CHECKPOINT_NAME.fullmatch(path.name) and (path.parent / CONFIG_FILE).exists():
         run_dir, folder = path.parent, path
+    elif not (path / CONFIG_FILE).is_file():
+        what = "a file" if path.is_file() else "a folder with no config.json"
+        raise ValueError(f"{path} is {what}, not a training run, one of its checkpoints or a `lapse export` "
+                         "folder (a pretrained Hugging Face model: --hf)")
     else:
         run_dir, folder = path, latest_checkpoint(path)
         if folder is None:
@@ -264,7 +268,11 @@ def read_prompt_rows(path: Path) -> list[dict]:
     """Every non-empty JSONL line as a dict with a ``"prompt"`` string (its other fields kept
     for the output); one-line errors naming the line."""
     prompts = []
-    for n, line in enumerate(path.read_text().splitlines(), 1):
+    try:
+        text = path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as e:
+        raise ValueError(f"{path} is not UTF-8 text ({e.reason} at byte {e.start})") from None
+    for n, line in enumerate(text.splitlines(), 1):
         if not line.strip():
             continue
         try:
