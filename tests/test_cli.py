@@ -254,3 +254,14 @@ def test_file_errors_the_standard_library_raises_for_lapse_are_one_line(tmp_path
         assert e.value.code == 2 and message in err and "Traceback" not in err, err
     with pytest.raises(ValueError, match="p.jsonl is not UTF-8 text"):
         read_prompt_rows(bad)
+
+
+def test_a_value_of_the_wrong_type_names_its_option(capsys):
+    """``--lr abc`` said only "could not convert string to float: 'abc'"; a union's mismatch
+    listed every type's error."""
+    for args, line in ((["--lr", "abc"], "error: --lr: could not convert string to float: 'abc'"),
+                       (["--seq-len", "1.5"], "error: --seq-len: no type matching {None}|INT could be "
+                                              "instantiated from ['1.5'] (not a value of that type)")):
+        with pytest.raises(SystemExit) as e:
+            main(["train", "cpu-tiny", *args])
+        assert e.value.code == 2 and capsys.readouterr().err.strip() == line

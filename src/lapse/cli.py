@@ -281,9 +281,23 @@ def _config_errors_in_one_line(active: bool):
 
     def one_line(event) -> None:
         if type(event).__name__ == "InstantiationFailure":
-            raise ConfigError(event.message)
+            raise ConfigError(_with_option(event))
 
     return hook(one_line)
+
+
+def _with_option(event) -> str:
+    """The failure's message, after the option whose value caused it where tyro names one
+    (``--lr abc`` said only "could not convert string to float: 'abc'"); a value that fits none
+    of a union's types is said once, not with every type's error."""
+    message = event.message
+    if message.startswith("no type matching"):
+        message = message.split("\n", 1)[0].rstrip(".") + " (not a value of that type)"
+    try:
+        flags = event.argument.lowered.name_or_flags
+    except AttributeError:  # not attributed to an argument, or another tyro's internals
+        return message
+    return f"{flags[-1]}: {message}" if flags else message
 
 
 USER_ERRORS = (ValueError, TypeError, FileNotFoundError, FileExistsError, NotADirectoryError,
