@@ -193,3 +193,18 @@ def test_clear_errors(haystack_file, tmp_path):
     cfg = _cfg(haystack_file, tmp_path, context_lengths=(40,))
     with pytest.raises(ValueError, match="no room for the haystack"):
         evaluate_model(_planted(False), cfg, load_haystack(cfg))
+
+
+def test_a_needle_off_its_depth_is_flagged(fox_run, tmp_path):
+    """Where the haystack's segments are longer than its room, the needle lands at a boundary
+    far from the depth asked: a warning, the landed depth per cell, and a note in the summary
+    (the table said 50% for needles at 0)."""
+    hay = tmp_path / "long-lines.txt"
+    hay.write_text(("word " * 300 + "\n") * 20)  # 1,501-byte lines, no sentence ends
+    cfg = NiahConfig(models=(fox_run,), context_lengths=(200,), depths=(0.0, 0.5), trials=1, haystack=hay,
+                     out_dir=tmp_path / "niah", device="cpu", progress=False)
+    with pytest.warns(UserWarning, match="the needle went to depth 0.00 on average, not 0.5"):
+        results = run_niah(cfg)
+    cells = results["models"][0]["cells"]
+    assert [c["needle_depth"] for c in cells] == [0.0, 0.0]
+    assert "200 at 50%: 0%" in (tmp_path / "niah" / "summary.md").read_text()

@@ -35,6 +35,7 @@ import math
 import re
 import string
 import time
+import warnings
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -292,6 +293,9 @@ def make_trials(cfg: NiahConfig, haystack: Haystack) -> list[Trial]:
     ]
 
 
+DEPTH_SLACK = 0.1  # a cell whose needles landed further than this from its depth is flagged
+
+
 def build_prompt(
     cfg: NiahConfig, tokenizer: Tokenizer, haystack: Haystack, trial: Trial, length: int, depth: float
 ) -> Prompt:
@@ -439,10 +443,18 @@ def evaluate_model(
                 for p, s in zip(prompts, scores, strict=True)
             ]
             n_answer = sum(d["answer_tokens"] for d in details)
+            landed = sum(p.needle_depth for p in prompts) / len(prompts)
+            if abs(landed - depth) > DEPTH_SLACK:
+                room = prompts[0].haystack_tokens
+                warnings.warn(
+                    f"at context length {length} the needle went to depth {landed:.2f} on average, not "
+                    f"{depth:g}: the haystack's segments (lines, sentences) are long against its {room} "
+                    "tokens there; take longer contexts or a haystack of shorter lines", stacklevel=2)
             cells.append(
                 {
                     "context_length": length,
                     "depth": depth,
+                    "needle_depth": round(landed, 4),
                     "exact_match": sum(d["exact_match"] for d in details) / len(details),
                     "answer_logprob": sum(d["answer_logprob"] for d in details) / len(details),
                     "answer_logprob_per_token": sum(d["answer_logprob"] for d in details) / n_answer,
@@ -633,6 +645,12 @@ def summary_markdown(results: dict, image: str) -> str:
                 + f" | {_mean(grid, fmt)} |"
             )
             lines.append("")
+        off = [c for c in model["cells"] if abs(c.get("needle_depth", c["depth"]) - c["depth"]) > DEPTH_SLACK]
+        if off:
+            where = ", ".join(f"{_tokens(c['context_length'])} at {c['depth']:.0%}: {c['needle_depth']:.0%}"
+                              for c in off)
+            lines += ["The needle landed off its depth (the haystack's segment boundaries are far apart at "
+                      f"these lengths): {where}.", ""]
         if model.get("train_context"):
             lines += [f"Trained at context {model['train_context']}.", ""]
     lines += ["Every trial (number, needle position, generated text, scores) is in `results.json`.", ""]
