@@ -353,6 +353,17 @@ def test_cache_misuse_raises():
         DenseStore(0)
     with pytest.raises(ValueError, match="compiled decode step needs the room"):
         generate(model, ids, 4, cache=DenseStore(2, capacity=5), compile=True)
+    # out of the vocabulary (an embedding's bare IndexError), a policy by name (an AttributeError)
+    v = model.config.vocab_size
+    with pytest.raises(ValueError, match=rf"token ids in \[0, {v}\) .* from 0 to {v + 3}"):
+        generate(model, torch.tensor([[0, 1, v + 3]]), 2)
+    with pytest.raises(ValueError, match="from -1 to"):
+        generate(model, torch.tensor([[-1, 1]]), 2)
+    assert generate(model, torch.tensor([[5, 6, 7], [5, 0, 0]]), 2, lengths=[3, 1]).shape == (2, 5)
+    with pytest.raises(ValueError, match="token ids in"):  # the prefill embeds the padding too
+        generate(model, torch.tensor([[5, 6, 7], [5, v + 9, 0]]), 2, lengths=[3, 1])
+    with pytest.raises(TypeError, match="policy must be a Policy .* got 'h2o'"):
+        generate(model, ids, 2, policy="h2o")
 
 
 @pytest.mark.gpu

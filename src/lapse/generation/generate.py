@@ -103,6 +103,16 @@ def supports_paged(model: Decoder) -> bool:
     return all(getattr(block.attn, "supports_paged", True) for block in model.blocks)
 
 
+def _check_ids(input_ids: Tensor, vocab_size: int) -> None:
+    """Token ids within the vocabulary (a ragged batch's padding too: the prefill embeds it):
+    one read-back before the prefill, instead of an embedding's index error (or, on a GPU, a
+    device assert)."""
+    lo, hi = (int(x) for x in torch.stack([input_ids.min(), input_ids.max()]).tolist())
+    if lo < 0 or hi >= vocab_size:
+        raise ValueError(f"input_ids must be token ids in [0, {vocab_size}) (the model's vocabulary), "
+                         f"got ids from {lo} to {hi}")
+
+
 def check_policy_fits(model: Decoder, policy: Policy) -> None:
     """Raises a one-line ``ValueError`` when ``policy`` cannot evict from ``model``'s paged
     store: its own check (:meth:`Policy.check`), a kind that decodes over a dense store only,
@@ -267,7 +277,7 @@ def generate(
         on_token: called with each new token ``[B, 1]`` as it is drawn (streaming; reading
             it on the host waits for the device each step).
         lengths: ``[B]`` a ragged batch: row ``b`` of ``input_ids`` is a prompt of
-            ``lengths[b]`` tokens followed by padding (any ids). Each prompt is prefilled
+            ``lengths[b]`` tokens followed by padding (any ids of the vocabulary). Each prompt is prefilled
             alone in effect (the store holds none of the padding) and continues from its
             own last token; the same as generating each prompt on its own.
         pad_token_id: what fills a ragged row after its end in the result (default
@@ -301,6 +311,9 @@ def generate(
         raise ValueError(f"input_ids must be [batch, time] with at least one token, got {got}")
     if lengths is not None:
         lengths, host_lengths = check_lengths(lengths, *input_ids.shape, input_ids.device)
+    if policy is not None and not isinstance(policy, Policy):
+        raise TypeError(f"policy must be a Policy (H2O(budget=64), SinkWindow(...), ...), got {policy!r}")
+    _check_ids(input_ids, model.config.vocab_size)
     if isinstance(policy, Dense) and not supports_paged(model):
         policy = None  # keeping everything needs no paged store
     if cache is None and policy is not None:
