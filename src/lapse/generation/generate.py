@@ -277,9 +277,9 @@ def generate(
         on_token: called with each new token ``[B, 1]`` as it is drawn (streaming; reading
             it on the host waits for the device each step).
         lengths: ``[B]`` a ragged batch: row ``b`` of ``input_ids`` is a prompt of
-            ``lengths[b]`` tokens followed by padding (any ids of the vocabulary). Each prompt is prefilled
-            alone in effect (the store holds none of the padding) and continues from its
-            own last token; the same as generating each prompt on its own.
+            ``lengths[b]`` tokens followed by padding (any ids of the vocabulary). Each
+            prompt is prefilled alone in effect (the store holds none of the padding) and
+            continues from its own last token; the same as generating each prompt on its own.
         pad_token_id: what fills a ragged row after its end in the result (default
             ``stop_tokens[0]``, else 0).
         prefilled: ``[B, V]`` the logits of each prompt's last token when ``cache``
