@@ -124,13 +124,16 @@ def test_prompts_file_batches_ragged_prompts_as_one_at_a_time(run, tmp_path, pol
     ("args", "message"),
     [
         (["--prompt", ""], "--prompt is empty"),
-        (["--prompt", "x" * 60, "--max-new-tokens", "10"], r"exceed max_context \(64"),
+        (["--prompt", "x" * 60, "--max-new-tokens", "10"], r"leaves no room to generate in max_context \(64"),
         (["--prompt", "x", "--policy", "window", "--window", "0"], "window must be a positive integer"),
         (["--prompt", "x", "--policy", "h2o", "--budget", "4", "--recent", "8"], "must fit in the budget"),
         ([], "give exactly one of --prompt and --prompts-file"),
         (["--prompt", "x", "--policy", "h2o", "--budget", "2.5"], "budget above 1 counts tokens"),
+        (["--prompt", "x" * 64], r"the prompt \(64 tokens\) leaves no room to generate in max_context"),
+        (["--prompt", "x", "--max-context", "0"], "--max-context must be at least 2"),
     ],
-    ids=["empty", "too-long", "window-0", "budget", "no-prompt", "budget-fraction-above-1"],
+    ids=["empty", "too-long", "window-0", "budget", "no-prompt", "budget-fraction-above-1", "prompt-fills",
+         "max-context-0"],
 )
 def test_bad_input_is_one_line(run, capsys, args, message):
     with pytest.raises(SystemExit) as e:
@@ -252,3 +255,11 @@ def test_prompts_file_paths_are_checked_first(run, tmp_path, capsys, case):
     assert len(err) == 1 and ("is the --prompts-file itself" in err[0] if case == "out-is-input"
                               else "is not a file" in err[0]), err
     assert prompts.read_text().count("prompt") == 2
+
+
+def test_the_default_length_fits_the_context(run, capsys):
+    """Without --max-new-tokens a run of context 64 generates up to what the prompt leaves (the
+    default of 128 failed on every such run)."""
+    main(["generate", str(run), "--prompt", "def f(x):"])
+    match = SUMMARY.match(capsys.readouterr().out.strip().splitlines()[-1])
+    assert match and 0 < int(match.group(1)) <= 64 - 9, match

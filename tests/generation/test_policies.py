@@ -563,3 +563,17 @@ def test_a_compiled_step_without_reserved_pages_says_so_on_the_host():
         evict(model, store, policy, compile=False)
         with pytest.raises(ValueError, match="room for 0"):
             step(model, tok, store)
+
+
+def test_a_share_below_recent_and_sinks_is_warned_of():
+    """A fractional budget under ``recent + sinks`` keeps those (documented); it was silent, where
+    an int budget so small is refused."""
+    from lapse.generation import H2O
+
+    with pytest.warns(UserWarning, match=r"budget 0.1 of a 150-token prompt is 15 tokens, below recent"):
+        H2O(budget=0.1, recent=32, sinks=4).check_context(150, 300)
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        H2O(budget=0.5, recent=32, sinks=4).check_context(150, 300)

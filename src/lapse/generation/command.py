@@ -37,6 +37,8 @@ from lapse.ops.backend import resolve_device
 from .generate import check_policy_fits, generate, paged_store_for, supports_paged
 from .policies import Dense, Policy, PolicyName, PolicyOptions
 
+DEFAULT_NEW_TOKENS = 128  # generate's default, where the context leaves room
+
 
 @dataclass(kw_only=True)
 class GenerateConfig(PolicyOptions):
@@ -60,8 +62,9 @@ class GenerateConfig(PolicyOptions):
     out: Path | None = None
     """Where ``--prompts-file`` completions go (default: beside it, its suffix replaced:
     ``prompts.jsonl`` -> ``prompts.out.jsonl``)."""
-    max_new_tokens: int = 128
-    """Tokens to generate per prompt (stops early at the tokenizer's end of text)."""
+    max_new_tokens: int | None = None
+    """Tokens to generate per prompt (stops early at the tokenizer's end of text); default:
+    128, fewer where the longest prompt leaves less room in ``max_context``."""
     max_context: int | None = None
     """Longest prompt + generation; default: the model's training context."""
     temperature: float = 0.0
@@ -101,8 +104,11 @@ class GenerateConfig(PolicyOptions):
                 raise ValueError(f"--prompts-file {self.prompts_file} is not a file (JSONL, a prompt a line)")
             if self.out_path().resolve() == self.prompts_file.resolve():
                 raise ValueError(f"--out {self.out} is the --prompts-file itself: give another path")
-        if self.max_new_tokens < 1:
+        if self.max_new_tokens is not None and self.max_new_tokens < 1:
             raise ValueError(f"--max-new-tokens must be at least 1, got {self.max_new_tokens}")
+        if self.max_context is not None and self.max_context < 2:  # 0 meant the default
+            raise ValueError(f"--max-context must be at least 2 (a prompt token and a new one), got "
+                             f"{self.max_context}")
         if not self.temperature >= 0:  # here, before the model loads and the prompt is echoed
             raise ValueError(f"--temperature must be >= 0, got {self.temperature}")
         if self.top_k is not None and self.top_k < 1:
@@ -115,6 +121,21 @@ class GenerateConfig(PolicyOptions):
     def out_path(self) -> Path:
         """Where ``--prompts-file`` completions go: ``--out``, or beside the prompts."""
         return self.out or self.prompts_file.with_suffix(".out.jsonl")
+
+    def new_tokens(self, prompt_lens: list[int], limit: int, where: str) -> int:
+        """``max_new_tokens``, or by default :data:`DEFAULT_NEW_TOKENS` within ``limit``; a
+        prompt that leaves no room (or none for an explicit ``max_new_tokens``) is an error
+        (``where``: what sets ``limit``)."""
+        longest = max(prompt_lens)
+        n = self.max_new_tokens or min(DEFAULT_NEW_TOKENS, limit - longest)
+        if longest + n > limit or n < 1:
+            asked = f" + max_new_tokens ({n})" if self.max_new_tokens else ""
+            raise ValueError(
+                f"the prompt ({longest} tokens){asked} leaves no room to generate in max_context ({limit}, "
+                f"{where} by default): shorten it{' or lower --max-new-tokens' if asked else ''}, or pass "
+                "--max-context"
+            )
+        return n
 
     def torch_device(self) -> torch.device:
         """``--device``, with ``auto`` resolved (CUDA when available), checked."""
@@ -165,12 +186,8 @@ def run_generate(cfg: GenerateConfig, loaded: tuple[Decoder, object] | None = No
         ids = tokenizer.encode(prompt)
         if not ids:
             raise ValueError(f"a prompt encodes to no tokens: {prompt!r}")
-        if len(ids) + cfg.max_new_tokens > limit:
-            raise ValueError(
-                f"the prompt ({len(ids)} tokens) + max_new_tokens ({cfg.max_new_tokens}) exceed max_context "
-                f"({limit}, the model's training context by default): shorten them or pass --max-context"
-            )
         encoded.append(ids)
+    max_new = cfg.new_tokens([len(ids) for ids in encoded], limit, "the model's training context")
     size = 1 if cfg.prompt is not None else cfg.batch_size
     batches = [encoded[i : i + size] for i in range(0, len(encoded), size)]
     progress = tqdm(total=len(encoded), unit="prompt", disable=cfg.prompt is not None or len(batches) == 1)
@@ -181,9 +198,9 @@ def run_generate(cfg: GenerateConfig, loaded: tuple[Decoder, object] | None = No
             for b, row in enumerate(batch):
                 ids[b, : len(row)] = torch.tensor(row, device=device)
             if supports_paged(model) or not isinstance(policy, Dense):
-                store = paged_store_for(model, len(batch), max(lengths), cfg.max_new_tokens, policy)
+                store = paged_store_for(model, len(batch), max(lengths), max_new, policy)
             else:  # a kind whose slots change after they are written: the dense store
-                store = DenseStore(model.config.n_layers, capacity=max(lengths) + cfg.max_new_tokens)
+                store = DenseStore(model.config.n_layers, capacity=max(lengths) + max_new)
             stream = TextStream(tokenizer, tokenizer.eos_id, echo=cfg.prompt is not None)
             if cfg.prompt is not None:
                 print(cfg.prompt, end="", flush=True)
@@ -191,7 +208,7 @@ def run_generate(cfg: GenerateConfig, loaded: tuple[Decoder, object] | None = No
             out = generate(
                 model,
                 ids,
-                cfg.max_new_tokens,
+                max_new,
                 temperature=cfg.temperature,
                 top_k=cfg.top_k,
                 top_p=cfg.top_p,
@@ -205,7 +222,7 @@ def run_generate(cfg: GenerateConfig, loaded: tuple[Decoder, object] | None = No
             )
             seconds += time.perf_counter() - start
             for b, n in enumerate(lengths):
-                new = out[b, n : n + cfg.max_new_tokens].tolist()
+                new = out[b, n : n + max_new].tolist()
                 new = new[: new.index(tokenizer.eos_id)] if tokenizer.eos_id in new else new
                 tokens += len(new)
                 completions.append(tokenizer.decode(new))

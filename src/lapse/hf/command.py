@@ -66,13 +66,8 @@ def run_generate_hf(cfg: GenerateConfig) -> dict:
         ids = tokenizer(prompt, add_special_tokens=False).input_ids
         if not ids:
             raise ValueError(f"a prompt encodes to no tokens: {prompt!r}")
-        if len(ids) + cfg.max_new_tokens > limit:
-            raise ValueError(
-                f"the prompt ({len(ids)} tokens) + max_new_tokens ({cfg.max_new_tokens}) exceed max_context "
-                f"({limit}, the model's max_position_embeddings by default): shorten them or pass "
-                "--max-context"
-            )
         encoded.append(ids)
+    max_new = cfg.new_tokens([len(ids) for ids in encoded], limit, "the model's max_position_embeddings")
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     sampling = (
         {"do_sample": True, "temperature": cfg.temperature, "top_k": cfg.top_k, "top_p": cfg.top_p}
@@ -92,7 +87,7 @@ def run_generate_hf(cfg: GenerateConfig) -> dict:
             for b, row in enumerate(batch):  # left padding
                 ids[b, t - len(row) :] = torch.tensor(row)
                 mask[b, t - len(row) :] = 1
-            cache = EvictingCache(policy, model=model, max_context=t + cfg.max_new_tokens)
+            cache = EvictingCache(policy, model=model, max_context=t + max_new)
             if cfg.prompt is not None:
                 print(cfg.prompt, end="", flush=True)
             start = time.perf_counter()
@@ -102,7 +97,7 @@ def run_generate_hf(cfg: GenerateConfig) -> dict:
                 out = generate(
                     model,
                     ids.to(device),
-                    cfg.max_new_tokens,
+                    max_new,
                     policy,
                     attention_mask=mask.to(device),
                     decoder=decoder,
@@ -125,7 +120,7 @@ def run_generate_hf(cfg: GenerateConfig) -> dict:
                     ids.to(device),
                     attention_mask=mask.to(device),
                     **{CACHE_ARG: cache},
-                    max_new_tokens=cfg.max_new_tokens,
+                    max_new_tokens=max_new,
                     pad_token_id=pad,
                     streamer=streamer,
                     **sampling,

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass
 from typing import Literal
 
@@ -73,6 +74,13 @@ class A2SF(Policy):
         return self.tokens(prompt_len)
 
     def check_context(self, prompt_len: int, max_context: int) -> None:
+        share = resolve_budget(self.budget, prompt_len)
+        if isinstance(self.budget, float) and share < self.recent + self.sinks:  # refused for an int budget
+            warnings.warn(
+                f"budget {self.budget:g} of a {prompt_len}-token prompt is {share} tokens, below recent + "
+                f"sinks ({self.recent} + {self.sinks}): a head keeps {self.recent + self.sinks}",
+                stacklevel=2,
+            )
         if isinstance(self.budget, int) and self.budget > max_context:
             raise ValueError(
                 f"budget ({self.budget} tokens) is larger than the context ({max_context}): nothing would "
