@@ -136,3 +136,17 @@ def test_model_options_that_fine_tuning_drops_are_named(source, tmp_path, capsys
     err = [line for line in capsys.readouterr().err.splitlines() if "ignored" in line]
     assert len(err) == 1 and err[0].startswith("warning: --init-from ")
     assert err[0].endswith("fine-tunes its model: ignored --model.d-model 128 (transformer has 64)"), err
+
+
+def test_init_from_names_a_dropped_tokenizer_and_refuses_an_export(source, tmp_path, capsys):
+    """``--tokenizer`` is the source's too (it was dropped without a word); an export folder is
+    named as one (it "held no checkpoint")."""
+    from lapse.eval import export_hf
+
+    _finetune(source, tmp_path / "bpe", "--tokenizer", "bpe")
+    err = [line for line in capsys.readouterr().err.splitlines() if "ignored --tokenizer bpe" in line]
+    assert len(err) == 1, err
+    export_hf(source, tmp_path / "exported")
+    with pytest.raises(SystemExit):
+        cli_main(["train", "cpu-tiny", "--init-from", str(tmp_path / "exported"), "--steps", "1"])
+    assert "is a `lapse export` folder: give the run it was exported from" in capsys.readouterr().err

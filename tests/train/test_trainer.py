@@ -165,8 +165,11 @@ def test_activation_checkpointing_gives_the_same_losses(tmp_path, data_dir):
         ({"steps": 0}, "steps must be a positive integer"),
         ({"cuda_graphs": True}, "needs compile"),
         ({"cuda_graphs": True, "compile": True, "activation_checkpointing": True}, "checkpointing"),
+        ({"peak_tflops": -3.0}, "peak_tflops must be positive"),
+        ({"seed": -1}, r"seed must be in \[0, 2\*\*32\)"),
     ],
-    ids=["heads", "corpus-path", "tokenizer-path", "micro-batch", "steps", "cuda-graphs", "cuda-graphs-ckpt"],
+    ids=["heads", "corpus-path", "tokenizer-path", "micro-batch", "steps", "cuda-graphs", "cuda-graphs-ckpt",
+         "peak-tflops", "seed"],
 )
 def test_bad_configs_fail_at_construction(overrides, match):
     if overrides.get("model") == "heads":

@@ -225,6 +225,8 @@ class TrainConfig:
             raise ValueError(f"stop_at_step must be positive or None, got {self.stop_at_step}")
         if self.log_every == 0:
             raise ValueError("log_every must be at least 1")
+        if self.peak_tflops is not None and not self.peak_tflops > 0:
+            raise ValueError(f"peak_tflops must be positive (one device's TFLOP/s), got {self.peak_tflops}")
         if not 0 <= self.seed < 2**32:  # numpy's generators take these (a negative seed failed mid-setup)
             raise ValueError(f"seed must be in [0, 2**32), got {self.seed}")
         if self.cuda_graphs and not self.compile:

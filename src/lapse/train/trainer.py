@@ -50,6 +50,7 @@ from lapse.models.checkpoint import (
     checkpoint_folders,
     checkpoint_step,
     corpus_config_from_json,
+    is_export_folder,
     latest_checkpoint,
     latest_intact_checkpoint,
     load_weights,
@@ -160,6 +161,8 @@ def init_source(path: Path) -> tuple[Path, Path | None]:
     """The checkpoint folder ``init_from`` names (a run folder's newest, or the folder
     itself), verified, and its run folder (``None`` for a checkpoint outside a run)."""
     path = Path(path)
+    if is_export_folder(path):
+        raise ValueError(f"init_from {path} is a `lapse export` folder: give the run it was exported from")
     if (path / CONFIG_FILE).exists():
         folder = latest_checkpoint(path)
         if folder is None:
@@ -189,6 +192,10 @@ def with_init_model(cfg: TrainConfig) -> TrainConfig:
         model = replace(model, attention="dcp", dcp_r=cfg.model.dcp_r, dcp_beta_init=cfg.model.dcp_beta_init)
     _warn_ignored_model_options(cfg, model, run)
     tokenizer = saved.tokenizer
+    preset = TRAIN_PRESETS[cfg.preset_name][1]() if cfg.preset_name in TRAIN_PRESETS else TrainConfig()
+    if cfg.tokenizer not in (preset.tokenizer, tokenizer):  # given on the command line
+        warnings.warn(f"--init-from {run} fine-tunes its model with its tokenizer: ignored --tokenizer "
+                      f"{cfg.tokenizer}", stacklevel=2)
     if tokenizer not in ("byte", "bpe") and not Path(tokenizer).exists() and (run / "tokenizer").is_dir():
         tokenizer = str(run / "tokenizer")  # a run folder moved since (an imported one names its own)
     out = replace(cfg, model=model, tokenizer=tokenizer)
