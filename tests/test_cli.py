@@ -228,6 +228,10 @@ def test_ctrl_c_outside_a_training_step_is_one_line_and_exit_130(capsys, monkeyp
         main(["eval", "ppl"])
     assert e.value.code == 130
     assert capsys.readouterr().err.splitlines() == ["interrupted"]
+    with pytest.raises(SystemExit) as e:  # a second Ctrl-C in training says what it cost
+        main(["train", "cpu-tiny"])
+    assert e.value.code == 130
+    assert capsys.readouterr().err.startswith("interrupted: the steps since the last checkpoint are lost")
 
 
 def test_file_errors_the_standard_library_raises_for_lapse_are_one_line(tmp_path, capsys):

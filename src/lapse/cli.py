@@ -4,12 +4,14 @@ lapse train PRESET [--field value ...]   train a model (presets: lapse.train.TRA
 lapse resume RUN_DIR [--steps N]         continue a run from its last checkpoint
 lapse export RUN_DIR OUT_DIR             a trained model as a Hugging Face folder
 lapse import HF_PATH --out RUN_DIR       a pretrained LLaMA-family HF model (or GGUF) as a run folder
-lapse generate RUN --prompt TEXT         text under an eviction policy (--policy dense|window|acp|h2o|a2sf)
+lapse generate RUN --prompt TEXT         text under an eviction policy (--policy: dense, window, acp, h2o,
+                                         a2sf, dcp)
 lapse generate --hf PATH --prompt TEXT   the same from a Hugging Face folder or GGUF (--gguf-file NAME)
 lapse eval per-token-loss|ppl|policy-loss|niah|acp|dcp|lm-eval|eviction   evaluations (JSON, PNG, Markdown)
 lapse report RUN [RUN ...]               one Markdown page: runs and their evaluations
 lapse bench attention                    time forgetting attention against its peers (CUDA)
-lapse bench decode                       ms per decode step against HF compiled Llama (CUDA)
+lapse bench decode                       ms per decode step against HF compiled Llama (CUDA; --device cpu)
+lapse bench train                        training throughput and MFU, ACP on and off (CUDA or CPU)
 
 Wiring only: each command runs a typed config of the package that does the work.
 """
@@ -183,14 +185,14 @@ def _app() -> SubcommandApp:
 
         _finish_training(resume_run(args.run_dir, **args.overrides()))
 
-    app.command(bench, name="bench", help="Benchmarks (CUDA).")
+    app.command(bench, name="bench", help="Benchmarks: attention (CUDA), decode and train (CUDA or CPU).")
     app.command(evals, name="eval", help="Evaluations; each writes results.json, PNG plots and summary.md.")
 
     @app.command(name="generate")
     def generate(cfg: Annotated[GenerateConfig, tyro.conf.arg(name="")]) -> None:
         """Generate text from a trained run (or a `lapse export` folder), or a pretrained Hugging
         Face model (--hf PATH [--gguf-file NAME]), under an eviction policy (dense, window, acp,
-        h2o, a2sf); ends with tokens/s and the KV bytes held against a dense cache."""
+        h2o, a2sf, dcp); ends with tokens/s and the KV bytes held against a dense cache."""
         if cfg.hf is not None:
             from lapse.hf.command import run_generate_hf
 
@@ -262,7 +264,9 @@ def main(argv: Sequence[str] | None = None) -> None:
         except KeyboardInterrupt:  # a training run stops at its own first Ctrl-C; this is a second
             if debug:  # one, or one during an evaluation or a benchmark
                 raise
-            print("interrupted", file=sys.stderr)
+            training = bool(args) and args[0] in ("train", "resume")
+            print("interrupted: the steps since the last checkpoint are lost (`lapse resume RUN` continues "
+                  "from it; a run with none starts again)" if training else "interrupted", file=sys.stderr)
             raise SystemExit(130) from None
 
 
