@@ -44,3 +44,14 @@ def test_report_errors_and_default_path(fox_run, tmp_path):
     shutil.copytree(fox_run, run)
     assert build_report(ReportConfig(runs=(run,))) == run / "eval" / "report.md"
     assert Path(run / "eval" / "report.md").exists()
+
+
+def test_a_run_that_failed_before_its_first_step_shows_its_model(fox_run, tmp_path):
+    """Without summary.json (a run that failed in its set-up) the table takes the architecture
+    and ACP from config.json; it showed ``-``, ``0.00M`` and "off"."""
+    run = tmp_path / "failed"
+    run.mkdir()
+    shutil.copy(fox_run / "config.json", run / "config.json")
+    text = build_report(ReportConfig(runs=(run,), out=tmp_path / "r.md")).read_text()
+    row = next(line for line in text.splitlines() if line.startswith("| failed |"))
+    assert row.startswith("| failed | fox-pro | - | on |"), row

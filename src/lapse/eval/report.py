@@ -20,7 +20,7 @@ from pathlib import Path
 import tyro
 
 from lapse.files import write_text_atomic
-from lapse.models.checkpoint import CONFIG_FILE, is_export_folder
+from lapse.models.checkpoint import CONFIG_FILE, is_export_folder, read_run
 
 _IMAGE = re.compile(r"(!\[[^\]]*\]\()([^)\s]+)(\))")
 _HEADING = re.compile(r"^(#{1,4}) ", re.M)
@@ -50,8 +50,17 @@ class ReportConfig:
 
 
 def _summary(run: Path) -> dict:
+    """The run's ``summary.json``; for a run that ended before writing one (it failed before
+    its first step), its architecture and ACP from ``config.json`` (a failed run showed ``-``,
+    "ACP off")."""
     path = run / "summary.json"
-    return json.loads(path.read_text()) if path.exists() else {}
+    if path.exists():
+        return json.loads(path.read_text())
+    try:
+        model = read_run(run).model
+    except (OSError, ValueError, KeyError, TypeError):
+        return {}
+    return {"arch": model.name, "acp": model.acp}
 
 
 def _relink(markdown: str, source_dir: Path, report_dir: Path) -> str:
@@ -94,7 +103,8 @@ def _comparison_table(runs: list[Path]) -> list[str]:
             return format(record[key], spec) if record else "-"
 
         lines.append(
-            f"| {run.name} | {s.get('arch', '-')} | {s.get('params', 0) / 1e6:.2f}M | "
+            f"| {run.name} | {s.get('arch', '-')} | "
+            f"{format(s['params'] / 1e6, '.2f') + 'M' if 'params' in s else '-'} | "
             f"{'on' if s.get('acp') else 'off'} | {s.get('tokens', 0):,} | "
             f"{fmt(last['train'], 'loss', '.3f')} | {fmt(last['val'], 'loss', '.3f')} | "
             f"{fmt(last['acp'], 'pruned', '.1%')} | "
