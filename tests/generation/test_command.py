@@ -263,3 +263,22 @@ def test_the_default_length_fits_the_context(run, capsys):
     main(["generate", str(run), "--prompt", "def f(x):"])
     match = SUMMARY.match(capsys.readouterr().out.strip().splitlines()[-1])
     assert match and 0 < int(match.group(1)) <= 64 - 9, match
+
+
+def test_policy_flags_a_policy_does_not_take_are_warned_of():
+    """``--budget`` without an h2o/a2sf policy ran without a word; ``--prefix`` without a policy
+    too (lapse eval)."""
+    from lapse.eval.loss import PerTokenLossConfig
+    from lapse.generation import PolicyOptions
+
+    with pytest.warns(UserWarning, match="--budget ignored: without --policy does not take it"):
+        PolicyOptions(budget=0.1)
+    with pytest.warns(UserWarning, match="--budget --alpha ignored: the window policy does not take them"):
+        PolicyOptions(policy="window", budget=0.1, alpha=0.5)
+    with pytest.warns(UserWarning, match="--prefix and --chunk set how a policy streams"):
+        PerTokenLossConfig(models=("x",), prefix=8)
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        PolicyOptions(policy="h2o", budget=0.1, recent=4, sinks=0, per="layer", every=2)

@@ -29,6 +29,7 @@ from __future__ import annotations
 import json
 import math
 import time
+import warnings
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Literal
@@ -147,6 +148,9 @@ class LossEvalConfig(PolicyOptions, HfOptions):
             _check_positive_int("max_tokens", self.max_tokens)
         if self.prefix is not None:
             _check_positive_int("prefix", self.prefix)
+        if self.policy is None and (self.prefix is not None or self.chunk != 1):
+            warnings.warn("--prefix and --chunk set how a policy streams: ignored without --policy",
+                          stacklevel=2)
         if self.max_seconds is not None and not self.max_seconds > 0:
             raise ValueError(f"max_seconds must be positive or None, got {self.max_seconds}")
         if self.dtype not in ("auto", "float32", "bfloat16"):
@@ -679,7 +683,8 @@ def _policy_note(r: dict) -> list[str]:
     return [
         f"Under the eviction policy `{r['policy']}`: each window's first {prefix} tokens "
         f"prefilled (their predictions are the dense model's), the rest streamed {c['chunk']} per forward "
-        "through the cache as the policy leaves it (`lapse.eval.policy.streamed_loss`).",
+        "through the cache as the policy leaves it (`lapse.eval.policy.streamed_loss`); a length up to the "
+        "prefix is therefore the dense model's.",
     ]
 
 

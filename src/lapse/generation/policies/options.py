@@ -5,7 +5,8 @@ flags, their help and the policy they build are written once."""
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+import warnings
+from dataclasses import dataclass, fields
 from typing import Literal
 
 from .a2sf import A2SF
@@ -17,6 +18,17 @@ from .h2o import H2O
 from .window import SinkWindow
 
 PolicyName = Literal["dense", "window", "acp", "h2o", "a2sf", "dcp"]
+
+
+USES = {
+    "dense": ("every",),
+    "window": ("sinks", "window", "every"),
+    "acp": ("eps", "every"),
+    "h2o": ("budget", "recent", "sinks", "per", "every"),
+    "a2sf": ("budget", "recent", "alpha", "sinks", "per", "every"),
+    "dcp": ("every",),
+}
+"""The flags each policy takes (the others are warned of when given)."""
 
 
 @dataclass(kw_only=True)
@@ -56,6 +68,13 @@ class PolicyOptions:
                 f"--budget above 1 counts tokens: give an integer, or a share up to 1, got {self.budget}"
             )
         self.make_policy()  # bad policy fields fail here, before any model loads
+        unused = [f"--{f.name}" for f in fields(PolicyOptions)
+                  if f.name != "policy" and f.name not in USES.get(self.policy, ())
+                  and getattr(self, f.name) != f.default]
+        if unused:  # a --budget without --policy ran the plain path without a word
+            which = "without --policy" if self.policy is None else f"the {self.policy} policy"
+            warnings.warn(f"{' '.join(unused)} ignored: {which} does not take "
+                          f"{'it' if len(unused) == 1 else 'them'}", stacklevel=2)
 
     def make_policy(self) -> Policy | None:
         """The policy the flags name (``None`` without ``--policy``)."""
