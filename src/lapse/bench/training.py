@@ -102,6 +102,9 @@ class TrainBenchConfig:
             raise ValueError(f"dcp_alpha must be a finite number >= 1, got {self.dcp_alpha!r}")
         if not math.isfinite(self.dcp_gamma) or self.dcp_gamma < 0:
             raise ValueError(f"dcp_gamma must be a finite number >= 0, got {self.dcp_gamma!r}")
+        for name in ("seq_len", "batch_size", "micro_batch_size"):  # seq_len was named max_seq_len
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be a positive integer, got {getattr(self, name)}")
         if self.batch_size % self.micro_batch_size:
             raise ValueError(
                 f"micro_batch_size {self.micro_batch_size} must divide batch_size {self.batch_size}"

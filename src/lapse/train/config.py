@@ -204,8 +204,9 @@ class TrainConfig:
     progress: bool = True
     """Show a progress bar (loss, tokens/s, MFU)."""
 
-    preset_name: str = "custom"
-    """The preset this config came from (recorded in the run folder and the report)."""
+    preset_name: tyro.conf.Suppress[str] = "custom"
+    """The preset this config came from (recorded in the run folder and the report; not a
+    flag: the preset named on the command line sets it)."""
 
     def __post_init__(self) -> None:
         for name in ("batch_size", "steps", "val_batches"):
