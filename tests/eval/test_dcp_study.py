@@ -88,3 +88,17 @@ def test_bad_input(runs, tmp_path):
         DcpStudyConfig(runs=(tmp_path / "nowhere",), out_dir=tmp_path)
     with pytest.raises(SystemExit):
         cli_main(["eval", "dcp", str(runs["0"]), "--out-dir", str(tmp_path), "--show", "3"])
+
+
+def test_snippets_fit_the_window_and_a_foreign_base_is_warned_of(runs, tmp_path, capsys):
+    """The snippets take the window's length by default (480 tokens ran past a context of 32);
+    a --base the runs were not fine-tuned from is warned of (it was set beside them silently)."""
+    out = tmp_path / "report"
+    args = ["eval", "dcp", str(runs["0.5"]), "--out-dir", str(out), "--num-sequences", "2",
+            "--batch-size", "2", "--snippets", "1", "--device", "cpu"]
+    cli_main(args + ["--base", str(runs["base"])])
+    assert "fine-tuned from" not in capsys.readouterr().err
+    r = json.loads((out / "results.json").read_text())
+    assert len(r["snippets"][0]["tokens"]) == 32
+    cli_main(args + ["--base", str(runs["0"])])
+    assert "dcp-g0.5 was fine-tuned from" in capsys.readouterr().err

@@ -32,6 +32,7 @@ import math
 import platform
 import subprocess
 import time
+import warnings
 from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
@@ -44,6 +45,7 @@ from lapse.data import TokenShards, cached_with, prepare_data
 from lapse.eval.common import LoadedModel, eval_windows, load_model
 from lapse.files import save_figure, write_json_atomic, write_text_atomic
 from lapse.layers import DCPAttention
+from lapse.models.checkpoint import read_run
 from lapse.ops.backend import resolve_device
 from lapse.ops.dcp import LOG_FLOOR, dcp_sparsity
 
@@ -78,8 +80,10 @@ class DcpStudyConfig:
     snippets: int = 3
     """Validation snippets whose dropped tokens are drawn; 0: none."""
 
-    snippet_tokens: int = 480
-    """Tokens per snippet (bytes, with the byte tokenizer); each starts at a line start."""
+    snippet_tokens: int | None = None
+    """Tokens per snippet (bytes, with the byte tokenizer); each starts at a line start.
+    ``None``: the window length, at most 480 (longer snippets ran past a short model's
+    training context)."""
 
     show: tuple[float, ...] | None = None
     """The gammas whose drops are drawn; ``None``: the largest and a middle one."""
@@ -107,12 +111,27 @@ class DcpStudyConfig:
         self.out_dir = Path(self.out_dir)
         for name in ("num_sequences", "batch_size", "snippet_tokens"):
             value = getattr(self, name)
+            if name == "snippet_tokens" and value is None:
+                continue
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
         if self.seq_len is not None and (not isinstance(self.seq_len, int) or self.seq_len < 2):
             raise ValueError(f"seq_len must be an integer >= 2, got {self.seq_len!r}")
         if not isinstance(self.snippets, int) or self.snippets < 0:
             raise ValueError(f"snippets must be an integer >= 0, got {self.snippets!r}")
+
+
+SNIPPET_TOKENS = 480  # the snippets' default length, where the window is longer
+
+
+def _check_base(base: Path, runs: tuple[Path, ...]) -> None:
+    """Warns of a DCP run that was not fine-tuned from ``base`` (its ``init_from``): the study
+    would set it beside another model's reference row without a word."""
+    for run in runs:
+        source = read_run(run).config.get("init_from")
+        given = (base.resolve(), *base.resolve().glob("checkpoint-*"))  # the run, or one of its checkpoints
+        if source is not None and Path(source).resolve() not in given:
+            warnings.warn(f"{run} was fine-tuned from {source}, not from --base {base}", stacklevel=3)
 
 
 @dataclass
@@ -289,7 +308,8 @@ def run_dcp_study(cfg: DcpStudyConfig) -> dict:
                          "validation text (evaluate the run a `lapse export` folder was written from)")
     t = first.context if cfg.seq_len is None else cfg.seq_len
     windows = eval_windows(first, t, cfg.num_sequences, seed=cfg.seed)  # [N, T + 1]
-    snippets = validation_snippets(first, cfg.snippets, cfg.snippet_tokens, cfg.seed) if cfg.snippets else []
+    snippet_tokens = cfg.snippet_tokens or min(SNIPPET_TOKENS, t)
+    snippets = validation_snippets(first, cfg.snippets, snippet_tokens, cfg.seed) if cfg.snippets else []
     tokenizer = first.tokenizer
     del first
 
@@ -314,6 +334,7 @@ def run_dcp_study(cfg: DcpStudyConfig) -> dict:
 
     base = None
     if cfg.base is not None:
+        _check_base(cfg.base, cfg.runs)
         loaded = load_model(cfg.base, device=device)
         result = evaluate(loaded.model, windows, cfg.batch_size)
         base = {"name": loaded.name, "path": str(cfg.base), "arch": loaded.config.name,

@@ -522,14 +522,16 @@ def _sampler(shards, cfg: TrainConfig, seed: int, split: str) -> WindowSampler:
 
 
 def _absolute_paths(cfg: TrainConfig) -> TrainConfig:
-    """``cfg`` with its corpus paths, data folder and tokenizer path absolute: the run's saved
+    """``cfg`` with its corpus paths, data folder, tokenizer path and ``init_from`` absolute: the run's saved
     config then resumes and evaluates from any working directory (``os.path.abspath``, which
     keeps a glob pattern's wildcards)."""
     corpus = cfg.corpus
     if corpus.kind != "python":
         corpus = replace(corpus, paths=tuple(os.path.abspath(p) for p in corpus.paths))
     tokenizer = cfg.tokenizer if cfg.tokenizer in ("byte", "bpe") else os.path.abspath(cfg.tokenizer)
-    return replace(cfg, corpus=corpus, data_dir=Path(os.path.abspath(cfg.data_dir)), tokenizer=tokenizer)
+    init_from = None if cfg.init_from is None else Path(os.path.abspath(cfg.init_from))
+    return replace(cfg, corpus=corpus, data_dir=Path(os.path.abspath(cfg.data_dir)), tokenizer=tokenizer,
+                   init_from=init_from)
 
 
 RUN_FILES = (CONFIG_FILE, METRICS_FILE, "tokenizer", "summary.json", "report.md", "loss.png", "eval")
