@@ -434,8 +434,9 @@ def fwd_config(d: int, dtype_bytes: int, acp: bool = False, tk: int = 0) -> dict
     ``BENCH_WORKLOAD=1 scripts/ab_gluon_acp.py``, ``docs/bench/session26/``) the Gluon launch
     lost at T 4k on an H200, forward 1.187 against 1.121 ms and forward+backward 3.953 against
     3.895 (graph times), and the bench on an H100 put the ACP forward at 1.366 ms against the
-    twenty-third session's 1.184 with the Triton kernel. At 8k (the tuning workload, 24 heads) it
-    won: 1.580 against 1.667.
+    twenty-third session's 1.184 with the Triton kernel. From 8k on it wins: 1.580 against 1.667
+    (the tuning workload, 24 heads), and on the bench's workload 1.636 / 2.493 against 1.683 /
+    2.560 at 8k / 16k (``h200-ab-gluon-acp-benchwl-long.json``).
     """
     rb = dtype_bytes < 4
     if d <= 64:
