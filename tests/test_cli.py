@@ -269,3 +269,21 @@ def test_a_value_of_the_wrong_type_names_its_option(capsys):
         with pytest.raises(SystemExit) as e:
             main(["train", "cpu-tiny", *args])
         assert e.value.code == 2 and capsys.readouterr().err.strip() == line
+
+
+def test_an_os_error_deep_in_a_library_keeps_its_traceback():
+    """Only the standard library's frames are skipped for a file error: installed packages
+    (torch), which pyenv, conda and Docker's Python keep inside the standard library's folder,
+    and lapse itself are not, so an error raised inside torch keeps its traceback."""
+    import pathlib
+
+    import lapse.cli
+    from lapse.cli import _in_stdlib, _raised_by_lapse
+
+    assert _in_stdlib(pathlib.Path(pathlib.__file__).resolve())
+    assert not _in_stdlib(pathlib.Path(torch.__file__).resolve())
+    assert not _in_stdlib(pathlib.Path(lapse.cli.__file__).resolve())
+    try:
+        torch.load("/nonexistent/lapse-test/weights.pt")
+    except FileNotFoundError as e:
+        assert not _raised_by_lapse(e)

@@ -316,12 +316,21 @@ def _raised_by_lapse(e: BaseException) -> bool:
     gave) counts as lapse's: the frames of the standard library are skipped for it."""
     frames = traceback.extract_tb(e.__traceback__)
     if isinstance(e, OSError):
-        frames = [f for f in frames if not Path(f.filename).resolve().is_relative_to(_STDLIB)]
+        frames = [f for f in frames if not _in_stdlib(Path(f.filename).resolve())]
     return bool(frames) and Path(frames[-1].filename).resolve().is_relative_to(_PACKAGE)
+
+
+def _in_stdlib(path: Path) -> bool:
+    """Whether ``path`` is the standard library's: under its folder and not under the installed
+    packages' (which pyenv, conda and Docker's Python put inside it) nor lapse's own."""
+    if path.is_relative_to(_PACKAGE) or any(path.is_relative_to(p) for p in _SITE):
+        return False
+    return path.is_relative_to(_STDLIB) or path.name.startswith("<frozen")
 
 
 _PACKAGE = Path(__file__).resolve().parent
 _STDLIB = Path(sysconfig.get_paths()["stdlib"]).resolve()
+_SITE = {Path(sysconfig.get_paths()[k]).resolve() for k in ("purelib", "platlib")}
 
 
 def _one_line(e: BaseException) -> str:

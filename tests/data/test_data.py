@@ -341,3 +341,7 @@ def test_paths_without_a_kind_are_refused():
     the installation's sources without a word."""
     with pytest.raises(ValueError, match="reads no paths.*--corpus.kind text"):
         CorpusConfig(paths=("book.txt",))
+    from lapse.models.checkpoint import corpus_config_from_json  # a run saved before: it loads
+
+    saved = corpus_config_from_json({"kind": "python", "paths": ["book.txt"], "patterns": ["*.txt"]})
+    assert saved.kind == "python" and saved.paths == ()

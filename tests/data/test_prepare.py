@@ -32,26 +32,53 @@ def test_no_validation_split_at_val_fraction_zero(tmp_path):
     assert data.train.num_tokens == len(_book(tmp_path).read_bytes()) + 1
 
 
-def test_an_edited_corpus_makes_a_new_cache(tmp_path):
-    """The cache's key holds the files' sizes and modification times: an edited or an added file
-    is tokenised anew (the old tokens were trained on without a word)."""
+def test_an_edited_corpus_is_tokenised_again_for_a_new_run_only(tmp_path):
+    """``ready.json`` records the files' sizes and times: a new training run tokenises an edited
+    or an added file again (the old tokens were trained on without a word); a resumed run or an
+    evaluation keeps the cache and is warned; a corpus that is gone leaves the cache as it is."""
     import os
+    import shutil
+
+    import pytest
 
     folder = tmp_path / "docs"
     folder.mkdir()
     (folder / "a.txt").write_text("first version. " * 300)
     corpus = CorpusConfig(kind="text", paths=(str(folder),), val_fraction=0.0)
-    first = prepare_data(corpus, "byte", vocab_size=320, data_dir=tmp_path / "data", progress=False)
-    assert prepare_data(corpus, "byte", vocab_size=320, data_dir=tmp_path / "data",
-                        progress=False).directory == first.directory
+    kw = dict(vocab_size=320, data_dir=tmp_path / "data", progress=False)
+    first = prepare_data(corpus, "byte", **kw)
+    assert prepare_data(corpus, "byte", rebuild_changed=True, **kw).train.num_tokens == 15 * 300 + 1
     (folder / "a.txt").write_text("the second, longer version. " * 300)
-    edited = prepare_data(corpus, "byte", vocab_size=320, data_dir=tmp_path / "data", progress=False)
-    assert edited.directory != first.directory and edited.train.num_tokens == 28 * 300 + 1
+    with pytest.warns(UserWarning, match=r"the corpus changed since .* \(1 changed\)"):
+        kept = prepare_data(corpus, "byte", **kw)
+    assert kept.directory == first.directory and kept.train.num_tokens == 15 * 300 + 1
+    assert prepare_data(corpus, "byte", rebuild_changed=True, **kw).train.num_tokens == 28 * 300 + 1
     stat = (folder / "a.txt").stat()
-    (folder / "a.txt").write_text("the second, longer version? " * 300)  # same size, new time
+    (folder / "a.txt").write_text("the second, longer version? " * 300)  # same size, a new time
     os.utime(folder / "a.txt", ns=(stat.st_atime_ns, stat.st_mtime_ns + 10**9))
-    assert prepare_data(corpus, "byte", vocab_size=320, data_dir=tmp_path / "data",
-                        progress=False).directory not in (first.directory, edited.directory)
     (folder / "b.txt").write_text("an added file. " * 100)
-    added = prepare_data(corpus, "byte", vocab_size=320, data_dir=tmp_path / "data", progress=False)
-    assert added.train.num_documents == 2
+    again = prepare_data(corpus, "byte", rebuild_changed=True, **kw)
+    assert again.train.num_documents == 2 and again.directory == first.directory
+    shutil.rmtree(folder)  # gone: the cache serves as it is, without a word
+    assert prepare_data(corpus, "byte", **kw).train.num_documents == 2
+
+
+def test_a_root_reads_relative_paths_and_keeps_their_ids(tmp_path, monkeypatch):
+    """With ``root`` (what ``lapse train`` records), relative paths and globs are read from it
+    and the documents keep the ids the paths give as written, so the split is the same from
+    any working directory (absolute paths changed every id, and so the split)."""
+    from lapse.data import iter_documents
+
+    (tmp_path / "data").mkdir()
+    for i in range(20):
+        (tmp_path / "data" / f"f{i}.txt").write_text(f"document {i}\n")
+    monkeypatch.chdir(tmp_path)
+    here = CorpusConfig(kind="text", paths=("data/*.txt",), val_fraction=0.2)
+    val = dict(iter_documents(here, "validation"))
+    assert val and all(k.startswith("data/f") for k in val)
+    (tmp_path / "elsewhere").mkdir()
+    monkeypatch.chdir(tmp_path / "elsewhere")
+    rooted = CorpusConfig(kind="text", paths=("data/*.txt",), val_fraction=0.2, root=str(tmp_path))
+    assert dict(iter_documents(rooted, "validation")) == val
+    one = CorpusConfig(kind="text", paths=("data/f3.txt",), root=str(tmp_path))
+    assert list(iter_documents(one, "all")) == [("data/f3.txt", "document 3\n")]

@@ -445,8 +445,9 @@ def test_resume_flag_pairs_set_unset_or_contradict(flag):
 
 
 def test_a_run_saves_absolute_paths_and_resumes_from_anywhere(tmp_path, monkeypatch):
-    """Corpus paths, the data folder and a tokenizer path given relative are saved absolute, so
-    ``lapse resume`` works from another working directory (the saved relative paths failed)."""
+    """The data folder and a tokenizer path given relative are saved absolute, and the corpus's
+    paths as written with the working directory as their root, so ``lapse resume`` works from
+    another working directory (the saved relative paths failed) with the same split."""
     (tmp_path / "work" / "corpus").mkdir(parents=True)
     (tmp_path / "work" / "corpus" / "a.txt").write_text("the quick brown fox jumps. " * 400)
     (tmp_path / "elsewhere").mkdir()
@@ -455,7 +456,7 @@ def test_a_run_saves_absolute_paths_and_resumes_from_anywhere(tmp_path, monkeypa
                        val_every=0, corpus=CorpusConfig(kind="text", paths=("corpus",), val_fraction=0))
     train(cfg)
     saved = json.loads((tmp_path / "work" / "run" / "config.json").read_text())
-    assert saved["corpus"]["paths"] == [str(tmp_path / "work" / "corpus")]
+    assert saved["corpus"]["paths"] == ["corpus"] and saved["corpus"]["root"] == str(tmp_path / "work")
     assert saved["data_dir"] == str(tmp_path / "work" / "data")
     monkeypatch.chdir(tmp_path / "elsewhere")
     assert resume(tmp_path / "work" / "run")["step"] == 4
@@ -471,6 +472,11 @@ def test_a_new_run_refuses_a_folder_of_other_files(tmp_path, data_dir, monkeypat
         with pytest.raises(ValueError, match="holds other files and no run"):
             train(replace(tiny(tmp_path, data_dir, steps=2), run_dir=run_dir))
     assert sorted(p.name for p in tmp_path.iterdir()) == ["notes.txt"]
+    logged = tmp_path / "logged"  # `| tee RUN/train.log` makes the log first; a killed writer's temporary
+    logged.mkdir()
+    (logged / "train.log").write_text("")
+    (logged / "config.json.tmp-123").write_text("")
+    assert train(replace(tiny(tmp_path, data_dir, steps=1, val_every=0), run_dir=logged))["step"] == 1
 
 
 def test_resume_refuses_a_stop_at_or_before_the_steps_done(tmp_path, data_dir):

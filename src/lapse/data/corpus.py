@@ -69,6 +69,10 @@ class CorpusConfig:
     max_bytes: int | None = None
     """Stop after this many UTF-8 bytes of text (per split; the last document is cut
     to fit); ``None``: no limit."""
+    root: str | None = None
+    """The folder relative ``paths`` are read from (``None``: the working directory).
+    ``lapse train`` records its working directory here, so that a run resumes and evaluates
+    from anywhere; documents keep the ids the paths give as written (the split hashes them)."""
 
     def __post_init__(self) -> None:
         if self.kind not in ("python", "text", "jsonl", "hf"):
@@ -110,7 +114,7 @@ def iter_documents(config: CorpusConfig, split: Split = "train") -> Iterator[Doc
             return python_source_documents(split=part, val_fraction=config.val_fraction)
 
     elif config.kind == "text":
-        files = [pair for entry in config.paths for pair in _text_files(entry, config.patterns)]
+        files = [pair for entry in config.paths for pair in _text_files(entry, config.patterns, config.root)]
         where = f"{', '.join(config.paths)} (files matching {', '.join(config.patterns)})"
         ids = (doc_id for doc_id, path in files if not _looks_binary(path))
 
@@ -118,7 +122,7 @@ def iter_documents(config: CorpusConfig, split: Split = "train") -> Iterator[Doc
             return _split_filter(_read_text_files(files, skipped), part, config.val_fraction)
 
     elif config.kind == "jsonl":
-        jsonl_files = _jsonl_files(config.paths)
+        jsonl_files = _jsonl_files(config.paths, config.root)
         where = ", ".join(config.paths)
         ids = (doc_id for doc_id, _ in _jsonl_records(jsonl_files, config.text_field))
 
@@ -127,7 +131,7 @@ def iter_documents(config: CorpusConfig, split: Split = "train") -> Iterator[Doc
 
     else:
         where = config.paths[0]
-        table = _hf_table(config.paths[0], config.text_field, split)
+        table = _hf_table(str(_rooted(config.paths[0], config.root)), config.text_field, split)
         native = table.native
         ids = (doc_id for doc_id, _ in _hf_rows(table, config.text_field))
 
@@ -288,20 +292,20 @@ def corpus_files(config: CorpusConfig) -> list[Path]:
     """The files ``config`` reads (``text``, ``jsonl``; every file of an ``hf`` dataset
     folder); none for ``python``, whose sources belong to the installation."""
     if config.kind == "text":
-        return [path for entry in config.paths for _, path in _text_files(entry, config.patterns)]
+        return [p for entry in config.paths for _, p in _text_files(entry, config.patterns, config.root)]
     if config.kind == "jsonl":
-        return [path for _, path in _jsonl_files(config.paths)]
+        return [path for _, path in _jsonl_files(config.paths, config.root)]
     if config.kind == "hf":
-        folder = _existing(config.paths[0])
+        folder = _existing(_rooted(config.paths[0], config.root))
         return sorted(p for p in folder.rglob("*") if p.is_file())
     return []
 
 
-def _jsonl_files(paths: Iterable[str]) -> list[tuple[str, Path]]:
+def _jsonl_files(paths: Iterable[str], root: str | None = None) -> list[tuple[str, Path]]:
     """``(name, path)`` of each JSON Lines file: a file entry's name (its documents' ids have
     always been ``<file name>:<line>``), a found file's path as :func:`_text_files` gives it."""
-    return [(path.name if Path(entry).is_file() else name, path)
-            for entry in paths for name, path in _text_files(entry, ("*.jsonl",))]
+    return [(path.name if _rooted(entry, root).is_file() else name, path)
+            for entry in paths for name, path in _text_files(entry, ("*.jsonl",), root)]
 
 
 def _jsonl_records(files: list[tuple[str, Path]], text_field: str) -> Iterator[Document]:
@@ -414,16 +418,24 @@ def _walk_sorted(folder: Path, skip: set[str]) -> Iterator[Path]:
             yield Path(entry.path)
 
 
-def _text_files(entry: str, patterns: tuple[str, ...]) -> list[tuple[str, Path]]:
+def _rooted(entry: str | os.PathLike, root: str | None) -> Path:
+    """``entry`` read from ``root`` when it is relative (and a root is given)."""
+    return Path(entry) if root is None else Path(root) / entry
+
+
+def _text_files(entry: str, patterns: tuple[str, ...], root: str | None = None) -> list[tuple[str, Path]]:
+    """``(id, path)`` of the files ``entry`` names; the ids are the paths as written, relative to
+    ``root`` when one reads them (a folder's: relative to it), so the split does not depend on
+    where the corpus sits."""
     if glob.has_magic(entry):
-        matches = sorted(Path(p) for p in glob.glob(entry, recursive=True))
-        files = [(p.as_posix(), p) for p in matches if p.is_file()]
+        matches = sorted(Path(p) for p in glob.glob(entry, recursive=True, root_dir=root))
+        files = [(p.as_posix(), _rooted(p, root)) for p in matches if _rooted(p, root).is_file()]
         if not files:
             raise ValueError(f"no files match the pattern {entry!r}")
         return files
-    path = _existing(entry)
+    path = _existing(_rooted(entry, root))
     if path.is_file():
-        return [(path.as_posix(), path)]
+        return [(Path(entry).as_posix(), path)]
     files = sorted({p for pattern in patterns for p in path.rglob(pattern) if p.is_file()})
     if not files:
         raise ValueError(f"empty corpus: no files matching {list(patterns)} in {path}")

@@ -14,6 +14,7 @@ import hashlib
 import json
 import shutil
 import sys
+import warnings
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -44,18 +45,17 @@ class PreparedData:
 
 def data_key(corpus: CorpusConfig, tokenizer: str, vocab_size: int) -> str:
     """Folder name of a (corpus, tokenizer) pair: readable prefix + hash of everything that
-    changes the tokens: the corpus's files' paths, sizes and modification times (the Python
-    installation for the default corpus)."""
+    changes the tokens (the Python installation too, for the default corpus). The files'
+    contents are not in it: ``ready.json`` records their sizes and times (:func:`prepare_data`)."""
     spec = {"corpus": asdict(corpus), "tokenizer": tokenizer}
+    if corpus.root is None:  # the key of a corpus read from the working directory, as before roots
+        del spec["corpus"]["root"]
     if tokenizer == "bpe":
         spec["vocab_size"] = vocab_size
     elif tokenizer != "byte":
         spec["tokenizer"] = str(Path(tokenizer).resolve())
     if corpus.kind == "python":
         spec["python"] = [sys.version, sys.prefix]
-    else:  # the files as they are now: an edited or added file makes a new cache (not the old tokens)
-        spec["files"] = [[str(p.resolve()), st.st_size, st.st_mtime_ns]
-                         for p in corpus_files(corpus) for st in (p.stat(),)]
     digest = hashlib.sha256(json.dumps(spec, sort_keys=True, default=str).encode()).hexdigest()[:12]
     kind = tokenizer if tokenizer in ("byte", "bpe") else "tok"
     return f"{corpus.kind}-{kind}-{digest}"
@@ -69,15 +69,31 @@ def prepare_data(
     data_dir: str | Path = DEFAULT_DATA_DIR,
     rank: int = 0,
     progress: bool = True,
+    rebuild_changed: bool = False,
 ) -> PreparedData:
     """The tokenizer and shards of ``corpus``, built into ``data_dir`` unless already there.
 
     ``tokenizer``: ``"byte"``, ``"bpe"`` (learned on the training split, ``vocab_size``
     ids) or the path of a saved tokenizer. Raises ``ValueError`` for an empty corpus, a
     missing path, or a tokenizer with more ids than ``vocab_size``.
+
+    The cache records its files' sizes and modification times (``ready.json``). Where they
+    changed since, the cache is built again with ``rebuild_changed`` (a new training run:
+    an edited corpus was trained on as its old tokens), else used with a warning (a resumed
+    run or an evaluation keeps the tokens the run saw). Files that are gone leave the cache
+    as it is.
     """
     directory = Path(data_dir) / data_key(corpus, tokenizer, vocab_size)
     distributed = dist.is_available() and dist.is_initialized()
+    if rank == 0 and (directory / READY_FILE).exists():
+        changed = _files_changed(corpus, directory)
+        if changed and rebuild_changed:
+            print(f"the corpus changed since {directory} was made ({changed}): tokenising it again",
+                  flush=True)
+            _build(corpus, tokenizer, vocab_size, directory, progress)
+        elif changed:
+            warnings.warn(f"the corpus changed since {directory} was made ({changed}); its tokens are "
+                          "those of the files as they were", stacklevel=2)
     if rank == 0 and not (directory / READY_FILE).exists():
         _build(corpus, tokenizer, vocab_size, directory, progress)
     if distributed:
@@ -112,10 +128,37 @@ def cached_with(
     return mine == theirs
 
 
+def _fingerprint(corpus: CorpusConfig) -> list[list] | None:
+    """``[path, size, mtime_ns]`` of each file the corpus reads; ``None`` for the Python
+    sources, or when a file cannot be listed (a corpus that is gone)."""
+    if corpus.kind == "python":
+        return None
+    try:
+        return [[str(p), st.st_size, st.st_mtime_ns] for p in corpus_files(corpus) for st in (p.stat(),)]
+    except (OSError, ValueError):
+        return None
+
+
+def _files_changed(corpus: CorpusConfig, directory: Path) -> str | None:
+    """What changed in the corpus's files since the cache in ``directory`` was made (``None``:
+    nothing, nothing known, or the files are gone)."""
+    then = json.loads((directory / READY_FILE).read_text()).get("files")
+    if then is None:  # a cache made before the fingerprint: nothing to compare
+        return None
+    now = _fingerprint(corpus)
+    if now is None or now == then:
+        return None
+    before, after = {f[0]: f[1:] for f in then}, {f[0]: f[1:] for f in now}
+    parts = [f"{len(after.keys() - before.keys())} added", f"{len(before.keys() - after.keys())} removed",
+             f"{sum(after[k] != before[k] for k in after.keys() & before.keys())} changed"]
+    return ", ".join(p for p in parts if not p.startswith("0 "))
+
+
 def _build(corpus: CorpusConfig, tokenizer: str, vocab_size: int, directory: Path, progress: bool) -> None:
     if directory.exists():  # left by an interrupted build: start again
         shutil.rmtree(directory)
     directory.mkdir(parents=True)
+    files = _fingerprint(corpus)  # before reading: a file edited during the build shows next time
     made = _make_tokenizer(corpus, tokenizer, vocab_size)
     made.save(directory / "tokenizer")
     for split in ("train", "validation") if corpus.val_fraction > 0 else ("train",):
@@ -133,6 +176,7 @@ def _build(corpus: CorpusConfig, tokenizer: str, vocab_size: int, directory: Pat
         "validation_tokens": TokenShards(directory / "validation").num_tokens
         if corpus.val_fraction > 0
         else 0,
+        "files": files,
     }
     write_json_atomic(directory / READY_FILE, info)
 

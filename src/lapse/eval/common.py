@@ -15,6 +15,7 @@ any corpus), deterministically from a seed, for loss-type evaluations.
 
 from __future__ import annotations
 
+import shutil
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Annotated
@@ -181,6 +182,8 @@ def export_hf(path: str | Path, out_dir: str | Path, *, overwrite: bool = False)
     out_dir = Path(out_dir)
     _check_export_target(Path(path), out_dir, overwrite)
     loaded = load_model(path)
+    if overwrite and (out_dir / "tokenizer").is_dir():  # the earlier export's: not this model's
+        shutil.rmtree(out_dir / "tokenizer")
     LapseForCausalLM.from_decoder(loaded.model).save_pretrained(out_dir)
     if loaded.tokenizer is not None:
         loaded.tokenizer.save(out_dir / "tokenizer")

@@ -127,10 +127,13 @@ SNIPPET_TOKENS = 480  # the snippets' default length, where the window is longer
 def _check_base(base: Path, runs: tuple[Path, ...]) -> None:
     """Warns of a DCP run that was not fine-tuned from ``base`` (its ``init_from``): the study
     would set it beside another model's reference row without a word."""
+    def run_of(path: Path) -> Path:  # a checkpoint's run folder, or the folder itself
+        path = path.resolve()
+        return path.parent if path.name.startswith("checkpoint-") else path
+
     for run in runs:
         source = read_run(run).config.get("init_from")
-        given = (base.resolve(), *base.resolve().glob("checkpoint-*"))  # the run, or one of its checkpoints
-        if source is not None and Path(source).resolve() not in given:
+        if source is not None and run_of(Path(source)) != run_of(base):
             warnings.warn(f"{run} was fine-tuned from {source}, not from --base {base}", stacklevel=3)
 
 

@@ -128,6 +128,9 @@ class GenerateConfig(PolicyOptions):
         (``where``: what sets ``limit``)."""
         longest = max(prompt_lens)
         n = self.max_new_tokens or min(DEFAULT_NEW_TOKENS, limit - longest)
+        if not self.max_new_tokens and 0 < n < DEFAULT_NEW_TOKENS:
+            print(f"generating up to {n} tokens a prompt: the longest prompt ({longest} tokens) leaves {n} "
+                  f"of max_context ({limit}); --max-new-tokens or --max-context sets it", file=sys.stderr)
         if longest + n > limit or n < 1:
             asked = f" + max_new_tokens ({n})" if self.max_new_tokens else ""
             raise ValueError(

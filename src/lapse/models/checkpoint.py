@@ -104,6 +104,8 @@ def corpus_config_from_json(obj: dict) -> CorpusConfig:
     obj = dict(obj)
     for key in ("paths", "patterns"):
         obj[key] = tuple(obj[key])
+    if obj["kind"] == "python":  # runs saved before such paths were refused: they were never read
+        obj["paths"] = ()
     return CorpusConfig(**obj)
 
 

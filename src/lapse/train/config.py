@@ -271,9 +271,12 @@ class TrainConfig:
         if self.init_from is not None and not Path(self.init_from).is_dir():
             raise ValueError(f"init_from {str(self.init_from)!r} is not a run or checkpoint folder")
         if self.corpus.kind != "python":
+            root = self.corpus.root
             for p in self.corpus.paths:
-                if not glob.glob(p) and not Path(p).exists():
-                    raise ValueError(f"corpus path {p!r} does not exist (corpus.kind={self.corpus.kind!r})")
+                if not glob.glob(p, root_dir=root) and not (Path(root or ".") / p).exists():
+                    where = "" if root is None else f" under {root}"
+                    kind = self.corpus.kind
+                    raise ValueError(f"corpus path {p!r} does not exist{where} (corpus.kind={kind!r})")
 
     @property
     def context(self) -> int:

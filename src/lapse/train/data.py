@@ -11,9 +11,11 @@ from lapse.data import prepare_data as prepare_corpus
 from .config import TrainConfig
 
 
-def prepare_data(cfg: TrainConfig, *, rank: int = 0, progress: bool = True) -> PreparedData:
+def prepare_data(cfg: TrainConfig, *, rank: int = 0, progress: bool = True,
+                 new_run: bool = False) -> PreparedData:
     """The tokenizer and shards of ``cfg``'s corpus, built into ``cfg.data_dir`` unless
-    already there (see :func:`lapse.data.prepare_data`)."""
+    already there (see :func:`lapse.data.prepare_data`); a ``new_run`` tokenises a corpus
+    whose files changed since the cache was made again."""
     return prepare_corpus(
         cfg.corpus,
         cfg.tokenizer,
@@ -21,6 +23,7 @@ def prepare_data(cfg: TrainConfig, *, rank: int = 0, progress: bool = True) -> P
         data_dir=cfg.data_dir,
         rank=rank,
         progress=progress,
+        rebuild_changed=new_run,
     )
 
 

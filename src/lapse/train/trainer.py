@@ -193,7 +193,9 @@ def with_init_model(cfg: TrainConfig) -> TrainConfig:
     _warn_ignored_model_options(cfg, model, run)
     tokenizer = saved.tokenizer
     preset = TRAIN_PRESETS[cfg.preset_name][1]() if cfg.preset_name in TRAIN_PRESETS else TrainConfig()
-    if cfg.tokenizer not in (preset.tokenizer, tokenizer):  # given on the command line
+    named = {t if t in ("byte", "bpe") else str(Path(t).resolve()) for t in (preset.tokenizer, tokenizer)}
+    mine = cfg.tokenizer if cfg.tokenizer in ("byte", "bpe") else str(Path(cfg.tokenizer).resolve())
+    if mine not in named:  # given on the command line
         warnings.warn(f"--init-from {run} fine-tunes its model with its tokenizer: ignored --tokenizer "
                       f"{cfg.tokenizer}", stacklevel=2)
     if tokenizer not in ("byte", "bpe") and not Path(tokenizer).exists() and (run / "tokenizer").is_dir():
@@ -399,7 +401,7 @@ def _setup(cfg: TrainConfig, world: World, resuming: bool) -> _Run:
         if world.main:
             write_json_atomic(run_dir / CONFIG_FILE, config_to_json(cfg))
     show = cfg.progress and world.main
-    data = prepare_data(cfg, rank=world.rank, progress=show)
+    data = prepare_data(cfg, rank=world.rank, progress=show, new_run=not resuming)
     if world.main and not resuming:
         data.tokenizer.save(run_dir / "tokenizer")
     micro = _micro_batch_rows(cfg, world)
@@ -517,17 +519,18 @@ def _sampler(shards, cfg: TrainConfig, seed: int, split: str) -> WindowSampler:
                if split == "validation" else "a shorter --seq-len")
         raise ValueError(
             f"the {split} split holds no window of {cfg.context + 1} tokens (context + 1; its longest "
-            f"document has {longest}): give more text, or {fix}"
+            f"shard has {longest}): give more text, or {fix}"
         ) from None
 
 
 def _absolute_paths(cfg: TrainConfig) -> TrainConfig:
-    """``cfg`` with its corpus paths, data folder, tokenizer path and ``init_from`` absolute: the run's saved
-    config then resumes and evaluates from any working directory (``os.path.abspath``, which
-    keeps a glob pattern's wildcards)."""
+    """``cfg`` with its data folder, tokenizer path and ``init_from`` absolute, and the working
+    directory as its corpus's ``root`` (the paths stay as written: a document's id, which the
+    split hashes, is its path as written): the run's saved config then resumes and evaluates
+    from any working directory."""
     corpus = cfg.corpus
-    if corpus.kind != "python":
-        corpus = replace(corpus, paths=tuple(os.path.abspath(p) for p in corpus.paths))
+    if corpus.kind != "python" and corpus.root is None:  # the paths as written: the split hashes them
+        corpus = replace(corpus, root=os.getcwd())
     tokenizer = cfg.tokenizer if cfg.tokenizer in ("byte", "bpe") else os.path.abspath(cfg.tokenizer)
     init_from = None if cfg.init_from is None else Path(os.path.abspath(cfg.init_from))
     return replace(cfg, corpus=corpus, data_dir=Path(os.path.abspath(cfg.data_dir)), tokenizer=tokenizer,
@@ -539,13 +542,18 @@ RUN_FILES = (CONFIG_FILE, METRICS_FILE, "tokenizer", "summary.json", "report.md"
 
 def _check_new_run_dir(run_dir: Path | None) -> None:
     """A new run goes into a new or empty folder, or one that an earlier run left
-    (:data:`RUN_FILES`, checkpoints, hidden files such as the lock; :func:`_setup` refuses it
-    where that run has a checkpoint): never a folder of other files (``--run-dir ""`` is the
-    working directory)."""
+    (:data:`RUN_FILES`, checkpoints, hidden files such as the lock, a killed writer's temporaries;
+    :func:`_setup` refuses it where that run has a checkpoint), or one holding only logs: never
+    a folder of other files (``--run-dir ""`` is the working directory)."""
     if run_dir is None or not run_dir.is_dir():
         return
-    ours = ("checkpoint", ".")  # checkpoints (set aside too), checkpoint.json, the lock, temporaries
-    if any(p.name not in RUN_FILES and not p.name.startswith(ours) for p in run_dir.iterdir()):
+    ours = ("checkpoint", ".")  # checkpoints (set aside too), checkpoint.json, the lock
+    logs = (".log", ".out", ".err")  # `| tee RUN/train.log`, a scheduler's output: made before lapse starts
+
+    def foreign(p: Path) -> bool:
+        return not (p.name in RUN_FILES or p.name.startswith(ours) or ".tmp-" in p.name or p.suffix in logs)
+
+    if any(foreign(p) for p in run_dir.iterdir()):
         shown = f"{run_dir} (the working directory)" if run_dir.resolve() == Path.cwd() else str(run_dir)
         raise ValueError(f"run_dir {shown} holds other files and no run: give a new folder")
 
