@@ -14,6 +14,7 @@ from .generate import (
     logit_bounds,
     paged_store_for,
     prefill,
+    records_scores,
     sample,
     supports_paged,
 )
@@ -49,6 +50,7 @@ __all__ = [
     "check_policy_fits",
     "paged_store_for",
     "prefill",
+    "records_scores",
     "sample",
     "supports_paged",
 ]

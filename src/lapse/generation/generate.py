@@ -103,6 +103,12 @@ def supports_paged(model: Decoder) -> bool:
     return all(getattr(block.attn, "supports_paged", True) for block in model.blocks)
 
 
+def records_scores(model: Decoder) -> bool:
+    """Every attention layer of ``model`` records each key's attention where the store tracks
+    scores (H2O, A2SF, the recall of the policy evaluations); DCP's do not."""
+    return all(getattr(block.attn, "records_scores", True) for block in model.blocks)
+
+
 def _check_ids(input_ids: Tensor, vocab_size: int) -> None:
     """Token ids within the vocabulary (a ragged batch's padding too: the prefill embeds it):
     one read-back before the prefill, instead of an embedding's index error (or, on a GPU, a
@@ -125,13 +131,12 @@ def check_policy_fits(model: Decoder, policy: Policy) -> None:
             f"a {name} model decodes over a DenseStore only (its per-slot state changes after "
             f"it is written): eviction policies do not apply to it yet; use the dense policy"
         )
-    attns = [block.attn for block in model.blocks]
-    if policy.score_decay is not None and not all(getattr(a, "records_scores", True) for a in attns):
+    if policy.score_decay is not None and not records_scores(model):
         raise ValueError(
             f"{type(policy).__name__} ranks tokens by their attention scores, which a {name} model's layers "
             "do not record: use the dcp policy (or dense, window) on it"
         )
-    if not policy.uniform_heads and any(getattr(a, "needs_uniform_heads", False) for a in attns):
+    if not policy.uniform_heads and any(getattr(b.attn, "needs_uniform_heads", False) for b in model.blocks):
         raise ValueError(
             f"a {name} model shares per-slot state across the heads of a layer, so every head "
             f"must keep the same tokens; {type(policy).__name__} decides per head (A2SF/H2O: per='layer', "

@@ -66,6 +66,7 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 from lapse.generation import DCPDrop, Policy, check_policy_fits, logit_bounds
+from lapse.generation import records_scores as layers_record_scores
 from lapse.kv import PagedStore
 from lapse.models import Decoder
 from lapse.ops import attention_key_scores
@@ -474,9 +475,7 @@ def records_scores(model: nn.Module) -> bool:
     records the attention scores H2O, A2SF and the recall of ``lapse eval policy-loss`` read:
     DCP layers do not."""
     decoder = _lapse_decoder(model)
-    if decoder is not None:
-        return all(getattr(block.attn, "records_scores", True) for block in decoder.blocks)
-    return not _has_dcp(model)
+    return layers_record_scores(decoder) if decoder is not None else not _has_dcp(model)
 
 
 def _has_dcp(model: nn.Module) -> bool:

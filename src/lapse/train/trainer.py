@@ -192,7 +192,7 @@ def with_init_model(cfg: TrainConfig) -> TrainConfig:
         model = replace(model, attention="dcp", dcp_r=cfg.model.dcp_r, dcp_beta_init=cfg.model.dcp_beta_init)
     _warn_ignored_model_options(cfg, model, run)
     tokenizer = saved.tokenizer
-    preset = TRAIN_PRESETS[cfg.preset_name][1]() if cfg.preset_name in TRAIN_PRESETS else TrainConfig()
+    preset = _preset_defaults(cfg) or TrainConfig()
     named = {t if t in ("byte", "bpe") else str(Path(t).resolve()) for t in (preset.tokenizer, tokenizer)}
     mine = cfg.tokenizer if cfg.tokenizer in ("byte", "bpe") else str(Path(cfg.tokenizer).resolve())
     if mine not in named:  # given on the command line
@@ -204,13 +204,20 @@ def with_init_model(cfg: TrainConfig) -> TrainConfig:
     return with_run_tokenizer(out, run / "tokenizer")
 
 
+def _preset_defaults(cfg: TrainConfig) -> TrainConfig | None:
+    """The config of ``cfg``'s preset as it comes (what the command line changed is the
+    difference); ``None`` for a config not made from a preset."""
+    return TRAIN_PRESETS[cfg.preset_name][1]() if cfg.preset_name in TRAIN_PRESETS else None
+
+
 def _warn_ignored_model_options(cfg: TrainConfig, model, run: Path) -> None:
     """Warns of the model options given on top of ``cfg``'s preset that fine-tuning from
     ``run`` does not take (its model is ``run``'s, DCP's fields aside): they were dropped
     without a word."""
-    if cfg.preset_name not in TRAIN_PRESETS:
+    defaults = _preset_defaults(cfg)
+    if defaults is None:
         return
-    preset = TRAIN_PRESETS[cfg.preset_name][1]().model
+    preset = defaults.model
     ignored = [
         f"--model.{f.name.replace('_', '-')} {getattr(cfg.model, f.name)} "
         f"({run.name} has {getattr(model, f.name)})"
@@ -509,18 +516,15 @@ def _model_and_optimizer(
 def _sampler(shards, cfg: TrainConfig, seed: int, split: str) -> WindowSampler:
     """The windows of one split; a split too short for one window is an error that says what
     to change (a single small file's validation split is 1% of its bytes)."""
-    try:
-        return WindowSampler(shards=shards, seq_len=cfg.context, batch_size=cfg.batch_size, seed=seed)
-    except ValueError as e:
-        if "no window of" not in str(e):
-            raise
-        longest = max((len(t) for t in shards.shards), default=0)
+    longest = max((len(t) for t in shards.shards), default=0)
+    if longest < cfg.context + 1:  # a window lies inside one shard (WindowSampler)
         fix = ("a larger --corpus.val-fraction, or no validation (--val-every 0 or --corpus.val-fraction 0)"
                if split == "validation" else "a shorter --seq-len")
         raise ValueError(
             f"the {split} split holds no window of {cfg.context + 1} tokens (context + 1; its longest "
             f"shard has {longest}): give more text, or {fix}"
-        ) from None
+        )
+    return WindowSampler(shards=shards, seq_len=cfg.context, batch_size=cfg.batch_size, seed=seed)
 
 
 def _absolute_paths(cfg: TrainConfig) -> TrainConfig:
