@@ -1237,3 +1237,55 @@ def test_bias_off_is_plain_softmax_attention():
                           (dict(kv, BIAS=0), dict(qc, BIAS=0)))
     for got, want in zip(grads[:3], (qt.grad, kt.grad, vt.grad), strict=True):
         assert _rel(got, want.transpose(1, 2)) < 1e-5
+
+
+# D 64 (the tiles through host descriptors, rows past a sequence the next one's): a last query
+# tile cut short, Tq < Tk with the causal edge inside a key tile, grouped heads
+FLAT_CASES = CPU_CASES + [
+    (2, 200, 200, 4, 2, 64, "fast", "auto", None),
+    (1, 100, 300, 2, 2, 64, "fast", 1.0, None),
+]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["f32", "f16"])
+@pytest.mark.parametrize("case", FLAT_CASES, ids=[_id(c) for c in FLAT_CASES])
+def test_flat_forward_matches_naive(case, dtype, monkeypatch):
+    """``FLAT`` (flat_fwd.py: a few programs, each one pipelined loop over its query tiles'
+    kept key tiles) over the interpreter's cases against the float64 oracle; the dense and
+    packed cases take the table's kernel."""
+    if torch.cuda.is_available():
+        pytest.skip("interpreter shapes; the GPU runs test_flat_forward_gpu")
+    from lapse.ops.forgetting import flat_fwd
+
+    _with_options(monkeypatch, fwd=dict(FLAT=2))
+    launches = []
+    plain = flat_fwd.launch
+    monkeypatch.setattr(flat_fwd, "launch", lambda *a, **k: launches.append(1) or plain(*a, **k))
+    b, tq, tk, hq, h, d, gate, acp, cu = case
+    if dtype == torch.float16 and acp is None:
+        pytest.skip("dense cases take the table's kernel")
+    cu_t = None if cu is None else torch.tensor(cu, dtype=torch.int32)
+    q, k, v, lg, do = _inputs(b, tq, tk, hq, h, d, gate, dtype, "cpu", seed=7 * tq + tk + d)
+    _compare(q, k, v, lg, do, dtype, acp, cu_t, None)
+    assert len(launches) == (acp is not None and cu is None)  # the flat kernel served ACP's forward
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("routed", [False, True], ids=["one-launch", "routed"])
+@pytest.mark.parametrize("case", GPU_CASES, ids=[_id(c) for c in GPU_CASES])
+def test_flat_forward_gpu(case, routed, monkeypatch):
+    """``FLAT`` on the GPU (bf16, the tables' other options beside it), one launch or as
+    ``ROUTE``'s second (the heads ACP prunes nowhere through the dense tiles), against the
+    float64 oracle; outputs poisoned."""
+    from lapse.ops.forgetting import flat_fwd, triton_fwd
+
+    if routed:
+        monkeypatch.setattr(triton_fwd, "ROUTE_MIN_ROWS", 1)
+    _with_options(monkeypatch, fwd=dict(FLAT=4, **({"ROUTE": 1} if routed else {})))
+    launches = []
+    plain = flat_fwd.launch
+    monkeypatch.setattr(flat_fwd, "launch", lambda *a, **k: launches.append(k) or plain(*a, **k))
+    _check_gpu(case)
+    acp, cu = case[7], case[8]
+    assert len(launches) == (acp is not None and cu is None and case[5] <= 128)
+    assert all(k["skip_full"] == routed for k in launches)
