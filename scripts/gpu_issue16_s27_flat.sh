@@ -18,7 +18,8 @@ fi
 read -r -a variants <<< "${VARIANTS:-{\"FLAT\":4} {\"FLAT\":3} {\"FLAT\":2} {\"FLAT\":4,\"num_stages\":3} {\"FLAT\":2,\"TMA\":\"host\"}}"
 timeout "${KERNEL_TIMEOUT:-200}" python3 scripts/tune_fox_fwd.py --modes acp \
     --shapes ${KERNEL_SHAPES:-4096x64x24 8192x64x24 16384x64x24 4096x128x24} \
-    --variants "${variants[@]}" --out "$OUT/$tag-flat-kernels.json" > /dev/null 2>&1
+    --variants "${variants[@]}" --out "$OUT/$tag-flat-kernels.json" > "$OUT/$tag-flat-kernels.log" 2>&1
+tail -n 3 "$OUT/$tag-flat-kernels.log"
 python3 - "$OUT/$tag-flat-kernels.json" <<'PY'
 import json, sys
 for r in json.load(open(sys.argv[1]))["rows"]:

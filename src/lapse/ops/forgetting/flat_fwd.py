@@ -10,8 +10,9 @@ loop of tiles with inner loops does not give (the twenty-third session's ``PERSI
 
 The loop's addresses must not hang on a value loaded in the loop before (the pipeliner
 could not run ahead), so a schedule made before the launch lists every step of the flat
-space: :func:`schedule` gives, per step, ``item << 20 | key tile << 1 | last``, and
-per program the first step and the step count. A step reloads its item's Q tile and row
+space: :func:`schedule` gives, per step, its batch row, head, query tile, key tile and
+whether it is its item's last in one 64-bit word, and per program the first step and the
+step count. Each step's word is loaded a step ahead. A step reloads its item's Q tile and row
 bias (cache hits after the item's first step); the item's last step writes O and the lse
 and resets the softmax state.
 
@@ -30,10 +31,18 @@ from ..backend import LOG2E, LOG2E_TL
 from .common import ACP_BLOCK
 from .triton_fwd import head_rows_descriptor, key_bias
 
-ITEM_SHIFT = 20  # a step's word: item << ITEM_SHIFT | key tile << 1 | last (key tiles < 2^19)
+# a step's word: batch row << 47 | query head << 39 | query tile << 20 | key tile << 1 | last,
+# so that a step decodes with shifts and masks (no divisions by run-time sizes)
+TILE_BITS = 19  # query and key tiles below 2^19 (sequences below 2^25 tokens)
+HEAD_BITS = 8  # query heads below 256
+BATCH_BITS = 16  # batch rows below 65536
 PROGRAMS = 4  # programs a multiprocessor (the table's ACP forward at D 64 fits four)
-_SHIFT = tl.constexpr(ITEM_SHIFT)
-_KT_MASK = tl.constexpr((1 << (ITEM_SHIFT - 1)) - 1)
+_KT_SHIFT = tl.constexpr(1)
+_M_SHIFT = tl.constexpr(1 + TILE_BITS)
+_H_SHIFT = tl.constexpr(1 + 2 * TILE_BITS)
+_B_SHIFT = tl.constexpr(1 + 2 * TILE_BITS + HEAD_BITS)
+_TILE_MASK = tl.constexpr((1 << TILE_BITS) - 1)
+_HEAD_MASK = tl.constexpr((1 << HEAD_BITS) - 1)
 
 
 @triton.jit
@@ -43,8 +52,8 @@ def _flat_fwd_kernel(
     stride_kb, stride_kt, stride_kh,
     stride_vb, stride_vt, stride_vh,
     stride_ob, stride_ot, stride_oh,
-    qk_scale, TQ, TK, TC, HQ, GROUP, MB,
-    D: tl.constexpr, BD: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
+    qk_scale, TQ, TK, TC, HQ,
+    GROUP: tl.constexpr, D: tl.constexpr, BD: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
     DOT_PREC: tl.constexpr, USE_TMA: tl.constexpr, ROW_BIAS: tl.constexpr, STAGES: tl.constexpr,
 ):
     pid = tl.program_id(0)
@@ -58,15 +67,17 @@ def _flat_fwd_kernel(
     acc = tl.zeros([BM, BD], dtype=tl.float32)
     l_i = tl.zeros([BM], dtype=tl.float32)
     m_i = tl.full([BM], float("-inf"), dtype=tl.float32)
+    nxt = tl.load(STEPS + first)
     for s in tl.range(0, n_steps, num_stages=STAGES):
-        word = tl.load(STEPS + first + s)
-        item = word >> _SHIFT
-        kt = (word >> 1) & _KT_MASK
+        # the step's word was loaded a step ahead: its addresses wait on no load of this step
+        word = nxt
+        nxt = tl.load(STEPS + first + s + 1, mask=s + 1 < n_steps, other=0)
         last = (word & 1) == 1
-        i_bh = item // MB
-        i_m = item % MB
-        i_b = i_bh // HQ
-        i_h = i_bh % HQ
+        kt = (word >> _KT_SHIFT) & _TILE_MASK
+        i_m = (word >> _M_SHIFT) & _TILE_MASK
+        i_h = (word >> _H_SHIFT) & _HEAD_MASK
+        i_b = word >> _B_SHIFT
+        i_bh = i_b * HQ + i_h
         i_hk = i_h // GROUP
         o_m = i_m * BM + o_r
         m_m = o_m < TQ
@@ -116,17 +127,19 @@ def _flat_fwd_kernel(
 
 
 @triton.jit
-def _steps_kernel(BS, START, COUNT, STEPS, TQ, TK, MB, G: tl.constexpr, BLOCK: tl.constexpr):
-    # per item (query tile of a (sequence, head)): its steps' words, from its first kept key tile
+def _steps_kernel(BS, START, COUNT, STEPS, TQ, TK, HQ, MB, G: tl.constexpr, BLOCK: tl.constexpr):
+    # per item (query tile of a (sequence, head)): its steps' words, up to its last key tile
     item = tl.program_id(0).to(tl.int64)
     i_m = item % MB
+    i_bh = item // MB
     kt1 = (tl.minimum(i_m * G + G, TQ) - 1 + TK - TQ) // G + 1  # past the last key tile it sees
     kt0 = kt1 - tl.load(COUNT + item)
     base = tl.load(START + item)
+    head = ((i_bh // HQ) << _B_SHIFT) | ((i_bh % HQ) << _H_SHIFT) | (i_m << _M_SHIFT)
     for k0 in range(0, kt1 - kt0, BLOCK):
         o_k = k0 + tl.arange(0, BLOCK)
         kt = kt0 + o_k
-        word = (item << _SHIFT) | (kt << 1) | (kt == kt1 - 1).to(tl.int64)
+        word = head | (kt << _KT_SHIFT) | (kt == kt1 - 1).to(tl.int64)
         tl.store(STEPS + base + o_k, word, mask=kt < kt1)
 
 
@@ -156,8 +169,8 @@ def schedule(block_start: torch.Tensor, tq: int, tk: int, programs: int,
         ((torch.clamp(torch.arange(block_start.shape[-1]) * ACP_BLOCK + ACP_BLOCK, max=tq) - 1 + tk - tq)
          // ACP_BLOCK + 1).sum())
     steps = torch.empty(max(dense, 1), dtype=torch.int64, device=counts.device)
-    _steps_kernel[(n_items,)](block_start, start, counts, steps, tq, tk, block_start.shape[-1],
-                              G=ACP_BLOCK, BLOCK=64)
+    _steps_kernel[(n_items,)](block_start, start, counts, steps, tq, tk, block_start.shape[1],
+                              block_start.shape[-1], G=ACP_BLOCK, BLOCK=64)
     targets = torch.arange(programs + 1, device=counts.device, dtype=torch.int64) * start[-1] // programs
     bounds = torch.searchsorted(start, targets)  # first item of each program (items start strictly up)
     first = start[bounds]
@@ -169,7 +182,8 @@ def supported(q, block_start, cu, p) -> bool:
     """Whether the flat kernel serves: ACP, no packed sequences, ``T_q <= T_k``, D up to 128
     (its 64 x 64 tiles)."""
     return (block_start is not None and cu is None and p.tq <= p.tk and p.d <= 128
-            and p.tk < (1 << (ITEM_SHIFT - 1)) * ACP_BLOCK)
+            and p.tk < (1 << TILE_BITS) * ACP_BLOCK and p.hq < (1 << HEAD_BITS)
+            and p.batch < (1 << BATCH_BITS))
 
 
 def programs(q, per_multiprocessor: int) -> int:
@@ -197,8 +211,8 @@ def launch(q, k, v, c_hi, pairs, block_start, p, o, lse2, config: dict, use_tma:
         k.stride(0), k.stride(1), k.stride(2),
         v.stride(0), v.stride(1), v.stride(2),
         o.stride(0), o.stride(1), o.stride(2),
-        p.scale * LOG2E, p.tq, p.tk, c_hi.shape[-1], p.hq, p.hq // p.h, block_start.shape[-1],
-        D=p.d, BD=bd, BM=ACP_BLOCK, BN=ACP_BLOCK, DOT_PREC="ieee" if q.dtype.itemsize == 4 else "tf32",
+        p.scale * LOG2E, p.tq, p.tk, c_hi.shape[-1], p.hq, GROUP=p.hq // p.h, D=p.d, BD=bd,
+        BM=ACP_BLOCK, BN=ACP_BLOCK, DOT_PREC="ieee" if q.dtype.itemsize == 4 else "tf32",
         USE_TMA=use_tma == 2, ROW_BIAS=cfg.pop("ROW_BIAS", False) and q.element_size() < 4,
         STAGES=cfg.pop("num_stages", 2), **cfg,
     )
