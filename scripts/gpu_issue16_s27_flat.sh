@@ -15,7 +15,8 @@ if [[ -z "${NO_TESTS:-}" ]]; then
     timeout "${TEST_TIMEOUT:-240}" python3 -m pytest -q -m gpu -p no:cacheprovider \
         tests/ops/test_forgetting_triton.py -k "flat_forward_gpu" 2>&1 | tail -n 6
 fi
-read -r -a variants <<< "${VARIANTS:-{\"FLAT\":4} {\"FLAT\":3} {\"FLAT\":2} {\"FLAT\":4,\"num_stages\":3} {\"FLAT\":2,\"TMA\":\"host\"}}"
+default_variants='{"FLAT":4} {"FLAT":3} {"FLAT":2} {"FLAT":4,"num_stages":3} {"FLAT":2,"TMA":"host"}'
+read -r -a variants <<< "${VARIANTS:-$default_variants}"
 timeout "${KERNEL_TIMEOUT:-200}" python3 scripts/tune_fox_fwd.py --modes acp \
     --shapes ${KERNEL_SHAPES:-4096x64x24 8192x64x24 16384x64x24 4096x128x24} \
     --variants "${variants[@]}" --out "$OUT/$tag-flat-kernels.json" > "$OUT/$tag-flat-kernels.log" 2>&1
