@@ -1270,6 +1270,28 @@ def test_flat_forward_matches_naive(case, dtype, monkeypatch):
     assert len(launches) == (acp is not None and cu is None)  # the flat kernel served ACP's forward
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["f32", "f16"])
+def test_flat_forward_redoes_items_that_overflow_the_reference(dtype, monkeypatch):
+    """Keys 0-63 at logit +50 and every later key at -50 for every query (q along u, the keys
+    along +u or -u): query tile 1's diagonal tile sets its rows' maximum at -50, and tile 0's
+    weights, 2^144 above it, overflow float32. The flat kernel must find that at the item's end
+    and do the item again with the online maximum (after its pipelined loop)."""
+    if torch.cuda.is_available():
+        pytest.skip("interpreter shapes")
+    _with_options(monkeypatch, fwd=dict(FLAT=1))
+    b, t, hq, d = 1, 200, 2, 64
+    g = torch.Generator().manual_seed(3)
+    u = F.normalize(torch.randn(d, generator=g), dim=0)
+    a = (50.0 * math.sqrt(d)) ** 0.5  # a^2 * scale = 50
+    q = (a * u).expand(b, t, hq, d).clone()
+    sign = torch.where(torch.arange(t) < 64, 1.0, -1.0)
+    k = (a * u * sign[:, None])[None, :, None, :].expand(b, t, hq, d).clone()
+    v = torch.randn(b, t, hq, d, generator=g)
+    lg = F.logsigmoid(torch.full((b, t, hq), 9.0))
+    do = torch.randn(b, t, hq, d, generator=g)
+    _compare(q, k, v, lg, do, dtype, "auto", None, None)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("routed", [False, True], ids=["one-launch", "routed"])
 @pytest.mark.parametrize("case", GPU_CASES, ids=[_id(c) for c in GPU_CASES])
