@@ -2,8 +2,9 @@
 # Issue 16, twenty-seventh session: the flat ACP forward (flat_fwd.py, FLAT in the forward's
 # config). Its GPU tests, then the forward kernels alone on the bench's workload (the table
 # against FLAT variants; tune_fox_fwd.py checks each one's output against the table's), then
-# the op end to end, eager and from a CUDA graph (ab_fwd_options.py).
-# Usage, from the repo root: bash scripts/gpu.sh bash scripts/gpu_issue16_s27_flat.sh
+# the op end to end, eager and from a CUDA graph (ab_fwd_options.py). The kernel was tried and
+# taken out again (BENCHMARKS.md, "Twenty-seventh session"): run this at 65026ee.
+# Usage, from the repo root: git checkout 65026ee && bash scripts/gpu.sh bash scripts/gpu_issue16_s27_flat.sh
 set -uo pipefail
 export PYTHONUNBUFFERED=1 BENCH_WORKLOAD=1
 OUT="${OUT:-runs/issue16-s27-flat}"

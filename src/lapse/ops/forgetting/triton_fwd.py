@@ -501,16 +501,6 @@ def launch_fwd(q, k, v, c_hi, c_lo, block_start, cu, p, o, lse2, config=None):
                 and _launch_gluon_acp(q, k, v, c_hi, c_lo, block_start, cu, p, o, lse2, gluon_acp,
                                       cfg.get("ROUTE") == 2)):
             continue
-        flat = cfg.pop("FLAT", 0)  # programs a multiprocessor of flat_fwd.py's kernel
-        if flat:
-            from . import flat_fwd
-        if flat and not no_acp and flat_fwd.supported(q, block_start, cu, p):
-            pairs = torch.stack((c_hi, c_lo), -1) if pairs is None else pairs
-            use_tma = tma_mode(cfg.pop("TMA", False), q, k, v, p)
-            opts = {key: cfg[key] for key in ("num_warps", "num_stages", "maxnreg", "ROW_BIAS") if key in cfg}
-            flat_fwd.launch(q, k, v, c_hi, pairs, block_start, p, o, lse2, opts, use_tma,
-                            flat_fwd.programs(q, flat), skip_full=cfg.get("ROUTE") == 2)
-            continue
         use_tma = tma_mode(cfg.pop("TMA", False), q, k, v, p)
         if q.element_size() == 4:  # float32 keeps the exact order of the bias's terms
             cfg.pop("ROW_BIAS", None)
