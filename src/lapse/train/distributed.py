@@ -59,8 +59,15 @@ def init_world(device: str = "auto") -> World:
     return World(rank=rank, size=size, local_rank=local_rank, device=dev)
 
 
-def close_world(world: World) -> None:
+def close_world(world: World, clean: bool = True) -> None:
+    """Leave the process group. After a run that ended normally (``clean``) every rank first
+    waits for the others at a barrier: rank 0 still writes the plots and the report, and a rank
+    that tears its group down while a peer is busy can leave a process hanging at exit
+    (pytorch/pytorch#75097; the two-process CPU test timed out that way once). After an error
+    there is no barrier: the other ranks may never reach it."""
     if world.distributed and dist.is_initialized():
+        if clean:
+            dist.barrier()
         dist.destroy_process_group()
 
 

@@ -341,6 +341,7 @@ def _run(cfg: TrainConfig, *, resuming: bool) -> dict:
         cfg = _absolute_paths(cfg)
         _check_new_run_dir(cfg.run_dir)
     world = init_world(cfg.device)
+    ended = False  # the run ended normally (finished or stopped): the ranks leave together
     try:
         run_dir = cfg.run_dir if resuming else _new_run_dir(cfg, world)
         with _hold_run_dir(run_dir, world):
@@ -356,9 +357,10 @@ def _run(cfg: TrainConfig, *, resuming: bool) -> dict:
                 with stop_signals(stop):
                     plot_losses(run.run_dir)
                     write_report(run.run_dir, summary)
+        ended = True
         return summary
     finally:
-        close_world(world)
+        close_world(world, clean=ended)
 
 
 @contextmanager
