@@ -739,6 +739,7 @@ def test_d64_tables_by_length():
     assert pick(triton_fwd.fwd_config(64, 4, False, 1024))["BM"] == 128  # float32
     for tk in (1024, short, 2 * short):
         assert pick(triton_fwd.fwd_config(64, 2, True, tk)) == four
+        assert triton_fwd.fwd_config(64, 2, True, tk)["LOOPS"] == 1  # empty loops not entered
     assert triton_fwd.fwd_config(64, 4, True, 1024).get("maxnreg") is None
 
 

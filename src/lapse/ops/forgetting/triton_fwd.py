@@ -421,6 +421,16 @@ def fwd_config(d: int, dtype_bytes: int, acp: bool = False, tk: int = 0) -> dict
     ``SHORT_DENSE_KEYS`` keys: 1.097 and 1.102 ms against 1.133 and 1.148 at 4k in two calls,
     but 2.373 against 2.349 at 8k and 4.583 against 4.409 at 16k (``h200-fwd-dense.json``).
 
+    ``LOOPS=1`` in the D 64 ACP table (a loop with no step not entered: with one ACP block a
+    tile the edge loop never has one, and a local head's rows rarely reach the interior;
+    twenty-seventh session on an H100, the bench's workload, ``docs/bench/session27/``): the
+    kernels alone 0.526 / 0.849 / 1.460 ms at T 4k / 8k / 16k against 0.540 / 0.865 / 1.461
+    (``LOOPS=3`` 0.526 / 0.854 / 1.449, ``h100-acp-d64-loops.json``); through the op, best of
+    three CUDA-graph replays, forward 0.625 / 0.944 / 1.567 against 0.631 / 0.957 / 1.565 and
+    forward+backward 2.245 / 3.553 / 6.057 against 2.253 / 3.565 / 6.045
+    (``h100-ab-loops-d64.json``), outputs and gradients equal bit for bit. The fifteenth
+    session's H200 measurement had found no change in the forward's fixed part.
+
     ``GLUON_ACP="routed"`` (D 128 with ACP, 16-bit inputs; twenty-fifth session): where ``ROUTE``
     splits the heads, the second launch (the heads ACP prunes) runs ``gluon_fwd.py``'s persistent
     kernel on Hopper. On an H200 that launch took 0.219-0.221 / 0.225-0.226 ms at T 4k / 16k
@@ -441,7 +451,7 @@ def fwd_config(d: int, dtype_bytes: int, acp: bool = False, tk: int = 0) -> dict
     rb = dtype_bytes < 4
     if d <= 64:
         if acp:
-            cfg = dict(BM=64, BN=64, num_warps=4, num_stages=3, TMA="host", PAIRS=True, ROW_BIAS=rb)
+            cfg = dict(BM=64, BN=64, num_warps=4, num_stages=3, TMA="host", PAIRS=True, ROW_BIAS=rb, LOOPS=1)
             if rb and d == 64 and tk >= ROUTE_D64_KEYS:
                 cfg["ROUTE"] = 1
             return dict(cfg, FIXED_MAX=True, maxnreg=128, num_stages=2) if rb else cfg
