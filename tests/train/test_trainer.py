@@ -499,3 +499,16 @@ def test_a_small_corpus_says_what_to_change_and_trains_without_validation(tmp_pa
     assert train(tiny(tmp_path / "b", data_dir, steps=2, corpus=corpus, val_every=0))["step"] == 2
     with pytest.raises(ValueError, match="the training split holds no window of 4001 tokens"):
         train(tiny(tmp_path / "c", data_dir, steps=2, corpus=corpus, val_every=0, seq_len=4000))
+
+
+def test_a_run_saved_with_a_peak_at_or_below_zero_loads(tmp_path, data_dir):
+    """Runs saved before ``peak_tflops`` was checked may hold 0 or less: they load with it
+    dropped (MFU from the device's known peak) and a warning, rather than failing to resume."""
+    from lapse.train.trainer import config_from_json, config_to_json
+
+    cfg = tiny(tmp_path / "run", data_dir, steps=2)
+    saved = config_to_json(cfg)
+    saved["peak_tflops"] = -3.0
+    with pytest.warns(UserWarning, match="peak_tflops -3.0 is not positive"):
+        loaded = config_from_json(saved)
+    assert loaded.peak_tflops is None and loaded.steps == 2

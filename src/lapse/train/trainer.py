@@ -154,6 +154,11 @@ def config_from_json(obj: dict) -> TrainConfig:
     obj["run_dir"] = None if obj["run_dir"] is None else Path(obj["run_dir"])
     obj["dcp"] = DCPTrainConfig(**obj.get("dcp", {}))  # runs saved before DCP: the defaults
     obj["init_from"] = None if obj.get("init_from") is None else Path(obj["init_from"])
+    peak = obj.get("peak_tflops")
+    if peak is not None and not peak > 0:  # runs saved before the check: MFU from the device's table
+        warnings.warn(f"the run's saved peak_tflops {peak} is not positive: ignored (MFU from the device's "
+                      "known peak; --peak-tflops sets one)", stacklevel=2)
+        obj["peak_tflops"] = None
     return TrainConfig(**obj)
 
 
