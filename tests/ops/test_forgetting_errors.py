@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
 import pytest
 import torch
 
@@ -125,11 +126,14 @@ CASES = [
      r"acp \(the bound U\) must be finite and non-negative"),
     ("acp_eps-zero", with_(acp="auto", acp_eps=0.0), ValueError, r"acp_eps must be in \(0, 1\)"),
     ("acp_eps-one", with_(acp=1.0, acp_eps=1.0), ValueError, r"acp_eps must be in \(0, 1\)"),
-    ("acp_eps-string", with_(acp=1.0, acp_eps="1e-3"), ValueError, "acp_eps must be in"),
+    ("acp_eps-string", with_(acp=1.0, acp_eps="1e-3"), TypeError, "acp_eps must be a number, got str"),
+    ("acp_eps-bool", with_(acp="auto", acp_eps=True), TypeError, "acp_eps must be a number, got bool"),
     ("scale-zero", with_(scale=0.0), ValueError, "scale must be a positive finite number"),
     ("scale-negative", with_(scale=-0.25), ValueError, "scale must be a positive finite"),
     ("scale-nan", with_(scale=math.nan), ValueError, "scale must be a positive finite"),
-    ("scale-string", with_(scale="0.25"), ValueError, "scale must be a positive finite"),
+    ("scale-string", with_(scale="0.25"), TypeError, "scale must be a number, got str"),
+    ("scale-bool", with_(scale=True), TypeError, "scale must be a number, got bool"),
+    ("scale-tensor", with_(scale=torch.tensor(0.5)), TypeError, "scale must be a number, got Tensor"),
 ]
 
 
@@ -144,7 +148,8 @@ def test_bad_input_raises(make, error, match):
 
 def test_valid_calls_pass():
     """The unbroken starting points are valid (so each case above breaks one thing)."""
-    for make in (valid, packed, with_(acp="auto"), with_(packed, acp=torch.ones(HQ))):
+    for make in (valid, packed, with_(acp="auto"), with_(packed, acp=torch.ones(HQ)),
+                 with_(scale=np.float32(0.5), acp="auto", acp_eps=np.float64(1e-3))):  # NumPy numbers
         a = make()
         q, k, v, lf = a.pop("q"), a.pop("k"), a.pop("v"), a.pop("log_fgate")
         assert forgetting_attention(q, k, v, lf, **a).shape == q.shape

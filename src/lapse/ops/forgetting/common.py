@@ -11,6 +11,7 @@ blocks and N = ceil(Tk / G) key blocks of the ACP granularity G = ``ACP_BLOCK``.
 from __future__ import annotations
 
 import math
+import numbers
 from dataclasses import dataclass
 
 import torch
@@ -144,13 +145,22 @@ def check_heads(q: Tensor, k: Tensor, v: Tensor, k_name: str = "k", v_name: str 
         )
 
 
+def real_number(name: str, x) -> float:
+    """``x`` as a float: a real number (Python's or NumPy's; not a bool or a tensor), else
+    ``TypeError`` naming the argument and the type it got."""
+    if isinstance(x, bool) or not isinstance(x, numbers.Real):
+        raise TypeError(f"{name} must be a number, got {type(x).__name__} {x!r}")
+    return float(x)
+
+
 def resolve_scale(scale: float | None, d: int) -> float:
     """The logit scale: ``1 / sqrt(d)`` for ``None``, else a checked positive number."""
     if scale is None:
         return 1.0 / math.sqrt(d)
-    if not isinstance(scale, (int, float)) or not math.isfinite(scale) or scale <= 0:
+    value = real_number("scale", scale)
+    if not math.isfinite(value) or value <= 0:
         raise ValueError(f"scale must be a positive finite number, got {scale!r}")
-    return float(scale)
+    return value
 
 
 def _check_gate_values(log_fgate: Tensor) -> None:
@@ -344,7 +354,7 @@ def acp_bound_from_data(q: Tensor, k: Tensor, p: Problem) -> Tensor:
 
 def check_acp_eps(acp_eps) -> None:
     """Raises ``ValueError`` unless ``acp_eps`` is a number in (0, 1)."""
-    if not (isinstance(acp_eps, (int, float)) and 0 < acp_eps < 1):
+    if not 0 < real_number("acp_eps", acp_eps) < 1:
         raise ValueError(f"acp_eps must be in (0, 1), got {acp_eps!r}")
 
 

@@ -66,6 +66,8 @@ def naive_forgetting_attention(
         o ``[B, Tq, HQ, D]`` in the input dtype and lse ``[B, HQ, Tq]`` (natural log).
     """
     r = log_fgate.double() if q.dtype == torch.float64 else log_fgate.float()
+    if q.shape[0] == 0 or q.shape[1] == 0:  # no sequence, or only empty ones: empty results
+        return q * 0, (q.sum(-1).transpose(1, 2) * 0).to(r.dtype)
     if cu_seqlens is None:
         outs = [
             _one_sequence(q[b], k[b], v[b], r[b], scale,
