@@ -165,3 +165,17 @@ def test_triton_backend_checks(monkeypatch):
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     with pytest.raises(TypeError, match="backend='triton' takes float16, bfloat16 or float32"):
         forgetting_attention(q.double(), k.double(), v.double(), lf.double(), backend="triton")
+
+
+@pytest.mark.parametrize("backend", ["naive", "torch"])
+def test_empty_batches_give_empty_results(backend):
+    """No sequence (B = 0), or packed sequences that are all empty: empty outputs of the right
+    shapes on every CPU backend (the naive one stacked an empty list)."""
+    q, k, v = torch.randn(0, T, HQ, D), torch.randn(0, T, H, D), torch.randn(0, T, H, D)
+    o, lse = forgetting_attention(q, k, v, torch.zeros(0, T, HQ), backend=backend, return_lse=True)
+    assert o.shape == (0, T, HQ, D) and lse.shape == (0, HQ, T)
+    cu = torch.tensor([0, 0, 0], dtype=torch.int32)
+    q, k, v = torch.randn(1, 0, HQ, D), torch.randn(1, 0, H, D), torch.randn(1, 0, H, D)
+    o, lse = forgetting_attention(q, k, v, torch.zeros(1, 0, HQ), backend=backend, return_lse=True,
+                                  cu_seqlens=cu)
+    assert o.shape == (1, 0, HQ, D) and lse.shape == (1, HQ, 0)
