@@ -81,12 +81,14 @@ def check_backend(backend: str, allowed: tuple[str, ...] = BACKENDS) -> None:
         raise ValueError(f"backend must be one of {allowed}, got {backend!r}")
 
 
-def resolve_backend(backend: str, x: Tensor, allowed: tuple[str, ...] = BACKENDS) -> str:
+def resolve_backend(backend: str, x: Tensor, allowed: tuple[str, ...] = BACKENDS,
+                    products: bool = True) -> str:
     """The backend to run for inputs like ``x``: ``"auto"`` becomes ``"triton"`` for CUDA
     tensors and ``"torch"`` otherwise; Triton is checked to be usable for ``x``.
 
     Raises ``ValueError`` for an unknown name or an unusable Triton, ``TypeError`` for
-    float64 on Triton (its kernels take float16, bfloat16 and float32).
+    float64 on Triton (its kernels take float16, bfloat16 and float32) and, where the kernels
+    multiply tiles (``products``), for bfloat16 on the CPU interpreter.
     """
     check_backend(backend, allowed)
     if backend == "auto":
@@ -100,6 +102,11 @@ def resolve_backend(backend: str, x: Tensor, allowed: tuple[str, ...] = BACKENDS
             )
         if x.dtype == torch.float64:
             raise TypeError("backend='triton' takes float16, bfloat16 or float32, got float64")
+        if products and x.dtype == torch.bfloat16 and not x.is_cuda:
+            # Triton 3.6's interpreter multiplies bfloat16 tiles wrongly (a 16 x 16 tl.dot is off
+            # by ~1e10; float16 is exact), so its results would be garbage
+            raise TypeError("backend='triton' on the CPU interpreter takes float16 or float32 (its bfloat16 "
+                            "products are wrong); use backend='torch' for bfloat16 on the CPU")
     return backend
 
 

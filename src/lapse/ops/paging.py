@@ -100,7 +100,7 @@ def move_rows(pools: Sequence[Tensor], moves: Tensor, *, backend: str = "auto") 
         backend = "triton" if moves.is_cuda else "torch"
     if backend == "torch":
         return _move_torch(pools, moves)
-    resolve_backend(backend, moves, ("auto", "triton", "torch"))
+    resolve_backend(backend, moves, ("auto", "triton", "torch"), products=False)
     m = moves.shape[1]
     if m == 0:
         return

@@ -425,7 +425,7 @@ def castle_decode_step(
     window = _check_update(u_cache, qu_cache, k_u, v_u, cache_seqlens, window, check_values=False)
     if pending is not None:
         pending = _check_pending(pending, k_u, u_cache)
-    backend = resolve_backend(backend, q_c, DECODE_BACKENDS)
+    backend = resolve_backend(backend, q_c, DECODE_BACKENDS, products=False)
     if backend == "triton":
         if num_splits is not None and not (isinstance(num_splits, int) and 1 <= num_splits <= MAX_SPLITS):
             raise ValueError(f"num_splits must be an int in [1, {MAX_SPLITS}], got {num_splits!r}")

@@ -206,7 +206,7 @@ def _validate(q_c, k_u, v_u, k_pages, v_pages, u_pages, qu_pages, pos_pages, pag
     if pos_pages is not None and (pos_pages.dtype != torch.int32 or tuple(pos_pages.shape) != (n_pages, ps)):
         raise ValueError(f"pos_pages must be int32 [pages, page_size] = {(n_pages, ps)}, "
                          f"got {_shape(pos_pages)}")
-    backend = resolve_backend(backend, q_c, PAGED_BACKENDS)
+    backend = resolve_backend(backend, q_c, PAGED_BACKENDS, products=False)
     if backend == "triton":
         _validate_triton(k_u, k_pages, u_pages, qu_pages, d, num_splits)
     if check_values:

@@ -157,7 +157,7 @@ def _resolve(x: Tensor, backend: str) -> str:
     check_backend(backend, ALPHA_SIGMOID_BACKENDS)
     if backend == "auto":
         return "triton" if triton is not None and x.is_cuda and x.dtype != torch.float64 else "torch"
-    return resolve_backend(backend, x, ALPHA_SIGMOID_BACKENDS)
+    return resolve_backend(backend, x, ALPHA_SIGMOID_BACKENDS, products=False)
 
 
 def _bisect(x: Tensor, alpha: Tensor, log: bool, backend: str) -> Tensor:

@@ -166,7 +166,8 @@ def dcp_paged_drop(
         backend = "triton" if q_int.is_cuda and q_int.dtype != torch.float64 else "torch"
     if backend == "torch":
         return _drop_torch(q_int, kint_pages, drop_pages, page_table, lengths, beta)
-    resolve_backend(backend, q_int, ("auto", "triton", "torch"))  # Triton usable for these inputs
+    # Triton usable for these inputs (its kernel multiplies no tiles)
+    resolve_backend(backend, q_int, ("auto", "triton", "torch"), products=False)
     beta_t = (
         beta.detach().reshape(())
         if isinstance(beta, Tensor)

@@ -207,7 +207,7 @@ def forgetting_decode_input(
         slot,
     )
     _check(*args)
-    backend = resolve_backend(backend, x, ("auto", "triton", "torch"))
+    backend = resolve_backend(backend, x, ("auto", "triton", "torch"), products=False)
     fn = _decode_input_torch
     if backend == "triton":
         fn = triton_decode_input
