@@ -197,8 +197,12 @@ def test_paged_store_prefill_equals_the_uncached_forward():
         ({"arch": "castle", "acp": True}, "acp=True needs a forget gate"),
         ({"arch": "castle", "d_model": 100, "n_heads": 12}, "castle keeps the head dim"),
         ({"attention": "castle", "d_model": 60, "n_heads": 4}, "RoPE needs an even head dim"),
+        ({"attn_head_dim": 300}, r"head dim attn_head_dim = 300 is above 256.*a smaller attn_head_dim"),
+        ({"d_model": 600, "n_heads": 2}, r"head dim d_model / n_heads = 300 is above 256.*more heads"),
+        ({"attention": "castle", "attn_head_dim": 15}, "RoPE needs an even head dim, got attn_head_dim = 15"),
     ],
-    ids=["window-0", "window-neg", "head-dim", "acp", "heads-width", "odd-head-dim"],
+    ids=["window-0", "window-neg", "head-dim", "acp", "heads-width", "odd-head-dim", "wide-attn-head-dim",
+         "wide-heads", "odd-attn-head-dim"],
 )
 def test_bad_config_raises(overrides, message):
     with pytest.raises(ValueError, match=message):

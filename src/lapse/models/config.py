@@ -211,13 +211,15 @@ class ModelConfig:
                     f"n_kv_heads ({self.n_kv_heads}) must divide n_heads ({self.n_heads}) "
                     "(grouped-query attention)"
                 )
+        where = "attn_head_dim" if self.attn_head_dim is not None else "d_model / n_heads"
         if self.head_dim > 256:
+            fix = "a smaller attn_head_dim" if self.attn_head_dim is not None else "more heads"
             raise ValueError(
-                f"head dim d_model / n_heads = {self.head_dim} is above 256, the largest the "
-                "attention kernels take; use more heads"
+                f"head dim {where} = {self.head_dim} is above 256, the largest the attention kernels "
+                f"take; use {fix}"
             )
         if self.head_dim % 2 != 0 and kind.needs_even_head_dim:
-            raise ValueError(f"RoPE needs an even head dim, got d_model / n_heads = {self.head_dim}")
+            raise ValueError(f"RoPE needs an even head dim, got {where} = {self.head_dim}")
         if self.mlp_ratio is not None and not (self.mlp_ratio > 0 and math.isfinite(self.mlp_ratio)):
             raise ValueError(f"mlp_ratio must be a positive number or None, got {self.mlp_ratio!r}")
         if self.mlp_hidden_size is not None and not _is_count(self.mlp_hidden_size):
