@@ -3,7 +3,8 @@
 # budget, concurrently on one GPU, then every evaluation and one report.
 #
 #   FoX (Pro), FoX (Pro) + ACP, Transformer (Pro), Transformer (LLaMA): the gpu-20m preset
-#   (5 x 512, 8 heads of 64, about 21M parameters without the embedding), byte-level
+#   (5 x 512, 8 heads of 64: 16.7M parameters without the embedding for the Pro models at
+#   this vocabulary, 17.3M for the LLaMA one), byte-level
 #   tokens (vocabulary 512), context SEQ = 4096, BATCH x SEQ tokens per step, STEPS steps
 #   (lr 2e-3, 10% warm-up, cosine), the Python sources of the machine's installation.
 #
@@ -11,7 +12,7 @@
 #   bash scripts/gpu.sh bash scripts/study_fox.sh
 # It leaves $OUT/study.tar.gz: the run folders without checkpoints, their evaluations and
 # report.md (unpacked into docs/study/). Every knob below is an environment variable; a
-# CPU dry run of the whole pipeline in a minute:
+# CPU dry run of the whole pipeline (about 4 minutes on 2 cores):
 #   PRESET=cpu-tiny SEQ=256 STEPS=4 BATCH=4 MICRO=4 BYTES=300000 MINUTES=1 NSEQ=2 \
 #   MODEL="--model.vocab-size 320" EXTRA="--device cpu --no-compile" OUT=/tmp/study bash scripts/study_fox.sh
 set -euo pipefail
