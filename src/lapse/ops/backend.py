@@ -1,7 +1,7 @@
 """What every op shares: the backend names, whether Triton can run, kernel constants.
 
-Every public op takes ``backend="auto" | "triton" | "torch" | "naive"`` (``DESIGN.md``,
-Conventions): ``"auto"`` is Triton for CUDA tensors and the PyTorch path otherwise.
+Every public op takes ``backend="auto" | "triton" | "torch" | "naive"``: ``"auto"`` is
+Triton for CUDA tensors and the PyTorch path otherwise.
 Triton is optional; the PyTorch paths work without it.
 """
 
