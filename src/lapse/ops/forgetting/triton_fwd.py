@@ -16,7 +16,10 @@ row's bias set to -inf, with no compare a pair; only the diagonal compares pairs
 The bias ``c_i - c_j`` comes from the float64 cumulative gate split into float32
 ``hi + lo``: ``((hi_i - ref) + lo_i) - ((hi_j - ref) + lo_j)`` with ``ref`` the ``hi`` of
 the tile's first query is exact where it matters (nearby values subtract exactly), so
-long contexts do not lose the bias to cancellation. Everything runs in base 2.
+long contexts do not lose the bias to cancellation. Its limit: a gate far below 0 inside a
+tile makes ``hi_i - ref`` large for the rows after it, and their biases are rounded at that
+scale (float32: 6.9e-5 output error with one ``-inf`` gate, floored at ``LOG_GATE_FLOOR``;
+5e-3 with a hundred gates of -999; README, "The op"). Everything runs in base 2.
 
 Two options of the tables (16-bit inputs; :func:`fwd_config` has the measurements):
 ``ROW_BIAS`` leaves the query's own ``c_i`` out of the loops' logits (a per-row constant;
