@@ -5,6 +5,7 @@ import os
 import shlex
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -287,3 +288,23 @@ def test_an_os_error_deep_in_a_library_keeps_its_traceback():
         torch.load("/nonexistent/lapse-test/weights.pt")
     except FileNotFoundError as e:
         assert not _raised_by_lapse(e)
+
+
+def test_model_and_eps_options_take_either_spelling():
+    """``--model``/``--models`` and ``--eps``/``--acp-eps`` are one option each wherever an
+    evaluation or ``generate`` takes them (the commands differed: ``eval ppl --model X`` was a
+    134-line "unrecognized options" box)."""
+    from lapse.eval.acp import AcpEvalConfig
+    from lapse.eval.eviction import EvictionStudyConfig
+    from lapse.eval.loss import LossEvalConfig
+    from lapse.eval.niah import NiahConfig
+    from lapse.generation.command import GenerateConfig
+
+    assert tyro.cli(LossEvalConfig, args=["--model", "a", "b"]).models == ("a", "b")
+    niah = [tyro.cli(NiahConfig, args=[flag, "a"]).models for flag in ("--model", "--models")]
+    assert niah[0] == niah[1] == (Path("a"),)
+    acp = tyro.cli(AcpEvalConfig, args=["--models", "r", "--acp-eps", "0.01"])
+    assert str(acp.model) == "r" and acp.eps == (0.01,)
+    assert tyro.cli(EvictionStudyConfig, args=["r", "--acp-eps", "0.01"]).eps == (0.01,)
+    for flag in ("--acp-eps", "--eps"):
+        assert tyro.cli(GenerateConfig, args=["r", "--prompt", "x", flag, "0.01"]).eps == 0.01

@@ -42,11 +42,12 @@ import time
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal
+from typing import Annotated, Literal
 
 import numpy as np
 import torch
 import torch.nn.functional as F
+import tyro
 from torch import Tensor
 from tqdm.auto import tqdm
 
@@ -78,7 +79,7 @@ class AcpEvalConfig:
     """``lapse eval acp``: pruned fractions per head and layer, local vs global heads, the
     decay and attention maps of chosen heads, and the effect of ``eps``."""
 
-    model: Path
+    model: Annotated[Path, tyro.conf.arg(aliases=("--models",))]
     """A FoX model (``fox-llama`` or ``fox-pro``): a run folder, a checkpoint folder or a
     Hugging Face folder (see :func:`lapse.eval.common.load_model`). Trained with or without
     ACP: it is switched on (and off, for the reference) here."""
@@ -97,7 +98,7 @@ class AcpEvalConfig:
     seed: int = 0
     """Picks the windows: the same seed gives the same windows and the same results."""
 
-    eps: tuple[float, ...] = DEFAULT_EPS
+    eps: Annotated[tuple[float, ...], tyro.conf.arg(aliases=("--acp-eps",))] = DEFAULT_EPS
     """ACP tolerances of the sweep, each in (0, 1); the model's own ``acp_eps`` is added
     when missing. The per-head statistics and maps use the model's own ``acp_eps``."""
 

@@ -46,7 +46,7 @@ import time
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Literal
+from typing import Annotated, Literal
 
 import numpy as np
 import tyro
@@ -89,7 +89,7 @@ class EvictionStudyConfig(HfOptions):
     """Tokens kept per kv head, as shares of the prompt (in (0, 1])."""
     alphas: tuple[float, ...] = (0.1, 0.5, 0.9, 0.99)
     """A2SF's forgetting factors, one variant each."""
-    eps: tuple[float, ...] = (math.exp(-10),)
+    eps: Annotated[tuple[float, ...], tyro.conf.arg(aliases=("--acp-eps",))] = (math.exp(-10),)
     """ACP's eps values, one variant each."""
     sinks: int = 4
     """window: first tokens kept (inside the budget)."""

@@ -32,11 +32,12 @@ import time
 import warnings
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Literal
+from typing import Annotated, Literal
 
 import numpy as np
 import torch
 import torch.nn.functional as F
+import tyro
 from torch import Tensor
 from tqdm.auto import tqdm
 
@@ -64,7 +65,7 @@ class LossEvalConfig(PolicyOptions, HfOptions):
     an optional eviction policy (``--policy``: loss streamed through the cache as the
     policy leaves it, :func:`lapse.eval.policy.streamed_loss`)."""
 
-    models: tuple[str, ...] = ()
+    models: Annotated[tuple[str, ...], tyro.conf.arg(aliases=("--model",))] = ()
     """Model paths: run folders, checkpoint folders or Hugging Face folders (see
     :func:`lapse.eval.common.load_model`). The first one's validation data (or ``corpus``)
     gives the windows; plots overlay the models in this order. ``--hf`` adds a pretrained

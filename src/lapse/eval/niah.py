@@ -39,11 +39,12 @@ import warnings
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Literal
+from typing import Annotated, Literal
 
 import numpy as np
 import torch
 import torch.nn.functional as F
+import tyro
 
 from lapse.data import Tokenizer, python_source_documents, text_documents
 from lapse.eval.common import LoadedModel, default_eval_dir
@@ -65,7 +66,7 @@ class NiahConfig(PolicyOptions, HfOptions):
     model (``--hf``: scored through an :class:`~lapse.hf.EvictingCache`, ``dense`` when no
     policy is named)."""
 
-    models: tuple[Path, ...] = ()
+    models: Annotated[tuple[Path, ...], tyro.conf.arg(aliases=("--model",))] = ()
     """Models to evaluate: run folders, checkpoint folders or Hugging Face folders
     (anything :func:`lapse.eval.load_model` opens); each needs its tokenizer beside it.
     ``--hf`` adds a pretrained model after them."""

@@ -7,7 +7,9 @@ from __future__ import annotations
 import math
 import warnings
 from dataclasses import dataclass, fields
-from typing import Literal
+from typing import Annotated, Literal
+
+import tyro
 
 from .a2sf import A2SF
 from .acp import ACPBoundary
@@ -52,7 +54,7 @@ class PolicyOptions:
     """window / h2o / a2sf: first positions always kept (attention sinks)."""
     window: int = 1024
     """window: recent positions kept."""
-    eps: float = math.exp(-10)
+    eps: Annotated[float, tyro.conf.arg(aliases=("--acp-eps",))] = math.exp(-10)
     """acp: attention mass a row may lose to eviction."""
     every: int | None = None
     """Evict every this many steps (outside the decode step); default: the policy's own
