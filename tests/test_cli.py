@@ -2,6 +2,7 @@
 
 import json
 import os
+import re
 import shlex
 import subprocess
 import sys
@@ -308,3 +309,19 @@ def test_model_and_eps_options_take_either_spelling():
     assert tyro.cli(EvictionStudyConfig, args=["r", "--acp-eps", "0.01"]).eps == (0.01,)
     for flag in ("--acp-eps", "--eps"):
         assert tyro.cli(GenerateConfig, args=["r", "--prompt", "x", flag, "0.01"]).eps == 0.01
+
+
+HELP_COMMANDS = ["train cpu-tiny", "resume", "eval ppl", "eval per-token-loss", "eval niah", "eval acp",
+                 "eval lm-eval", "eval eviction", "eval dcp", "eval report", "generate", "export", "import",
+                 "bench attention", "bench train", "bench decode", "report"]
+
+
+@pytest.mark.parametrize("command", HELP_COMMANDS)
+def test_help_has_no_sphinx_roles(command, capsys):
+    """The options' help comes from the config fields' docstrings; a Sphinx role there
+    (``:func:`x```) printed as it is."""
+    with pytest.raises(SystemExit) as e:
+        main([*command.split(), "--help"])
+    assert e.value.code == 0
+    out = capsys.readouterr().out
+    assert not re.search(r":(func|data|attr|class|meth|mod):`", out), out

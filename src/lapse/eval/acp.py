@@ -81,7 +81,7 @@ class AcpEvalConfig:
 
     model: Annotated[Path, tyro.conf.arg(aliases=("--models",))]
     """A FoX model (``fox-llama`` or ``fox-pro``): a run folder, a checkpoint folder or a
-    Hugging Face folder (see :func:`lapse.eval.common.load_model`). Trained with or without
+    Hugging Face folder (see ``lapse.eval.common.load_model``). Trained with or without
     ACP: it is switched on (and off, for the reference) here."""
 
     seq_len: int | None = None
@@ -105,7 +105,7 @@ class AcpEvalConfig:
     heads: tuple[tuple[int, int], ...] | Literal["auto"] = "auto"
     """``(layer, head)`` pairs whose decay and attention maps are drawn (``--heads 0 1 3 2``
     draws layer 0 head 1 and layer 3 head 2); ``"auto"``: the most local and the most
-    global head (shortest and longest memory length, see :data:`LOCAL_RULE`)."""
+    global head (shortest and longest memory length, see ``LOCAL_RULE``)."""
 
     map_tokens: int = 1024
     """The maps show the first ``min(map_tokens, seq_len)`` positions of the first window
@@ -114,7 +114,7 @@ class AcpEvalConfig:
 
     local_fraction: float = 0.1
     """A head is local when its memory length is below ``local_fraction * seq_len`` (see
-    :data:`LOCAL_RULE`); in (0, 1]."""
+    ``LOCAL_RULE``); in (0, 1]."""
 
     corpus: CorpusConfig | None = None
     """Where the windows come from; ``None``: the model's own corpus (validation split)."""

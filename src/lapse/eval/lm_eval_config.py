@@ -37,10 +37,10 @@ class LmEvalConfig(PolicyOptions, HfOptions):
 
     model: Path | None = None
     """A run folder, checkpoint folder or Hugging Face folder (anything
-    :func:`lapse.eval.load_model` opens), with its tokenizer beside it; or none with ``--hf``."""
+    ``lapse.eval.load_model`` opens), with its tokenizer beside it; or none with ``--hf``."""
     tasks: tuple[str, ...]
     """lm-eval task, group or tag names: the bundled ``lapse_tiny_mc`` / ``_ppl`` / ``_gen``
-    (tag ``lapse_tiny``), those in :attr:`include_path`, or the harness's own (these need
+    (tag ``lapse_tiny``), those in ``include_path``, or the harness's own (these need
     their datasets in the local Hugging Face cache)."""
     include_path: Path | None = None
     """A folder of task YAMLs searched besides the bundled ones."""

@@ -67,7 +67,7 @@ class LossEvalConfig(PolicyOptions, HfOptions):
 
     models: Annotated[tuple[str, ...], tyro.conf.arg(aliases=("--model",))] = ()
     """Model paths: run folders, checkpoint folders or Hugging Face folders (see
-    :func:`lapse.eval.common.load_model`). The first one's validation data (or ``corpus``)
+    ``lapse.eval.common.load_model``). The first one's validation data (or ``corpus``)
     gives the windows; plots overlay the models in this order. ``--hf`` adds a pretrained
     model after them (first, and the windows' tokenizer, when no path is given)."""
 

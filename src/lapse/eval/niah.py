@@ -68,7 +68,7 @@ class NiahConfig(PolicyOptions, HfOptions):
 
     models: Annotated[tuple[Path, ...], tyro.conf.arg(aliases=("--model",))] = ()
     """Models to evaluate: run folders, checkpoint folders or Hugging Face folders
-    (anything :func:`lapse.eval.load_model` opens); each needs its tokenizer beside it.
+    (anything ``lapse.eval.load_model`` opens); each needs its tokenizer beside it.
     ``--hf`` adds a pretrained model after them."""
     context_lengths: tuple[int, ...] = (512, 1024, 2048, 4096)
     """Prompt lengths in tokens of each model's tokenizer (haystack + needle + query,
@@ -78,7 +78,7 @@ class NiahConfig(PolicyOptions, HfOptions):
     1: just before the query), strictly increasing in [0, 1]."""
     mode: Literal["standard", "easy"] = "standard"
     """``standard``: the needle is the answer sentence; ``easy``: the needle also contains
-    the question (see :attr:`easy_needle`)."""
+    the question (see ``easy_needle``)."""
     needle: str = "The special magic number is {number}."
     """The answer sentence; ``{number}`` is the trial's random number."""
     question: str = "What is the special magic number?"
@@ -92,7 +92,7 @@ class NiahConfig(PolicyOptions, HfOptions):
     number_digits: int = 7
     """Digits of the random number of each trial."""
     haystack: Path | None = None
-    """A text file, or a folder searched recursively for :attr:`haystack_patterns`.
+    """A text file, or a folder searched recursively for ``haystack_patterns``.
     ``None``: the validation split (1%, by hash of the file path) of the local Python
     installation's source files, in their sorted order; a model trained on the default
     corpus has not seen them."""

@@ -80,11 +80,11 @@ class ModelConfig:
     arch: Arch | None = None
     """An alias that sets ``attention`` and ``block`` together: ``fox-llama``, ``fox-pro``,
     ``transformer-llama``, ``transformer-pro``, ``castle``, ``castle-swl`` (it wins over
-    them, then reads ``None``; :attr:`name` gives the alias of a config). Configs written
+    them, then reads ``None``; ``name`` gives the alias of a config). Configs written
     before the two fields existed hold only this. ``castle`` and ``castle-swl`` also match
     parameters: ``n_heads`` is read as the Transformer's, and the model gets
     ``round(4/7 n_heads)`` heads of the same head dim (``attn_head_dim``; see the module
-    doc); ``castle-swl`` sets ``castle_window`` to :func:`default_castle_window` when unset."""
+    doc); ``castle-swl`` sets ``castle_window`` to ``default_castle_window`` when unset."""
 
     vocab_size: int = 50304
     """Rows of the embedding and of the (untied) output head. Trainers set it from the
@@ -104,18 +104,18 @@ class ModelConfig:
     attn_head_dim: int | None = None
     """Channels per attention head when the heads do not tile ``d_model`` (the layer's
     inner width is then ``n_heads * attn_head_dim``); ``None``: ``d_model / n_heads``.
-    Parameter-matched CASTLE sets it (the ``castle`` aliases). Read :attr:`head_dim`."""
+    Parameter-matched CASTLE sets it (the ``castle`` aliases). Read ``head_dim``."""
 
     n_kv_heads: int | None = None
     """Key/value heads (grouped-query attention); must divide ``n_heads``. ``None``: as
-    many as ``n_heads`` (plain multi-head attention). Read :attr:`kv_heads` for the value."""
+    many as ``n_heads`` (plain multi-head attention). Read ``kv_heads`` for the value."""
 
     mlp_ratio: float | None = None
     """SwiGLU size as a multiple of ``d_model`` counted the LLaMA way: the hidden width is
     ``2/3 * mlp_ratio * d_model`` rounded up to ``mlp_multiple_of``, so the MLP has about
     ``3 * 2/3 * mlp_ratio = 2 * mlp_ratio`` times ``d_model^2`` weights. ``None``: 4 for
     the ``llama`` block and 3.5 for ``pro`` (SPEC section 2; the smaller MLP pays for the
-    output gate, so the two have the same size). Read :attr:`mlp_hidden` for the width."""
+    output gate, so the two have the same size). Read ``mlp_hidden`` for the width."""
 
     mlp_multiple_of: int = 256
     """The SwiGLU hidden width is rounded up to a multiple of this (matmul-friendly sizes)."""
@@ -123,7 +123,7 @@ class ModelConfig:
     mlp_hidden_size: int | None = None
     """The SwiGLU hidden width given outright, for weights made elsewhere (``lapse import``
     takes a pretrained model's ``intermediate_size``); ``None``: from ``mlp_ratio`` and
-    ``mlp_multiple_of``. Read :attr:`mlp_hidden` for the width."""
+    ``mlp_multiple_of``. Read ``mlp_hidden`` for the width."""
 
     rope_base: float = 500000.0
     """RoPE base (theta) of the Transformer architectures; unused by FoX."""
@@ -162,7 +162,7 @@ class ModelConfig:
     castle_fold_every: int | None = None
     """CASTLE decoding: ``None`` (each step adds the new token into every held ``u_s``) or
     ``M >= 1``, the deferred update that writes ``u`` back every ``M`` steps
-    (:class:`lapse.layers.CastleAttention`'s ``fold_every``; same outputs up to float32
+    (``lapse.layers.CastleAttention``'s ``fold_every``; same outputs up to float32
     summation order). Slower on an H100 (BENCHMARKS.md, fifth session: 197-324 against 112
     us per layer at 8 x 4096, M = 4-16), so off by default."""
 
@@ -170,8 +170,8 @@ class ModelConfig:
     """Standard deviation of the normal init of every Linear and embedding weight."""
 
     attn_backend: AttentionBackend = "auto"
-    """Backend of :func:`lapse.ops.forgetting_attention` in the forgetting layers and of
-    :func:`lapse.ops.castle.castle_attention` in the CASTLE layers (``auto``: Triton on
+    """Backend of ``lapse.ops.forgetting_attention`` in the forgetting layers and of
+    ``lapse.ops.castle.castle_attention`` in the CASTLE layers (``auto``: Triton on
     CUDA, the chunked PyTorch path otherwise). Softmax layers always use
     ``torch.nn.functional.scaled_dot_product_attention``."""
 

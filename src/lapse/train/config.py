@@ -73,7 +73,7 @@ class TrainConfig:
     tokenizer: str = "byte"
     """``"byte"`` (UTF-8 bytes + eos/bos, 258 ids), ``"bpe"`` (a byte-level BPE of
     ``model.vocab_size`` ids trained locally on the training split), or the path of a
-    saved tokenizer (see :func:`lapse.data.load_tokenizer`)."""
+    saved tokenizer (see ``lapse.data.load_tokenizer``)."""
 
     data_dir: Path = DEFAULT_DATA_DIR
     """Cache of tokenised corpora: one folder per (corpus, tokenizer), reused by later runs."""
@@ -137,7 +137,7 @@ class TrainConfig:
 
     compile: bool = False
     """``torch.compile`` each block. The forgetting-attention kernels stay opaque custom ops
-    inside each block's graph (:mod:`lapse.ops.forgetting.library`). On an H100 it took FoX
+    inside each block's graph (``lapse.ops.forgetting.library``). On an H100 it took FoX
     (Pro) 125M at 16k from 14% to 21% MFU (BENCHMARKS.md); the GPU presets set it."""
 
     cuda_graphs: bool = False
