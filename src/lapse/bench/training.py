@@ -91,7 +91,7 @@ class TrainBenchConfig:
     """Learning rate of the timed steps (small: the weights barely move while timing)."""
     peak_tflops: float | None = None
     """For MFU; ``None``: from the device name."""
-    out_dir: Path = Path("runs/bench-train")
+    out_dir: Path = Path("runs/bench/train")
     """Where ``results.json`` and ``results.md`` go."""
 
     def __post_init__(self) -> None:

