@@ -78,6 +78,7 @@ def test_finetune_logs_sparsity_and_resumes_exactly(source, tmp_path):
     assert saved.config["dcp"]["gamma"] == 0.5 and saved.config["init_from"] == str(source)
     report = (tmp_path / "whole" / "report.md").read_text()
     assert "DCP: gamma 0.5" in report and "DCP at inference" in report and "fine-tuned from" in report
+    assert "mean kept weight of an earlier token" in report  # the soft mask, beside its exact zeros
     assert (tmp_path / "whole" / "loss.png").stat().st_size > 0
     summary = json.loads((tmp_path / "whole" / "summary.json").read_text())
     assert summary["arch"] == "dcp-llama" and summary["dcp"]["alpha"] == [1.0, 8.0]

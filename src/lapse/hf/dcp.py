@@ -92,7 +92,11 @@ def add_dcp(model: nn.Module, r: int = 64, beta_init: float = 2.0) -> nn.Module:
     """Adds DCP to every attention layer of a Hugging Face LLaMA-family causal LM, in place,
     and returns it (see the module doc). The new parameters are created on the model's
     device and dtype; the projections start at PyTorch's ``nn.Linear`` init, so with
-    ``beta_init = 2`` nothing drops at first (``|z - beta|`` is small next to ``beta``).
+    ``beta_init = 2`` the step mask (inference) drops nothing at first (``|z - beta|`` is
+    small next to ``beta``). The training mask at alpha = 1 keeps each earlier token with
+    about ``sigmoid(2) = 0.88`` a step, compounded over the distance, so a pretrained model's
+    loss starts higher than its own, as the paper's training curves do (its appendix);
+    a larger ``beta_init`` or a first alpha of 1.5 or more starts closer to it.
 
     Raises ``ValueError`` for another model family, a model that has DCP already, or
     ``r < 1``; ``TypeError`` for a model without ``config``.

@@ -181,7 +181,10 @@ def write_report(run_dir: Path, summary: dict) -> Path:
         lines.append(
             f"- DCP: gamma {s['dcp']['gamma']}, alpha {last['alpha']:.2f} at step {last['step']} "
             f"(schedule {s['dcp']['alpha'][0]} -> {s['dcp']['alpha'][1]}); "
-            f"{100 * last['sparsity']:.1f}% of the context dropped in training (per layer: {per_layer})"
+            f"{100 * last['sparsity']:.1f}% of the context dropped in training (exact zeros of the mask; "
+            f"per layer: {per_layer})"
+            + (f", mean kept weight of an earlier token {last['sparsity_term']:.3f} (the soft mask)"
+               if "sparsity_term" in last else "")
         )
         val_dcp = [r for r in val if "sparsity" in r]
         if val_dcp:
