@@ -102,3 +102,47 @@ def test_snippets_fit_the_window_and_a_foreign_base_is_warned_of(runs, tmp_path,
     assert len(r["snippets"][0]["tokens"]) == 32
     cli_main(args + ["--base", str(runs["0"])])
     assert "dcp-g0.5 was fine-tuned from" in capsys.readouterr().err
+
+
+def test_runs_that_cannot_be_compared_are_refused_before_any_evaluation(runs, tmp_path, monkeypatch):
+    """Another tokenizer (the first run's windows would be fed to it as its own tokens: a wrong
+    loss, or a crash in the plots after everything was evaluated), another depth, or a --show
+    gamma no run has: refused before the first evaluation."""
+    from lapse.data.tokenizer import ByteTokenizer
+    from lapse.eval import dcp
+
+    class OtherBytes(ByteTokenizer):
+        def encode(self, text):
+            return [min(b + 1, 255) for b in super().encode(text)]
+
+    def never(*a, **k):
+        raise AssertionError("evaluated before the checks")
+
+    monkeypatch.setattr(dcp, "evaluate", never)
+    plain = dcp.load_model
+
+    def other_tokenizer(path, **kw):
+        loaded = plain(path, **kw)
+        if Path(path) == runs["0.5"]:
+            loaded.tokenizer = OtherBytes()
+        return loaded
+
+    monkeypatch.setattr(dcp, "load_model", other_tokenizer)
+    with pytest.raises(ValueError, match="use different tokenizers"):
+        run_dcp_study(DcpStudyConfig(runs=(runs["0"], runs["0.5"]), out_dir=tmp_path, snippets=0,
+                                     num_sequences=1, device="cpu"))
+
+    def deeper(path, **kw):
+        loaded = plain(path, **kw)
+        if Path(path) == runs["0.5"]:
+            loaded.model.config.n_layers += 1
+        return loaded
+
+    monkeypatch.setattr(dcp, "load_model", deeper)
+    with pytest.raises(ValueError, match="the study compares runs of one model"):
+        run_dcp_study(DcpStudyConfig(runs=(runs["0"], runs["0.5"]), out_dir=tmp_path, snippets=0,
+                                     num_sequences=1, device="cpu"))
+    monkeypatch.setattr(dcp, "load_model", plain)
+    with pytest.raises(ValueError, match="show names gammas"):
+        run_dcp_study(DcpStudyConfig(runs=(runs["0"], runs["0.5"]), out_dir=tmp_path, snippets=0,
+                                     num_sequences=1, device="cpu", show=(3.0,)))

@@ -43,6 +43,7 @@ import tyro
 
 from lapse.data import TokenShards, cached_with, prepare_data
 from lapse.eval.common import LoadedModel, eval_windows, load_model
+from lapse.eval.loss import check_same_tokenizer
 from lapse.files import save_figure, write_json_atomic, write_text_atomic
 from lapse.layers import DCPAttention
 from lapse.models.checkpoint import read_run
@@ -263,6 +264,12 @@ def _read_jsonl(path: Path) -> list[dict]:
     return records
 
 
+def _run_gamma(loaded: LoadedModel) -> float | None:
+    """The sparsity weight the run was fine-tuned with (its ``config.json``)."""
+    run = loaded.train_config
+    return ((run.config.get("dcp") or {}) if run is not None else {}).get("gamma")
+
+
 def _run_row(loaded: LoadedModel, result: _Eval) -> dict:
     """What the table says about one run: the evaluation and what its training logged."""
     run = loaded.train_config
@@ -276,7 +283,7 @@ def _run_row(loaded: LoadedModel, result: _Eval) -> dict:
         "name": loaded.name,
         "path": str(loaded.path),
         "arch": loaded.config.name,
-        "gamma": dcp.get("gamma"),
+        "gamma": _run_gamma(loaded),
         "alpha": [dcp.get("alpha_start"), dcp.get("alpha_end")],
         "interaction_only": dcp.get("interaction_only"),
         "steps_done": summary.get("step", train["step"] if train else None),
@@ -316,19 +323,28 @@ def run_dcp_study(cfg: DcpStudyConfig) -> dict:
     tokenizer = first.tokenizer
     del first
 
-    rows, models = [], {}
-    for path in cfg.runs:
-        loaded = load_model(path, device=device)
+    # every check before the first evaluation: the runs are loaded (kept for the drawings), then
+    # evaluated on the first run's windows, which mean the same text only under one tokenizer
+    loaded_runs = [load_model(path, device=device) for path in cfg.runs]
+    for loaded in loaded_runs:
         if not dcp_layers(loaded.model):
-            raise ValueError(f"{path} is a {loaded.config.name} run, not DCP: fine-tune it with "
+            raise ValueError(f"{loaded.path} is a {loaded.config.name} run, not DCP: fine-tune it with "
                              "--model.attention dcp (lapse train --init-from)")
+        if loaded.config.n_layers != loaded_runs[0].config.n_layers:
+            raise ValueError(f"{loaded.path} has {loaded.config.n_layers} layers and {cfg.runs[0]} "
+                             f"{loaded_runs[0].config.n_layers}: the study compares runs of one model")
+    check_same_tokenizer(loaded_runs)
+    gammas = [_run_gamma(loaded) for loaded in loaded_runs]
+    if len(set(gammas)) != len(gammas):
+        raise ValueError(f"two runs share a gamma: {gammas}")
+    _shown([{"gamma": g} for g in gammas], cfg.show)  # the gammas --show names are there
+
+    rows, models = [], {}
+    for loaded in loaded_runs:
         rows.append(_run_row(loaded, evaluate(loaded.model, windows, cfg.batch_size)))
         models[loaded.name] = loaded
         print(f"{loaded.name}: gamma {rows[-1]['gamma']}, loss {rows[-1]['loss']:.4f}, "
               f"dropped {rows[-1]['dropped']:.1%}", flush=True)
-    gammas = [r["gamma"] for r in rows]
-    if len(set(gammas)) != len(gammas):
-        raise ValueError(f"two runs share a gamma: {gammas}")
     order = sorted(range(len(rows)), key=lambda i: rows[i]["gamma"])
     rows = [rows[i] for i in order]
     zero = next((r for r in rows if r["gamma"] == 0), None)
