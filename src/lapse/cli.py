@@ -305,7 +305,7 @@ def _with_option(event) -> str:
 
 
 USER_ERRORS = (ValueError, TypeError, FileNotFoundError, FileExistsError, NotADirectoryError,
-               IsADirectoryError, PermissionError, RunInUse)
+               IsADirectoryError, PermissionError, RunInUse, ImportError)
 """What a user's input can cause; raised by lapse's own checks they are one line, not a traceback."""
 
 

@@ -245,3 +245,32 @@ def test_smollm2_imports_with_the_same_logits(tmp_path):
         error = (ours(ids)[0] - theirs(ids).logits).abs().max().item()
     assert error < 5e-4  # measured 7e-5 (30 layers, logits of size ~20)
     assert ours_tokenizer.eos_id == tokenizer.eos_token_id == info["eos_id"]
+
+
+def test_a_folder_without_a_tokenizer_or_a_gguf_without_its_packages_fail_in_one_line(tmp_path, capsys,
+                                                                                     monkeypatch):
+    """Errors lapse meets through transformers, said in one line before any weight is read: an
+    HF folder with no tokenizer (transformers' own message asked for sentencepiece), and a
+    GGUF file where ``gguf`` or ``accelerate`` is missing (transformers asked for them in a
+    traceback before lapse's check ran)."""
+    from lapse.hf import loading
+
+    folder = tmp_path / "hf"
+    LlamaForCausalLM(LlamaConfig(**SMALL)).save_pretrained(folder)  # the weights, no tokenizer
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as e:
+        main(["import", str(folder), "--out", str(tmp_path / "run")])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and err.startswith("error: ") and len(err.strip().splitlines()) == 1
+    assert "holds no tokenizer transformers can read" in err and not (tmp_path / "run").exists()
+
+    gguf = tmp_path / "g"
+    gguf.mkdir()
+    (gguf / "m.gguf").write_bytes(b"GGUF")
+    real = importlib.util.find_spec
+    monkeypatch.setattr(loading.importlib.util, "find_spec", lambda n, *a: None if n == "gguf" else real(n, *a))
+    with pytest.raises(SystemExit) as e:
+        main(["import", str(gguf / "m.gguf"), "--out", str(tmp_path / "run2")])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and len(err.strip().splitlines()) == 1
+    assert "loading a GGUF file needs gguf" in err

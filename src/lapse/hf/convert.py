@@ -34,7 +34,7 @@ from transformers import AutoConfig, PretrainedConfig, PreTrainedModel
 
 from lapse.models import Decoder, ModelConfig
 
-from .loading import load_pretrained, resolve_model_path
+from .loading import check_gguf_packages, load_pretrained, resolve_model_path
 
 MODEL_TYPES = ("llama", "mistral")
 """``model_type``s lapse can hold exactly (what the checks below then confirm per model)."""
@@ -164,6 +164,7 @@ def load_for_import(
     :func:`~lapse.hf.load_pretrained` takes it) and its lapse config; the config is checked
     before any weight is read, so what lapse cannot represent fails fast."""
     folder, gguf = resolve_model_path(path_or_package, gguf_file)
+    check_gguf_packages(gguf)  # before transformers reads the file and asks for them itself
     extra = {} if gguf is None else {"gguf_file": gguf}
     config = lapse_config(AutoConfig.from_pretrained(folder, **extra))
     model, tokenizer = load_pretrained(folder, gguf)

@@ -97,13 +97,7 @@ def load_pretrained(
         ImportError: a GGUF file without the optional ``gguf`` / ``accelerate`` packages.
     """
     folder, gguf = resolve_model_path(path_or_package, gguf_file)
-    if gguf is not None:
-        missing = [name for name in ("gguf", "accelerate") if importlib.util.find_spec(name) is None]
-        if missing:
-            raise ImportError(
-                f"loading a GGUF file needs {' and '.join(missing)}: pip install 'lapse[hf]' "
-                f"(or pip install {' '.join(missing)})"
-            )
+    check_gguf_packages(gguf)
     lapse_tokenizer = folder / "tokenizer" / "lapse_tokenizer.json"
     if gguf is None and lapse_tokenizer.is_file() and not (folder / "tokenizer_config.json").is_file():
         raise ValueError(
@@ -112,10 +106,34 @@ def load_pretrained(
         )
     register_attention()
     extra = {} if gguf is None else {"gguf_file": gguf}
+    tokenizer = load_hf_tokenizer(folder, gguf)  # before the weights: a folder without one fails fast
     model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype, attn_implementation=ATTENTION, **extra)
-    tokenizer = AutoTokenizer.from_pretrained(folder, **extra)
     tokenizer.padding_side = "left"  # a decoder-only model continues each row from its end
     return model.to(device).eval(), tokenizer
+
+
+def check_gguf_packages(gguf: str | None) -> None:
+    """Raises ``ImportError`` (one line, with the command that installs them) where a GGUF file
+    is to be read without the optional ``gguf`` and ``accelerate`` packages."""
+    if gguf is None:
+        return
+    missing = [name for name in ("gguf", "accelerate") if importlib.util.find_spec(name) is None]
+    if missing:
+        raise ImportError(
+            f"loading a GGUF file needs {' and '.join(missing)}: pip install 'lapse[hf]' "
+            f"(or pip install {' '.join(missing)})"
+        )
+
+
+def load_hf_tokenizer(folder: Path, gguf: str | None = None):
+    """The ``transformers`` tokenizer saved in ``folder`` (or in its GGUF file); ``ValueError``
+    naming the folder where there is none it can read."""
+    try:
+        return AutoTokenizer.from_pretrained(folder, **({} if gguf is None else {"gguf_file": gguf}))
+    except (OSError, ValueError, TypeError) as e:
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise ValueError(f"{folder} holds no tokenizer transformers can read ({first}); a model is "
+                         "loaded with the tokenizer it was trained with") from e
 
 
 def _package_folder(name: str) -> Path:
