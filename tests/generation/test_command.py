@@ -131,9 +131,11 @@ def test_prompts_file_batches_ragged_prompts_as_one_at_a_time(run, tmp_path, pol
         (["--prompt", "x", "--policy", "h2o", "--budget", "2.5"], "budget above 1 counts tokens"),
         (["--prompt", "x" * 64], r"the prompt \(64 tokens\) leaves no room to generate in max_context"),
         (["--prompt", "x", "--max-context", "0"], "--max-context must be at least 2"),
+        (["--prompt", "x" * 8, "--max-context", "8"],
+         r"leaves no room to generate in --max-context \(8\): shorten it, or pass a larger --max-context"),
     ],
     ids=["empty", "too-long", "window-0", "budget", "no-prompt", "budget-fraction-above-1", "prompt-fills",
-         "max-context-0"],
+         "max-context-0", "max-context-given"],
 )
 def test_bad_input_is_one_line(run, capsys, args, message):
     with pytest.raises(SystemExit) as e:

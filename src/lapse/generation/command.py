@@ -133,10 +133,12 @@ class GenerateConfig(PolicyOptions):
                   f"of max_context ({limit}); --max-new-tokens or --max-context sets it", file=sys.stderr)
         if longest + n > limit or n < 1:
             asked = f" + max_new_tokens ({n})" if self.max_new_tokens else ""
+            given = self.max_context is not None
+            context = f"--max-context ({limit})" if given else f"max_context ({limit}, {where} by default)"
             raise ValueError(
-                f"the prompt ({longest} tokens){asked} leaves no room to generate in max_context ({limit}, "
-                f"{where} by default): shorten it{' or lower --max-new-tokens' if asked else ''}, or pass "
-                "--max-context"
+                f"the prompt ({longest} tokens){asked} leaves no room to generate in {context}: shorten it"
+                f"{' or lower --max-new-tokens' if asked else ''}, or pass "
+                f"{'a larger --max-context' if given else '--max-context'}"
             )
         return n
 
