@@ -274,3 +274,11 @@ def test_a_folder_without_a_tokenizer_or_a_gguf_without_its_packages_fail_in_one
     err = capsys.readouterr().err
     assert e.value.code == 2 and len(err.strip().splitlines()) == 1
     assert "loading a GGUF file needs gguf" in err
+
+
+def test_import_refuses_an_out_folder_inside_a_run(imported, capsys):
+    _, run = imported
+    with pytest.raises(SystemExit) as e:
+        main(["import", str(imported[0]), "--out", str(run / "sub")])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and f"is inside {run.resolve()}" in err and not (run / "sub").exists()

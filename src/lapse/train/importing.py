@@ -75,6 +75,10 @@ def import_pretrained(model: str | Path, out: str | Path, gguf_file: str | None 
     out = Path(out)
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise ValueError(f"{out} exists and is not an empty folder: choose another --out")
+    inside = next((p for p in out.resolve().parents if (p / CONFIG_FILE).is_file()), None)
+    if inside is not None:  # a training run, or a model folder: its files are not a parent's place
+        raise ValueError(f"{out} is inside {inside}, which holds a {CONFIG_FILE} (a run or a model): "
+                         "choose an --out outside it")
     hf_model, tokenizer, config = load_for_import(model, gguf_file)
     decoder = decoder_from_hf(hf_model)
     error = probe_error(hf_model, decoder, tokenizer)
