@@ -146,3 +146,14 @@ def test_runs_that_cannot_be_compared_are_refused_before_any_evaluation(runs, tm
     with pytest.raises(ValueError, match="show names gammas"):
         run_dcp_study(DcpStudyConfig(runs=(runs["0"], runs["0.5"]), out_dir=tmp_path, snippets=0,
                                      num_sequences=1, device="cpu", show=(3.0,)))
+
+
+def test_a_second_study_in_one_folder_leaves_none_of_the_first_ones_drawings(runs, tmp_path, capsys):
+    first = run_dcp_study(DcpStudyConfig(runs=(runs["0"], runs["0.5"]), out_dir=tmp_path, snippets=1,
+                                         num_sequences=1, device="cpu", show=(0.0, 0.5)))
+    assert {f"drops_{n}.png" for n in first["shown"]} <= {p.name for p in tmp_path.iterdir()}
+    capsys.readouterr()
+    second = run_dcp_study(DcpStudyConfig(runs=(runs["0.5"],), out_dir=tmp_path, snippets=1, num_sequences=1,
+                                          device="cpu", show=(0.5,)))
+    assert "replacing the earlier study" in capsys.readouterr().err
+    assert sorted(p.name for p in tmp_path.glob("drops_*.png")) == [f"drops_{n}.png" for n in second["shown"]]

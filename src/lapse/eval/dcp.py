@@ -31,6 +31,7 @@ import json
 import math
 import platform
 import subprocess
+import sys
 import time
 import warnings
 from dataclasses import dataclass
@@ -392,6 +393,13 @@ def run_dcp_study(cfg: DcpStudyConfig) -> dict:
         "snippets": drops,
         "seconds": None,
     }
+    # an earlier study in this folder: its drawings of runs this one does not draw would stay
+    # beside the new summary as if they were part of it
+    stale = [out_dir / "drops.html", *out_dir.glob("drops_*.png")]
+    if any(p.exists() for p in stale):
+        print(f"replacing the earlier study in {out_dir}", file=sys.stderr)
+        for p in stale:
+            p.unlink(missing_ok=True)
     _plot_ppl(results, out_dir / "ppl_vs_dropped.png")
     _plot_layers(results, out_dir / "dropped_per_layer.png")
     for r in shown:
