@@ -268,7 +268,8 @@ def test_a_folder_without_a_tokenizer_or_a_gguf_without_its_packages_fail_in_one
     gguf.mkdir()
     (gguf / "m.gguf").write_bytes(b"GGUF")
     real = importlib.util.find_spec
-    monkeypatch.setattr(loading.importlib.util, "find_spec", lambda n, *a: None if n == "gguf" else real(n, *a))
+    no_gguf = lambda n, *a: None if n == "gguf" else real(n, *a)  # noqa: E731
+    monkeypatch.setattr(loading.importlib.util, "find_spec", no_gguf)
     with pytest.raises(SystemExit) as e:
         main(["import", str(gguf / "m.gguf"), "--out", str(tmp_path / "run2")])
     err = capsys.readouterr().err

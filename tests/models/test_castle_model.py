@@ -193,6 +193,7 @@ def test_paged_store_prefill_equals_the_uncached_forward():
     [
         ({"castle_window": 0}, "castle_window .* must be a positive integer"),
         ({"castle_window": -4}, "castle_window .* must be a positive integer"),
+        ({"arch": "fox-pro", "castle_window": 16}, "forgetting attention has none: leave it unset"),
         ({"attn_head_dim": 0}, "attn_head_dim must be a positive integer"),
         ({"arch": "castle", "acp": True}, "acp=True needs a forget gate"),
         ({"arch": "castle", "d_model": 100, "n_heads": 12}, "castle keeps the head dim"),
@@ -201,7 +202,8 @@ def test_paged_store_prefill_equals_the_uncached_forward():
         ({"d_model": 600, "n_heads": 2}, r"head dim d_model / n_heads = 300 is above 256.*more heads"),
         ({"attention": "castle", "attn_head_dim": 15}, "RoPE needs an even head dim, got attn_head_dim = 15"),
     ],
-    ids=["window-0", "window-neg", "head-dim", "acp", "heads-width", "odd-head-dim", "wide-attn-head-dim",
+    ids=["window-0", "window-neg", "window-without-castle", "head-dim", "acp", "heads-width", "odd-head-dim",
+         "wide-attn-head-dim",
          "wide-heads", "odd-attn-head-dim"],
 )
 def test_bad_config_raises(overrides, message):
@@ -257,3 +259,17 @@ def test_cli_train_eval_and_generate(tmp_path, capsys):
     cli_main(["generate", str(run), "--prompt", "def f(x):\n    return", "--max-new-tokens", "12",
               "--policy", "window", "--window", "4", "--sinks", "1", "--every", "2"])
     assert "of a dense cache (window" in capsys.readouterr().out.splitlines()[-1]
+
+
+def test_a_saved_config_with_a_window_beside_other_attention_loads():
+    """Runs saved before ``castle_window`` was refused outside CASTLE: it never did anything, so
+    it is dropped on load (a castle-swl run keeps its window)."""
+    from dataclasses import asdict
+
+    from lapse.models.checkpoint import model_config_from_json
+
+    saved = asdict(preset("tiny", "fox-pro"))
+    saved["castle_window"] = 16
+    assert model_config_from_json(saved).castle_window is None
+    swl = asdict(preset("tiny", "castle-swl", castle_window=8))
+    assert model_config_from_json(swl).castle_window == 8

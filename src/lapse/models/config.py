@@ -243,6 +243,11 @@ class ModelConfig:
                 f"castle_window (CASTLE-SWL's lookahead window) must be a positive integer or None, "
                 f"got {self.castle_window!r}"
             )
+        if self.castle_window is not None and self.attention != "castle":
+            raise ValueError(
+                f"castle_window is CASTLE-SWL's lookahead window; {self.attention} attention has none: "
+                "leave it unset (--model.castle-window)"
+            )
         if self.castle_fold_every is not None and not _is_count(self.castle_fold_every):
             raise ValueError(
                 f"castle_fold_every must be a positive integer or None, got {self.castle_fold_every!r}"

@@ -345,6 +345,10 @@ def _run(cfg: TrainConfig, *, resuming: bool) -> dict:
     if not resuming:
         cfg = _absolute_paths(cfg)
         _check_new_run_dir(cfg.run_dir)
+        window = cfg.model.castle_window
+        if window is not None and window >= cfg.context:
+            warnings.warn(f"castle_window {window} is at least the context {cfg.context}: every lookahead "
+                          "key sees the whole row, so this trains CASTLE without a window", stacklevel=2)
     world = init_world(cfg.device)
     ended = False  # the run ended normally (finished or stopped): the ranks leave together
     try:
