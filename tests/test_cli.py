@@ -168,6 +168,17 @@ def test_an_error_from_inside_a_library_keeps_its_traceback(monkeypatch):
         main(["train", "cpu-tiny", "--steps", "1"])
 
 
+def test_an_import_statement_that_fails_in_lapse_keeps_its_traceback(monkeypatch, tmp_path):
+    """An ImportError lapse raises itself (a missing optional package: tests/hf/test_import.py)
+    is one line; one that an import statement in lapse's code raised is a bug (a renamed
+    module) and keeps its traceback."""
+    monkeypatch.delenv("LAPSE_DEBUG", raising=False)
+    monkeypatch.setitem(sys.modules, "lapse.hf", None)  # `from lapse.hf import ...` in run_import fails
+    with pytest.raises(ImportError) as e:
+        main(["import", "somewhere", "--out", str(tmp_path / "run")])
+    assert e.value.name == "lapse.hf"
+
+
 def test_the_command_line_prints_one_line(tmp_path):
     env = {k: v for k, v in os.environ.items() if k != "LAPSE_DEBUG"}
     done = subprocess.run(
@@ -312,8 +323,8 @@ def test_model_and_eps_options_take_either_spelling():
 
 
 HELP_COMMANDS = ["train cpu-tiny", "resume", "eval ppl", "eval per-token-loss", "eval niah", "eval acp",
-                 "eval lm-eval", "eval eviction", "eval dcp", "eval report", "generate", "export", "import",
-                 "bench attention", "bench train", "bench decode", "report"]
+                 "eval lm-eval", "eval eviction", "eval dcp", "eval policy-loss", "generate", "export",
+                 "import", "bench attention", "bench train", "bench decode", "report"]
 
 
 @pytest.mark.parametrize("command", HELP_COMMANDS)

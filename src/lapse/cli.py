@@ -257,7 +257,9 @@ def main(argv: Sequence[str] | None = None) -> None:
                 args=args,
             )
         except USER_ERRORS as e:  # a ConfigError too: raised by the hook below, in lapse's code
-            if debug or not _raised_by_lapse(e):
+            # an ImportError that an import statement raised (it names the module) is a bug to
+            # show whole; one lapse raises itself (a missing optional package) is one line
+            if debug or not _raised_by_lapse(e) or (isinstance(e, ImportError) and e.name is not None):
                 raise
             print(f"error: {_one_line(e)}", file=sys.stderr)
             raise SystemExit(2) from None

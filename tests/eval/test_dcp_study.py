@@ -131,6 +131,9 @@ def test_runs_that_cannot_be_compared_are_refused_before_any_evaluation(runs, tm
     with pytest.raises(ValueError, match="use different tokenizers"):
         run_dcp_study(DcpStudyConfig(runs=(runs["0"], runs["0.5"]), out_dir=tmp_path, snippets=0,
                                      num_sequences=1, device="cpu"))
+    with pytest.raises(ValueError, match="use different tokenizers"):  # --base's loss uses the windows too
+        run_dcp_study(DcpStudyConfig(runs=(runs["0"],), base=runs["0.5"], out_dir=tmp_path, snippets=0,
+                                     num_sequences=1, device="cpu"))
 
     def deeper(path, **kw):
         loaded = plain(path, **kw)

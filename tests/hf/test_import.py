@@ -283,3 +283,12 @@ def test_import_refuses_an_out_folder_inside_a_run(imported, capsys):
         main(["import", str(imported[0]), "--out", str(run / "sub")])
     err = capsys.readouterr().err
     assert e.value.code == 2 and f"is inside {run.resolve()}" in err and not (run / "sub").exists()
+
+
+def test_import_takes_an_out_folder_under_an_unrelated_config_json(imported, tmp_path):
+    """A folder above --out with a config.json that is no run or model's (a project's) is fine."""
+    project = tmp_path / "project"
+    project.mkdir()
+    (project / "config.json").write_text('{"name": "my project"}')
+    main(["import", str(imported[0]), "--out", str(project / "runs" / "imported")])
+    assert (project / "runs" / "imported" / "checkpoint.json").is_file()

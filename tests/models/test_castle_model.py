@@ -201,10 +201,11 @@ def test_paged_store_prefill_equals_the_uncached_forward():
         ({"attn_head_dim": 300}, r"head dim attn_head_dim = 300 is above 256.*a smaller attn_head_dim"),
         ({"d_model": 600, "n_heads": 2}, r"head dim d_model / n_heads = 300 is above 256.*more heads"),
         ({"attention": "castle", "attn_head_dim": 15}, "RoPE needs an even head dim, got attn_head_dim = 15"),
+        ({"arch": "castle", "d_model": 4096, "n_heads": 8},
+         r"d_model / n_heads = 512 is above 256.*more heads"),
     ],
     ids=["window-0", "window-neg", "window-without-castle", "head-dim", "acp", "heads-width", "odd-head-dim",
-         "wide-attn-head-dim",
-         "wide-heads", "odd-attn-head-dim"],
+         "wide-attn-head-dim", "wide-heads", "odd-attn-head-dim", "wide-matched-heads"],
 )
 def test_bad_config_raises(overrides, message):
     with pytest.raises(ValueError, match=message):

@@ -431,7 +431,8 @@ def _run(cfg: DecodeBenchConfig) -> dict:
                 if cfg.run is None:
                     model_cfg = preset(cfg.preset, "transformer-llama")
                 else:  # the run's sizes in a LLaMA block
-                    model_cfg = dataclasses.replace(model_cfg, attention="softmax", block="llama", acp=False)
+                    model_cfg = dataclasses.replace(model_cfg, attention="softmax", block="llama", acp=False,
+                                                    castle_window=None)
                 compiled = provider == "hf-llama-compile"
                 ms = time_hf_llama(model_cfg, batch, prompt, cfg, device, dtype, compile=compiled)
                 hf_row[provider] = ms

@@ -173,7 +173,7 @@ def run(cfg: TrainBenchConfig) -> dict:
     flops = flops_per_token(model_cfg, cfg.seq_len)
     peak = peak_tflops(device, cfg.peak_tflops)
     tokens = cfg.batch_size * cfg.seq_len
-    softmax_cfg = replace(model_cfg, attention="softmax", acp=False)
+    softmax_cfg = replace(model_cfg, attention="softmax", acp=False, castle_window=None)
     states = {}
     for name in cfg.variants:
         torch.manual_seed(0)

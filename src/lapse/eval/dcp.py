@@ -306,8 +306,9 @@ def _run_row(loaded: LoadedModel, result: _Eval) -> dict:
 
 def run_dcp_study(cfg: DcpStudyConfig) -> dict:
     """Evaluates every run, draws the drops, writes the files into ``cfg.out_dir`` and
-    returns the results (the content of ``results.json``). Raises ``ValueError`` for a
-    run without DCP attention or two runs of one gamma."""
+    returns the results (the content of ``results.json``). Raises ``ValueError``, before any
+    evaluation, for a run without DCP attention, runs (or ``--base``) of another tokenizer or
+    depth, two runs of one gamma, or ``--show`` gammas no run has."""
     t0 = time.perf_counter()
     device = resolve_device(cfg.device)
     out_dir = cfg.out_dir
@@ -334,7 +335,11 @@ def run_dcp_study(cfg: DcpStudyConfig) -> dict:
         if loaded.config.n_layers != loaded_runs[0].config.n_layers:
             raise ValueError(f"{loaded.path} has {loaded.config.n_layers} layers and {cfg.runs[0]} "
                              f"{loaded_runs[0].config.n_layers}: the study compares runs of one model")
-    check_same_tokenizer(loaded_runs)
+    base_model = None
+    if cfg.base is not None:  # its loss is taken on the same windows: the same checks first
+        _check_base(cfg.base, cfg.runs)
+        base_model = load_model(cfg.base, device=device)
+    check_same_tokenizer([*loaded_runs, *([base_model] if base_model is not None else [])])
     gammas = [_run_gamma(loaded) for loaded in loaded_runs]
     if len(set(gammas)) != len(gammas):
         raise ValueError(f"two runs share a gamma: {gammas}")
@@ -353,13 +358,11 @@ def run_dcp_study(cfg: DcpStudyConfig) -> dict:
         r["ppl_cost"] = None if zero is None else r["ppl"] / zero["ppl"] - 1.0
 
     base = None
-    if cfg.base is not None:
-        _check_base(cfg.base, cfg.runs)
-        loaded = load_model(cfg.base, device=device)
-        result = evaluate(loaded.model, windows, cfg.batch_size)
-        base = {"name": loaded.name, "path": str(cfg.base), "arch": loaded.config.name,
+    if base_model is not None:
+        result = evaluate(base_model.model, windows, cfg.batch_size)
+        base = {"name": base_model.name, "path": str(cfg.base), "arch": base_model.config.name,
                 "loss": result.loss, "ppl": math.exp(result.loss)}
-        del loaded
+        del base_model
 
     shown = _shown(rows, cfg.show)
     drops = []

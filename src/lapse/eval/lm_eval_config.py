@@ -8,9 +8,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal
+from typing import Annotated, Literal
 
 import torch
+import tyro
 
 from lapse.eval.common import default_eval_dir
 from lapse.eval.lm import HfOptions
@@ -35,7 +36,7 @@ class LmEvalConfig(PolicyOptions, HfOptions):
     optionally under an eviction policy (``--policy``: each prompt pruned to the budget
     before its answer is scored, the A2SF protocol): the settings of :func:`run_lm_eval`."""
 
-    model: Path | None = None
+    model: Annotated[Path | None, tyro.conf.arg(aliases=("--models",))] = None
     """A run folder, checkpoint folder or Hugging Face folder (anything
     ``lapse.eval.load_model`` opens), with its tokenizer beside it; or none with ``--hf``."""
     tasks: tuple[str, ...]

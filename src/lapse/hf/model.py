@@ -40,6 +40,7 @@ from transformers import initialization as init
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
 from lapse.models import Decoder, ModelConfig, RMSNorm
+from lapse.models.checkpoint import model_config_from_json
 
 from .cache import LapseCache
 from .compat import CACHE_ARG, CACHE_NAMES, either_cache
@@ -98,6 +99,7 @@ class LapseConfig(PretrainedConfig):
         super().__post_init__(**kwargs)
         model_config = self.to_model_config()  # ModelConfig's checks, with its error messages
         self.attention, self.block, self.arch = model_config.attention, model_config.block, None
+        self.castle_window = model_config.castle_window
 
     @classmethod
     def from_model_config(cls, config: ModelConfig, **kwargs) -> LapseConfig:
@@ -108,8 +110,9 @@ class LapseConfig(PretrainedConfig):
         return cls(**asdict(config), **kwargs)
 
     def to_model_config(self) -> ModelConfig:
-        """The :class:`~lapse.models.ModelConfig` these fields describe (validated)."""
-        return ModelConfig(**{f.name: getattr(self, f.name) for f in fields(ModelConfig)})
+        """The :class:`~lapse.models.ModelConfig` these fields describe (validated; as a saved
+        run's, so exports written before a check was added still load)."""
+        return model_config_from_json({f.name: getattr(self, f.name) for f in fields(ModelConfig)})
 
 
 class LapseForCausalLM(PreTrainedModel, GenerationMixin):

@@ -95,10 +95,12 @@ def read_run(run_dir: str | Path) -> SavedRun:
 
 
 def model_config_from_json(obj: dict) -> ModelConfig:
-    """A :class:`ModelConfig` from its saved fields. A ``castle_window`` saved beside another
-    attention than CASTLE's (before that was refused) is dropped: it never did anything."""
+    """A :class:`ModelConfig` from its saved fields (a run's ``config.json``, an export's). A
+    ``castle_window`` saved beside another attention than CASTLE's (before that was refused) is
+    dropped: it never did anything."""
     obj = dict(obj)
-    if obj.get("castle_window") is not None and obj.get("attention", "castle") != "castle":
+    if (obj.get("castle_window") is not None and obj.get("arch") is None
+            and obj.get("attention", "castle") != "castle"):
         obj["castle_window"] = None
     return ModelConfig(**obj)
 

@@ -176,6 +176,7 @@ class ModelConfig:
     ``torch.nn.functional.scaled_dot_product_attention``."""
 
     def __post_init__(self) -> None:
+        given_head_dim = self.attn_head_dim is not None  # (an alias's matched heads set it too)
         if self.arch is not None:
             if self.arch not in ARCH_ALIASES:
                 raise ValueError(f"arch must be one of {ARCHS} (or None), got {self.arch!r}")
@@ -211,9 +212,9 @@ class ModelConfig:
                     f"n_kv_heads ({self.n_kv_heads}) must divide n_heads ({self.n_heads}) "
                     "(grouped-query attention)"
                 )
-        where = "attn_head_dim" if self.attn_head_dim is not None else "d_model / n_heads"
+        where = "attn_head_dim" if given_head_dim else "d_model / n_heads"
         if self.head_dim > 256:
-            fix = "a smaller attn_head_dim" if self.attn_head_dim is not None else "more heads"
+            fix = "a smaller attn_head_dim" if given_head_dim else "more heads"
             raise ValueError(
                 f"head dim {where} = {self.head_dim} is above 256, the largest the attention kernels "
                 f"take; use {fix}"

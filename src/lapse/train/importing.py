@@ -20,6 +20,7 @@ The folder is written under a temporary name and renamed when complete.
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 from dataclasses import dataclass
@@ -62,6 +63,16 @@ class ImportConfig:
     """The GGUF file in the model's folder, when it holds several."""
 
 
+def _is_model_folder(path: Path) -> bool:
+    """Whether ``path`` holds a lapse run's ``config.json`` (model and corpus) or a Hugging Face
+    model's (a ``model_type``); another file of that name (a project's) does not count."""
+    try:
+        config = json.loads((path / CONFIG_FILE).read_text())
+    except (OSError, ValueError):
+        return False
+    return isinstance(config, dict) and ({"model", "corpus"} <= config.keys() or "model_type" in config)
+
+
 def import_pretrained(model: str | Path, out: str | Path, gguf_file: str | None = None) -> dict:
     """Write the run folder ``out`` from the pretrained model at ``model``; returns what
     ``imported.json`` holds (the source, the architecture, the probe's largest logit error).
@@ -75,10 +86,9 @@ def import_pretrained(model: str | Path, out: str | Path, gguf_file: str | None 
     out = Path(out)
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise ValueError(f"{out} exists and is not an empty folder: choose another --out")
-    inside = next((p for p in out.resolve().parents if (p / CONFIG_FILE).is_file()), None)
+    inside = next((p for p in out.resolve().parents if _is_model_folder(p)), None)
     if inside is not None:  # a training run, or a model folder: its files are not a parent's place
-        raise ValueError(f"{out} is inside {inside}, which holds a {CONFIG_FILE} (a run or a model): "
-                         "choose an --out outside it")
+        raise ValueError(f"{out} is inside {inside}, a run or model folder: choose an --out outside it")
     hf_model, tokenizer, config = load_for_import(model, gguf_file)
     decoder = decoder_from_hf(hf_model)
     error = probe_error(hf_model, decoder, tokenizer)

@@ -156,8 +156,8 @@ def config_from_json(obj: dict) -> TrainConfig:
     obj["init_from"] = None if obj.get("init_from") is None else Path(obj["init_from"])
     peak = obj.get("peak_tflops")
     if peak is not None and not peak > 0:  # runs saved before the check: MFU from the device's table
-        warnings.warn(f"the run's saved peak_tflops {peak} is not positive: ignored (MFU from the device's "
-                      "known peak; --peak-tflops sets one)", stacklevel=2)
+        warnings.warn(f"the run's saved peak_tflops {peak} is not positive: dropped (a session's "
+                      "--peak-tflops sets one, else MFU comes from the device's known peak)", stacklevel=2)
         obj["peak_tflops"] = None
     return TrainConfig(**obj)
 
@@ -345,10 +345,6 @@ def _run(cfg: TrainConfig, *, resuming: bool) -> dict:
     if not resuming:
         cfg = _absolute_paths(cfg)
         _check_new_run_dir(cfg.run_dir)
-        window = cfg.model.castle_window
-        if window is not None and window >= cfg.context:
-            warnings.warn(f"castle_window {window} is at least the context {cfg.context}: every lookahead "
-                          "key sees the whole row, so this trains CASTLE without a window", stacklevel=2)
     world = init_world(cfg.device)
     ended = False  # the run ended normally (finished or stopped): the ranks leave together
     try:
@@ -362,11 +358,11 @@ def _run(cfg: TrainConfig, *, resuming: bool) -> dict:
                 status = _train(run, stop)
                 _end_session(run)
             summary = _summary(run, status)
+            ended = True  # the ranks' shared work is done: rank 0 alone writes the report now
             if world.main:
                 with stop_signals(stop):
                     plot_losses(run.run_dir)
                     write_report(run.run_dir, summary)
-        ended = True
         return summary
     finally:
         close_world(world, clean=ended)
@@ -418,6 +414,10 @@ def _setup(cfg: TrainConfig, world: World, resuming: bool) -> _Run:
         cfg = with_init_model(cfg)
         if world.main:
             write_json_atomic(run_dir / CONFIG_FILE, config_to_json(cfg))
+            window = cfg.model.castle_window  # row i's lookahead takes keys j in (i, i + W]
+            if window is not None and window >= cfg.context - 1:
+                warnings.warn(f"castle_window {window} spans the context {cfg.context}: every lookahead key "
+                              "sees the whole row, so this trains CASTLE without a window", stacklevel=2)
     show = cfg.progress and world.main
     data = prepare_data(cfg, rank=world.rank, progress=show, new_run=not resuming)
     if world.main and not resuming:

@@ -388,7 +388,8 @@ def forgetting_attention_cached(
     scale = _validate(q, k_cache, v_cache, c_cache, cache_seqlens, window_start=None,
                       out=None, scale=scale, backend=backend, check_values=check_values,
                       new_tokens=True)
-    backend = resolve_backend(backend, q, DECODE_BACKENDS)
+    # several new tokens take the torch path, which multiplies no Triton tiles
+    backend = resolve_backend(backend, q, DECODE_BACKENDS, products=q.shape[1] == 1)
     if q.shape[1] == 1:
         o, _ = _decode(q[:, 0], k_cache, v_cache, c_cache, cache_seqlens, None, scale, None,
                        backend)  # [B, HQ, D]
