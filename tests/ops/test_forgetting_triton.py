@@ -795,6 +795,10 @@ def test_route_where_the_tables_take_it():
     assert not triton_bwd.bwd_config(128, 1, True, long - 1)[0].get("ROUTE")
     assert not triton_bwd.bwd_config(128, 4, True, long)[0].get("ROUTE")
     assert not triton_bwd.bwd_config(64, 1, True, 4 * long)[0].get("ROUTE")
+    # with ACP every backward kernel at D 64 and 128 skips its empty loops (LOOPS=1); dense not
+    for d in (64, 128):
+        assert all(cfg.get("LOOPS") == 1 for cfg in triton_bwd.bwd_config(d, 1, True, long))
+        assert not any(cfg.get("LOOPS") for cfg in triton_bwd.bwd_config(d, 1, False, long))
 
 
 @pytest.mark.gpu

@@ -640,6 +640,13 @@ def bwd_config(d: int, group: int = 1, acp: bool = False, tk: int = 0) -> tuple[
     where dS would pass its budget the two kernels run. Measured at D 128 only: other head
     dims up to 128 keep the two kernels.
 
+    ``LOOPS=1`` in both D 128 ACP kernels (twenty-seventh session, H100, the bench's workload,
+    ``tune_fox_bwd.py --variants``, ``docs/bench/session27/h100-bwd-loops-d128-{1,2}.json``), the
+    backward kernels, ms, two calls: T 4k 2.721 against 2.920 and 2.862 against 2.872, 8k 4.372
+    against 4.465 and 4.553 against 5.053, 16k 7.646 against 7.877; gradients equal bit for bit.
+    Every comparison favours it, by 0.3-10%, in timings whose default moved 13% between the
+    calls (8k), so the size of the gain is not pinned down.
+
     ``ROUTE`` in the dK/dV config (:func:`launch_bwd`: the key heads whose query heads ACP
     prunes nowhere through the dense tables' tiles without ACP, the query heads likewise in
     the dQ kernel), twenty-first session on an H200, bf16, the bench's workload (30% of the
@@ -675,10 +682,11 @@ def bwd_config(d: int, group: int = 1, acp: bool = False, tk: int = 0) -> tuple[
         return kv, q
     if d <= 128:  # D 128: dS kept where it fits (FUSE_DQ="ds"; else the dQ kernel below)
         route = {"ROUTE": 1} if acp and d == 128 and group == 1 and tk >= triton_fwd.LONG_ACP_KEYS else {}
+        loops = {"LOOPS": 1} if acp else {}  # empty loops not entered (twenty-seventh session)
         return (dict(BM=32, BN=64, num_warps=4, num_stages=3, ROWS4=True, TMA="host", ROW_BIAS=True,
-                     FUSE_DQ="ds" if d == 128 else False, **route),
+                     FUSE_DQ="ds" if d == 128 else False, **route, **loops),
                 dict(BM=64, BN=64, num_warps=4, num_stages=2, PAIRS=acp and group == 1, MAKE_ROWS=True,
-                     TMA="host", ROW_BIAS=group > 1 or not acp))
+                     TMA="host", ROW_BIAS=group > 1 or not acp, **loops))
     return (dict(BM=16, BN=32, num_warps=4, num_stages=1),
             dict(BM=32, BN=16, num_warps=4, num_stages=1, MAKE_ROWS=True))
 
