@@ -18,8 +18,8 @@ from __future__ import annotations
 import argparse
 import json
 
-from ab_gluon_acp import _graph_ms  # the same graph timer (scripts/ on the path)
-from tune_fox_fwd import _dump, _ms, _op_calls  # the same workload, timer, output
+from ab_gluon_acp import alternate, baselines  # the same timing (scripts/ on the path)
+from tune_fox_fwd import _dump, _op_calls  # the same workload, output
 
 from lapse.ops.forgetting import forgetting_attention, set_value_checks, triton_fwd
 
@@ -56,19 +56,8 @@ def main() -> None:
         triton_fwd.fwd_config = TABLE
         _, stats = forgetting_attention(q, k, v, lg, acp="auto", return_stats=True)
         pruned = float(stats.pruned_fraction.double().mean())
-        times = {f"{name}|{mode}|{how}": [] for name in versions for mode in ("fwd", "fwd_bwd")
-                 for how in ("eager", "graph")}
-        for _ in range(args.rounds):
-            for name, table in versions.items():
-                triton_fwd.fwd_config = table
-                times[f"{name}|fwd|eager"].append(_ms(fwd))
-                times[f"{name}|fwd_bwd|eager"].append(_ms(fwd_bwd))
-                times[f"{name}|fwd|graph"].append(_graph_ms(fwd))
-                times[f"{name}|fwd_bwd|graph"].append(_graph_ms(fwd_bwd))
-        triton_fwd.fwd_config = TABLE
-        dense = {how: (timer(lambda: fwd(None)), timer(lambda: fwd_bwd(None)))
-                 for how, timer in (("eager", _ms), ("graph", _graph_ms))}
-        sdpa_ms = {"eager": _ms(sdpa), "graph": _graph_ms(sdpa)}
+        times = {"|".join(key): x for key, x in alternate(versions, fwd, fwd_bwd, args.rounds).items()}
+        dense, sdpa_ms = baselines(fwd, fwd_bwd, sdpa)
         row = dict(T=t, D=d, H=h, B=b, pruned=pruned, rel_vs_table=rel, sdpa_fwd_bwd=sdpa_ms, dense=dense,
                    best={key: min(x) for key, x in times.items()}, all_times=times)
         rows.append(row)

@@ -47,6 +47,30 @@ def _graph_ms(fn) -> float:
         return float("nan")
 
 
+def alternate(versions: dict, fwd, fwd_bwd, rounds: int) -> dict[tuple[str, str, str], list[float]]:
+    """Each version's forward and forward+backward times, eager and from a CUDA graph, the
+    versions (forward tables) taking turns for ``rounds``: ``{(version, mode, how): [ms, ...]}``.
+    The table is the module's own again afterwards."""
+    times = {(name, mode, how): [] for name in versions for mode in ("fwd", "fwd_bwd")
+             for how in ("eager", "graph")}
+    for _ in range(rounds):
+        for name, table in versions.items():
+            triton_fwd.fwd_config = table
+            for how, timer in (("eager", _ms), ("graph", _graph_ms)):
+                times[(name, "fwd", how)].append(timer(fwd))
+                times[(name, "fwd_bwd", how)].append(timer(fwd_bwd))
+    triton_fwd.fwd_config = TABLE
+    return times
+
+
+def baselines(fwd, fwd_bwd, sdpa) -> tuple[dict, dict]:
+    """The dense op's forward and forward+backward times and SDPA's default backend's
+    forward+backward, each eager and from a CUDA graph."""
+    dense = {how: (timer(lambda: fwd(None)), timer(lambda: fwd_bwd(None)))
+             for how, timer in (("eager", _ms), ("graph", _graph_ms))}
+    return dense, {"eager": _ms(sdpa), "graph": _graph_ms(sdpa)}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--shapes", nargs="+", default=["4096x128", "8192x128", "16384x128"])
@@ -71,19 +95,8 @@ def main() -> None:
                for a, c in zip(outs["gluon"], outs["triton"], strict=True)]
         _, stats = forgetting_attention(q, k, v, lg, acp="auto", return_stats=True)
         pruned = float(stats.pruned_fraction.double().mean())
-        times = {f"{name}_{mode}_{how}": [] for name in versions for mode in ("fwd", "fwd_bwd")
-                 for how in ("eager", "graph")}
-        for _ in range(args.rounds):
-            for name, table in versions.items():
-                triton_fwd.fwd_config = table
-                times[f"{name}_fwd_eager"].append(_ms(fwd))
-                times[f"{name}_fwd_bwd_eager"].append(_ms(fwd_bwd))
-                times[f"{name}_fwd_graph"].append(_graph_ms(fwd))
-                times[f"{name}_fwd_bwd_graph"].append(_graph_ms(fwd_bwd))
-        triton_fwd.fwd_config = TABLE
-        dense = {how: (timer(lambda: fwd(None)), timer(lambda: fwd_bwd(None)))
-                 for how, timer in (("eager", _ms), ("graph", _graph_ms))}
-        sdpa_ms = {"eager": _ms(sdpa), "graph": _graph_ms(sdpa)}
+        times = {"_".join(key): x for key, x in alternate(versions, fwd, fwd_bwd, args.rounds).items()}
+        dense, sdpa_ms = baselines(fwd, fwd_bwd, sdpa)
         row = dict(T=t, D=d, H=h, B=b, pruned=pruned, rel_gluon_vs_triton=rel, sdpa_fwd_bwd=sdpa_ms,
                    dense=dense, **{key: min(x) for key, x in times.items()}, all_times=times)
         rows.append(row)

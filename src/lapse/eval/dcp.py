@@ -265,10 +265,11 @@ def _read_jsonl(path: Path) -> list[dict]:
     return records
 
 
-def _run_gamma(loaded: LoadedModel) -> float | None:
-    """The sparsity weight the run was fine-tuned with (its ``config.json``)."""
+def _run_dcp(loaded: LoadedModel) -> dict:
+    """The DCP training settings the run's ``config.json`` holds (gamma, the alpha schedule);
+    empty without one."""
     run = loaded.train_config
-    return ((run.config.get("dcp") or {}) if run is not None else {}).get("gamma")
+    return (run.config.get("dcp") or {}) if run is not None else {}
 
 
 def _run_row(loaded: LoadedModel, result: _Eval) -> dict:
@@ -278,13 +279,13 @@ def _run_row(loaded: LoadedModel, result: _Eval) -> dict:
     summary_path = loaded.path / "summary.json"
     summary = json.loads(summary_path.read_text()) if summary_path.exists() else {}
     val, train = _last(records, "val"), _last(records, "train")
-    dcp = (run.config.get("dcp") or {}) if run is not None else {}
+    dcp = _run_dcp(loaded)
     per_layer = result.dropped_per_layer
     return {
         "name": loaded.name,
         "path": str(loaded.path),
         "arch": loaded.config.name,
-        "gamma": _run_gamma(loaded),
+        "gamma": dcp.get("gamma"),
         "alpha": [dcp.get("alpha_start"), dcp.get("alpha_end")],
         "interaction_only": dcp.get("interaction_only"),
         "steps_done": summary.get("step", train["step"] if train else None),
@@ -340,7 +341,7 @@ def run_dcp_study(cfg: DcpStudyConfig) -> dict:
         _check_base(cfg.base, cfg.runs)
         base_model = load_model(cfg.base, device=device)
     check_same_tokenizer([*loaded_runs, *([base_model] if base_model is not None else [])])
-    gammas = [_run_gamma(loaded) for loaded in loaded_runs]
+    gammas = [_run_dcp(loaded).get("gamma") for loaded in loaded_runs]
     if len(set(gammas)) != len(gammas):
         raise ValueError(f"two runs share a gamma: {gammas}")
     _shown([{"gamma": g} for g in gammas], cfg.show)  # the gammas --show names are there

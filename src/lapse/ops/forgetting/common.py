@@ -353,7 +353,8 @@ def acp_bound_from_data(q: Tensor, k: Tensor, p: Problem) -> Tensor:
 
 
 def check_acp_eps(acp_eps) -> None:
-    """Raises ``ValueError`` unless ``acp_eps`` is a number in (0, 1)."""
+    """Raises ``TypeError`` unless ``acp_eps`` is a number (:func:`real_number`), ``ValueError``
+    unless it is in (0, 1)."""
     if not 0 < real_number("acp_eps", acp_eps) < 1:
         raise ValueError(f"acp_eps must be in (0, 1), got {acp_eps!r}")
 
