@@ -6,6 +6,7 @@ flash) and are reported n/a with SDPA's reason where it has none (efficient, cuD
 from __future__ import annotations
 
 import shlex
+import sys
 import types
 
 import pytest
@@ -160,6 +161,7 @@ def test_sdpa_providers_on_cpu(monkeypatch, kv_heads):
     for name in ("sdpa-efficient", "sdpa-cudnn"):
         assert rows[name]["error"].startswith(f"NotAvailable: {name}: SDPA refused"), rows[name]
         assert "fwd" not in rows[name]
+    assert rows["flash-attn-4"]["error"] == "NotAvailable: flash-attn-4 runs on CUDA GPUs only"
     assert result["fastest_softmax"]["fwd"]["provider"] in ("sdpa-default", "sdpa-flash")
 
     wl = make_workload(spec, device="cpu")
@@ -204,3 +206,75 @@ def test_a_run_cut_off_keeps_the_workloads_it_measured(monkeypatch, tmp_path):
     report = json.loads((tmp_path / "results.json").read_text())
     assert [w["spec"] for w in report["workloads"]] == [calls[0].label]
     assert "T = 1024" in (tmp_path / "results.md").read_text()
+
+
+def _fake_flash_attn_4(monkeypatch, calls):
+    """A stand-in ``flash_attn.cute`` with FlashAttention-4's keyword names, computing causal
+    softmax attention with SDPA and returning ``(out, lse)`` as 4.0 does."""
+    F = torch.nn.functional
+
+    def attend(q, k, v, scale):  # [B, T, H, D]; grouped K/V expanded
+        group = q.shape[2] // k.shape[2]
+        k, v = (x.repeat_interleave(group, dim=2) for x in (k, v))
+        q, k, v = (x.transpose(1, 2) for x in (q, k, v))
+        o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale)
+        return o.transpose(1, 2)
+
+    def flash_attn_func(q, k, v, qv=None, gather_kv_indices=None, softmax_scale=None, causal=False, **kw):
+        calls.append(("dense", causal))
+        return attend(q, k, v, softmax_scale), None
+
+    def flash_attn_varlen_func(q, k, v, qv=None, cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=None,
+                               max_seqlen_k=None, softmax_scale=None, causal=False, **kw):
+        calls.append(("varlen", causal, max_seqlen_q))
+        assert torch.equal(cu_seqlens_q, cu_seqlens_k)
+        cu = cu_seqlens_q.tolist()
+        return torch.cat([attend(q[None, a:b], k[None, a:b], v[None, a:b], softmax_scale)[0]
+                          for a, b in zip(cu[:-1], cu[1:], strict=False)]), None
+
+    cute = types.ModuleType("flash_attn.cute")
+    cute.flash_attn_func, cute.flash_attn_varlen_func = flash_attn_func, flash_attn_varlen_func
+    package = types.ModuleType("flash_attn")
+    package.cute = cute
+    monkeypatch.setitem(sys.modules, "flash_attn", package)
+    monkeypatch.setitem(sys.modules, "flash_attn.cute", cute)
+    monkeypatch.setattr(bench, "_on_gpu", lambda x: True)
+
+
+@pytest.mark.parametrize("varlen", [False, True], ids=["batch", "varlen"])
+@pytest.mark.parametrize("kv_heads", [None, 2], ids=["MHA", "GQA"])
+def test_flash_attn_4_provider_computes_causal_softmax(monkeypatch, varlen, kv_heads):
+    """The FlashAttention-4 runner hands lapse's layout to flash_attn.cute (causal, the
+    packed sequences through its varlen entry) and takes the output out of its (out, lse):
+    forgetting attention with every log gate 0, forward and backward."""
+    from lapse.ops.forgetting import forgetting_attention
+
+    calls: list = []
+    _fake_flash_attn_4(monkeypatch, calls)
+    spec = WorkloadSpec(varlen=varlen, seq_len=24, tokens=80 if varlen else 48, heads=4, kv_heads=kv_heads,
+                        head_dim=16, dtype=torch.float64)
+    wl = make_workload(spec, device="cpu")
+    cfg = AttentionBenchConfig(varlen=varlen, seq_lens=(24,), tokens=spec.tokens, heads=4, kv_heads=kv_heads,
+                               head_dim=16, providers=("flash-attn-4",))
+    r = bench.build_runner("flash-attn-4", wl, cfg)
+    assert calls and all(c[1] is True for c in calls), calls
+    assert calls[0][0] == ("varlen" if varlen else "dense")
+    q, k, v = (x.detach().requires_grad_() for x in (wl.q, wl.k, wl.v))
+    want = forgetting_attention(q, k, v, torch.zeros_like(wl.log_fgate), cu_seqlens=wl.cu_seqlens,
+                                backend="torch")
+    out = r.forward()
+    torch.testing.assert_close(r.to_bthd(out), want)
+    d_out = torch.randn_like(want)
+    grads = torch.autograd.grad(out, r.grad_inputs, r.from_bthd(d_out))
+    want_grads = torch.autograd.grad(want, (q, k, v), d_out)
+    for g, w in zip(r.grad_to_bthd(list(grads)), want_grads, strict=True):
+        torch.testing.assert_close(g.reshape(w.shape), w)
+
+
+def test_flash_attn_4_provider_says_why_not():
+    spec = WorkloadSpec(seq_len=24, tokens=48, heads=4, head_dim=16, dtype=torch.float32)
+    wl = make_workload(spec, device="cpu")
+    cfg = AttentionBenchConfig(seq_lens=(24,), tokens=48, heads=4, head_dim=16)
+    with pytest.raises(bench.NotAvailable, match="flash-attn-4 runs on CUDA GPUs only"):
+        bench.build_runner("flash-attn-4", wl, cfg)
+    assert "flash-attn-4" in SOFTMAX_BASELINES and "flash-attn-4" in cfg.providers

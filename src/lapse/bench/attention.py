@@ -14,6 +14,12 @@ Providers (``--providers``):
   outside the timed region; varlen uses ``torch.nn.attention.varlen.varlen_attn``, which
   has no backend choice, so only ``sdpa-default`` and ``sdpa-flash`` run there. ``sdpa``
   is an alias of ``sdpa-flash`` (the name before issue 16).
+- ``flash-attn-4``: FlashAttention-4's CuTe DSL kernels (``flash_attn.cute`` of the
+  ``flash-attn-4`` package, Hopper and Blackwell), causal, *no gate*, in lapse's own ``[B, T,
+  H, D]`` layout, grouped K/V natively, packed sequences through its varlen entry; reported
+  n/a where it is not importable or cannot run (CUDA only). Not a dependency of lapse: it
+  needs the CuTe DSL compiler (``nvidia-cutlass-dsl``); its first call compiles, outside
+  the timed region. (``flash-attn`` 2.x has no binary wheel in the package registry.)
 - ``flex``: FlexAttention (compiled) with the decay ``score_mod``
   ``score + c[b, h, q] - c[b, h, kv]``, ``c`` the float32 cumulative sum of the log gates
   (computed inside the timed region), causal (and per-document) block mask.
@@ -43,10 +49,10 @@ the same window), not against Flex. Their TFLOP/s use the same formula as the ot
 (causal softmax attention's FLOPs): CASTLE does about 3.5x those forward and 3.9x forward
 and backward (``ops/castle/README.md``), so read them as "softmax-equivalent".
 
-Ratios. The softmax baselines (``SOFTMAX_BASELINES``) compute no gate: they are the speed
-to match. Every provider's time is divided by the fastest of them that ran in the same
-workload, per mode (the forward and the forward+backward may pick different ones), and the
-table header names it. With ACP, ``efficiency = t_dense * (1 - pruned) / t_acp``.
+Ratios. The softmax baselines (``SOFTMAX_BASELINES``: SDPA's and FlashAttention-4) compute
+no gate: they are the speed to match. Every provider's time is divided by the fastest of
+them that ran in the same workload, per mode (the forward and the forward+backward may pick
+different ones), and the table header names it. With ACP, ``efficiency = t_dense * (1 - pruned) / t_acp``.
 
 Method. Each workload (one per ``--seq-lens`` value, or one varlen workload) is drawn by
 :mod:`lapse.bench.workloads` on the GPU. First a correctness check: the output (and, when
@@ -95,6 +101,7 @@ Provider = Literal[
     "sdpa-flash",
     "sdpa-efficient",
     "sdpa-cudnn",
+    "flash-attn-4",
     "flex",
     "fla",
     "castle-triton",
@@ -106,7 +113,9 @@ Provider = Literal[
     "lookahead-keys-attention",
 ]
 Mode = Literal["fwd", "fwd+bwd"]
-SOFTMAX_BASELINES: tuple[Provider, ...] = ("sdpa-default", "sdpa-flash", "sdpa-efficient", "sdpa-cudnn")
+SOFTMAX_BASELINES: tuple[Provider, ...] = (
+    "sdpa-default", "sdpa-flash", "sdpa-efficient", "sdpa-cudnn", "flash-attn-4"
+)
 """Causal softmax attention without a gate: the ratios are taken against the fastest."""
 PROVIDERS: tuple[Provider, ...] = ("lapse", "lapse-acp", *SOFTMAX_BASELINES, "flex", "fla")
 """The default providers (forgetting attention and its peers)."""
@@ -147,8 +156,8 @@ class AttentionBenchConfig:
     varlen: bool = False
     """One packed workload of 8 sequences of mixed lengths summing to --tokens."""
     providers: tuple[Provider | Literal["sdpa"], ...] = PROVIDERS
-    """Providers to time (fla is reported n/a when not importable); 'sdpa' means
-    'sdpa-flash'."""
+    """Providers to time (fla and flash-attn-4 are reported n/a when not importable); 'sdpa'
+    means 'sdpa-flash'."""
     modes: tuple[Mode, ...] = ("fwd", "fwd+bwd")
     """What to time: the forward alone, and/or the forward followed by the backward."""
     acp_bound: Literal["auto", "qk-norm"] = "auto"
@@ -377,6 +386,61 @@ def _sdpa_runner(wl: Workload, name: Provider) -> Runner:
     return runner
 
 
+def _fa4_runner(wl: Workload) -> Runner:
+    """FlashAttention-4 (``flash_attn.cute``), causal softmax attention without a gate, in
+    lapse's layout (``[B, T, H, D]``; packed sequences ``[T, H, D]`` with ``cu_seqlens``).
+    Its first call, which compiles the kernels, runs here, outside the timed region; a
+    failure there is :class:`NotAvailable` with FlashAttention's reason."""
+    if not _on_gpu(wl.q):
+        raise NotAvailable("flash-attn-4 runs on CUDA GPUs only")
+    try:
+        from flash_attn.cute import flash_attn_func, flash_attn_varlen_func
+    except Exception as e:  # ImportError, or the CuTe DSL compiler missing or broken
+        raise NotAvailable(f"flash-attn-4 not importable ({_short(e)})") from e
+    spec = wl.spec
+    notes = ["no forget gate: causal softmax attention only"]
+    if spec.varlen:
+        q, k, v = (_leaf(t[0]) for t in (wl.q, wl.k, wl.v))  # [T, H, D]
+        cu, longest = wl.cu_seqlens, max(spec.seqlens)
+
+        def forward() -> Tensor:
+            return _output(flash_attn_varlen_func(
+                q, k, v, cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=longest, max_seqlen_k=longest,
+                softmax_scale=spec.scale, causal=True))
+
+        runner = Runner(forward, [q, k, v], to_bthd=lambda o: o[None], from_bthd=lambda o: o[0], notes=notes)
+    else:
+        q, k, v = (_leaf(t) for t in (wl.q, wl.k, wl.v))
+
+        def forward() -> Tensor:
+            return _output(flash_attn_func(q, k, v, softmax_scale=spec.scale, causal=True))
+
+        runner = Runner(forward, [q, k, v], notes=notes)
+    try:
+        with torch.no_grad():
+            runner.forward()
+        if q.is_cuda:
+            torch.cuda.synchronize()
+    except Exception as e:
+        raise NotAvailable(f"flash-attn-4 failed on these inputs ({_short(e)})") from e
+    try:
+        from importlib.metadata import version
+
+        notes.append(f"flash-attn-4 {version('flash-attn-4')}")
+    except Exception:  # imported from a source tree: no installed metadata
+        pass
+    return runner
+
+
+def _on_gpu(x: Tensor) -> bool:
+    return x.is_cuda
+
+
+def _output(out) -> Tensor:
+    """FlashAttention-4 returns ``(out, lse)``; older releases the output alone."""
+    return out[0] if isinstance(out, tuple) else out
+
+
 def _flex_fox(q, k, v, log_fgate, block_mask, enable_gqa):
     """Forgetting attention as FlexAttention: a decay score_mod over the cumulative gate."""
     from torch.nn.attention.flex_attention import flex_attention
@@ -548,6 +612,8 @@ def build_runner(name: Provider, wl: Workload, cfg: AttentionBenchConfig) -> Run
         return _lapse_runner(wl, None, cfg.acp_eps)
     if name == "lapse-acp":
         return _lapse_runner(wl, _acp_argument(cfg, wl.spec), cfg.acp_eps)
+    if name == "flash-attn-4":
+        return _fa4_runner(wl)
     if name in SOFTMAX_BASELINES:
         return _sdpa_runner(wl, name)
     if name == "flex":
@@ -1084,6 +1150,12 @@ def environment() -> dict:
         env["lookahead_keys_attention"] = version("lookahead-keys-attention")
     except Exception as e:
         env["lookahead_keys_attention"] = f"n/a ({type(e).__name__})"
+    try:
+        from importlib.metadata import version
+
+        env["flash_attn_4"] = version("flash-attn-4")
+    except Exception as e:
+        env["flash_attn_4"] = f"n/a ({type(e).__name__})"
     import lapse
 
     env["lapse"] = lapse.__version__
@@ -1168,13 +1240,14 @@ def run(cfg: AttentionBenchConfig) -> dict:
         f"# lapse bench attention: {label}",
         "",
         f"{env['device']}, torch {env['torch']} (CUDA {env['cuda']}), triton {env['triton']}, "
-        f"fla {env['fla']}, lapse {env['lapse']}, commit {commit or 'unknown'}, {env['date']}",
+        f"fla {env['fla']}, flash-attn-4 {env.get('flash_attn_4', 'n/a')}, lapse {env['lapse']}, "
+        f"commit {commit or 'unknown'}, {env['date']}",
         "",
         f"`{cfg.command()}`",
         "",
         f"TFLOP/s: {FLOP_FORMULA}. Times: median ms of do_bench. x fastest softmax (NAME): "
-        "time ratio to the fastest softmax baseline (SDPA's backends, no gate) that ran in "
-        "that workload and mode, named in the header. "
+        "time ratio to the fastest softmax baseline (SDPA's backends and FlashAttention-4, no "
+        "gate) that ran in that workload and mode, named in the header. "
         "efficiency = t_dense * (1 - pruned) / t_acp.",
     ]
     out_dir.mkdir(parents=True, exist_ok=True)
