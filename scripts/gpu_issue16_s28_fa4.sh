@@ -1,0 +1,33 @@
+#!/usr/bin/env bash
+# Issue 16, twenty-eighth session: FlashAttention-4 on the lent GPU. Its CuTe DSL compiler's
+# wheel (nvidia-cutlass-dsl-libs-cu13, 92 MB) is over what one call carries, so it travels
+# unpacked and xz-compressed in two parts: an earlier call on the same warm machine left the
+# first in /tmp/fa4parts (`mkdir -p /tmp/fa4parts && cp .fa4a/part.* /tmp/fa4parts/`), and this
+# call carries the second and the small wheels in .fa4b/. Then: scripts/check_fa4.py (does it
+# run, and compute causal attention), then lapse bench attention with it beside SDPA's default.
+# Usage: COMMIT=<tree> bash scripts/gpu.sh bash scripts/gpu_issue16_s28_fa4.sh
+set -uo pipefail
+export PYTHONUNBUFFERED=1
+OUT="${OUT:-runs/issue16-s28-fa4}"
+mkdir -p "$OUT" /tmp/fa4parts
+GPU="$(nvidia-smi --query-gpu=name --format=csv,noheader 2> /dev/null | head -n 1)"
+echo "$GPU"
+tag="$(echo "$GPU" | grep -oiE "h100|h200" | tr A-Z a-z)"
+if [[ ! -d /tmp/site/flash_attn ]]; then
+    cp .fa4b/part.* /tmp/fa4parts/ 2> /dev/null
+    [[ -d .fa4a ]] && cp .fa4a/part.* /tmp/fa4parts/
+    cat /tmp/fa4parts/part.* > /tmp/cu13.tar.xz
+    echo "$(cut -d' ' -f1 .fa4b/cu13.sha256)  /tmp/cu13.tar.xz" | sha256sum -c || exit 1
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .fa4b/*.whl || exit 1
+    tar xJf /tmp/cu13.tar.xz -C /tmp/site || exit 1
+fi
+export PYTHONPATH="/tmp/site:$PWD/src"
+export FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED=1 FLASH_ATTENTION_CUTE_DSL_CACHE_DIR=/tmp/fa4cache
+timeout "${CHECK_TIMEOUT:-300}" python3 scripts/check_fa4.py --out "$OUT/$tag-check-fa4.json" ${CASES:+--cases $CASES} 2>&1 | tail -n 30
+commit=(); [[ -n "${COMMIT:-}" ]] && commit=(--commit "$COMMIT")
+for d in ${DIMS:-64 128}; do
+    timeout "${BENCH_TIMEOUT:-250}" python3 -m lapse.cli bench attention --seq-lens ${SEQ_LENS:-4096 8192 16384} \
+        --tokens 32768 --heads 24 --head-dim "$d" --providers sdpa-default flash-attn-4 ${PROVIDERS:-lapse lapse-acp} \
+        --graph-times --out-dir "$OUT/$tag-attention-d$d" "${commit[@]}" 2>&1 \
+        | grep -E "^\| (sdpa|lapse|flash)|^## |CUDA graph|flash-attn-4|Error|error" | head -n 40
+done
