@@ -5,8 +5,9 @@ For each case (T x D x query heads x key heads, or packed sequences) it runs the
 own runner (``lapse.bench.attention.build_runner("flash-attn-4", ...)``, bf16) forward and
 backward, and compares output and gradients with causal attention computed in float32 by
 SDPA's math backend from the same bf16 inputs; SDPA's default backend on the bf16 inputs
-is compared the same way, so its error is the yardstick. Prints the first call's time
-(the compile) and a JSON line per case.
+is compared the same way, so its error is the yardstick. An error is the largest
+difference over the reference's largest magnitude. Prints a JSON line per case, with the
+runner's set-up time (FlashAttention-4's compile).
 
     python scripts/check_fa4.py --cases 1024x64x8x8 1024x128x8x8 1024x64x8x2 varlen
 """
@@ -42,7 +43,8 @@ def _reference(q, k, v, scale, cu, d_out):
 
 
 def _errors(got, want):
-    return [float((g.float() - w).abs().max()) for g, w in zip(got, want, strict=True)]
+    """Relative error of each: the largest difference over the reference's largest magnitude."""
+    return [float((g.float() - w).abs().max() / w.abs().max()) for g, w in zip(got, want, strict=True)]
 
 
 def check(case: str) -> dict:

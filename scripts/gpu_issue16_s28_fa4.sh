@@ -21,7 +21,8 @@ if [[ ! -d /tmp/site/flash_attn ]]; then
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .fa4b/*.whl || exit 1
     tar xJf /tmp/cu13.tar.xz -C /tmp/site || exit 1
 fi
-export PYTHONPATH="/tmp/site:$PWD/src"
+# the .pth of nvidia-cutlass-dsl, which PYTHONPATH does not read, puts its dsl_packages on the path
+export PYTHONPATH="/tmp/site:/tmp/site/nvidia_cutlass_dsl/dsl_packages:$PWD/src"
 export FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED=1 FLASH_ATTENTION_CUTE_DSL_CACHE_DIR=/tmp/fa4cache
 timeout "${CHECK_TIMEOUT:-300}" python3 scripts/check_fa4.py --out "$OUT/$tag-check-fa4.json" ${CASES:+--cases $CASES} 2>&1 | tail -n 30
 commit=(); [[ -n "${COMMIT:-}" ]] && commit=(--commit "$COMMIT")

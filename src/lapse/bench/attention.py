@@ -371,6 +371,7 @@ def _sdpa_runner(wl: Workload, name: Provider) -> Runner:
             [q, k, v],
             to_bthd=lambda o: o.transpose(1, 2),
             from_bthd=lambda o: o.transpose(1, 2),
+            grad_to_bthd=lambda gs: [g.transpose(1, 2) for g in gs],
             context=context,
             notes=notes,
         )
