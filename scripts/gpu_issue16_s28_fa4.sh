@@ -24,11 +24,12 @@ fi
 # the .pth of nvidia-cutlass-dsl, which PYTHONPATH does not read, puts its dsl_packages on the path
 export PYTHONPATH="/tmp/site:/tmp/site/nvidia_cutlass_dsl/dsl_packages:$PWD/src"
 export FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED=1 FLASH_ATTENTION_CUTE_DSL_CACHE_DIR=/tmp/fa4cache
-timeout "${CHECK_TIMEOUT:-300}" python3 scripts/check_fa4.py --out "$OUT/$tag-check-fa4.json" ${CASES:+--cases $CASES} 2>&1 | tail -n 30
+[[ -n "${GPU_TESTS:-}" ]] && timeout "${TEST_TIMEOUT:-200}" python3 -m pytest -q -m gpu -p no:cacheprovider $GPU_TESTS 2>&1 | tail -n 5
+[[ -z "${NO_CHECK:-}" ]] && timeout "${CHECK_TIMEOUT:-300}" python3 scripts/check_fa4.py --out "$OUT/$tag-check-fa4.json" ${CASES:+--cases $CASES} 2>&1 | tail -n 30
 commit=(); [[ -n "${COMMIT:-}" ]] && commit=(--commit "$COMMIT")
 for d in ${DIMS:-64 128}; do
     timeout "${BENCH_TIMEOUT:-250}" python3 -m lapse.cli bench attention --seq-lens ${SEQ_LENS:-4096 8192 16384} \
-        --tokens 32768 --heads 24 --head-dim "$d" --providers sdpa-default flash-attn-4 ${PROVIDERS:-lapse lapse-acp} \
+        --tokens 32768 --heads 24 --head-dim "$d" --providers sdpa-default flash-attn-4 ${PROVIDERS:-lapse lapse-acp} ${MODES:+--modes $MODES} \
         --graph-times --out-dir "$OUT/$tag-attention-d$d" "${commit[@]}" 2>&1 \
-        | grep -E "^\| (sdpa|lapse|flash)|^## |CUDA graph|flash-attn-4|Error|error" | head -n 40
+        | grep -E "^\| (sdpa|lapse|flash|flex)|^## |CUDA graph|flash-attn-4|flex-flash|Error|error" | head -n 40
 done

@@ -278,3 +278,12 @@ def test_flash_attn_4_provider_says_why_not():
     with pytest.raises(bench.NotAvailable, match="flash-attn-4 runs on CUDA GPUs only"):
         bench.build_runner("flash-attn-4", wl, cfg)
     assert "flash-attn-4" in SOFTMAX_BASELINES and "flash-attn-4" in cfg.providers
+
+
+def test_flex_flash_provider_says_why_not_on_cpu():
+    spec = WorkloadSpec(seq_len=24, tokens=48, heads=4, head_dim=16, dtype=torch.float32)
+    wl = make_workload(spec, device="cpu")
+    cfg = AttentionBenchConfig(seq_lens=(24,), tokens=48, heads=4, head_dim=16, providers=("flex-flash",))
+    assert cfg.providers == ("flex-flash",) and "flex-flash" in bench.GATED
+    with pytest.raises(bench.NotAvailable, match="flex-flash runs on CUDA GPUs only"):
+        bench.build_runner("flex-flash", wl, cfg)

@@ -577,3 +577,21 @@ def test_a_share_below_recent_and_sinks_is_warned_of():
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         H2O(budget=0.5, recent=32, sinks=4).check_context(150, 300)
+
+
+@pytest.mark.parametrize("policy", [Dense(), SinkWindow(sinks=2, window=8, every=4)], ids=["dense", "window"])
+def test_a_generation_that_stops_early_holds_only_the_pages_of_its_tokens(policy):
+    """``generate`` reserves pages for the steps ahead (all of them under ``Dense``); one that
+    stops early gives the unused ones back, so the bytes held are those of a generation that
+    asked for exactly the tokens it made (it used to hold 1.5x at 40 tokens asked, 25 made)."""
+    model = _model("fox-pro")
+    ids = torch.randint(0, model.config.vocab_size, (2, 9), generator=torch.Generator().manual_seed(1))
+    stop = tuple(set(generate(model, ids, 2)[:, -1].tolist()))  # each row's second token stops it
+    stopped = paged_store_for(model, 2, 9, 40, policy)
+    out = generate(model, ids, 40, policy=policy, cache=stopped, stop_tokens=stop)
+    made = out.shape[1] - ids.shape[1]
+    assert made < 40, "the stop token did not stop the generation: the test checks nothing"
+    exact = paged_store_for(model, 2, 9, made, policy)
+    generate(model, ids, made, policy=policy, cache=exact)
+    assert torch.equal(stopped.seqlens, exact.seqlens)
+    assert stopped.bytes_held() == exact.bytes_held()

@@ -23,6 +23,10 @@ Providers (``--providers``):
 - ``flex``: FlexAttention (compiled) with the decay ``score_mod``
   ``score + c[b, h, q] - c[b, h, kv]``, ``c`` the float32 cumulative sum of the log gates
   (computed inside the timed region), causal (and per-document) block mask.
+- ``flex-flash`` (not in the default list): the same FlexAttention through its
+  ``BACKEND="FLASH"`` kernels, FlashAttention-4's CuTe DSL (``flash-attn-4`` installed,
+  CUDA). torch's flash backward takes no gradient for a tensor the score_mod reads, so its
+  forward+backward reports the error (the gates need one).
 - ``fla``: flash-linear-attention's ``parallel_forgetting_attn`` (``fla.ops.forgetting_attn``),
   when importable.
 
@@ -103,6 +107,7 @@ Provider = Literal[
     "sdpa-cudnn",
     "flash-attn-4",
     "flex",
+    "flex-flash",
     "fla",
     "castle-triton",
     "castle-torch",
@@ -130,7 +135,7 @@ CASTLE_PROVIDERS: tuple[Provider, ...] = (
     "castle-swl-triton-parallel",
     "lookahead-keys-attention",
 )
-GATED: tuple[Provider, ...] = ("lapse", "lapse-acp", "flex", "fla")
+GATED: tuple[Provider, ...] = ("lapse", "lapse-acp", "flex", "flex-flash", "fla")
 BWD_FLOP_FACTOR = 2.5
 FLOP_FORMULA = (
     "fwd FLOPs = sum over sequences of 4 * L^2 * HQ * D / 2 (QK^T and PV, 2*L*L*D each, "
@@ -442,7 +447,7 @@ def _output(out) -> Tensor:
     return out[0] if isinstance(out, tuple) else out
 
 
-def _flex_fox(q, k, v, log_fgate, block_mask, enable_gqa):
+def _flex_fox(q, k, v, log_fgate, block_mask, enable_gqa, kernel_options=None):
     """Forgetting attention as FlexAttention: a decay score_mod over the cumulative gate."""
     from torch.nn.attention.flex_attention import flex_attention
 
@@ -454,10 +459,16 @@ def _flex_fox(q, k, v, log_fgate, block_mask, enable_gqa):
     def decay(score, b, h, q_idx, kv_idx):
         return score + c_q[b, h, q_idx] - c_k[b, h, kv_idx]
 
-    return flex_attention(q, k, v, score_mod=decay, block_mask=block_mask, enable_gqa=enable_gqa)
+    return flex_attention(q, k, v, score_mod=decay, block_mask=block_mask, enable_gqa=enable_gqa,
+                          kernel_options=kernel_options)
 
 
-def _flex_runner(wl: Workload) -> Runner:
+def _flex_runner(wl: Workload, flash: bool = False) -> Runner:
+    """FlexAttention with the decay score_mod; ``flash``: through its ``BACKEND="FLASH"``
+    kernels (FlashAttention-4's CuTe DSL, ``flash-attn-4`` installed), whose first call,
+    the compile, runs here: a failure there is :class:`NotAvailable` with torch's reason."""
+    if flash and not _on_gpu(wl.q):
+        raise NotAvailable("flex-flash runs on CUDA GPUs only")
     try:
         from torch.nn.attention.flex_attention import create_block_mask
     except ImportError as e:
@@ -483,10 +494,12 @@ def _flex_runner(wl: Workload) -> Runner:
     compiled = torch.compile(_flex_fox, dynamic=False)
     gqa = spec.heads != spec.num_kv_heads
 
-    def forward() -> Tensor:
-        return compiled(q, k, v, g, block_mask, gqa)
+    options = {"BACKEND": "FLASH"} if flash else None
 
-    return Runner(
+    def forward() -> Tensor:
+        return compiled(q, k, v, g, block_mask, gqa, options)
+
+    runner = Runner(
         forward,
         [q, k, v, g],
         to_bthd=lambda o: o.transpose(1, 2),
@@ -494,6 +507,15 @@ def _flex_runner(wl: Workload) -> Runner:
         grad_to_bthd=lambda gs: [x.transpose(1, 2) for x in gs[:3]] + gs[3:],
         notes=["score_mod: score + c[b,h,q] - c[b,h,kv], c = float32 cumsum of log gates"],
     )
+    if flash:
+        runner.notes.append("kernel_options BACKEND='FLASH' (FlashAttention-4's CuTe DSL kernels)")
+        try:
+            with torch.no_grad():
+                forward()
+            torch.cuda.synchronize()
+        except Exception as e:
+            raise NotAvailable(f"flex-flash failed on these inputs ({_short(e)})") from e
+    return runner
 
 
 def _fla_runner(wl: Workload) -> Runner:
@@ -617,8 +639,8 @@ def build_runner(name: Provider, wl: Workload, cfg: AttentionBenchConfig) -> Run
         return _fa4_runner(wl)
     if name in SOFTMAX_BASELINES:
         return _sdpa_runner(wl, name)
-    if name == "flex":
-        return _flex_runner(wl)
+    if name in ("flex", "flex-flash"):
+        return _flex_runner(wl, flash=name == "flex-flash")
     if name == "fla":
         return _fla_runner(wl)
     if name in ("castle-triton", "castle-torch", "castle-naive", "castle-swl-triton",

@@ -254,7 +254,7 @@ def print_summary(tokens: int, seconds: float, held: int, dense: int, name: str,
     print(
         f"{tokens} tokens in {seconds:.2f} s: {summary['tokens_per_s']:.1f} tokens/s; KV held "
         f"{held / 2**20:.2f} MiB, {100 * summary['kv_share']:.1f}% of a dense cache ({name}; whole "
-        "pages, the next steps' included)"
+        "pages)"
     )
     return summary
 

@@ -385,6 +385,8 @@ def generate(
                 logits = logits.clone()  # the next CUDA-graph replay overwrites it
             steps.append(logits)
             tokens.append(draw(logits))
+    if isinstance(cache, PagedStore):
+        cache.trim()  # the pages reserved for steps that did not run (stopped early, or the last pass's)
     new = torch.cat(tokens, dim=1)  # [B, N]
     if lengths is None:
         out = torch.cat([input_ids, new], dim=1)  # [B, T + N]

@@ -701,11 +701,33 @@ class PagedStore(StoreBase):
                 shift = np.minimum(columns + front[..., None], pages.shape[-1] - 1)
                 pages[...] = np.take_along_axis(pages, shift, axis=-1)
                 count -= front
-            keep = -(-held_i // self.page_size)  # [B, H] pages the held tokens fill
-            excess = (columns >= keep[..., None]) & (columns < count[..., None])
-            if excess.any():  # freed from each head's end, last page first (the table entries are cleared)
-                free.push(pages[..., ::-1][excess[..., ::-1]])
-                np.minimum(count, keep, out=count)
+            self._free_past_tokens(i, held_i)
+
+    def trim(self) -> None:
+        """Gives back the pages reserved past each head's tokens (:meth:`reserve`'s pages for
+        steps that have not run: a generation that ended, or stopped early, holds them for
+        nothing), so that :meth:`bytes_held` counts the pages that hold tokens. One read-back
+        of the lengths. A later step needs :meth:`reserve` again (``generate`` calls it)."""
+        self.settle()
+        layers = [i for i in range(self.n_layers) if self.lengths[i] is not None]
+        if not layers:
+            return
+        held = torch.stack([self.lengths[i] for i in layers]).long().cpu().numpy()  # [layers, B, H]
+        for i, held_i in zip(layers, held, strict=True):
+            self._free_past_tokens(i, held_i)
+        owned = np.stack([self._count[i] for i in layers]) * self.page_size
+        self._room = min(int((owned - held).min()), self.capacity - self.length)
+
+    def _free_past_tokens(self, layer_idx: int, held: np.ndarray) -> None:
+        """Frees layer ``layer_idx``'s pages past the ``held`` ``[B, H]`` tokens each head
+        keeps (compact from its first page), from each head's end, last page first."""
+        count, pages = self._count[layer_idx], self._pages[layer_idx]
+        columns = np.arange(pages.shape[-1])  # [W/S]
+        keep = -(-held // self.page_size)  # [B, H] pages the held tokens fill
+        excess = (columns >= keep[..., None]) & (columns < count[..., None])
+        if excess.any():
+            self._free[layer_idx].push(pages[..., ::-1][excess[..., ::-1]])
+            np.minimum(count, keep, out=count)
 
     def bytes_held(self) -> int:
         """Bytes of the pages in use (keys, values and every per-slot pool)."""
