@@ -447,7 +447,7 @@ def _output(out) -> Tensor:
     return out[0] if isinstance(out, tuple) else out
 
 
-def _flex_fox(q, k, v, log_fgate, block_mask, enable_gqa, kernel_options=None):
+def _flex_fox(q, k, v, log_fgate, block_mask, enable_gqa):
     """Forgetting attention as FlexAttention: a decay score_mod over the cumulative gate."""
     from torch.nn.attention.flex_attention import flex_attention
 
@@ -455,6 +455,16 @@ def _flex_fox(q, k, v, log_fgate, block_mask, enable_gqa, kernel_options=None):
     # Flex's backward cannot differentiate one tensor indexed twice in a score_mod, so the
     # key side reads a copy (autograd sums both paths back into the gates).
     c_k = c_q.clone()
+
+    def decay(score, b, h, q_idx, kv_idx):
+        return score + c_q[b, h, q_idx] - c_k[b, h, kv_idx]
+
+    return flex_attention(q, k, v, score_mod=decay, block_mask=block_mask, enable_gqa=enable_gqa)
+
+
+def _flex_decay(q, k, v, c_q, c_k, block_mask, enable_gqa, kernel_options):
+    """:func:`_flex_fox` with the cumulative gate given (``c_q``, and ``c_k`` a copy)."""
+    from torch.nn.attention.flex_attention import flex_attention
 
     def decay(score, b, h, q_idx, kv_idx):
         return score + c_q[b, h, q_idx] - c_k[b, h, kv_idx]
@@ -494,10 +504,16 @@ def _flex_runner(wl: Workload, flash: bool = False) -> Runner:
     compiled = torch.compile(_flex_fox, dynamic=False)
     gqa = spec.heads != spec.num_kv_heads
 
-    options = {"BACKEND": "FLASH"} if flash else None
+    if flash:  # the FLASH backend reads only graph inputs in a score_mod (torch 2.11): c made outside
+        compiled = torch.compile(_flex_decay, dynamic=False)
 
-    def forward() -> Tensor:
-        return compiled(q, k, v, g, block_mask, gqa, options)
+        def forward() -> Tensor:
+            c = g.float().cumsum(dim=1).transpose(1, 2).contiguous()  # [B, HQ, T]
+            return compiled(q, k, v, c, c.clone(), block_mask, gqa, {"BACKEND": "FLASH"})
+    else:
+
+        def forward() -> Tensor:
+            return compiled(q, k, v, g, block_mask, gqa)
 
     runner = Runner(
         forward,
