@@ -63,8 +63,8 @@ def test_ratios_use_the_fastest_baseline_of_each_mode():
 
 
 def test_graph_times_ratios_and_efficiency():
-    """The CUDA-graph times get their own ratios (to the fastest eager baseline's graph time)
-    and ACP efficiency, and a line each in the table's notes; a failed capture says why."""
+    """The CUDA-graph times get their own ratios (to the fastest baseline's graph time) and
+    ACP efficiency, and a line each in the table's notes; a failed capture says why."""
     result = _result(
         lapse=_timed(3.0, 12.0),
         lapse_acp={**_timed(1.5, 6.0), "pruned": 0.6},
@@ -88,6 +88,22 @@ def test_graph_times_ratios_and_efficiency():
             f"fwd+bwd 5.000 ms, efficiency {11.0 * 0.4 / 5.0:.2f}") in table
     assert "sdpa-default: replayed from a CUDA graph (GPU time, no launches): fwd 1.900 ms (1.00x); " \
         "fwd+bwd n/a: RuntimeError: capture" in table
+    assert "CUDA-graph ratios are to the fastest softmax baseline's graph time: fwd sdpa-default" in table
+
+
+def test_graph_ratios_take_the_fastest_baseline_under_the_graph():
+    """Eager and graph times can rank two close baselines differently (FlashAttention-4 and
+    cuDNN): each set of ratios takes its own fastest, and the notes name the graph's."""
+    result = _result(lapse=_timed(3.0, 12.0), sdpa_default=_timed(2.0, 7.0), flash_attn_4=_timed(1.9, 6.0))
+    for name, fwd in (("lapse", 2.8), ("sdpa-default", 1.8), ("flash-attn-4", 2.0)):
+        result["providers"][name]["fwd"]["graph_ms"] = fwd
+    bench._derive(result)
+    rows = result["providers"]
+    assert result["fastest_softmax"]["fwd"]["provider"] == "flash-attn-4"
+    assert result["fastest_softmax_graph"]["fwd"] == {"provider": "sdpa-default", "ms": 1.8}
+    assert rows["lapse"]["fwd"]["vs_fastest"] == pytest.approx(3.0 / 1.9)
+    assert rows["lapse"]["fwd"]["graph_vs_fastest"] == pytest.approx(2.8 / 1.8)
+    assert "graph time: fwd sdpa-default" in bench.markdown_table(result, ("fwd", "fwd+bwd"))
 
 
 @pytest.mark.parametrize("fails", [False, True], ids=["captured", "capture-fails"])
@@ -209,8 +225,9 @@ def test_a_run_cut_off_keeps_the_workloads_it_measured(monkeypatch, tmp_path):
 
 
 def _fake_flash_attn_4(monkeypatch, calls):
-    """A stand-in ``flash_attn.cute`` with FlashAttention-4's keyword names, computing causal
-    softmax attention with SDPA and returning ``(out, lse)`` as 4.0 does."""
+    """A stand-in ``flash_attn.cute`` with FlashAttention-4's keyword names (4.0.0b36's, in its
+    order; a misspelt keyword fails), computing causal softmax attention with SDPA and returning
+    ``(out, lse)`` as 4.0 does."""
     F = torch.nn.functional
 
     def attend(q, k, v, scale):  # [B, T, H, D]; grouped K/V expanded
@@ -220,12 +237,12 @@ def _fake_flash_attn_4(monkeypatch, calls):
         o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale)
         return o.transpose(1, 2)
 
-    def flash_attn_func(q, k, v, qv=None, gather_kv_indices=None, softmax_scale=None, causal=False, **kw):
+    def flash_attn_func(q, k, v, qv=None, gather_kv_indices=None, softmax_scale=None, causal=False):
         calls.append(("dense", causal))
         return attend(q, k, v, softmax_scale), None
 
     def flash_attn_varlen_func(q, k, v, qv=None, cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=None,
-                               max_seqlen_k=None, softmax_scale=None, causal=False, **kw):
+                               max_seqlen_k=None, softmax_scale=None, causal=False):
         calls.append(("varlen", causal, max_seqlen_q))
         assert torch.equal(cu_seqlens_q, cu_seqlens_k)
         cu = cu_seqlens_q.tolist()

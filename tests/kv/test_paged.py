@@ -423,3 +423,35 @@ def test_a_layer_of_other_shapes_than_the_first_gets_buffers_of_its_own():
         assert torch.equal(store.k[i][pages, offsets][:, :, :t], x)
     with pytest.raises(ValueError, match="not yet written"):
         store.write_cut(1, wide, -wide, index, counts[0])
+
+
+@pytest.mark.parametrize("trim", [False, True], ids=["reserved", "trimmed"])
+def test_trim_gives_back_reserved_pages_and_clears_their_columns(trim):
+    """``trim`` frees the pages :meth:`reserve` gave past each head's tokens, and sets their
+    table columns back to -1: with a column left pointing at a page a later reserve hands to
+    another column, a write through every column (``record_scores``) reached that page twice
+    and lost an update (slot 32's score came out 0, not 1)."""
+    b, h, d, s = 2, 1, 8, 16
+    torch.manual_seed(0)
+    store = PagedStore(1, max_context=128, page_size=s, score_decay=1.0)
+
+    def step(t: int) -> None:
+        store.begin(b, t, torch.device("cpu"))
+        store.append(0, torch.randn(b, t, h, d), torch.randn(b, t, h, d))
+        store.advance()
+
+    step(20)
+    store.reserve(40)  # what generate reserves for the steps ahead
+    pages_before = int(store._count[0].sum())
+    if trim:
+        store.trim()  # the generation stopped early
+        assert int(store._count[0].sum()) == b * h * 2 < pages_before  # 20 tokens: two pages a head
+        table = store.page_table[0]
+        assert (table[..., 2:] == -1).all() and (table[..., :2] >= 0).all()
+    store.reserve(17)  # a generation that goes on
+    for _ in range(13):  # lengths 20 -> 33
+        step(1)
+    store.record_scores(0, torch.ones(b, h, store.width))
+    snap = store.snapshot(0)
+    held = snap.valid[..., :33]
+    assert held.all() and (snap.scores[..., :33][held] == 1.0).all()

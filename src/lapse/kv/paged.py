@@ -715,6 +715,12 @@ class PagedStore(StoreBase):
         held = torch.stack([self.lengths[i] for i in layers]).long().cpu().numpy()  # [layers, B, H]
         for i, held_i in zip(layers, held, strict=True):
             self._free_past_tokens(i, held_i)
+            # the device table's columns past each head's pages back to -1 (the scratch page), as
+            # an eviction leaves them: a later reserve may give a freed page to another column, and
+            # writes through every column (record_scores, DCP's drop) would then reach it twice
+            table = self.page_table[i]
+            kept = torch.as_tensor(self._count[i], device=table.device)  # [B, H]
+            table.masked_fill_(torch.arange(table.shape[-1], device=table.device) >= kept[..., None], -1)
         owned = np.stack([self._count[i] for i in layers]) * self.page_size
         self._room = min(int((owned - held).min()), self.capacity - self.length)
 
