@@ -3,9 +3,12 @@
 # wheel (nvidia-cutlass-dsl-libs-cu13, 92 MB) is over what one call carries, so it travels
 # unpacked and xz-compressed in two parts: an earlier call on the same warm machine left the
 # first in /tmp/fa4parts (`mkdir -p /tmp/fa4parts && cp .fa4a/part.* /tmp/fa4parts/`), and this
-# call carries the second and the small wheels in .fa4b/. Then: scripts/check_fa4.py (does it
-# run, and compute causal attention), then lapse bench attention with it beside SDPA's default.
-# Usage: COMMIT=<tree> bash scripts/gpu.sh bash scripts/gpu_issue16_s28_fa4.sh
+# call carries the second and the small wheels in .fa4b/ (both made here by scripts/fetch_fa4.sh).
+# Then: scripts/check_fa4.py (does it run, and compute causal attention), then lapse bench
+# attention with it beside SDPA's default. Usage, carry .fa4b, not through gpu.sh (it needs .whl):
+#   COMMIT=<tree> bash scripts/gpu_issue16_s28_fa4.sh
+# Options: NO_CHECK=1, GPU_TESTS="<pytest paths>" (-m gpu, first), DIMS, SEQ_LENS, PROVIDERS
+# (beside sdpa-default and flash-attn-4; default lapse lapse-acp), MODES, BENCH_TIMEOUT.
 set -uo pipefail
 export PYTHONUNBUFFERED=1
 OUT="${OUT:-runs/issue16-s28-fa4}"
