@@ -113,9 +113,10 @@ def test_bench_attention_smoke_gpu(tmp_path):
 @pytest.mark.parametrize(
     "args, message",
     [
-        (["train", "cpu-tiny", "--steps", "0"], "error: steps must be a positive integer, got 0"),
-        (["train", "cpu-tiny", "--batch-size", "0"], "error: batch_size must be a positive integer, got 0"),
-        (["train", "cpu-tiny", "--lr", "nan"], "error: lr must be a positive number, got nan"),
+        (["train", "cpu-tiny", "--steps", "0"], "error: --steps: steps must be a positive integer, got 0"),
+        (["train", "cpu-tiny", "--batch-size", "0"],
+         "error: --batch-size: batch_size must be a positive integer, got 0"),
+        (["train", "cpu-tiny", "--lr", "nan"], "error: --lr: lr must be a positive number, got nan"),
         (
             ["train", "cpu-tiny", "--corpus.kind", "text", "--corpus.paths", "/nonexistent/book.txt"],
             "error: corpus path '/nonexistent/book.txt' does not exist (corpus.kind='text')",
@@ -130,9 +131,9 @@ def test_bench_attention_smoke_gpu(tmp_path):
         ),
         (["export", "/nonexistent/run", "/tmp/out"], "error: model path does not exist: /nonexistent/run"),
         (["train", "cpu-tiny", "--model.n-heads", "3"],
-         "error: n_heads (3) must divide d_model (64): the head dim is d_model / n_heads"),
+         "error: --model.n-heads: n_heads (3) must divide d_model (64): the head dim is d_model / n_heads"),
         (["train", "cpu-tiny", "--corpus.val-fraction", "1.5"],
-         "error: val_fraction must be in [0, 1), got 1.5"),
+         "error: --corpus.val-fraction: val_fraction must be in [0, 1), got 1.5"),
     ],
     ids=["steps", "batch-size", "lr", "corpus-path", "run-dir", "resume", "export", "nested-model",
          "nested-corpus"],
@@ -186,7 +187,7 @@ def test_the_command_line_prints_one_line(tmp_path):
         capture_output=True, text=True, env=env, cwd=tmp_path, timeout=120,
     )
     assert done.returncode == 2 and done.stdout == ""
-    assert done.stderr == "error: steps must be a positive integer, got 0\n"
+    assert done.stderr == "error: --steps: steps must be a positive integer, got 0\n"
 
 
 @pytest.mark.parametrize(

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import sys
 import sysconfig
 import traceback
@@ -261,7 +262,7 @@ def main(argv: Sequence[str] | None = None) -> None:
             # show whole; one lapse raises itself (a missing optional package) is one line
             if debug or not _raised_by_lapse(e) or (isinstance(e, ImportError) and e.name is not None):
                 raise
-            print(f"error: {_one_line(e)}", file=sys.stderr)
+            print(f"error: {_named_by_flag(_one_line(e), args)}", file=sys.stderr)
             raise SystemExit(2) from None
         except KeyboardInterrupt:  # a training run stops at its own first Ctrl-C; this is a second
             if debug:  # one, or one during an evaluation or a benchmark
@@ -339,6 +340,20 @@ def _one_line(e: BaseException) -> str:
     if isinstance(e, OSError) and e.filename is not None and e.strerror:
         return f"{e.strerror}: {e.filename}"
     return " ".join(str(e).split()) or type(e).__name__
+
+
+def _named_by_flag(message: str, args: Sequence[str]) -> str:
+    """The message after the flag the user typed when it opens with that flag's field name
+    (``steps must be a positive integer`` after ``--steps 0``, ``n_heads ...`` after
+    ``--model.n-heads 3``: the configs check their fields and name them, from Python or the
+    command line alike); else, or where the message names the flag already, the message as it is."""
+    field = re.match(r"[a-z][a-z0-9_.]*", message)
+    if field is None:
+        return message
+    name = field.group(0).replace("_", "-")  # tyro's flag for a field; nested: --model.n-heads
+    typed = {a.split("=", 1)[0] for a in args if a.startswith("--")}
+    flags = [f for f in typed if f == f"--{name}" or f.endswith(f".{name}")]
+    return f"{flags[0]}: {message}" if len(flags) == 1 and flags[0] not in message else message
 
 
 def _show_warning(message, category, filename, lineno, file=None, line=None) -> None:
