@@ -16,6 +16,7 @@ mkdir -p "$OUT" /tmp/fa4parts
 GPU="$(nvidia-smi --query-gpu=name --format=csv,noheader 2> /dev/null | head -n 1)"
 echo "$GPU"
 tag="$(echo "$GPU" | grep -oiE "h100|h200" | tr A-Z a-z)"
+tag="${tag:-gpu}"  # another GPU: its files still get a name
 if [[ ! -d /tmp/site/flash_attn ]]; then
     cp .fa4b/part.* /tmp/fa4parts/ 2> /dev/null
     [[ -d .fa4a ]] && cp .fa4a/part.* /tmp/fa4parts/

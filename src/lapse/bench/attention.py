@@ -429,13 +429,7 @@ def _fa4_runner(wl: Workload) -> Runner:
             torch.cuda.synchronize()
     except Exception as e:
         raise NotAvailable(f"flash-attn-4 failed on these inputs ({_short(e)})") from e
-    try:
-        from importlib.metadata import version
-
-        notes.append(f"flash-attn-4 {version('flash-attn-4')}")
-    except Exception:  # imported from a source tree: no installed metadata
-        pass
-    return runner
+    return runner  # its version: in the results' header (environment())
 
 
 def _on_gpu(x: Tensor) -> bool:

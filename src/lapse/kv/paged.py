@@ -541,10 +541,7 @@ class PagedStore(StoreBase):
         needed = (held + t + self.page_size - 1) // self.page_size
         for i, rows in zip(layers, needed, strict=True):
             self._grant(i, rows)
-        # the free slots of the fullest head (>= t): the steps that need no reserve; max_context
-        # bounds the positions too
-        owned = np.stack([self._count[i] for i in layers]) * self.page_size
-        self._room = min(int((owned - held).min()), self.capacity - self.length)
+        self._set_room(layers, held)
 
     def claim(self, t: int) -> None:
         """Takes room for ``t`` tokens before a compiled step, on the host: a step past the
@@ -721,6 +718,12 @@ class PagedStore(StoreBase):
             table = self.page_table[i]
             kept = torch.as_tensor(self._count[i], device=table.device)  # [B, H]
             table.masked_fill_(torch.arange(table.shape[-1], device=table.device) >= kept[..., None], -1)
+        self._set_room(layers, held)
+
+    def _set_room(self, layers: list[int], held: np.ndarray) -> None:
+        """The steps that need no reserve: the free slots of the fullest head over ``layers``
+        (``held`` ``[layers, B, H]`` their tokens), within ``max_context``, which bounds the
+        positions too."""
         owned = np.stack([self._count[i] for i in layers]) * self.page_size
         self._room = min(int((owned - held).min()), self.capacity - self.length)
 
