@@ -12,22 +12,12 @@
 set -uo pipefail
 export PYTHONUNBUFFERED=1
 OUT="${OUT:-runs/issue16-s28-fa4}"
-mkdir -p "$OUT" /tmp/fa4parts
+mkdir -p "$OUT"
 GPU="$(nvidia-smi --query-gpu=name --format=csv,noheader 2> /dev/null | head -n 1)"
 echo "$GPU"
 tag="$(echo "$GPU" | grep -oiE "h100|h200" | tr A-Z a-z)"
 tag="${tag:-gpu}"  # another GPU: its files still get a name
-if [[ ! -d /tmp/site/flash_attn ]]; then
-    cp .fa4b/part.* /tmp/fa4parts/ 2> /dev/null
-    [[ -d .fa4a ]] && cp .fa4a/part.* /tmp/fa4parts/
-    cat /tmp/fa4parts/part.* > /tmp/cu13.tar.xz
-    echo "$(cut -d' ' -f1 .fa4b/cu13.sha256)  /tmp/cu13.tar.xz" | sha256sum -c || exit 1
-    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .fa4b/*.whl || exit 1
-    tar xJf /tmp/cu13.tar.xz -C /tmp/site || exit 1
-fi
-# the .pth of nvidia-cutlass-dsl, which PYTHONPATH does not read, puts its dsl_packages on the path
-export PYTHONPATH="/tmp/site:/tmp/site/nvidia_cutlass_dsl/dsl_packages:$PWD/src"
-export FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED=1 FLASH_ATTENTION_CUTE_DSL_CACHE_DIR=/tmp/fa4cache
+source scripts/fa4_env.sh || exit 1
 [[ -n "${GPU_TESTS:-}" ]] && timeout "${TEST_TIMEOUT:-200}" python3 -m pytest -q -m gpu -p no:cacheprovider $GPU_TESTS 2>&1 | tail -n 5
 [[ -z "${NO_CHECK:-}" ]] && timeout "${CHECK_TIMEOUT:-300}" python3 scripts/check_fa4.py --out "$OUT/$tag-check-fa4.json" ${CASES:+--cases $CASES} 2>&1 | tail -n 30
 commit=(); [[ -n "${COMMIT:-}" ]] && commit=(--commit "$COMMIT")

@@ -1,0 +1,226 @@
+"""The FoX forward on FlashAttention-4's Hopper kernel: what does the gate cost there? Issue 16,
+twenty-ninth session (an experiment; BENCHMARKS.md, "Twenty-ninth session").
+
+FlashAttention-4's ``FlashAttentionForwardSm90`` applies a ``score_mod`` to each score tile
+through ``apply_score_mod``; with its generic path (per-element indices, divisions, loads)
+FoX took 2.9-3.0x lapse's forward (``flex-flash``, twenty-eighth session). Here a subclass
+overrides that one method with the FoX bias made the cheap way, and the rest of the kernel
+(warp-specialised TMA loads, two or three consumer warpgroups, intra-warpgroup overlap) is
+FlashAttention-4's own:
+
+- the row term is left out: a row's constant cancels in its softmax. Each query tile uses
+  ``c_ref``, the gate sum at its last row, and the lse gets ``c_i - c_ref`` back on the host;
+- the column term of key ``j`` is ``c_ref - c_j = (c_ref - c_kref) + (c_kref - c_j)``, with
+  ``c_kref`` the gate sum at the last key of ``j``'s key tile: the first part is one number a
+  tile (from the double-float ``c_hi, c_lo``), the second ``d_j``, made once on the host in
+  float64 and stored in float32 (small: the decay within one tile);
+- so a column costs one load and one add, and a score one multiply-add
+  (``s * scale + bias_j``): a thread holds two rows of each of its columns.
+
+``d`` is padded to a whole number of key tiles, so the loads need no clamp. Equal query and
+key lengths, one key head per query head, no packing: an experiment, not an op.
+
+    python scripts/fa4_fox_fwd.py --out $OUT/fa4-fox.json     # on the GPU, FlashAttention-4 installed
+    python scripts/fa4_fox_fwd.py --compile-only --site /tmp/cutedsl   # here: compiles for sm_90a
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import sys
+
+
+def build(site: str | None):
+    """Imports FlashAttention-4 and returns ``(interface, fox_forward)``."""
+    if site:
+        sys.path[:0] = [site, os.path.join(site, "nvidia_cutlass_dsl", "dsl_packages")]
+    import cutlass
+    import cutlass.cute as cute
+    import torch
+    from flash_attn.cute import interface
+    from flash_attn.cute.flash_fwd_sm90 import FlashAttentionForwardSm90
+    from quack import layout_utils
+
+    # the CuTe DSL compiles the methods from their source, and looks their names up in this module
+    globals().update(cutlass=cutlass, cute=cute, layout_utils=layout_utils)
+
+    class FoxForwardSm90(FlashAttentionForwardSm90):
+        @cute.jit
+        def apply_score_mod(self, thr_mma_qk, batch_idx, head_idx, m_block, acc_S, n_block, softmax_scale,
+                            seqlen, aux_data=None, fastdiv_mods=None):
+            m_d, m_chi, m_clo = aux_data.tensors
+            last_q = cutlass.min(m_block * self.tile_m + self.tile_m - 1, seqlen.seqlen_q - 1)
+            last_k = cutlass.min(n_block * self.tile_n + self.tile_n - 1, seqlen.seqlen_k - 1)
+            tile_bias = ((m_chi[batch_idx, head_idx, last_q] - m_chi[batch_idx, head_idx, last_k])
+                         + (m_clo[batch_idx, head_idx, last_q] - m_clo[batch_idx, head_idx, last_k]))
+            acc_mn = layout_utils.reshape_acc_to_mn(acc_S)
+            cS = cute.make_identity_tensor((self.tile_m, self.tile_n))
+            t_mn = layout_utils.reshape_acc_to_mn(thr_mma_qk.partition_C(cS))
+            t0_mn = layout_utils.reshape_acc_to_mn(thr_mma_qk.get_slice(0).partition_C(cS))
+            # this thread's columns of d, from a pointer made once: each load then takes a constant offset
+            g_d = cute.domain_offset((n_block * self.tile_n + t_mn[0][1],), m_d[batch_idx, head_idx, None])
+            for c in cutlass.range(cute.size(acc_mn.shape[1]), unroll_full=True):
+                bias = tile_bias + g_d[t0_mn[0, c][1]]
+                for r in cutlass.range(cute.size(acc_mn.shape[0]), unroll_full=True):
+                    acc_mn[r, c] = acc_mn[r, c] * softmax_scale + bias
+
+    interface.FlashAttentionForwardSm90 = FoxForwardSm90  # the interface builds its kernel from this name
+
+    @cute.jit
+    def marker(scores, b, h, q_idx, kv_idx, seqlen_info, aux_tensors):  # never called: it selects the path
+        return scores
+
+    def tiles(d: int) -> tuple[int, int]:
+        cfg = interface._tile_size_fwd_sm90(d, d, True, False)
+        return cfg.m_block_size, cfg.n_block_size
+
+    def fox_forward(q, k, v, log_fgate, scale):
+        """``q, k, v [B, T, H, D]`` bf16, ``log_fgate [B, T, H]`` float32: ``(o, lse)``, the lse
+        natural-log ``[B, H, T]``, as lapse's op returns them."""
+        b, t, h, d = q.shape
+        tm, tn = tiles(d)
+        c = torch.cumsum(log_fgate.double().clamp_min(-1000.0), dim=1).transpose(1, 2)  # [B, H, T] float64
+        c_hi = c.float()
+        c_lo = (c - c_hi.double()).float()
+        t_pad = -(-t // tn) * tn
+        kref = torch.clamp(torch.arange(t_pad, device=q.device) // tn * tn + tn - 1, max=t - 1)
+        d_col = torch.zeros(b, h, t_pad, dtype=torch.float64, device=q.device)
+        d_col[..., :t] = c[..., kref[:t]] - c
+        qref = torch.clamp(torch.arange(t, device=q.device) // tm * tm + tm - 1, max=t - 1)
+        o, lse = fox_call(q, k, v, [d_col.float().contiguous(), c_hi.contiguous(), c_lo.contiguous()], scale)
+        return o, lse + (c - c[..., qref]).float()
+
+    def fox_call(q, k, v, aux, scale):
+        """The kernel alone, on ``aux = [d, c_hi, c_lo]``: ``(o, lse less c_i - c_ref)``."""
+        o, lse, *_ = interface._flash_attn_fwd(q, k, v, softmax_scale=scale, causal=True, score_mod=marker,
+                                               return_lse=True, aux_tensors=aux)
+        return o, lse
+
+    fox_forward.call = fox_call
+    return interface, fox_forward
+
+
+def _compile_only(site: str, dims: list[int]) -> None:
+    """Compiles FlashAttention-4's forward and this one for sm_90a (no GPU) and prints each cubin's
+    registers and loops (``fa4_sass.py``'s reading: instructions, HGMMA, MUFU a loop)."""
+    import glob
+    import tempfile
+
+    dump = tempfile.mkdtemp()
+    os.environ.update(FLASH_ATTENTION_ARCH="sm_90a", CUTE_DSL_ARCH="sm_90a", FLASH_ATTENTION_NUM_SMS="132",
+                      CUTE_DSL_KEEP_CUBIN="1", CUTE_DSL_DUMP_DIR=dump)
+    interface, fox_forward = build(site)
+    import torch
+    from fa4_sass import _describe
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    for d in dims:
+        for fox in (False, True):
+            before = set(glob.glob(os.path.join(dump, "*.cubin")))
+            with FakeTensorMode():
+                q = torch.empty(2, 4096, 8, d, dtype=torch.bfloat16, device="cuda")
+                k, v = torch.empty_like(q), torch.empty_like(q)
+                if fox:
+                    aux = [torch.empty(2, 8, 4096, dtype=torch.float32, device="cuda") for _ in range(3)]
+                    fox_forward.call(q, k, v, aux, 1 / math.sqrt(d))
+                else:
+                    interface._flash_attn_fwd(q, k, v, softmax_scale=1 / math.sqrt(d), causal=True)
+            for cubin in sorted(set(glob.glob(os.path.join(dump, "*.cubin"))) - before):
+                print(f"D {d} {'fa4-fox' if fox else 'flash-attn-4'}: {_describe(cubin)}", flush=True)
+                if os.environ.get("FOX_SASS_DIR"):
+                    import shutil
+
+                    shutil.copy(cubin, os.path.join(os.environ["FOX_SASS_DIR"], f"d{d}-{int(fox)}.cubin"))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--out")
+    ap.add_argument("--site", default=None, help="where flash-attn-4 and the CuTe DSL are, if not importable")
+    ap.add_argument("--compile-only", action="store_true")
+    ap.add_argument("--dims", nargs="*", type=int, default=[64, 128])
+    ap.add_argument("--seq-lens", nargs="*", type=int, default=[4096, 8192, 16384])
+    a = ap.parse_args()
+    if a.compile_only:
+        _compile_only(a.site, a.dims)
+        return
+    run(a)
+
+
+def run(a) -> None:
+    from lapse.bench import attention as bench
+    from lapse.bench.workloads import WorkloadSpec, make_workload
+    from lapse.ops.forgetting import forgetting_attention, naive_forgetting_attention, set_value_checks
+
+    interface, fox_forward = build(a.site)
+    set_value_checks(False)
+    cfg = bench.AttentionBenchConfig()
+    res: dict = {"env": bench.environment(), "check": [], "timing": []}
+
+    def err(x, ref):
+        return float((x.double() - ref).abs().max() / ref.abs().max())
+
+    for d in a.dims:  # correctness: against float64, beside lapse's kernels
+        for t in (1000, 4096):
+            spec = WorkloadSpec(seq_len=t, tokens=2 * t, heads=8, kv_heads=8, head_dim=d)
+            wl = make_workload(spec, device="cuda")
+            scale = 1 / math.sqrt(d)
+            o_ref, lse_ref = naive_forgetting_attention(*(x.double() for x in (wl.q, wl.k, wl.v)),
+                                                        wl.log_fgate, scale)
+            o, lse = fox_forward(wl.q, wl.k, wl.v, wl.log_fgate, scale)
+            ol, lsel = forgetting_attention(wl.q, wl.k, wl.v, wl.log_fgate, return_lse=True, backend="triton")
+            row = {"D": d, "T": t, "fa4-fox": {"o": err(o, o_ref), "lse": float((lse - lse_ref).abs().max())},
+                   "lapse": {"o": err(ol, o_ref), "lse": float((lsel - lse_ref).abs().max())}}
+            res["check"].append(row)
+            print(json.dumps(row), flush=True)
+            del o_ref, lse_ref
+            bench._free()
+
+    for d in a.dims:
+        for t in a.seq_lens:
+            res["timing"].append(_time_one(d, t, interface, fox_forward, cfg))
+            print(json.dumps(res["timing"][-1]), flush=True)
+            if a.out:
+                with open(a.out, "w") as f:
+                    json.dump(res, f, indent=1)
+    if a.out:
+        with open(a.out, "w") as f:
+            json.dump(res, f, indent=1)
+
+
+def _time_one(d: int, t: int, interface, fox_forward, cfg) -> dict:
+    """Forward times (eager and CUDA graph, ms) on the bench's workload: 32768 tokens, 24 heads."""
+    import torch
+
+    from lapse.bench import attention as bench
+    from lapse.bench.workloads import WorkloadSpec, make_workload
+    from lapse.ops.forgetting import forgetting_attention
+
+    spec = WorkloadSpec(seq_len=t, tokens=32768, heads=24, kv_heads=24, head_dim=d)
+    wl = make_workload(spec, device="cuda")
+    q, k, v, g = wl.q, wl.k, wl.v, wl.log_fgate
+    scale = 1 / math.sqrt(d)
+    qt, kt, vt = (x.transpose(1, 2) for x in (q, k, v))
+    fns = {
+        "sdpa-default": lambda: torch.nn.functional.scaled_dot_product_attention(qt, kt, vt, is_causal=True),
+        "flash-attn-4": lambda: interface._flash_attn_fwd(q, k, v, softmax_scale=scale, causal=True)[0],
+        "fa4-fox": lambda: fox_forward(q, k, v, g, scale)[0],
+        "lapse": lambda: forgetting_attention(q, k, v, g, backend="triton"),
+    }
+    row: dict = {"D": d, "T": t}
+    with torch.no_grad():
+        for name, fn in fns.items():
+            try:
+                fn()
+                row[name] = {"ms": bench._time(fn, cfg), "graph_ms": bench._time_graphed(fn, cfg)}
+            except Exception as e:
+                row[name] = {"error": bench._short(e)}
+            bench._free()
+    return row
+
+
+if __name__ == "__main__":
+    main()
