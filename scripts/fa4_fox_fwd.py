@@ -62,6 +62,10 @@ def build(site: str | None):
             t0_mn = layout_utils.reshape_acc_to_mn(thr_mma_qk.get_slice(0).partition_C(cS))
             # this thread's columns of d, from a pointer made once: each load then takes a constant offset
             g_d = cute.domain_offset((n_block * self.tile_n + t_mn[0][1],), m_d[batch_idx, head_idx, None])
+            # the next key tile's lines into L1 (n_block - 1: the loop walks down the keys)
+            if cutlass.const_expr(self.score_mod is not no_prefetch):
+                for line in cutlass.range_constexpr(self.tile_n // 32):
+                    cute.arch.prefetch((g_d.iterator + (32 * line - self.tile_n)).llvm_ptr, cache_level="L1")
             for c in cutlass.range(cute.size(acc_mn.shape[1]), unroll_full=True):
                 bias = tile_bias + g_d[t0_mn[0, c][1]]
                 for r in cutlass.range(cute.size(acc_mn.shape[0]), unroll_full=True):
@@ -73,33 +77,45 @@ def build(site: str | None):
     def marker(scores, b, h, q_idx, kv_idx, seqlen_info, aux_tensors):  # never called: it selects the path
         return scores
 
+    @cute.jit
+    def no_prefetch(scores, b, h, q_idx, kv_idx, seqlen_info, aux_tensors):  # the same, without the prefetch
+        return scores + 0.0
+
+    globals()["no_prefetch"] = no_prefetch  # read by apply_score_mod as it compiles
+
     def tiles(d: int) -> tuple[int, int]:
         cfg = interface._tile_size_fwd_sm90(d, d, True, False)
         return cfg.m_block_size, cfg.n_block_size
 
-    def fox_forward(q, k, v, log_fgate, scale):
-        """``q, k, v [B, T, H, D]`` bf16, ``log_fgate [B, T, H]`` float32: ``(o, lse)``, the lse
-        natural-log ``[B, H, T]``, as lapse's op returns them."""
-        b, t, h, d = q.shape
+    def prepare(log_fgate, d):
+        """``aux = [d, c_hi, c_lo]`` for the kernel, and what its lse lacks (``c_i - c_ref``)."""
+        b, t, h = log_fgate.shape
         tm, tn = tiles(d)
         c = torch.cumsum(log_fgate.double().clamp_min(-1000.0), dim=1).transpose(1, 2)  # [B, H, T] float64
         c_hi = c.float()
         c_lo = (c - c_hi.double()).float()
         t_pad = -(-t // tn) * tn
-        kref = torch.clamp(torch.arange(t_pad, device=q.device) // tn * tn + tn - 1, max=t - 1)
-        d_col = torch.zeros(b, h, t_pad, dtype=torch.float64, device=q.device)
+        kref = torch.clamp(torch.arange(t_pad, device=c.device) // tn * tn + tn - 1, max=t - 1)
+        d_col = torch.zeros(b, h, t_pad, dtype=torch.float64, device=c.device)
         d_col[..., :t] = c[..., kref[:t]] - c
-        qref = torch.clamp(torch.arange(t, device=q.device) // tm * tm + tm - 1, max=t - 1)
-        o, lse = fox_call(q, k, v, [d_col.float().contiguous(), c_hi.contiguous(), c_lo.contiguous()], scale)
-        return o, lse + (c - c[..., qref]).float()
+        qref = torch.clamp(torch.arange(t, device=c.device) // tm * tm + tm - 1, max=t - 1)
+        return [d_col.float().contiguous(), c_hi.contiguous(), c_lo.contiguous()], (c - c[..., qref]).float()
 
-    def fox_call(q, k, v, aux, scale):
+    def fox_forward(q, k, v, log_fgate, scale):
+        """``q, k, v [B, T, H, D]`` bf16, ``log_fgate [B, T, H]`` float32: ``(o, lse)``, the lse
+        natural-log ``[B, H, T]``, as lapse's op returns them."""
+        aux, shift = prepare(log_fgate, q.shape[-1])
+        o, lse = fox_call(q, k, v, aux, scale)
+        return o, lse + shift
+
+    def fox_call(q, k, v, aux, scale, prefetch=True):
         """The kernel alone, on ``aux = [d, c_hi, c_lo]``: ``(o, lse less c_i - c_ref)``."""
-        o, lse, *_ = interface._flash_attn_fwd(q, k, v, softmax_scale=scale, causal=True, score_mod=marker,
-                                               return_lse=True, aux_tensors=aux)
+        o, lse, *_ = interface._flash_attn_fwd(q, k, v, softmax_scale=scale, causal=True, return_lse=True,
+                                               score_mod=marker if prefetch else no_prefetch, aux_tensors=aux)
         return o, lse
 
     fox_forward.call = fox_call
+    fox_forward.prepare = prepare
     return interface, fox_forward
 
 
@@ -126,6 +142,7 @@ def _compile_only(site: str, dims: list[int]) -> None:
                 if fox:
                     aux = [torch.empty(2, 8, 4096, dtype=torch.float32, device="cuda") for _ in range(3)]
                     fox_forward.call(q, k, v, aux, 1 / math.sqrt(d))
+                    fox_forward.call(q, k, v, aux, 1 / math.sqrt(d), prefetch=False)
                 else:
                     interface._flash_attn_fwd(q, k, v, softmax_scale=1 / math.sqrt(d), causal=True)
             for cubin in sorted(set(glob.glob(os.path.join(dump, "*.cubin"))) - before):
@@ -204,10 +221,13 @@ def _time_one(d: int, t: int, interface, fox_forward, cfg) -> dict:
     q, k, v, g = wl.q, wl.k, wl.v, wl.log_fgate
     scale = 1 / math.sqrt(d)
     qt, kt, vt = (x.transpose(1, 2) for x in (q, k, v))
+    aux, _ = fox_forward.prepare(g, d)
     fns = {
         "sdpa-default": lambda: torch.nn.functional.scaled_dot_product_attention(qt, kt, vt, is_causal=True),
         "flash-attn-4": lambda: interface._flash_attn_fwd(q, k, v, softmax_scale=scale, causal=True)[0],
         "fa4-fox": lambda: fox_forward(q, k, v, g, scale)[0],
+        "fa4-fox kernel": lambda: fox_forward.call(q, k, v, aux, scale)[0],
+        "fa4-fox kernel, no prefetch": lambda: fox_forward.call(q, k, v, aux, scale, prefetch=False)[0],
         "lapse": lambda: forgetting_attention(q, k, v, g, backend="triton"),
     }
     row: dict = {"D": d, "T": t}
