@@ -63,11 +63,13 @@ def build(site: str | None):
             # this thread's columns of d, from a pointer made once: each load then takes a constant offset
             g_d = cute.domain_offset((n_block * self.tile_n + t_mn[0][1],), m_d[batch_idx, head_idx, None])
             # the next key tile's lines into L1 (n_block - 1: the loop walks down the keys)
-            if cutlass.const_expr(self.score_mod is not no_prefetch):
+            if cutlass.const_expr(self.score_mod is marker):
                 for line in cutlass.range_constexpr(self.tile_n // 32):
                     cute.arch.prefetch((g_d.iterator + (32 * line - self.tile_n)).llvm_ptr, cache_level="L1")
             for c in cutlass.range(cute.size(acc_mn.shape[1]), unroll_full=True):
-                bias = tile_bias + g_d[t0_mn[0, c][1]]
+                bias = tile_bias
+                if cutlass.const_expr(self.score_mod is not no_loads):
+                    bias = tile_bias + g_d[t0_mn[0, c][1]]
                 for r in cutlass.range(cute.size(acc_mn.shape[0]), unroll_full=True):
                     acc_mn[r, c] = acc_mn[r, c] * softmax_scale + bias
 
@@ -81,7 +83,12 @@ def build(site: str | None):
     def no_prefetch(scores, b, h, q_idx, kv_idx, seqlen_info, aux_tensors):  # the same, without the prefetch
         return scores + 0.0
 
-    globals()["no_prefetch"] = no_prefetch  # read by apply_score_mod as it compiles
+    @cute.jit
+    def no_loads(scores, b, h, q_idx, kv_idx, seqlen_info, aux_tensors):  # timing only: no column term
+        return scores + 1.0
+
+    # read by apply_score_mod as it compiles
+    globals().update(marker=marker, no_prefetch=no_prefetch, no_loads=no_loads)
 
     def tiles(d: int) -> tuple[int, int]:
         cfg = interface._tile_size_fwd_sm90(d, d, True, False)
@@ -108,10 +115,12 @@ def build(site: str | None):
         o, lse = fox_call(q, k, v, aux, scale)
         return o, lse + shift
 
-    def fox_call(q, k, v, aux, scale, prefetch=True):
-        """The kernel alone, on ``aux = [d, c_hi, c_lo]``: ``(o, lse less c_i - c_ref)``."""
+    def fox_call(q, k, v, aux, scale, variant=None):
+        """The kernel alone, on ``aux = [d, c_hi, c_lo]``: ``(o, lse less c_i - c_ref)``. ``variant``:
+        ``"no prefetch"``, or ``"no loads"`` (for timing: the tile's term only, no column loads)."""
+        mod = {None: marker, "no prefetch": no_prefetch, "no loads": no_loads}[variant]
         o, lse, *_ = interface._flash_attn_fwd(q, k, v, softmax_scale=scale, causal=True, return_lse=True,
-                                               score_mod=marker if prefetch else no_prefetch, aux_tensors=aux)
+                                               score_mod=mod, aux_tensors=aux)
         return o, lse
 
     fox_forward.call = fox_call
@@ -142,7 +151,8 @@ def _compile_only(site: str, dims: list[int]) -> None:
                 if fox:
                     aux = [torch.empty(2, 8, 4096, dtype=torch.float32, device="cuda") for _ in range(3)]
                     fox_forward.call(q, k, v, aux, 1 / math.sqrt(d))
-                    fox_forward.call(q, k, v, aux, 1 / math.sqrt(d), prefetch=False)
+                    fox_forward.call(q, k, v, aux, 1 / math.sqrt(d), variant="no prefetch")
+                    fox_forward.call(q, k, v, aux, 1 / math.sqrt(d), variant="no loads")
                 else:
                     interface._flash_attn_fwd(q, k, v, softmax_scale=1 / math.sqrt(d), causal=True)
             for cubin in sorted(set(glob.glob(os.path.join(dump, "*.cubin"))) - before):
@@ -227,7 +237,10 @@ def _time_one(d: int, t: int, interface, fox_forward, cfg) -> dict:
         "flash-attn-4": lambda: interface._flash_attn_fwd(q, k, v, softmax_scale=scale, causal=True)[0],
         "fa4-fox": lambda: fox_forward(q, k, v, g, scale)[0],
         "fa4-fox kernel": lambda: fox_forward.call(q, k, v, aux, scale)[0],
-        "fa4-fox kernel, no prefetch": lambda: fox_forward.call(q, k, v, aux, scale, prefetch=False)[0],
+        "fa4-fox kernel, no prefetch": lambda: fox_forward.call(
+            q, k, v, aux, scale, variant="no prefetch")[0],
+        "fa4-fox kernel, no column loads (wrong: timing only)": lambda: fox_forward.call(
+            q, k, v, aux, scale, variant="no loads")[0],
         "lapse": lambda: forgetting_attention(q, k, v, g, backend="triton"),
     }
     row: dict = {"D": d, "T": t}
