@@ -27,6 +27,7 @@ key lengths, one key head per query head, no packing: an experiment, not an op.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
 import os
@@ -41,11 +42,13 @@ def build(site: str | None):
     import cutlass.cute as cute
     import torch
     from flash_attn.cute import interface
+    from flash_attn.cute.flash_bwd_sm90 import FlashAttentionBackwardSm90
     from flash_attn.cute.flash_fwd_sm90 import FlashAttentionForwardSm90
+    from flash_attn.cute.utils import atomic_add_fp32
     from quack import layout_utils
 
     # the CuTe DSL compiles the methods from their source, and looks their names up in this module
-    globals().update(cutlass=cutlass, cute=cute, layout_utils=layout_utils)
+    globals().update(cutlass=cutlass, cute=cute, layout_utils=layout_utils, atomic_add_fp32=atomic_add_fp32)
 
     class FoxForwardSm90(FlashAttentionForwardSm90):
         @cute.jit
@@ -75,9 +78,63 @@ def build(site: str | None):
 
     interface.FlashAttentionForwardSm90 = FoxForwardSm90  # the interface builds its kernel from this name
 
+    class FoxBackwardSm90(FlashAttentionBackwardSm90):
+        """The backward's tiles are ``S^T`` (``SdP_swapAB`` at D 64 and 128): a thread holds two keys
+        (rows) of each tile, so the column term is two loads a tile, and the key's sum of dS a
+        thread's row sum, two shuffles and one atomic add a quad."""
+
+        @cute.jit
+        def _tile_bias(self, aux_data, batch_idx, head_idx, m_block, n_block, seqlen_info):
+            m_d, m_chi, m_clo, m_dc = aux_data.tensors
+            last_q = cutlass.min(m_block * self.tile_m + self.tile_m - 1, seqlen_info.seqlen_q - 1)
+            last_k = cutlass.min(n_block * self.tile_n + self.tile_n - 1, seqlen_info.seqlen_k - 1)
+            return ((m_chi[batch_idx, head_idx, last_q] - m_chi[batch_idx, head_idx, last_k])
+                    + (m_clo[batch_idx, head_idx, last_q] - m_clo[batch_idx, head_idx, last_k]))
+
+        @cute.jit
+        def apply_score_mod(self, acc_S, thr_mma_SdP, batch_idx, head_idx, m_block, n_block, softmax_scale,
+                            seqlen_info, aux_data=None, fastdiv_mods=(None, None)):
+            assert self.SdP_swapAB
+            m_d = aux_data.tensors[0]
+            tile_bias = self._tile_bias(aux_data, batch_idx, head_idx, m_block, n_block, seqlen_info)
+            acc_mn = layout_utils.reshape_acc_to_mn(acc_S)  # rows: keys, columns: queries
+            t_mn = layout_utils.reshape_acc_to_mn(thr_mma_SdP.partition_C(
+                cute.make_identity_tensor((self.tile_n, self.tile_m))))
+            for r in cutlass.range(cute.size(acc_mn.shape[0]), unroll_full=True):
+                bias = tile_bias + m_d[batch_idx, head_idx, n_block * self.tile_n + t_mn[r, 0][0]]
+                for c in cutlass.range(cute.size(acc_mn.shape[1]), unroll_full=True):
+                    acc_mn[r, c] = acc_mn[r, c] * softmax_scale + bias
+
+        @cute.jit
+        def apply_score_mod_bwd(self, grad_tensor, score_tensor, thr_mma_SdP, batch_idx, head_idx,
+                                m_block, n_block, softmax_scale, seqlen_info, aux_data=None,
+                                fastdiv_mods=(None, None)):
+            # the bias is added: dS passes unchanged; each key's sum of dS over the tile's queries
+            m_dc = aux_data.tensors[3]
+            g_mn = layout_utils.reshape_acc_to_mn(grad_tensor)
+            t_mn = layout_utils.reshape_acc_to_mn(thr_mma_SdP.partition_C(
+                cute.make_identity_tensor((self.tile_n, self.tile_m))))
+            lane = cute.arch.lane_idx()
+            for r in cutlass.range(cute.size(g_mn.shape[0]), unroll_full=True):
+                total = cutlass.Float32(0.0)
+                for c in cutlass.range(cute.size(g_mn.shape[1]), unroll_full=True):
+                    total += g_mn[r, c]
+                total += cute.arch.shuffle_sync_bfly(total, offset=1)
+                total += cute.arch.shuffle_sync_bfly(total, offset=2)
+                if lane % 4 == 0:
+                    key = n_block * self.tile_n + t_mn[r, 0][0]
+                    g_dc = cute.domain_offset((key,), m_dc[batch_idx, head_idx, None])
+                    atomic_add_fp32(total, g_dc.iterator)
+
+    interface.FlashAttentionBackwardSm90 = FoxBackwardSm90
+
     @cute.jit
     def marker(scores, b, h, q_idx, kv_idx, seqlen_info, aux_tensors):  # never called: it selects the path
         return scores
+
+    @cute.jit
+    def marker_bwd(grad, scores, b, h, q_idx, kv_idx, seqlen_info, aux_tensors):  # never called either
+        return grad
 
     @cute.jit
     def no_prefetch(scores, b, h, q_idx, kv_idx, seqlen_info, aux_tensors):  # the same, without the prefetch
@@ -95,7 +152,8 @@ def build(site: str | None):
         return cfg.m_block_size, cfg.n_block_size
 
     def prepare(log_fgate, d):
-        """``aux = [d, c_hi, c_lo]`` for the kernel, and what its lse lacks (``c_i - c_ref``)."""
+        """``aux = [d, c_hi, c_lo]`` for the kernel, what its lse lacks (``c_i - c_ref``), and ``c``
+        (float64 ``[B, H, T]``)."""
         b, t, h = log_fgate.shape
         tm, tn = tiles(d)
         c = torch.cumsum(log_fgate.double().clamp_min(-1000.0), dim=1).transpose(1, 2)  # [B, H, T] float64
@@ -105,13 +163,19 @@ def build(site: str | None):
         kref = torch.clamp(torch.arange(t_pad, device=c.device) // tn * tn + tn - 1, max=t - 1)
         d_col = torch.zeros(b, h, t_pad, dtype=torch.float64, device=c.device)
         d_col[..., :t] = c[..., kref[:t]] - c
+        aux = [d_col.float().contiguous(), c_hi.contiguous(), c_lo.contiguous()]
+        return aux, _ref_shift(c, tm), c
+
+    def _ref_shift(c, tm):
+        """``c_i - c_ref``: ``c_ref`` the gate sum at the last row of query ``i``'s tile of ``tm``."""
+        t = c.shape[-1]
         qref = torch.clamp(torch.arange(t, device=c.device) // tm * tm + tm - 1, max=t - 1)
-        return [d_col.float().contiguous(), c_hi.contiguous(), c_lo.contiguous()], (c - c[..., qref]).float()
+        return (c - c[..., qref]).float()
 
     def fox_forward(q, k, v, log_fgate, scale):
         """``q, k, v [B, T, H, D]`` bf16, ``log_fgate [B, T, H]`` float32: ``(o, lse)``, the lse
         natural-log ``[B, H, T]``, as lapse's op returns them."""
-        aux, shift = prepare(log_fgate, q.shape[-1])
+        aux, shift, _ = prepare(log_fgate, q.shape[-1])
         o, lse = fox_call(q, k, v, aux, scale)
         return o, lse + shift
 
@@ -123,6 +187,30 @@ def build(site: str | None):
                                                score_mod=mod, aux_tensors=aux)
         return o, lse
 
+    def fox_backward_call(q, k, v, o, do, lse, aux, c, scale):
+        """FlashAttention-4's backward with the FoX bias, from the true lse: ``(dq, dk, dv, colsum)``,
+        ``colsum [B, H, T_pad]`` each key's sum of dS (the gate's gradient is ``-colsum`` then the
+        reverse cumulative sum: a row's sum of dS is ``dlse``, 0 here)."""
+        cfg = interface._tile_size_bwd_sm90(q.shape[-1], q.shape[-1], True, False)
+        assert cfg.n_block_size == tiles(q.shape[-1])[1], "d is made for the forward's key tiles"
+        colsum = torch.zeros_like(aux[0])
+        dq, dk, dv = interface._flash_attn_bwd(
+            q, k, v, o, do, lse - _ref_shift(c, cfg.m_block_size), softmax_scale=scale, causal=True,
+            score_mod=marker, score_mod_bwd=marker_bwd, aux_tensors=[*aux, colsum])[:3]
+        return dq, dk, dv, colsum
+
+    def fox_forward_backward(q, k, v, log_fgate, scale, do):
+        """``(o, dq, dk, dv, d log f)`` (the gate's gradient ``[B, T, H]``)."""
+        aux, shift, c = prepare(log_fgate, q.shape[-1])
+        o, lse = fox_call(q, k, v, aux, scale)
+        dq, dk, dv, colsum = fox_backward_call(q, k, v, o, do, lse + shift, aux, c, scale)
+        dc = -colsum[..., : q.shape[1]].double()
+        dlogf = dc.flip(-1).cumsum(-1).flip(-1).transpose(1, 2).float()
+        return o, dq, dk, dv, dlogf
+
+    fox_forward.backward_call = fox_backward_call
+    fox_forward.markers = (marker, marker_bwd)
+    fox_forward.forward_backward = fox_forward_backward
     fox_forward.call = fox_call
     fox_forward.prepare = prepare
     return interface, fox_forward
@@ -144,23 +232,31 @@ def _compile_only(site: str, dims: list[int]) -> None:
 
     for d in dims:
         for fox in (False, True):
-            before = set(glob.glob(os.path.join(dump, "*.cubin")))
+            before = {f: os.path.getmtime(f) for f in glob.glob(os.path.join(dump, "*.cubin"))}
+            scale = 1 / math.sqrt(d)
             with FakeTensorMode():
                 q = torch.empty(2, 4096, 8, d, dtype=torch.bfloat16, device="cuda")
                 k, v = torch.empty_like(q), torch.empty_like(q)
+                lse = torch.empty(2, 8, 4096, dtype=torch.float32, device="cuda")
                 if fox:
-                    aux = [torch.empty(2, 8, 4096, dtype=torch.float32, device="cuda") for _ in range(3)]
-                    fox_forward.call(q, k, v, aux, 1 / math.sqrt(d))
-                    fox_forward.call(q, k, v, aux, 1 / math.sqrt(d), variant="no prefetch")
-                    fox_forward.call(q, k, v, aux, 1 / math.sqrt(d), variant="no loads")
+                    aux = [torch.empty(2, 8, 4096, dtype=torch.float32, device="cuda") for _ in range(4)]
+                    for variant in (None, "no prefetch", "no loads"):
+                        fox_forward.call(q, k, v, aux[:3], scale, variant=variant)
+                    marker, marker_bwd = fox_forward.markers
+                    interface._flash_attn_bwd(q, k, v, q, q, lse, softmax_scale=scale, causal=True,
+                                              score_mod=marker, score_mod_bwd=marker_bwd, aux_tensors=aux)
                 else:
-                    interface._flash_attn_fwd(q, k, v, softmax_scale=1 / math.sqrt(d), causal=True)
-            for cubin in sorted(set(glob.glob(os.path.join(dump, "*.cubin"))) - before):
-                print(f"D {d} {'fa4-fox' if fox else 'flash-attn-4'}: {_describe(cubin)}", flush=True)
+                    interface._flash_attn_fwd(q, k, v, softmax_scale=scale, causal=True)
+                    interface._flash_attn_bwd(q, k, v, q, q, lse, softmax_scale=scale, causal=True)
+            new = [f for f in sorted(glob.glob(os.path.join(dump, "*.cubin")))
+                   if before.get(f) != os.path.getmtime(f)]
+            for i, cubin in enumerate(new):
+                name = os.path.basename(cubin).split("_object_at")[0].removeprefix("cutlass___call___")[:60]
+                print(f"D {d} {'fa4-fox' if fox else 'flash-attn-4'} {name}: {_describe(cubin)}", flush=True)
                 if os.environ.get("FOX_SASS_DIR"):
                     import shutil
 
-                    shutil.copy(cubin, os.path.join(os.environ["FOX_SASS_DIR"], f"d{d}-{int(fox)}.cubin"))
+                    shutil.copy(cubin, os.path.join(os.environ["FOX_SASS_DIR"], f"d{d}-{int(fox)}-{i}.cubin"))
 
 
 def main() -> None:
@@ -179,31 +275,17 @@ def main() -> None:
 
 def run(a) -> None:
     from lapse.bench import attention as bench
-    from lapse.bench.workloads import WorkloadSpec, make_workload
-    from lapse.ops.forgetting import forgetting_attention, naive_forgetting_attention, set_value_checks
+    from lapse.ops.forgetting import set_value_checks
 
     interface, fox_forward = build(a.site)
     set_value_checks(False)
     cfg = bench.AttentionBenchConfig()
     res: dict = {"env": bench.environment(), "check": [], "timing": []}
 
-    def err(x, ref):
-        return float((x.double() - ref).abs().max() / ref.abs().max())
-
     for d in a.dims:  # correctness: against float64, beside lapse's kernels
         for t in (1000, 4096):
-            spec = WorkloadSpec(seq_len=t, tokens=2 * t, heads=8, kv_heads=8, head_dim=d)
-            wl = make_workload(spec, device="cuda")
-            scale = 1 / math.sqrt(d)
-            o_ref, lse_ref = naive_forgetting_attention(*(x.double() for x in (wl.q, wl.k, wl.v)),
-                                                        wl.log_fgate, scale)
-            o, lse = fox_forward(wl.q, wl.k, wl.v, wl.log_fgate, scale)
-            ol, lsel = forgetting_attention(wl.q, wl.k, wl.v, wl.log_fgate, return_lse=True, backend="triton")
-            row = {"D": d, "T": t, "fa4-fox": {"o": err(o, o_ref), "lse": float((lse - lse_ref).abs().max())},
-                   "lapse": {"o": err(ol, o_ref), "lse": float((lsel - lse_ref).abs().max())}}
-            res["check"].append(row)
-            print(json.dumps(row), flush=True)
-            del o_ref, lse_ref
+            res["check"].append(_check_one(d, t, fox_forward))
+            print(json.dumps(res["check"][-1]), flush=True)
             bench._free()
 
     for d in a.dims:
@@ -216,6 +298,37 @@ def run(a) -> None:
     if a.out:
         with open(a.out, "w") as f:
             json.dump(res, f, indent=1)
+
+
+def _check_one(d: int, t: int, fox_forward) -> dict:
+    """Errors against the float64 reference (largest difference over the reference's largest
+    magnitude; the lse's largest difference), FoX on FlashAttention-4 beside lapse's kernels."""
+    import torch
+
+    from lapse.bench.workloads import WorkloadSpec, make_workload
+    from lapse.ops.forgetting import forgetting_attention, naive_forgetting_attention
+
+    wl = make_workload(WorkloadSpec(seq_len=t, tokens=2 * t, heads=8, kv_heads=8, head_dim=d), device="cuda")
+    scale = 1 / math.sqrt(d)
+    do = torch.randn_like(wl.q)
+    ref_in = [x.detach().double().requires_grad_() for x in (wl.q, wl.k, wl.v, wl.log_fgate)]
+    o_ref, lse_ref = naive_forgetting_attention(*ref_in, scale)
+    want = [o_ref.detach(), *torch.autograd.grad(o_ref, ref_in, do.double())]
+    names = ("o", "dq", "dk", "dv", "dlogf")
+
+    def errs(got):
+        return {n: float((g.double() - w).abs().max() / w.abs().max()) for n, g, w in zip(names, got, want,
+                                                                                        strict=True)}
+
+    row: dict = {"D": d, "T": t}
+    _, lse = fox_forward(wl.q, wl.k, wl.v, wl.log_fgate, scale)
+    row["fa4-fox"] = errs(fox_forward.forward_backward(wl.q, wl.k, wl.v, wl.log_fgate, scale, do))
+    row["fa4-fox"]["lse"] = float((lse - lse_ref).abs().max())
+    ins = [x.detach().clone().requires_grad_() for x in (wl.q, wl.k, wl.v, wl.log_fgate)]
+    o, lse = forgetting_attention(*ins, return_lse=True, backend="triton")
+    row["lapse"] = errs([o.detach(), *torch.autograd.grad(o, ins, do)])
+    row["lapse"]["lse"] = float((lse - lse_ref).abs().max())
+    return row
 
 
 def _time_one(d: int, t: int, interface, fox_forward, cfg) -> dict:
@@ -243,15 +356,42 @@ def _time_one(d: int, t: int, interface, fox_forward, cfg) -> dict:
             q, k, v, aux, scale, variant="no loads")[0],
         "lapse": lambda: forgetting_attention(q, k, v, g, backend="triton"),
     }
+    do = torch.randn_like(q)
+    aux_all, shift, c = fox_forward.prepare(g, d)
+    leaves = [x.detach().clone().requires_grad_() for x in (q, k, v, g)]
+    lt = [x.detach().transpose(1, 2).requires_grad_() for x in (q, k, v)]
+
+    def fa4_both():
+        o, lse = interface._flash_attn_fwd(q, k, v, softmax_scale=scale, causal=True, return_lse=True)[:2]
+        return interface._flash_attn_bwd(q, k, v, o, do, lse, softmax_scale=scale, causal=True)
+
+    def fox_kernels_both():
+        o, lse = fox_forward.call(q, k, v, aux_all, scale)
+        return fox_forward.backward_call(q, k, v, o, do, lse + shift, aux_all, c, scale)
+
+    def lapse_both():
+        return torch.autograd.grad(forgetting_attention(*leaves, backend="triton"), leaves, do)
+
+    def sdpa_both():
+        o = torch.nn.functional.scaled_dot_product_attention(*lt, is_causal=True)
+        return torch.autograd.grad(o, lt, do.transpose(1, 2))
+
+    both = {
+        "sdpa-default fwd+bwd": sdpa_both,
+        "flash-attn-4 fwd+bwd": fa4_both,
+        "fa4-fox fwd+bwd": lambda: fox_forward.forward_backward(q, k, v, g, scale, do),
+        "fa4-fox kernels fwd+bwd": fox_kernels_both,
+        "lapse fwd+bwd": lapse_both,
+    }
     row: dict = {"D": d, "T": t}
-    with torch.no_grad():
-        for name, fn in fns.items():
-            try:
+    for name, fn in [*fns.items(), *both.items()]:
+        try:
+            with torch.no_grad() if name in fns else contextlib.nullcontext():
                 fn()
                 row[name] = {"ms": bench._time(fn, cfg), "graph_ms": bench._time_graphed(fn, cfg)}
-            except Exception as e:
-                row[name] = {"error": bench._short(e)}
-            bench._free()
+        except Exception as e:
+            row[name] = {"error": bench._short(e)}
+        bench._free()
     return row
 
 
