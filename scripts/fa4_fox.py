@@ -85,7 +85,7 @@ def build(site: str | None):
 
         @cute.jit
         def _tile_bias(self, aux_data, batch_idx, head_idx, m_block, n_block, seqlen_info):
-            m_d, m_chi, m_clo, m_dc = aux_data.tensors
+            m_d, m_chi, m_clo = aux_data.tensors[:3]
             last_q = cutlass.min(m_block * self.tile_m + self.tile_m - 1, seqlen_info.seqlen_q - 1)
             last_k = cutlass.min(n_block * self.tile_n + self.tile_n - 1, seqlen_info.seqlen_k - 1)
             return ((m_chi[batch_idx, head_idx, last_q] - m_chi[batch_idx, head_idx, last_k])
@@ -125,6 +125,21 @@ def build(site: str | None):
                     key = n_block * self.tile_n + t_mn[r, 0][0]
                     g_dc = cute.domain_offset((key,), m_dc[batch_idx, head_idx, None])
                     atomic_add_fp32(total, g_dc.iterator)
+            if cutlass.const_expr(self.score_mod_bwd is marker_bwd_rows):
+                # each query's sum of dS over the tile's keys: a thread's two keys, the warp's eight
+                # row groups by shuffles, then one atomic add a query by lanes 0-3
+                m_dr = aux_data.tensors[4]
+                for c in cutlass.range(cute.size(g_mn.shape[1]), unroll_full=True):
+                    total = g_mn[0, c]
+                    for r in cutlass.range(1, cute.size(g_mn.shape[0]), unroll_full=True):
+                        total += g_mn[r, c]
+                    total += cute.arch.shuffle_sync_bfly(total, offset=4)
+                    total += cute.arch.shuffle_sync_bfly(total, offset=8)
+                    total += cute.arch.shuffle_sync_bfly(total, offset=16)
+                    if lane < 4:
+                        query = m_block * self.tile_m + t_mn[0, c][1]
+                        g_dr = cute.domain_offset((query,), m_dr[batch_idx, head_idx, None])
+                        atomic_add_fp32(total, g_dr.iterator)
 
     interface.FlashAttentionBackwardSm90 = FoxBackwardSm90
 
@@ -137,6 +152,10 @@ def build(site: str | None):
         return grad
 
     @cute.jit
+    def marker_bwd_rows(grad, scores, b, h, q_idx, kv_idx, seqlen_info, aux_tensors):  # and the row sums
+        return grad + 0.0
+
+    @cute.jit
     def no_prefetch(scores, b, h, q_idx, kv_idx, seqlen_info, aux_tensors):  # the same, without the prefetch
         return scores + 0.0
 
@@ -145,7 +164,8 @@ def build(site: str | None):
         return scores + 1.0
 
     # read by apply_score_mod as it compiles
-    globals().update(marker=marker, no_prefetch=no_prefetch, no_loads=no_loads)
+    globals().update(marker=marker, no_prefetch=no_prefetch, no_loads=no_loads,
+                     marker_bwd_rows=marker_bwd_rows)
 
     def tiles(d: int) -> tuple[int, int]:
         cfg = interface._tile_size_fwd_sm90(d, d, True, False)
@@ -187,29 +207,31 @@ def build(site: str | None):
                                                score_mod=mod, aux_tensors=aux)
         return o, lse
 
-    def fox_backward_call(q, k, v, o, do, lse, aux, c, scale):
-        """FlashAttention-4's backward with the FoX bias, from the true lse: ``(dq, dk, dv, colsum)``,
-        ``colsum [B, H, T_pad]`` each key's sum of dS (the gate's gradient is ``-colsum`` then the
-        reverse cumulative sum: a row's sum of dS is ``dlse``, 0 here)."""
-        cfg = interface._tile_size_bwd_sm90(q.shape[-1], q.shape[-1], True, False)
-        assert cfg.n_block_size == tiles(q.shape[-1])[1], "d is made for the forward's key tiles"
+    def fox_backward_call(q, k, v, o, do, lse, aux, c, scale, rows=True):
+        """FlashAttention-4's backward with the FoX bias, from the true lse: ``(dq, dk, dv, dc)``,
+        ``dc [B, H, T]`` float64, the gate sums' gradient ``rowsum_i(dS) - colsum_i(dS)`` (with
+        ``rows=False`` the row sums are taken as 0, what they are in exact arithmetic without dlse)."""
+        d, t = q.shape[-1], q.shape[1]
+        cfg = interface._tile_size_bwd_sm90(d, d, True, False)
+        assert cfg.n_block_size == tiles(d)[1], "d is made for the forward's key tiles"
         colsum = torch.zeros_like(aux[0])
+        rowsum = torch.zeros(*aux[0].shape[:2], -(-t // cfg.m_block_size) * cfg.m_block_size, device=q.device)
         dq, dk, dv = interface._flash_attn_bwd(
             q, k, v, o, do, lse - _ref_shift(c, cfg.m_block_size), softmax_scale=scale, causal=True,
-            score_mod=marker, score_mod_bwd=marker_bwd, aux_tensors=[*aux, colsum])[:3]
-        return dq, dk, dv, colsum
+            score_mod=marker, score_mod_bwd=marker_bwd_rows if rows else marker_bwd,
+            aux_tensors=[*aux, colsum, rowsum])[:3]
+        return dq, dk, dv, rowsum[..., :t].double() - colsum[..., :t].double()
 
-    def fox_forward_backward(q, k, v, log_fgate, scale, do):
+    def fox_forward_backward(q, k, v, log_fgate, scale, do, rows=True):
         """``(o, dq, dk, dv, d log f)`` (the gate's gradient ``[B, T, H]``)."""
         aux, shift, c = prepare(log_fgate, q.shape[-1])
         o, lse = fox_call(q, k, v, aux, scale)
-        dq, dk, dv, colsum = fox_backward_call(q, k, v, o, do, lse + shift, aux, c, scale)
-        dc = -colsum[..., : q.shape[1]].double()
+        dq, dk, dv, dc = fox_backward_call(q, k, v, o, do, lse + shift, aux, c, scale, rows)
         dlogf = dc.flip(-1).cumsum(-1).flip(-1).transpose(1, 2).float()
         return o, dq, dk, dv, dlogf
 
     fox_forward.backward_call = fox_backward_call
-    fox_forward.markers = (marker, marker_bwd)
+    fox_forward.markers = (marker, marker_bwd, marker_bwd_rows)
     fox_forward.forward_backward = fox_forward_backward
     fox_forward.call = fox_call
     fox_forward.prepare = prepare
@@ -239,12 +261,13 @@ def _compile_only(site: str, dims: list[int]) -> None:
                 k, v = torch.empty_like(q), torch.empty_like(q)
                 lse = torch.empty(2, 8, 4096, dtype=torch.float32, device="cuda")
                 if fox:
-                    aux = [torch.empty(2, 8, 4096, dtype=torch.float32, device="cuda") for _ in range(4)]
+                    aux = [torch.empty(2, 8, 4096, dtype=torch.float32, device="cuda") for _ in range(5)]
                     for variant in (None, "no prefetch", "no loads"):
                         fox_forward.call(q, k, v, aux[:3], scale, variant=variant)
-                    marker, marker_bwd = fox_forward.markers
-                    interface._flash_attn_bwd(q, k, v, q, q, lse, softmax_scale=scale, causal=True,
-                                              score_mod=marker, score_mod_bwd=marker_bwd, aux_tensors=aux)
+                    for marker_bwd in fox_forward.markers[1:]:
+                        interface._flash_attn_bwd(q, k, v, q, q, lse, softmax_scale=scale, causal=True,
+                                                  score_mod=fox_forward.markers[0], score_mod_bwd=marker_bwd,
+                                                  aux_tensors=aux)
                 else:
                     interface._flash_attn_fwd(q, k, v, softmax_scale=scale, causal=True)
                     interface._flash_attn_bwd(q, k, v, q, q, lse, softmax_scale=scale, causal=True)
@@ -323,11 +346,13 @@ def _check_one(d: int, t: int, fox_forward) -> dict:
     row: dict = {"D": d, "T": t}
     _, lse = fox_forward(wl.q, wl.k, wl.v, wl.log_fgate, scale)
     row["fa4-fox"] = errs(fox_forward.forward_backward(wl.q, wl.k, wl.v, wl.log_fgate, scale, do))
-    row["fa4-fox"]["lse"] = float((lse - lse_ref).abs().max())
+    row["fa4-fox"]["lse"] = float((lse.detach() - lse_ref.detach()).abs().max())
+    row["fa4-fox, no row sums"] = errs(fox_forward.forward_backward(wl.q, wl.k, wl.v, wl.log_fgate, scale, do,
+                                                                    rows=False))
     ins = [x.detach().clone().requires_grad_() for x in (wl.q, wl.k, wl.v, wl.log_fgate)]
     o, lse = forgetting_attention(*ins, return_lse=True, backend="triton")
     row["lapse"] = errs([o.detach(), *torch.autograd.grad(o, ins, do)])
-    row["lapse"]["lse"] = float((lse - lse_ref).abs().max())
+    row["lapse"]["lse"] = float((lse.detach() - lse_ref.detach()).abs().max())
     return row
 
 
@@ -344,7 +369,7 @@ def _time_one(d: int, t: int, interface, fox_forward, cfg) -> dict:
     q, k, v, g = wl.q, wl.k, wl.v, wl.log_fgate
     scale = 1 / math.sqrt(d)
     qt, kt, vt = (x.transpose(1, 2) for x in (q, k, v))
-    aux, _ = fox_forward.prepare(g, d)
+    aux, _, _ = fox_forward.prepare(g, d)
     fns = {
         "sdpa-default": lambda: torch.nn.functional.scaled_dot_product_attention(qt, kt, vt, is_causal=True),
         "flash-attn-4": lambda: interface._flash_attn_fwd(q, k, v, softmax_scale=scale, causal=True)[0],
@@ -365,9 +390,9 @@ def _time_one(d: int, t: int, interface, fox_forward, cfg) -> dict:
         o, lse = interface._flash_attn_fwd(q, k, v, softmax_scale=scale, causal=True, return_lse=True)[:2]
         return interface._flash_attn_bwd(q, k, v, o, do, lse, softmax_scale=scale, causal=True)
 
-    def fox_kernels_both():
+    def fox_kernels_both(rows=True):
         o, lse = fox_forward.call(q, k, v, aux_all, scale)
-        return fox_forward.backward_call(q, k, v, o, do, lse + shift, aux_all, c, scale)
+        return fox_forward.backward_call(q, k, v, o, do, lse + shift, aux_all, c, scale, rows)
 
     def lapse_both():
         return torch.autograd.grad(forgetting_attention(*leaves, backend="triton"), leaves, do)
@@ -381,6 +406,7 @@ def _time_one(d: int, t: int, interface, fox_forward, cfg) -> dict:
         "flash-attn-4 fwd+bwd": fa4_both,
         "fa4-fox fwd+bwd": lambda: fox_forward.forward_backward(q, k, v, g, scale, do),
         "fa4-fox kernels fwd+bwd": fox_kernels_both,
+        "fa4-fox kernels fwd+bwd, no row sums": lambda: fox_kernels_both(rows=False),
         "lapse fwd+bwd": lapse_both,
     }
     row: dict = {"D": d, "T": t}
