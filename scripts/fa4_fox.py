@@ -1,27 +1,31 @@
-"""The FoX forward on FlashAttention-4's Hopper kernel: what does the gate cost there? Issue 16,
-twenty-ninth session (an experiment; BENCHMARKS.md, "Twenty-ninth session").
+"""FoX on FlashAttention-4's Hopper kernels: what does the gate cost there? Issue 16,
+twenty-ninth session (an experiment, not an op; BENCHMARKS.md, "Twenty-ninth session").
 
-FlashAttention-4's ``FlashAttentionForwardSm90`` applies a ``score_mod`` to each score tile
-through ``apply_score_mod``; with its generic path (per-element indices, divisions, loads)
-FoX took 2.9-3.0x lapse's forward (``flex-flash``, twenty-eighth session). Here a subclass
-overrides that one method with the FoX bias made the cheap way, and the rest of the kernel
-(warp-specialised TMA loads, two or three consumer warpgroups, intra-warpgroup overlap) is
-FlashAttention-4's own:
+FlashAttention-4's ``FlashAttentionForwardSm90`` and ``FlashAttentionBackwardSm90`` apply a
+``score_mod`` to each score tile through ``apply_score_mod`` (and the backward its gradient
+through ``apply_score_mod_bwd``); with their generic path (per-element indices, divisions,
+loads) FoX took 2.9-3.0x lapse's forward (``flex-flash``, twenty-eighth session). Here
+subclasses override those methods with the FoX bias made the cheap way, and the rest of the
+kernels (warp-specialised TMA loads, consumer warpgroups, intra-warpgroup overlap, the dQ
+accumulation) is FlashAttention-4's own:
 
 - the row term is left out: a row's constant cancels in its softmax. Each query tile uses
   ``c_ref``, the gate sum at its last row, and the lse gets ``c_i - c_ref`` back on the host;
 - the column term of key ``j`` is ``c_ref - c_j = (c_ref - c_kref) + (c_kref - c_j)``, with
   ``c_kref`` the gate sum at the last key of ``j``'s key tile: the first part is one number a
   tile (from the double-float ``c_hi, c_lo``), the second ``d_j``, made once on the host in
-  float64 and stored in float32 (small: the decay within one tile);
-- so a column costs one load and one add, and a score one multiply-add
-  (``s * scale + bias_j``): a thread holds two rows of each of its columns.
+  float64 and stored in float32 (small: the decay within one tile), padded to whole key tiles
+  so the loads need no clamp;
+- forward: a column costs a load and an add, a score a multiply-add (``s * scale + bias_j``);
+- backward (tiles ``S^T``): the same bias; each key's sum of dS by a thread's row sum, two
+  shuffles and an atomic add a quad; each query's sum (``rows=True``) by three shuffles over
+  the warp and an atomic add a query; the gate's gradient ``rowsum - colsum`` then the
+  reverse cumulative sum on the host.
 
-``d`` is padded to a whole number of key tiles, so the loads need no clamp. Equal query and
-key lengths, one key head per query head, no packing: an experiment, not an op.
+Equal query and key lengths, one key head per query head, no packing.
 
-    python scripts/fa4_fox_fwd.py --out $OUT/fa4-fox.json     # on the GPU, FlashAttention-4 installed
-    python scripts/fa4_fox_fwd.py --compile-only --site /tmp/cutedsl   # here: compiles for sm_90a
+    python scripts/fa4_fox.py --out $OUT/fa4-fox.json             # on the GPU, with FlashAttention-4
+    python scripts/fa4_fox.py --compile-only --site /tmp/cutedsl  # here: sm_90a compiles, loop counts
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# Issue 16, twenty-ninth session: the FoX forward on FlashAttention-4's Hopper kernel
-# (scripts/fa4_fox.py): its errors against float64 beside lapse's, then forward times
+# Issue 16, twenty-ninth session: FoX on FlashAttention-4's Hopper kernels
+# (scripts/fa4_fox.py): its errors against float64 beside lapse's, then forward and fwd+bwd times
 # beside FlashAttention-4, SDPA's default and lapse. FlashAttention-4 as in
 # scripts/gpu_issue16_s28_fa4.sh (scripts/fa4_env.sh): call 1 carries .fa4a
 # (`mkdir -p /tmp/fa4parts && cp .fa4a/part.* /tmp/fa4parts/`), call 2 at once carries .fa4b:
@@ -11,5 +11,5 @@ OUT="${OUT:-runs/issue16-s29}"
 mkdir -p "$OUT"
 nvidia-smi --query-gpu=name --format=csv,noheader
 source scripts/fa4_env.sh || exit 1
-timeout "${FOX_TIMEOUT:-500}" python3 scripts/fa4_fox.py --out "$OUT/fa4-fox-fwd.json" \
+timeout "${FOX_TIMEOUT:-500}" python3 scripts/fa4_fox.py --out "$OUT/fa4-fox.json" \
     ${DIMS:+--dims $DIMS} ${SEQ_LENS:+--seq-lens $SEQ_LENS} 2>&1 | grep -v -i "warn" | tail -n 40
