@@ -127,7 +127,7 @@ def test_bench_attention_smoke_gpu(tmp_path):
         ),
         (
             ["resume", "/nonexistent/run"],
-            "error: /nonexistent/run is not a training run folder (no config.json)",
+            "error: /nonexistent/run does not exist",
         ),
         (["export", "/nonexistent/run", "/tmp/out"], "error: model path does not exist: /nonexistent/run"),
         (["train", "cpu-tiny", "--model.n-heads", "3"],

@@ -49,6 +49,24 @@ def test_read_run_gives_the_parts_readers_need(run):
     assert saved.config["steps"] == 4
     with pytest.raises(FileNotFoundError, match="not a training run folder"):
         read_run(run / "tokenizer")
+    with pytest.raises(FileNotFoundError, match="does not exist"):
+        read_run(run / "missing")
+
+
+def test_read_run_refuses_other_configs_in_one_line(run, tmp_path):
+    """A folder whose config.json is not a run's (an export's, or anything else) is a ValueError
+    naming it, not a KeyError from deep inside (what ``lapse resume`` of an export printed)."""
+    foreign = tmp_path / "foreign"
+    foreign.mkdir()
+    (foreign / "config.json").write_text("{}")
+    with pytest.raises(ValueError, match=r"not a lapse run's configuration \(no 'model', 'corpus'"):
+        read_run(foreign)
+    (foreign / "config.json").write_text("[1, 2]")
+    with pytest.raises(ValueError, match="not a lapse run's configuration"):
+        read_run(foreign)
+    (foreign / "config.json").write_text(json.dumps({"model_type": "lapse", "d_model": 64}))
+    with pytest.raises(ValueError, match="is a `lapse export` folder, not a training run"):
+        read_run(foreign)
 
 
 def test_checkpoints_are_listed_newest_first_and_verified(run):

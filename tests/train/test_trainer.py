@@ -136,6 +136,16 @@ def test_new_run_refuses_a_folder_with_a_checkpoint(tmp_path, data_dir):
         train(tiny(tmp_path, data_dir, steps=2, val_every=0))
 
 
+def test_paths_given_as_strings_work_as_the_readme_shows(tmp_path, data_dir):
+    """README: ``train(train_preset("cpu-small", steps=50, run_dir="runs/try"))``; a string
+    run_dir failed with ``'str' object has no attribute 'is_dir'`` before the first step."""
+    cfg = train_preset("cpu-tiny", run_dir=str(tmp_path / "run"), data_dir=str(data_dir), steps=2,
+                       val_every=0, init_from=None)
+    assert isinstance(cfg.run_dir, Path) and isinstance(cfg.data_dir, Path)
+    summary = train(cfg)
+    assert summary["status"] == "finished" and Path(summary["run_dir"]) == tmp_path / "run"
+
+
 def test_accumulation_matches_the_whole_batch(tmp_path, data_dir):
     whole = train(tiny(tmp_path / "a", data_dir, steps=6, val_every=0, acp_stats_every=0))
     accum = train(tiny(tmp_path / "b", data_dir, steps=6, val_every=0, acp_stats_every=0, micro_batch_size=1))

@@ -73,15 +73,26 @@ class SavedRun:
     """The whole saved configuration, as JSON (the trainer's own fields too)."""
 
 
+RUN_KEYS = ("model", "corpus", "tokenizer", "data_dir")  # what read_run needs of a run's config.json
+
+
 def read_run(run_dir: str | Path) -> SavedRun:
     """The configuration saved in ``run_dir/config.json``."""
     path = Path(run_dir) / CONFIG_FILE
+    if not Path(run_dir).exists():
+        raise FileNotFoundError(f"{run_dir} does not exist")
     if not path.exists():
         raise FileNotFoundError(f"{run_dir} is not a training run folder (no {CONFIG_FILE})")
     try:
         obj = json.loads(path.read_text())
     except json.JSONDecodeError as e:
         raise ValueError(f"{path} is damaged: not valid JSON ({e})") from e
+    if is_export_folder(run_dir):
+        raise ValueError(f"{run_dir} is a `lapse export` folder, not a training run: resume, train "
+                         "--init-from and bench take the run folder it was exported from")
+    missing = [key for key in RUN_KEYS if key not in obj] if isinstance(obj, dict) else list(RUN_KEYS)
+    if missing:
+        raise ValueError(f"{path} is not a lapse run's configuration (no {', '.join(map(repr, missing))})")
     model = model_config_from_json(obj["model"])
     seq_len = obj.get("seq_len")
     return SavedRun(

@@ -209,6 +209,10 @@ class TrainConfig:
     flag: the preset named on the command line sets it)."""
 
     def __post_init__(self) -> None:
+        # Python callers pass strings too (train_preset("cpu-small", run_dir="runs/try"))
+        self.data_dir = Path(self.data_dir)
+        self.run_dir = None if self.run_dir is None else Path(self.run_dir)
+        self.init_from = None if self.init_from is None else Path(self.init_from)
         for name in ("batch_size", "steps", "val_batches"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
