@@ -170,7 +170,7 @@ def test_chosen_heads_and_errors(fox_run, tmp_path, monkeypatch):
         run_acp(AcpEvalConfig(model=tmp_path / "nope", seq_len=128, progress=False))
     with pytest.raises(ValueError, match="above 64"):
         AcpEvalConfig(model=fox_run, seq_len=64)
-    with pytest.raises(ValueError, match="above 64"):
+    with pytest.raises(ValueError, match=r"above 64 .* got the model's training context, 64; .*--seq-len"):
         run_acp(AcpEvalConfig(model=fox_run, progress=False))  # the run's own context is 64
     with pytest.raises(ValueError, match=r"eps must be in \(0, 1\)"):
         AcpEvalConfig(model=fox_run, eps=(0.5, 1.0))

@@ -181,7 +181,7 @@ def test_fox_run_end_to_end(fox_run, tmp_path):
     assert NiahConfig(models=(fox_run,)).out_dir == fox_run / "eval" / "niah"
 
 
-def test_clear_errors(haystack_file, tmp_path):
+def test_clear_errors(haystack_file, tmp_path, capsys):
     with pytest.raises(ValueError, match="haystack path does not exist"):
         _cfg(tmp_path / "no-such-file.txt", tmp_path)
     with pytest.raises(ValueError, match="strictly increasing"):
@@ -190,6 +190,9 @@ def test_clear_errors(haystack_file, tmp_path):
         _cfg(haystack_file, tmp_path, needle="The magic number is secret.")
     with pytest.raises(ValueError, match="placeholders"):
         _cfg(haystack_file, tmp_path, answer=" {answer}")
+    with pytest.raises(ValueError, match="model path does not exist"):  # before a progress bar is drawn
+        run_niah(_cfg(haystack_file, tmp_path, progress=True, out_dir=tmp_path / "out"))
+    assert "niah" not in capsys.readouterr().err
     cfg = _cfg(haystack_file, tmp_path, context_lengths=(40,))
     with pytest.raises(ValueError, match="no room for the haystack"):
         evaluate_model(_planted(False), cfg, load_haystack(cfg))

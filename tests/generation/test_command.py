@@ -15,7 +15,7 @@ from lapse.cli import main
 RUN = Path(__file__).parents[1] / "fixtures" / "before_restructure" / "run-fox-pro"
 SUMMARY = re.compile(
     r"^(\d+) tokens in [\d.]+ s: [\d.]+ tokens/s; KV held [\d.]+ MiB, ([\d.]+)% of a dense cache "
-    r"\((\w+); whole pages\)$"
+    r"\((\w+); whole pages(?:: the last ones partly empty)?\)$"
 )
 
 
@@ -56,6 +56,7 @@ def test_generate_streams_and_ends_with_one_summary_line(run, capsys, policy):
     assert match and match.group(3) == policy, lines[-1]
     share = float(match.group(2))
     assert (share >= 99.0) if policy == "dense" else (share < 100.0)
+    assert lines[-1].endswith("the last ones partly empty)") == (share > 100.0), lines[-1]
 
 
 def test_prompts_file_in_jsonl_out(run, tmp_path, capsys):
@@ -124,7 +125,8 @@ def test_prompts_file_batches_ragged_prompts_as_one_at_a_time(run, tmp_path, pol
     ("args", "message"),
     [
         (["--prompt", ""], "--prompt is empty"),
-        (["--prompt", "x" * 60, "--max-new-tokens", "10"], r"leaves no room to generate in max_context \(64"),
+        (["--prompt", "x" * 60, "--max-new-tokens", "10"],
+         r"the prompt \(60 tokens\) \+ max_new_tokens \(10\) exceeds max_context \(64"),
         (["--prompt", "x", "--policy", "window", "--window", "0"], "window must be a positive integer"),
         (["--prompt", "x", "--policy", "h2o", "--budget", "4", "--recent", "8"], "must fit in the budget"),
         ([], "give exactly one of --prompt and --prompts-file"),

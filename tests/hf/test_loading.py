@@ -159,7 +159,7 @@ def test_generate_command_bad_input(llama_folder, tmp_path, capsys):
         ([str(tmp_path), "--gguf-file", "m.gguf"], "give --hf too"),
         (["--hf", str(llama_folder), "--gguf-file", "missing.gguf"], "no GGUF file 'missing.gguf'"),
         (["--hf", str(llama_folder), "--max-context", "8", "--max-new-tokens", "8"],
-         r"leaves no room to generate in --max-context \(8\)"),
+         r"\+ max_new_tokens \(8\) exceeds --max-context \(8\)"),
     ]
     for args, message in cases:
         with pytest.raises(SystemExit):

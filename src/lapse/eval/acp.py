@@ -174,11 +174,13 @@ def _check_positive_int(name: str, value) -> None:
         raise ValueError(f"{name} must be a positive integer, got {value!r}")
 
 
-def _check_seq_len(t: int) -> None:
+def _check_seq_len(t: int, models_own: bool = False) -> None:
+    """``models_own``: ``t`` is the model's training context (no ``seq_len`` was given)."""
     if t <= ACP_BLOCK:
+        got = f"the model's training context, {t}" if models_own else str(t)
         raise ValueError(
             f"seq_len must be above {ACP_BLOCK} (one ACP tile, which is never pruned) to see any "
-            f"pruning, got {t}; pass a longer seq_len (FoX runs beyond its training context)"
+            f"pruning, got {got}; pass a longer one (--seq-len; FoX runs beyond its training context)"
         )
 
 
@@ -440,7 +442,7 @@ def run_acp(cfg: AcpEvalConfig) -> dict:
             f"{mc.name} model, which has no forget gate to prune with"
         )
     t = mc.max_seq_len if cfg.seq_len is None else cfg.seq_len
-    _check_seq_len(t)
+    _check_seq_len(t, models_own=cfg.seq_len is None)
     n_layers, n_heads = mc.n_layers, mc.n_heads
     if cfg.heads != "auto":
         for layer, head in cfg.heads:

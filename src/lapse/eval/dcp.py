@@ -579,7 +579,7 @@ def _summary_md(r: dict) -> str:
         "training's last validation record (its own windows).",
         "",
         "| gamma | steps | final alpha | loss | ppl | cost vs gamma 0 | dropped (mean) | dropped (last) "
-        "| dropped per layer (mean) | train val loss / dropped |",
+        "| dropped per layer (mean, %) | train val loss / dropped |",
         "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for x in rows:

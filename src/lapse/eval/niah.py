@@ -481,6 +481,9 @@ def run_niah(cfg: NiahConfig) -> dict:
     ``summary.md`` into ``cfg.out_dir``; returns the results."""
     from tqdm.auto import tqdm
 
+    for path in cfg.models:  # before the bar: a mistyped path is one line, not a bar and a line
+        if not Path(path).exists():
+            raise ValueError(f"model path does not exist: {path}")
     haystack = load_haystack(cfg)
     deadline = None if cfg.time_limit_minutes is None else time.monotonic() + 60 * cfg.time_limit_minutes
     cells = len(cfg.context_lengths) * len(cfg.depths)
