@@ -16,7 +16,7 @@ The widths round up to a multiple of 8 (``D + 8``); grouped keys are expanded to
 heads (each query head has its own gates).
 
 What it measured (H200, ``docs/bench/session29/h200-widened-heads.json``): SDPA's default
-(cuDNN) at width 72 takes 1.25x its time at 64 forward and 1.46x forward+backward, and the
+(cuDNN) at width D + 8 takes 1.23-1.26x its time at D forward and 1.35-1.46x forward+backward, and the
 gate's gradient comes out 10x less precise than lapse's (the column sums are rounded to
 bf16 in ``dk'``). So it is no route to issue 16's targets.
 

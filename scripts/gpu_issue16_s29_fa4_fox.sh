@@ -12,4 +12,4 @@ mkdir -p "$OUT"
 nvidia-smi --query-gpu=name --format=csv,noheader
 source scripts/fa4_env.sh || exit 1
 timeout "${FOX_TIMEOUT:-500}" python3 scripts/fa4_fox.py --out "$OUT/fa4-fox.json" \
-    ${DIMS:+--dims $DIMS} ${SEQ_LENS:+--seq-lens $SEQ_LENS} 2>&1 | grep -v -i "warn" | tail -n 40
+    ${DIMS:+--dims $DIMS} ${SEQ_LENS:+--seq-lens $SEQ_LENS} 2>&1 | grep -v -E "UserWarning|generate_mlir_function_types|_warn_once" | tail -n 40

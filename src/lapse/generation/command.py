@@ -138,7 +138,7 @@ class GenerateConfig(PolicyOptions):
             verb = "exceeds" if asked and longest < limit else "leaves no room to generate in"
             raise ValueError(
                 f"the prompt ({longest} tokens){asked} {verb} {context}: shorten it"
-                f"{' or lower --max-new-tokens' if asked else ''}, or pass "
+                f"{' or lower --max-new-tokens' if asked and longest < limit else ''}, or pass "
                 f"{'a larger --max-context' if given else '--max-context'}"
             )
         return n
@@ -252,10 +252,11 @@ def print_summary(tokens: int, seconds: float, held: int, dense: int, name: str,
         "kv_share": held / max(dense, 1),
         "policy": repr(policy),
     }
-    pages = "whole pages: the last ones partly empty" if summary["kv_share"] > 1 else "whole pages"
+    share = f"{100 * summary['kv_share']:.1f}"
+    pages = "whole pages: the last ones partly empty" if float(share) > 100 else "whole pages"
     print(
         f"{tokens} tokens in {seconds:.2f} s: {summary['tokens_per_s']:.1f} tokens/s; KV held "
-        f"{held / 2**20:.2f} MiB, {100 * summary['kv_share']:.1f}% of a dense cache ({name}; {pages})"
+        f"{held / 2**20:.2f} MiB, {share}% of a dense cache ({name}; {pages})"
     )
     return summary
 

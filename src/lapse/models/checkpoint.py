@@ -88,8 +88,8 @@ def read_run(run_dir: str | Path) -> SavedRun:
     except json.JSONDecodeError as e:
         raise ValueError(f"{path} is damaged: not valid JSON ({e})") from e
     if is_export_folder(run_dir):
-        raise ValueError(f"{run_dir} is a `lapse export` folder, not a training run: resume, train "
-                         "--init-from and bench take the run folder it was exported from")
+        raise ValueError(f"{run_dir} is a `lapse export` folder, not a training run: give the run folder "
+                         "it was exported from")
     missing = [key for key in RUN_KEYS if key not in obj] if isinstance(obj, dict) else list(RUN_KEYS)
     if missing:
         raise ValueError(f"{path} is not a lapse run's configuration (no {', '.join(map(repr, missing))})")
