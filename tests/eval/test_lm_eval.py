@@ -90,6 +90,18 @@ def test_loglikelihood_equals_direct_computation(lm):
     assert [s for s, _ in single] == pytest.approx([s for s, _ in got], abs=1e-5)
 
 
+def test_no_progress_hides_the_scoring_bar(lm, capsys):
+    """``lapse eval lm-eval --no-progress`` (``progress=False``) hides lapse's bars; lm-eval's
+    own ``disable_tqdm`` still works alone."""
+    requests = _requests("loglikelihood", [("def f():\n    return", " 1")])
+    lm.loglikelihood(requests)
+    assert "lapse loglikelihood" in capsys.readouterr().err
+    quiet = LapseLM(pretrained=lm.loaded, device="cpu", batch_size=3, progress=False)
+    quiet.loglikelihood(requests)
+    assert "lapse loglikelihood" not in capsys.readouterr().err
+    assert LmEvalConfig(model=lm.loaded.path, tasks=("lapse_tiny_mc",), progress=False).progress is False
+
+
 def test_is_greedy_true_for_the_models_own_continuation(lm):
     context = "def main():\n    return"
     out = generate(lm.model, torch.tensor([_ids(context)]), 6)[0, -6:].tolist()

@@ -104,6 +104,8 @@ class LapseLM(TemplateLM):
         dtype: ``float32``, ``bfloat16`` or ``float16``; log-probabilities are taken in
             float32 either way.
         max_batch_size: accepted because lm-eval always passes it; unused.
+        progress: show the scoring and generation loops' bars (``lapse eval lm-eval
+            --no-progress`` turns them off).
     """
 
     def __init__(
@@ -118,8 +120,10 @@ class LapseLM(TemplateLM):
         max_length: int | str | None = None,
         dtype: Literal["float32", "bfloat16", "float16"] = "float32",
         max_batch_size: int | None = None,
+        progress: bool = True,
     ) -> None:
         super().__init__()
+        self.progress = progress
         if dtype not in _DTYPES:
             raise ValueError(f"dtype must be one of {sorted(_DTYPES)}, got {dtype!r}")
         if policy is not None and not isinstance(policy, Policy):
@@ -187,7 +191,8 @@ class LapseLM(TemplateLM):
         results: list[tuple[float, bool] | None] = [None if r[2] else (0.0, True) for r in requests]
         todo = [i for i, r in enumerate(requests) if r[2]]
         order = sorted(todo, key=lambda i: -len(requests[i][1]) - len(requests[i][2]))
-        bar = tqdm(total=len(todo), desc="lapse loglikelihood", disable=disable_tqdm, leave=False)
+        bar = tqdm(total=len(todo), desc="lapse loglikelihood", disable=disable_tqdm or not self.progress,
+                   leave=False)
         for start in range(0, len(order), self.batch_size):
             chunk = order[start : start + self.batch_size]
             windows = [self._window(requests[i][1], requests[i][2]) for i in chunk]
@@ -285,7 +290,8 @@ class LapseLM(TemplateLM):
         at ``L - 1``). One request at a time: ``generate`` takes prompts of one length."""
         out = []
         args = [req.args for req in requests]
-        for context, gen_kwargs in tqdm(args, desc="lapse generate", disable=disable_tqdm, leave=False):
+        quiet = disable_tqdm or not self.progress
+        for context, gen_kwargs in tqdm(args, desc="lapse generate", disable=quiet, leave=False):
             text = self._generate_one(context, dict(gen_kwargs))
             self.cache_hook.add_partial("generate_until", (context, gen_kwargs), text)
             out.append(text)
@@ -367,7 +373,8 @@ def run_lm_eval(cfg: LmEvalConfig) -> dict:
     out_dir = cfg.resolved_out_dir
     manager = task_manager(cfg.tasks, cfg.include_path)
     model_args = {"pretrained": None if cfg.model is None else str(cfg.model), "dtype": cfg.dtype,
-                  "hf": cfg.hf, "gguf_file": cfg.gguf_file, "policy": cfg.make_policy()}
+                  "hf": cfg.hf, "gguf_file": cfg.gguf_file, "policy": cfg.make_policy(),
+                  "progress": cfg.progress}
     if cfg.max_length is not None:
         model_args["max_length"] = cfg.max_length
     start = time.perf_counter()

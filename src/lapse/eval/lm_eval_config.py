@@ -64,6 +64,8 @@ class LmEvalConfig(PolicyOptions, HfOptions):
     """Seed of Python, NumPy, torch and the few-shot sampler."""
     log_samples: bool = True
     """Also write every document's prompt, responses and scores (``samples_<task>.jsonl``)."""
+    progress: bool = True
+    """Show lapse's progress bars (scoring and generation; lm-eval's own logging stays)."""
 
     def __post_init__(self) -> None:
         super().__post_init__()
