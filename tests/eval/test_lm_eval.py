@@ -164,6 +164,8 @@ def test_bundled_tasks_end_to_end(fox_run, tmp_path):
 
 
 def test_few_shot_prompts_and_scores_are_deterministic_given_the_seed(fox_run, tmp_path, monkeypatch):
+    import lm_eval.evaluator  # lm_eval loads it lazily: patched here even when run alone
+
     monkeypatch.setattr(lm_eval.evaluator, "add_env_info", lambda results: None)  # see _answer_key_accuracy
 
     def samples(seed: int, name: str) -> list[dict]:
@@ -205,6 +207,8 @@ class AnswerKey(nn.Module):
 def _answer_key_accuracy(fox_run, pick, monkeypatch) -> dict:
     # simple_evaluate records the environment through torch's collect_env, which runs
     # `pip list` (~2 s): not what these tests are about
+    import lm_eval.evaluator  # lm_eval loads it lazily: patched here even when run alone
+
     monkeypatch.setattr(lm_eval.evaluator, "add_env_info", lambda results: None)
     docs = jsonl_dataset(TASKS_DIR / "lapse_tiny.jsonl")["test"]
     assert len({doc["answer"] for doc in docs}) == 3, "the right answers must not all be at one index"

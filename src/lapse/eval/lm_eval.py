@@ -191,8 +191,8 @@ class LapseLM(TemplateLM):
         results: list[tuple[float, bool] | None] = [None if r[2] else (0.0, True) for r in requests]
         todo = [i for i, r in enumerate(requests) if r[2]]
         order = sorted(todo, key=lambda i: -len(requests[i][1]) - len(requests[i][2]))
-        bar = tqdm(total=len(todo), desc="lapse loglikelihood", disable=disable_tqdm or not self.progress,
-                   leave=False)
+        quiet = disable_tqdm or not self.progress
+        bar = tqdm(total=len(todo), desc="lapse loglikelihood", disable=quiet, leave=False)
         for start in range(0, len(order), self.batch_size):
             chunk = order[start : start + self.batch_size]
             windows = [self._window(requests[i][1], requests[i][2]) for i in chunk]

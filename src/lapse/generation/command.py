@@ -135,10 +135,11 @@ class GenerateConfig(PolicyOptions):
             asked = f" + max_new_tokens ({n})" if self.max_new_tokens else ""
             given = self.max_context is not None
             context = f"--max-context ({limit})" if given else f"max_context ({limit}, {where} by default)"
-            verb = "exceeds" if asked and longest < limit else "leaves no room to generate in"
+            fits_alone = asked and longest < limit  # fewer new tokens would do
+            verb = "exceeds" if fits_alone else "leaves no room to generate in"
             raise ValueError(
                 f"the prompt ({longest} tokens){asked} {verb} {context}: shorten it"
-                f"{' or lower --max-new-tokens' if asked and longest < limit else ''}, or pass "
+                f"{' or lower --max-new-tokens' if fits_alone else ''}, or pass "
                 f"{'a larger --max-context' if given else '--max-context'}"
             )
         return n

@@ -87,7 +87,7 @@ def read_run(run_dir: str | Path) -> SavedRun:
         obj = json.loads(path.read_text())
     except json.JSONDecodeError as e:
         raise ValueError(f"{path} is damaged: not valid JSON ({e})") from e
-    if is_export_folder(run_dir):
+    if isinstance(obj, dict) and obj.get("model_type") == EXPORT_MODEL_TYPE:  # is_export_folder's test
         raise ValueError(f"{run_dir} is a `lapse export` folder, not a training run: give the run folder "
                          "it was exported from")
     missing = [key for key in RUN_KEYS if key not in obj] if isinstance(obj, dict) else list(RUN_KEYS)
