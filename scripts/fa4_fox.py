@@ -129,6 +129,8 @@ def build(site: str | None):
                     key = n_block * self.tile_n + t_mn[r, 0][0]
                     g_dc = cute.domain_offset((key,), m_dc[batch_idx, head_idx, None])
                     atomic_add_fp32(total, g_dc.iterator)
+            if cutlass.const_expr(self.score_mod_bwd is marker_bwd_rows_t):
+                self._query_sums_transposed(g_mn, t_mn, aux_data.tensors[4], batch_idx, head_idx, m_block)
             if cutlass.const_expr(self.score_mod_bwd is marker_bwd_rows):
                 # each query's sum of dS over the tile's keys: a thread's two keys, the warp's eight
                 # row groups by shuffles, then one atomic add a query by lanes 0-3
@@ -145,6 +147,45 @@ def build(site: str | None):
                         g_dr = cute.domain_offset((query,), m_dr[batch_idx, head_idx, None])
                         atomic_add_fp32(total, g_dr.iterator)
 
+        @cute.jit
+        def _query_sums_transposed(self, g_mn, t_mn, m_dr, batch_idx, head_idx, m_block):
+            """Each query's sum of dS over the tile's keys by a transposing reduction: a thread's
+            keys summed, then over the warp's eight row groups (lane bits 4, 3, 2) each exchange
+            sends half of the columns a thread still holds and keeps the other half's sums, so
+            that 2n - 2 shuffles (n columns) leave every lane n / 8 distinct queries' sums, and
+            each lane adds those with its own atomics (n / 8 a lane, not n a quad)."""
+            lane = cute.arch.lane_idx()
+            vals, qs = [], []
+            for c in cutlass.range_constexpr(cute.size(g_mn.shape[1])):
+                total = g_mn[0, c]
+                for r in cutlass.range_constexpr(1, cute.size(g_mn.shape[0])):
+                    total += g_mn[r, c]
+                vals.append(total)
+                qs.append(cutlass.Int32(t_mn[0, c][1]))
+            dup = 0  # lane bits whose lanes hold the same sums (when the columns run out)
+            for stage in cutlass.range_constexpr(3):
+                off = 16 >> stage
+                n = len(vals)
+                if cutlass.const_expr(n % 2 == 0):
+                    upper = (lane & off) != 0
+                    half = n // 2
+                    kept_vals, kept_qs = [], []
+                    for i in cutlass.range_constexpr(half):
+                        keep = cutlass.Float32(cutlass.select_(upper, vals[i + half], vals[i]))
+                        send = cutlass.Float32(cutlass.select_(upper, vals[i], vals[i + half]))
+                        kept_vals.append(keep + cute.arch.shuffle_sync_bfly(send, offset=off))
+                        kept_qs.append(cutlass.Int32(cutlass.select_(upper, qs[i + half], qs[i])))
+                    vals, qs = kept_vals, kept_qs
+                else:
+                    for i in cutlass.range_constexpr(n):
+                        vals[i] = vals[i] + cute.arch.shuffle_sync_bfly(vals[i], offset=off)
+                    dup |= off
+            if (lane & dup) == 0:
+                base = m_block * self.tile_m
+                for i in cutlass.range_constexpr(len(vals)):
+                    g_dr = cute.domain_offset((base + qs[i],), m_dr[batch_idx, head_idx, None])
+                    atomic_add_fp32(vals[i], g_dr.iterator)
+
     interface.FlashAttentionBackwardSm90 = FoxBackwardSm90
 
     @cute.jit
@@ -160,6 +201,10 @@ def build(site: str | None):
         return grad + 0.0
 
     @cute.jit
+    def marker_bwd_rows_t(grad, scores, b, h, q_idx, kv_idx, seqlen_info, aux_tensors):  # rows, transposed
+        return grad + 1.0
+
+    @cute.jit
     def no_prefetch(scores, b, h, q_idx, kv_idx, seqlen_info, aux_tensors):  # the same, without the prefetch
         return scores + 0.0
 
@@ -169,7 +214,7 @@ def build(site: str | None):
 
     # read by apply_score_mod as it compiles
     globals().update(marker=marker, no_prefetch=no_prefetch, no_loads=no_loads,
-                     marker_bwd_rows=marker_bwd_rows)
+                     marker_bwd_rows=marker_bwd_rows, marker_bwd_rows_t=marker_bwd_rows_t)
 
     def tiles(d: int) -> tuple[int, int]:
         cfg = interface._tile_size_fwd_sm90(d, d, True, False)
@@ -222,7 +267,8 @@ def build(site: str | None):
         rowsum = torch.zeros(*aux[0].shape[:2], -(-t // cfg.m_block_size) * cfg.m_block_size, device=q.device)
         dq, dk, dv = interface._flash_attn_bwd(
             q, k, v, o, do, lse - _ref_shift(c, cfg.m_block_size), softmax_scale=scale, causal=True,
-            score_mod=marker, score_mod_bwd=marker_bwd_rows if rows else marker_bwd,
+            score_mod=marker,
+            score_mod_bwd={True: marker_bwd_rows, "t": marker_bwd_rows_t, False: marker_bwd}[rows],
             aux_tensors=[*aux, colsum, rowsum])[:3]
         return dq, dk, dv, rowsum[..., :t].double() - colsum[..., :t].double()
 
@@ -234,8 +280,53 @@ def build(site: str | None):
         dlogf = dc.flip(-1).cumsum(-1).flip(-1).transpose(1, 2).float()
         return o, dq, dk, dv, dlogf
 
+    def fast_aux(c_hi, c_lo, t, tn, tm):
+        """From lapse's gate sums (float32 ``hi + lo``, ``[B, H, T]``), in float32 on the device:
+        ``[d, c_hi, c_lo]`` for the kernels (``d`` padded to whole key tiles of ``tn``) and the
+        backward's lse shift ``c_i - c_ref`` over query tiles of ``tm``. A difference of two nearby
+        ``hi`` parts is exact (Sterbenz), so the float32 sums keep ``c``'s precision."""
+        dev = c_hi.device
+        t_pad = -(-t // tn) * tn
+        j = torch.arange(t, device=dev)
+        kref = torch.clamp(j // tn * tn + tn - 1, max=t - 1)
+        qref = torch.clamp(j // tm * tm + tm - 1, max=t - 1)
+        hi, lo = c_hi[..., :t], c_lo[..., :t]
+        d_col = torch.zeros(*hi.shape[:2], t_pad, device=dev)
+        d_col[..., :t] = (hi[..., kref] - hi) + (lo[..., kref] - lo)
+        shift = (hi - hi[..., qref]) + (lo - lo[..., qref])
+        return [d_col, hi.contiguous(), lo.contiguous()], shift
+
+    def hybrid(q, k, v, log_fgate, scale, do, rows="t"):
+        """lapse's Triton forward, then FoX on FlashAttention-4's backward: ``(o, dq, dk, dv, d log f)``,
+        with lapse's own gate sums, lse and reverse scan (one launch each)."""
+        from lapse.ops.backend import LN2
+        from lapse.ops.forgetting.common import LOG_GATE_FLOOR, validate
+        from lapse.ops.forgetting.gate_scan import gate_grad
+        from lapse.ops.forgetting.triton_fwd import launch_fwd
+        from lapse.ops.forgetting.triton_ops import triton_gate_cumsum
+
+        p = validate(q, k, v, log_fgate, scale, None, "triton")
+        t, d = q.shape[1], q.shape[-1]
+        c_hi, c_lo = triton_gate_cumsum(log_fgate, p)
+        o, lse2 = torch.empty_like(q), torch.empty_like(c_hi)
+        launch_fwd(q, k, v, c_hi, c_lo, None, None, p, o, lse2)
+        cfg = interface._tile_size_bwd_sm90(d, d, True, False)
+        tm, tn = cfg.m_block_size, cfg.n_block_size
+        aux, shift = fast_aux(c_hi, c_lo, t, tn, tm)
+        colsum = torch.zeros_like(aux[0])
+        rowsum = torch.zeros(*aux[0].shape[:2], -(-t // tm) * tm, device=q.device)
+        dq, dk, dv = interface._flash_attn_bwd(
+            q, k, v, o, do, lse2[..., :t] * LN2 - shift, softmax_scale=scale, causal=True, score_mod=marker,
+            score_mod_bwd={True: marker_bwd_rows, "t": marker_bwd_rows_t, False: marker_bwd}[rows],
+            aux_tensors=[*aux, colsum, rowsum])[:3]
+        dcc, dcr = colsum[..., :t].contiguous(), rowsum[..., :t].contiguous()
+        dlogf = gate_grad(dcc, dcr, log_fgate, p, LOG_GATE_FLOOR)
+        return o, dq, dk, dv, dlogf
+
+    fox_forward.hybrid = hybrid
+    fox_forward.fast_aux = fast_aux
     fox_forward.backward_call = fox_backward_call
-    fox_forward.markers = (marker, marker_bwd, marker_bwd_rows)
+    fox_forward.markers = (marker, marker_bwd, marker_bwd_rows, marker_bwd_rows_t)
     fox_forward.forward_backward = fox_forward_backward
     fox_forward.call = fox_call
     fox_forward.prepare = prepare
@@ -291,7 +382,7 @@ def main() -> None:
     ap.add_argument("--out")
     ap.add_argument("--site", default=None, help="where flash-attn-4 and the CuTe DSL are, if not importable")
     ap.add_argument("--compile-only", action="store_true")
-    ap.add_argument("--dims", nargs="*", type=int, default=[64, 128])
+    ap.add_argument("--dims", nargs="*", type=int, default=[128, 64])
     ap.add_argument("--seq-lens", nargs="*", type=int, default=[4096, 8192, 16384])
     a = ap.parse_args()
     if a.compile_only:
@@ -309,22 +400,21 @@ def run(a) -> None:
     cfg = bench.AttentionBenchConfig()
     res: dict = {"env": bench.environment(), "check": [], "timing": []}
 
-    for d in a.dims:  # correctness: against float64, beside lapse's kernels
+    def save():
+        if a.out:
+            with open(a.out, "w") as f:
+                json.dump(res, f, indent=1)
+
+    for d in a.dims:  # a head dim's errors against float64 (beside lapse's kernels), then its times
         for t in (1000, 4096):
             res["check"].append(_check_one(d, t, fox_forward))
             print(json.dumps(res["check"][-1]), flush=True)
+            save()
             bench._free()
-
-    for d in a.dims:
         for t in a.seq_lens:
             res["timing"].append(_time_one(d, t, interface, fox_forward, cfg))
             print(json.dumps(res["timing"][-1]), flush=True)
-            if a.out:
-                with open(a.out, "w") as f:
-                    json.dump(res, f, indent=1)
-    if a.out:
-        with open(a.out, "w") as f:
-            json.dump(res, f, indent=1)
+            save()
 
 
 def _check_one(d: int, t: int, fox_forward) -> dict:
@@ -351,6 +441,10 @@ def _check_one(d: int, t: int, fox_forward) -> dict:
     _, lse = fox_forward(wl.q, wl.k, wl.v, wl.log_fgate, scale)
     row["fa4-fox"] = errs(fox_forward.forward_backward(wl.q, wl.k, wl.v, wl.log_fgate, scale, do))
     row["fa4-fox"]["lse"] = float((lse.detach() - lse_ref.detach()).abs().max())
+    row["fa4-fox, row sums transposed"] = errs(fox_forward.forward_backward(
+        wl.q, wl.k, wl.v, wl.log_fgate, scale, do, rows="t"))
+    row["hybrid: lapse fwd, fa4-fox bwd"] = errs(fox_forward.hybrid(wl.q, wl.k, wl.v, wl.log_fgate, scale,
+                                                                    do))
     row["fa4-fox, no row sums"] = errs(fox_forward.forward_backward(wl.q, wl.k, wl.v, wl.log_fgate, scale, do,
                                                                     rows=False))
     ins = [x.detach().clone().requires_grad_() for x in (wl.q, wl.k, wl.v, wl.log_fgate)]
@@ -377,12 +471,7 @@ def _time_one(d: int, t: int, interface, fox_forward, cfg) -> dict:
     fns = {
         "sdpa-default": lambda: torch.nn.functional.scaled_dot_product_attention(qt, kt, vt, is_causal=True),
         "flash-attn-4": lambda: interface._flash_attn_fwd(q, k, v, softmax_scale=scale, causal=True)[0],
-        "fa4-fox": lambda: fox_forward(q, k, v, g, scale)[0],
         "fa4-fox kernel": lambda: fox_forward.call(q, k, v, aux, scale)[0],
-        "fa4-fox kernel, no prefetch": lambda: fox_forward.call(
-            q, k, v, aux, scale, variant="no prefetch")[0],
-        "fa4-fox kernel, no column loads (wrong: timing only)": lambda: fox_forward.call(
-            q, k, v, aux, scale, variant="no loads")[0],
         "lapse": lambda: forgetting_attention(q, k, v, g, backend="triton"),
     }
     do = torch.randn_like(q)
@@ -408,9 +497,11 @@ def _time_one(d: int, t: int, interface, fox_forward, cfg) -> dict:
     both = {
         "sdpa-default fwd+bwd": sdpa_both,
         "flash-attn-4 fwd+bwd": fa4_both,
-        "fa4-fox fwd+bwd": lambda: fox_forward.forward_backward(q, k, v, g, scale, do),
         "fa4-fox kernels fwd+bwd": fox_kernels_both,
+        "fa4-fox kernels fwd+bwd, row sums transposed": lambda: fox_kernels_both(rows="t"),
         "fa4-fox kernels fwd+bwd, no row sums": lambda: fox_kernels_both(rows=False),
+        "hybrid fwd+bwd: lapse fwd, fa4-fox bwd (row sums transposed)": lambda: fox_forward.hybrid(
+            q, k, v, g, scale, do),
         "lapse fwd+bwd": lapse_both,
     }
     row: dict = {"D": d, "T": t}
