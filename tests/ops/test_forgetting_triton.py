@@ -25,7 +25,7 @@ import torch.nn.functional as F
 
 triton = pytest.importorskip("triton")  # tests/conftest.py sets TRITON_INTERPRET on CPU
 
-from lapse.ops.forgetting import forgetting_attention, triton_ops  # noqa: E402
+from lapse.ops.forgetting import fa4_bwd, forgetting_attention, triton_ops  # noqa: E402
 from lapse.ops.forgetting.common import acp_block_start, cumulative_log_gates, validate  # noqa: E402
 from lapse.ops.forgetting.pruning import triton_block_start  # noqa: E402
 
@@ -47,8 +47,11 @@ def _dc(dr):
 
 
 @pytest.fixture(autouse=True)
-def _poison():
+def _poison(monkeypatch):
     triton_ops.POISON_OUTPUTS = True
+    # the Triton kernels themselves: FlashAttention-4's backward, where installed, has its own
+    # tests (test_forgetting_fa4.py)
+    monkeypatch.setattr(fa4_bwd, "ENABLED", False)
     yield
     triton_ops.POISON_OUTPUTS = False
 

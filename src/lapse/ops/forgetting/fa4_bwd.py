@@ -1,0 +1,228 @@
+"""FoX's backward on FlashAttention-4's Hopper kernel, where ``flash-attn-4`` is installed (issue 16).
+
+FlashAttention-4's ``FlashAttentionBackwardSm90`` (warp-specialised: a producer warp brings Q,
+dO and the statistics by TMA, two consumer warpgroups overlap one tile's products with the next
+one's softmax) calls two hooks on each score tile: ``apply_score_mod`` after ``S = K Q^T`` (the
+tiles are transposed, ``SdP_swapAB``: a thread holds keys as rows) and ``apply_score_mod_bwd``
+on the tile of ``dS``. A subclass fills them with FoX (SPEC section 1), and everything else is
+FlashAttention-4's own:
+
+- **the bias.** A row's constant cancels in its softmax, so a query tile uses ``c_ref``, the gate
+  sum at its last row, instead of ``c_i``, and the lse given to the kernel loses ``c_i - c_ref``.
+  Key ``j``'s term ``c_ref - c_j`` is one number a tile pair (``c_ref - c_kref`` from the
+  double-float ``c_hi + c_lo``, ``kref`` the key tile's last key) plus ``d_j = c_kref - c_j``,
+  small (the decay within one tile) and made on the device in float32 (:func:`column_terms`).
+  A score costs one multiply-add, ``s * scale + bias_j``.
+- **the gate's gradient** needs each key's and each query's sum of dS (``d c_t = rowsum_t -
+  colsum_t``, then a reverse scan: :func:`gate_scan.gate_grad`). Taken from the same float32
+  tile, the two sums share their rounding, which keeps ``d log f`` as precise as the Triton
+  kernels' (without the query sums it is 10x off: the twenty-ninth session). A key's sum is a
+  thread's row: two shuffles and an atomic add a quad. A query's sum runs across the warp's
+  eight row groups; the reduction transposes as it goes (each exchange sends half the columns a
+  thread holds and keeps the other half's sums), so ``2n - 2`` shuffles leave each lane ``n / 8``
+  whole sums of ``n`` columns, and every lane adds its own with atomics.
+
+Measured on an H200 (thirtieth session, BENCHMARKS.md): with lapse's forward, forward+backward
+takes 1.15-1.17x FlashAttention-4's (without a gate) at D 128 and 1.36-1.37x at D 64, against
+1.39-1.46x with the Triton backward.
+
+It serves dense calls (no ACP) in float16 or bfloat16 with ``D`` in 64, 96 or 128, equal query
+and key lengths, one key head a query head and no packing, on compute capability 9; elsewhere
+the Triton kernels run. ``LAPSE_FA4_BWD=0`` in the environment (or ``ENABLED = False``) turns it
+off. Its first call compiles the kernel (tens of seconds; FlashAttention-4 caches compiles on
+disk with ``FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED=1``). Importing it replaces
+``flash_attn.cute.interface``'s backward class by the subclass, whose hooks defer to
+FlashAttention-4's own for every other ``score_mod``.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import os
+
+import torch
+from torch import Tensor
+
+from ..backend import LN2
+from .common import Problem
+
+FA4_VERSION = "4.0.0b36"  # the release whose hooks the subclass fills (their signatures are internal)
+ENABLED = os.environ.get("LAPSE_FA4_BWD", "1") != "0"
+HEAD_DIMS = (64, 96, 128)  # FlashAttention-4's transposed-tile (SdP_swapAB) configurations on Hopper
+
+log = logging.getLogger(__name__)
+
+
+def serves(q: Tensor, p: Problem, block_start: Tensor | None) -> bool:
+    """Whether :func:`backward` takes this call (else the Triton kernels do)."""
+    return (ENABLED and q.is_cuda and block_start is None and p.cu_seqlens is None and p.tq == p.tk
+            and p.h == p.hq and p.d in HEAD_DIMS and q.dtype in (torch.float16, torch.bfloat16)
+            and torch.cuda.get_device_capability(q.device)[0] == 9 and _kernels() is not None)
+
+
+def column_terms(c_hi: Tensor, c_lo: Tensor, t: int, tile_n: int, tile_m: int) -> tuple[Tensor, Tensor]:
+    """``(d, shift)`` from the gate sums ``c = c_hi + c_lo`` (float32 ``[B, H, >= t]``): ``d_j = c_kref
+    - c_j`` with ``kref`` the last key of ``j``'s tile of ``tile_n`` (``[B, H, t]`` padded with zeros
+    to whole tiles), and ``shift_i = c_i - c_qref`` over query tiles of ``tile_m`` (``[B, H, t]``).
+    In float32: two nearby ``hi`` parts subtract exactly (Sterbenz), so both keep ``c``'s precision."""
+    dev = c_hi.device
+    j = torch.arange(t, device=dev)
+    kref = torch.clamp(j // tile_n * tile_n + tile_n - 1, max=t - 1)
+    qref = torch.clamp(j // tile_m * tile_m + tile_m - 1, max=t - 1)
+    hi, lo = c_hi[..., :t], c_lo[..., :t]
+    d = hi.new_zeros(*hi.shape[:-1], -(-t // tile_n) * tile_n)
+    d[..., :t] = (hi[..., kref] - hi) + (lo[..., kref] - lo)
+    shift = (hi - hi[..., qref]) + (lo - lo[..., qref])
+    return d, shift
+
+
+def backward(q, k, v, o, do, lse2, dlse, c_hi, c_lo, p: Problem, poison: bool = False):
+    """``(dq, dk, dv, dcc, dcr)`` as :func:`triton_ops.backward_kernels` returns them (the column
+    and row sums of dS float32 ``[B, HQ, T]``), through FlashAttention-4's kernel. ``poison``: the
+    gradients' buffers start as NaN (tests), so that a part the kernel leaves unwritten shows."""
+    interface, score_mod, score_mod_bwd = _kernels()
+    t = p.tq
+    cfg = interface._tile_size_bwd_sm90(p.d, p.d, True, False)
+    tm, tn = cfg.m_block_size, cfg.n_block_size
+    d, shift = column_terms(c_hi, c_lo, t, tn, tm)
+    colsum = torch.zeros_like(d)  # atomic adds
+    rowsum = d.new_zeros(*d.shape[:-1], -(-t // tm) * tm)
+    lse = lse2[..., :t] * LN2 - shift  # the kernel's scores leave out c_i - c_ref
+    if dlse is not None:
+        dlse = dlse.float().contiguous()
+    do = do if do.stride(-1) == 1 else do.contiguous()
+    grads = {}
+    if poison:
+        grads = {n: torch.full_like(x, float("nan")) for n, x in (("dq", q), ("dk", k), ("dv", v))}
+    dq, dk, dv = interface._flash_attn_bwd(
+        q, k, v, o, do, lse.contiguous(), softmax_scale=p.scale, causal=True, score_mod=score_mod,
+        score_mod_bwd=score_mod_bwd, dlse=dlse, **grads,
+        aux_tensors=[d, c_hi[..., :t].contiguous(), c_lo[..., :t].contiguous(), colsum, rowsum])[:3]
+    return dq, dk, dv, colsum[..., :t].contiguous(), rowsum[..., :t].contiguous()
+
+
+@functools.cache
+def _kernels():
+    """``(interface, score_mod, score_mod_bwd)``, or None where ``flash-attn-4`` ``FA4_VERSION``
+    and its CuTe DSL do not import (then :func:`serves` says no)."""
+    try:
+        from importlib.metadata import version
+
+        if version("flash-attn-4") != FA4_VERSION:
+            log.info("lapse: flash-attn-4 %s is not %s; FoX's backward stays on Triton",
+                     version("flash-attn-4"), FA4_VERSION)
+            return None
+        return _build()
+    except Exception as e:  # not installed, or its compiler does not load here
+        log.info("lapse: flash-attn-4 not usable (%s: %s); FoX's backward stays on Triton",
+                 type(e).__name__, e)
+        return None
+
+
+def _build():
+    import cutlass
+    import cutlass.cute as cute
+    from flash_attn.cute import interface
+    from flash_attn.cute.flash_bwd_sm90 import FlashAttentionBackwardSm90 as Base
+    from flash_attn.cute.utils import atomic_add_fp32
+    from quack import layout_utils
+
+    @cute.jit
+    def fox_bias(scores, b, h, q_idx, kv_idx, seqlen_info, aux_tensors):  # selects the hooks below
+        return scores
+
+    @cute.jit
+    def fox_bias_bwd(grad, scores, b, h, q_idx, kv_idx, seqlen_info, aux_tensors):  # and their gradient
+        return grad
+
+    # the CuTe DSL compiles the methods from their source and looks their free names up here
+    globals().update(cutlass=cutlass, cute=cute, layout_utils=layout_utils, atomic_add_fp32=atomic_add_fp32,
+                     fox_bias=fox_bias, fox_bias_bwd=fox_bias_bwd, Base=Base)
+
+    class FoxBackwardSm90(Base):
+        @cute.jit
+        def apply_score_mod(self, acc_S, thr_mma_SdP, batch_idx, head_idx, m_block, n_block, softmax_scale,
+                            seqlen_info, aux_data=None, fastdiv_mods=(None, None)):
+            if cutlass.const_expr(self.score_mod is not fox_bias):
+                Base.apply_score_mod(self, acc_S, thr_mma_SdP, batch_idx, head_idx, m_block, n_block,
+                                     softmax_scale, seqlen_info, aux_data, fastdiv_mods)
+            else:
+                assert self.SdP_swapAB
+                m_d, m_chi, m_clo = aux_data.tensors[:3]
+                last_q = cutlass.min(m_block * self.tile_m + self.tile_m - 1, seqlen_info.seqlen_q - 1)
+                last_k = cutlass.min(n_block * self.tile_n + self.tile_n - 1, seqlen_info.seqlen_k - 1)
+                tile_bias = ((m_chi[batch_idx, head_idx, last_q] - m_chi[batch_idx, head_idx, last_k])
+                             + (m_clo[batch_idx, head_idx, last_q] - m_clo[batch_idx, head_idx, last_k]))
+                acc_mn = layout_utils.reshape_acc_to_mn(acc_S)  # rows: keys, columns: queries
+                t_mn = layout_utils.reshape_acc_to_mn(thr_mma_SdP.partition_C(
+                    cute.make_identity_tensor((self.tile_n, self.tile_m))))
+                for r in cutlass.range(cute.size(acc_mn.shape[0]), unroll_full=True):
+                    bias = tile_bias + m_d[batch_idx, head_idx, n_block * self.tile_n + t_mn[r, 0][0]]
+                    for c in cutlass.range(cute.size(acc_mn.shape[1]), unroll_full=True):
+                        acc_mn[r, c] = acc_mn[r, c] * softmax_scale + bias
+
+        @cute.jit
+        def apply_score_mod_bwd(self, grad_tensor, score_tensor, thr_mma_SdP, batch_idx, head_idx, m_block,
+                                n_block, softmax_scale, seqlen_info, aux_data=None,
+                                fastdiv_mods=(None, None)):
+            if cutlass.const_expr(self.score_mod_bwd is not fox_bias_bwd):
+                Base.apply_score_mod_bwd(self, grad_tensor, score_tensor, thr_mma_SdP, batch_idx, head_idx,
+                                         m_block, n_block, softmax_scale, seqlen_info, aux_data, fastdiv_mods)
+            else:
+                # the bias is added, so dS passes unchanged; the key and the query sums of dS
+                m_dc, m_dr = aux_data.tensors[3], aux_data.tensors[4]
+                g_mn = layout_utils.reshape_acc_to_mn(grad_tensor)
+                t_mn = layout_utils.reshape_acc_to_mn(thr_mma_SdP.partition_C(
+                    cute.make_identity_tensor((self.tile_n, self.tile_m))))
+                lane = cute.arch.lane_idx()
+                for r in cutlass.range_constexpr(cute.size(g_mn.shape[0])):  # a key's: its quad's row
+                    total = g_mn[r, 0]
+                    for c in cutlass.range_constexpr(1, cute.size(g_mn.shape[1])):
+                        total += g_mn[r, c]
+                    total += cute.arch.shuffle_sync_bfly(total, offset=1)
+                    total += cute.arch.shuffle_sync_bfly(total, offset=2)
+                    if lane % 4 == 0:
+                        key = n_block * self.tile_n + t_mn[r, 0][0]
+                        g_dc = cute.domain_offset((key,), m_dc[batch_idx, head_idx, None])
+                        atomic_add_fp32(total, g_dc.iterator)
+                self._query_sums(g_mn, t_mn, m_dr, batch_idx, head_idx, m_block, lane)
+
+        @cute.jit
+        def _query_sums(self, g_mn, t_mn, m_dr, batch_idx, head_idx, m_block, lane):
+            """Each query's sum of dS over the tile's keys (the module's docstring): a thread's keys,
+            then the warp's row groups (lane bits 4, 3, 2) by a transposing reduction."""
+            vals, qs = [], []
+            for c in cutlass.range_constexpr(cute.size(g_mn.shape[1])):
+                total = g_mn[0, c]
+                for r in cutlass.range_constexpr(1, cute.size(g_mn.shape[0])):
+                    total += g_mn[r, c]
+                vals.append(total)
+                qs.append(cutlass.Int32(t_mn[0, c][1]))
+            dup = 0  # lane bits whose lanes end with the same sums (an odd number of columns left)
+            for stage in cutlass.range_constexpr(3):
+                off = 16 >> stage
+                n = len(vals)
+                if cutlass.const_expr(n % 2 == 0):
+                    upper = (lane & off) != 0
+                    kept_vals, kept_qs = [], []
+                    for i in cutlass.range_constexpr(n // 2):
+                        keep = cutlass.Float32(cutlass.select_(upper, vals[i + n // 2], vals[i]))
+                        send = cutlass.Float32(cutlass.select_(upper, vals[i], vals[i + n // 2]))
+                        kept_vals.append(keep + cute.arch.shuffle_sync_bfly(send, offset=off))
+                        kept_qs.append(cutlass.Int32(cutlass.select_(upper, qs[i + n // 2], qs[i])))
+                    vals, qs = kept_vals, kept_qs
+                else:
+                    for i in cutlass.range_constexpr(n):
+                        vals[i] = vals[i] + cute.arch.shuffle_sync_bfly(vals[i], offset=off)
+                    dup |= off
+            if (lane & dup) == 0:
+                for i in cutlass.range_constexpr(len(vals)):
+                    query = m_block * self.tile_m + qs[i]
+                    g_dr = cute.domain_offset((query,), m_dr[batch_idx, head_idx, None])
+                    atomic_add_fp32(vals[i], g_dr.iterator)
+
+    interface.FlashAttentionBackwardSm90 = FoxBackwardSm90  # the interface builds its kernel from this name
+    log.info("lapse: FoX's backward runs on FlashAttention-4 %s (its first call compiles the kernel)",
+             FA4_VERSION)
+    return interface, fox_bias, fox_bias_bwd

@@ -1,0 +1,106 @@
+"""FoX's backward on FlashAttention-4's Hopper kernel (fa4_bwd.py) against the float64 oracle.
+
+On the CPU: the float32 column terms against float64, and the path's choice (never on the CPU).
+On a Hopper GPU with ``flash-attn-4`` installed (``-m gpu``; the lent GPU installs it with
+scripts/fa4_env.sh): the op's forward and backward, with the backward through that kernel, held
+to test_forgetting_triton.py's rules (the kernel's error at most 3x the naive computation's in
+the same dtype, plus a floor), at awkward lengths and head dims, with the lse in the loss (its
+gradient path) and NaN-filled gradient buffers; and FlashAttention-4's own backward (no
+``score_mod``), which the subclass must leave as it was.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+from test_forgetting_triton import _compare, _inputs, _rel  # noqa: E402
+
+from lapse.ops.forgetting import fa4_bwd, triton_ops  # noqa: E402
+from lapse.ops.forgetting.common import validate  # noqa: E402
+
+
+def test_column_terms_match_float64():
+    g = torch.Generator().manual_seed(0)
+    b, h, t = 2, 3, 1000
+    log_f = torch.nn.functional.logsigmoid(torch.randn(b, h, t, generator=g) * 3 + 2).double()
+    log_f[0, 0, 500] = -1000.0  # a closed gate at LOG_GATE_FLOOR
+    c = log_f.cumsum(-1)
+    c_hi = c.float()
+    c_lo = (c - c_hi.double()).float()
+    for tn, tm in ((128, 64), (128, 128)):
+        d, shift = fa4_bwd.column_terms(c_hi, c_lo, t, tn, tm)
+        j = torch.arange(t)
+        kref = torch.clamp(j // tn * tn + tn - 1, max=t - 1)
+        qref = torch.clamp(j // tm * tm + tm - 1, max=t - 1)
+        assert d.shape == (b, h, -(-t // tn) * tn) and torch.all(d[..., t:] == 0)
+        want_d, want_shift = c[..., kref] - c, c - c[..., qref]
+        # float32 of the result: a relative 2^-24 of each value, and no cancellation error
+        assert torch.allclose(d[..., :t].double(), want_d, rtol=2**-22, atol=1e-6)
+        assert torch.allclose(shift.double(), want_shift, rtol=2**-22, atol=1e-6)
+
+
+def test_not_taken_on_the_cpu():
+    q = torch.zeros(1, 8, 2, 64, dtype=torch.bfloat16)
+    p = validate(q, q, q, torch.zeros(1, 8, 2), None, None, "torch")
+    assert not fa4_bwd.serves(q, p, None)
+
+
+def _fa4_or_skip():
+    if not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] != 9:
+        pytest.skip("needs a Hopper GPU")
+    if fa4_bwd._kernels() is None:
+        pytest.skip(f"needs flash-attn-4 {fa4_bwd.FA4_VERSION} (scripts/fa4_env.sh on the lent GPU)")
+
+
+FA4_CASES = [
+    # (B, T, H, D, gate, dtype)
+    (2, 1000, 3, 128, "mixed", torch.bfloat16),
+    (1, 4096, 4, 128, "mixed", torch.bfloat16),
+    (2, 1024, 4, 64, "fast", torch.bfloat16),
+    (1, 129, 2, 64, "mixed", torch.float16),
+    (1, 1, 2, 64, "mixed", torch.bfloat16),
+    (1, 300, 2, 96, "extreme", torch.bfloat16),
+    (1, 2048, 2, 64, "extreme", torch.bfloat16),
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", FA4_CASES, ids=[f"b{c[0]}t{c[1]}h{c[2]}d{c[3]}-{c[4]}-{c[5]}".replace(
+    "torch.", "") for c in FA4_CASES])
+def test_fa4_backward_gpu(case, monkeypatch):
+    _fa4_or_skip()
+    b, t, h, d, gate, dtype = case
+    calls = []
+    real = fa4_bwd.backward
+    monkeypatch.setattr(fa4_bwd, "backward", lambda *a, **kw: calls.append(1) or real(*a, **kw))
+    monkeypatch.setattr(triton_ops, "POISON_OUTPUTS", True)
+    q, k, v, lg, do = _inputs(b, t, t, h, h, d, gate, dtype, "cuda", seed=d + t)
+    _compare(q, k, v, lg, do, dtype)
+    assert calls, "the backward did not go through FlashAttention-4"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("d", [64, 128])
+def test_fa4_without_score_mod_unchanged_gpu(d):
+    """The subclass replaces FlashAttention-4's backward class for every caller: without FoX's
+    score_mod it must still compute plain causal attention's gradients."""
+    _fa4_or_skip()
+    interface = fa4_bwd._kernels()[0]
+    g = torch.Generator(device="cuda").manual_seed(d)
+    q, k, v, do = (torch.randn(2, 777, 3, d, device="cuda", generator=g).bfloat16() for _ in range(4))
+    scale = d**-0.5
+    o, lse = interface._flash_attn_fwd(q, k, v, softmax_scale=scale, causal=True, return_lse=True)[:2]
+    got = interface._flash_attn_bwd(q, k, v, o, do, lse, softmax_scale=scale, causal=True)[:3]
+
+    def sdpa_grads(dtype):
+        xs = [x.to(dtype).transpose(1, 2).requires_grad_() for x in (q, k, v)]
+        out = torch.nn.functional.scaled_dot_product_attention(*xs, is_causal=True, scale=scale)
+        return [g.transpose(1, 2) for g in torch.autograd.grad(out, xs, do.to(dtype).transpose(1, 2))]
+
+    want, base = sdpa_grads(torch.float64), sdpa_grads(torch.bfloat16)  # base: SDPA's own kernel in bf16
+    for name, a, b, w in zip(("dq", "dk", "dv"), got, base, want, strict=True):
+        err, err_base = _rel(a, w), _rel(b, w)
+        assert err <= 3 * err_base + 1e-3, f"{name}: {err:.2e} against SDPA's {err_base:.2e}"
