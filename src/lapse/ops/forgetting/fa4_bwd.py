@@ -24,7 +24,7 @@ FlashAttention-4's own:
 
 Measured on an H200 (thirtieth session, BENCHMARKS.md): with lapse's forward, forward+backward
 takes 1.15-1.17x FlashAttention-4's (without a gate) at D 128 and 1.36-1.37x at D 64, against
-1.39-1.46x with the Triton backward.
+1.39-1.47x with the Triton backward.
 
 It serves dense calls (no ACP) in float16 or bfloat16 with ``D`` in 64, 96 or 128, equal query
 and key lengths, one key head a query head and no packing, on compute capability 9; elsewhere
