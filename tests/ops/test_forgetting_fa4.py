@@ -42,6 +42,33 @@ def test_column_terms_match_float64():
         assert torch.allclose(shift.double(), want_shift, rtol=2**-22, atol=1e-6)
 
 
+@pytest.mark.parametrize("t,tile_m", [(1000, 64), (1000, 128), (129, 128), (64, 64), (1, 128)])
+def test_acp_blocks_visit_exactly_the_tiles_with_kept_pairs(t, tile_m):
+    """Against brute force over every (query, key) pair: a query tile is listed for a key tile
+    iff some query of it keeps some key of it causally (key <= query, key at or past 64 x its
+    64-row block's start); listed ones are packed left, in increasing order."""
+    g = torch.Generator().manual_seed(t + tile_m)
+    tile_n = 128
+    b, h, blocks = 2, 3, -(-t // 64)
+    diag = torch.arange(blocks)
+    # any prefix of each row's key blocks, up to its diagonal block (staircases and more)
+    block_start = (torch.rand(b, h, blocks, generator=g) * (diag + 1)).floor().to(torch.int32)
+    count, index = fa4_bwd.acp_blocks(block_start, t, tile_m, tile_n)
+    rows, keys = torch.arange(t), torch.arange(t)
+    first = 64 * block_start[..., rows // 64, None]  # [B, H, T, 1]
+    kept = (keys[None, :] <= rows[:, None]) & (keys >= first)
+    m_tiles, n_tiles = -(-t // tile_m), -(-t // tile_n)
+    pad_r, pad_k = m_tiles * tile_m - t, n_tiles * tile_n - t
+    kept = torch.nn.functional.pad(kept, (0, pad_k, 0, pad_r))
+    want = kept.view(b, h, m_tiles, tile_m, n_tiles, tile_n).any(5).any(3).transpose(-1, -2)  # [B, H, N, M]
+    assert torch.equal(count, want.sum(-1, dtype=torch.int32))
+    for i in range(b):
+        for j in range(h):
+            for n in range(n_tiles):
+                listed = index[i, j, n, : count[i, j, n]].tolist()
+                assert listed == torch.nonzero(want[i, j, n]).flatten().tolist()
+
+
 def test_not_taken_on_the_cpu():
     q = torch.zeros(1, 8, 2, 64, dtype=torch.bfloat16)
     p = validate(q, q, q, torch.zeros(1, 8, 2), None, None, "torch")
@@ -56,29 +83,36 @@ def _fa4_or_skip():
 
 
 FA4_CASES = [
-    # (B, T, H, D, gate, dtype)
-    (2, 1000, 3, 128, "mixed", torch.bfloat16),
-    (1, 4096, 4, 128, "mixed", torch.bfloat16),
-    (2, 1024, 4, 64, "fast", torch.bfloat16),
-    (1, 129, 2, 64, "mixed", torch.float16),
-    (1, 1, 2, 64, "mixed", torch.bfloat16),
-    (1, 300, 2, 96, "extreme", torch.bfloat16),
-    (1, 2048, 2, 64, "extreme", torch.bfloat16),
+    # (B, T, H, D, gate, dtype, acp)
+    (2, 1000, 3, 128, "mixed", torch.bfloat16, None),
+    (1, 4096, 4, 128, "mixed", torch.bfloat16, None),
+    (2, 1024, 4, 64, "fast", torch.bfloat16, None),
+    (1, 129, 2, 64, "mixed", torch.float16, None),
+    (1, 1, 2, 64, "mixed", torch.bfloat16, None),
+    (1, 300, 2, 96, "extreme", torch.bfloat16, None),
+    (1, 2048, 2, 64, "extreme", torch.bfloat16, None),
+    # ACP: the backward visits the kept tiles only and masks the pruned half of a visited one
+    (2, 1000, 3, 128, "fast", torch.bfloat16, "auto"),
+    (1, 4096, 4, 128, "mixed", torch.bfloat16, "auto"),
+    (2, 1024, 4, 64, "fast", torch.bfloat16, "auto"),
+    (1, 777, 2, 64, "fast", torch.float16, "auto"),
+    (1, 300, 2, 96, "fast", torch.bfloat16, "auto"),
+    (1, 2048, 2, 64, "extreme", torch.bfloat16, "auto"),
 ]
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("case", FA4_CASES, ids=[f"b{c[0]}t{c[1]}h{c[2]}d{c[3]}-{c[4]}-{c[5]}".replace(
+@pytest.mark.parametrize("case", FA4_CASES, ids=[f"b{c[0]}t{c[1]}h{c[2]}d{c[3]}-{c[4]}-{c[5]}-{c[6]}".replace(
     "torch.", "") for c in FA4_CASES])
 def test_fa4_backward_gpu(case, monkeypatch):
     _fa4_or_skip()
-    b, t, h, d, gate, dtype = case
+    b, t, h, d, gate, dtype, acp = case
     calls = []
     real = fa4_bwd.backward
     monkeypatch.setattr(fa4_bwd, "backward", lambda *a, **kw: calls.append(1) or real(*a, **kw))
     monkeypatch.setattr(triton_ops, "POISON_OUTPUTS", True)
     q, k, v, lg, do = _inputs(b, t, t, h, h, d, gate, dtype, "cuda", seed=d + t)
-    _compare(q, k, v, lg, do, dtype)
+    _compare(q, k, v, lg, do, dtype, acp, None, True if acp and gate == "fast" else None)
     assert calls, "the backward did not go through FlashAttention-4"
 
 

@@ -50,13 +50,14 @@ from .common import Problem
 FA4_VERSION = "4.0.0b36"  # the release whose hooks the subclass fills (their signatures are internal)
 ENABLED = os.environ.get("LAPSE_FA4_BWD", "1") != "0"
 HEAD_DIMS = (64, 96, 128)  # FlashAttention-4's transposed-tile (SdP_swapAB) configurations on Hopper
+ACP = os.environ.get("LAPSE_FA4_BWD_ACP", "1") != "0"  # ACP's backward too (its block sparsity)
 
 log = logging.getLogger(__name__)
 
 
 def serves(q: Tensor, p: Problem, block_start: Tensor | None) -> bool:
     """Whether :func:`backward` takes this call (else the Triton kernels do)."""
-    return (ENABLED and q.is_cuda and block_start is None and p.cu_seqlens is None and p.tq == p.tk
+    return (ENABLED and q.is_cuda and (block_start is None or ACP) and p.cu_seqlens is None and p.tq == p.tk
             and p.h == p.hq and p.d in HEAD_DIMS and q.dtype in (torch.float16, torch.bfloat16)
             and torch.cuda.get_device_capability(q.device)[0] == 9 and _kernels() is not None)
 
@@ -77,14 +78,49 @@ def column_terms(c_hi: Tensor, c_lo: Tensor, t: int, tile_n: int, tile_m: int) -
     return d, shift
 
 
-def backward(q, k, v, o, do, lse2, dlse, c_hi, c_lo, p: Problem, poison: bool = False):
+def acp_blocks(block_start: Tensor, t: int, tile_m: int, tile_n: int):
+    """FlashAttention-4's backward block sparsity for ACP's staircase: for each key tile of
+    ``tile_n``, the query tiles of ``tile_m`` it visits (``(count [B, H, N], indices [B, H, N, M])``
+    int32, packed left): those that keep a key of the tile (``block_start``, ``[B, H, ceil(t /
+    ACP_BLOCK)]`` in ACP blocks, is each 64-row block's first kept key block) and reach it
+    causally. A visited tile may still hold pruned keys: the score hook masks them."""
+    from .common import ACP_BLOCK
+
+    sub = tile_m // ACP_BLOCK
+    m_tiles, n_tiles = -(-t // tile_m), -(-t // tile_n)
+    bs = block_start.to(torch.int64)
+    pad = m_tiles * sub - bs.shape[-1]
+    if pad > 0:
+        bs = torch.cat([bs, bs[..., -1:].expand(*bs.shape[:-1], pad)], -1)
+    first_kept = bs[..., : m_tiles * sub].view(*bs.shape[:-1], m_tiles, sub).amin(-1) * ACP_BLOCK  # [B, H, M]
+    m = torch.arange(m_tiles, device=bs.device)
+    n = torch.arange(n_tiles, device=bs.device)
+    last_row = torch.clamp(m * tile_m + tile_m - 1, max=t - 1)  # [M]
+    visit = (first_kept[..., None, :] <= (n * tile_n + tile_n - 1)[:, None]) & (
+        last_row[None, :] >= (n * tile_n)[:, None])  # [B, H, N, M]
+    count = visit.sum(-1, dtype=torch.int32)
+    order = torch.sort(visit.to(torch.int8), dim=-1, descending=True, stable=True).indices
+    return count.contiguous(), order.to(torch.int32).contiguous()
+
+
+def backward(q, k, v, o, do, lse2, dlse, c_hi, c_lo, p: Problem, poison: bool = False, block_start=None):
     """``(dq, dk, dv, dcc, dcr)`` as :func:`triton_ops.backward_kernels` returns them (the column
     and row sums of dS float32 ``[B, HQ, T]``), through FlashAttention-4's kernel. ``poison``: the
-    gradients' buffers start as NaN (tests), so that a part the kernel leaves unwritten shows."""
-    interface, score_mod, score_mod_bwd = _kernels()
+    gradients' buffers start as NaN (tests), so that a part the kernel leaves unwritten shows.
+    ``block_start`` (ACP): the kernel visits the kept tiles only (:func:`acp_blocks`) and masks
+    the pruned keys of a visited one, so it differentiates the forward's pruned sum exactly."""
+    interface, score_mod, score_mod_bwd, score_mod_acp = _kernels()
     t = p.tq
     cfg = interface._tile_size_bwd_sm90(p.d, p.d, True, False)
     tm, tn = cfg.m_block_size, cfg.n_block_size
+    sparse, extra = {}, []
+    if block_start is not None:
+        from flash_attn.cute.block_sparsity import BlockSparseTensorsTorch
+
+        count, index = acp_blocks(block_start, t, tm, tn)
+        sparse = {"block_sparse_tensors": BlockSparseTensorsTorch(count, index, block_size=(tm, tn))}
+        extra = [block_start.to(torch.int32).contiguous()]
+        score_mod = score_mod_acp
     d, shift = column_terms(c_hi, c_lo, t, tn, tm)
     colsum = torch.zeros_like(d)  # atomic adds
     rowsum = d.new_zeros(*d.shape[:-1], -(-t // tm) * tm)
@@ -97,8 +133,8 @@ def backward(q, k, v, o, do, lse2, dlse, c_hi, c_lo, p: Problem, poison: bool = 
         grads = {n: torch.full_like(x, float("nan")) for n, x in (("dq", q), ("dk", k), ("dv", v))}
     dq, dk, dv = interface._flash_attn_bwd(
         q, k, v, o, do, lse.contiguous(), softmax_scale=p.scale, causal=True, score_mod=score_mod,
-        score_mod_bwd=score_mod_bwd, dlse=dlse, **grads,
-        aux_tensors=[d, c_hi[..., :t].contiguous(), c_lo[..., :t].contiguous(), colsum, rowsum])[:3]
+        score_mod_bwd=score_mod_bwd, dlse=dlse, **grads, **sparse,
+        aux_tensors=[d, c_hi[..., :t].contiguous(), c_lo[..., :t].contiguous(), colsum, rowsum, *extra])[:3]
     return dq, dk, dv, colsum[..., :t].contiguous(), rowsum[..., :t].contiguous()
 
 
@@ -133,18 +169,22 @@ def _build():
         return scores
 
     @cute.jit
+    def fox_bias_acp(scores, b, h, q_idx, kv_idx, seqlen_info, aux_tensors):  # the same, with ACP's mask
+        return scores + 0.0
+
+    @cute.jit
     def fox_bias_bwd(grad, scores, b, h, q_idx, kv_idx, seqlen_info, aux_tensors):  # and their gradient
         return grad
 
     # the CuTe DSL compiles the methods from their source and looks their free names up here
     globals().update(cutlass=cutlass, cute=cute, layout_utils=layout_utils, atomic_add_fp32=atomic_add_fp32,
-                     fox_bias=fox_bias, fox_bias_bwd=fox_bias_bwd, Base=Base)
+                     fox_bias=fox_bias, fox_bias_acp=fox_bias_acp, fox_bias_bwd=fox_bias_bwd, Base=Base)
 
     class FoxBackwardSm90(Base):
         @cute.jit
         def apply_score_mod(self, acc_S, thr_mma_SdP, batch_idx, head_idx, m_block, n_block, softmax_scale,
                             seqlen_info, aux_data=None, fastdiv_mods=(None, None)):
-            if cutlass.const_expr(self.score_mod is not fox_bias):
+            if cutlass.const_expr(self.score_mod is not fox_bias and self.score_mod is not fox_bias_acp):
                 Base.apply_score_mod(self, acc_S, thr_mma_SdP, batch_idx, head_idx, m_block, n_block,
                                      softmax_scale, seqlen_info, aux_data, fastdiv_mods)
             else:
@@ -161,6 +201,34 @@ def _build():
                     bias = tile_bias + m_d[batch_idx, head_idx, n_block * self.tile_n + t_mn[r, 0][0]]
                     for c in cutlass.range(cute.size(acc_mn.shape[1]), unroll_full=True):
                         acc_mn[r, c] = acc_mn[r, c] * softmax_scale + bias
+                if cutlass.const_expr(self.score_mod is fox_bias_acp):
+                    self._acp_mask(acc_mn, t_mn, thr_mma_SdP, aux_data.tensors[5], batch_idx, head_idx,
+                                   m_block, n_block)
+
+        @cute.jit
+        def _acp_mask(self, acc_mn, t_mn, thr_mma_SdP, m_start, batch_idx, head_idx, m_block, n_block):
+            """ACP's pruned keys in a visited tile: key j of a query in 64-row block b is pruned
+            when ``j < 64 * block_start[b]``. Only a tile that starts before some block's first
+            kept key has any; a thread's query columns fall in 64-row blocks known statically."""
+            sub = self.tile_m // 64
+            n_start = m_start.shape[2]
+            starts = []
+            for s_ in cutlass.range_constexpr(sub):
+                blk = cutlass.min(m_block * sub + s_, n_start - 1)
+                starts.append(m_start[batch_idx, head_idx, blk] * 64)
+            first_key = n_block * self.tile_n
+            reach = starts[0]
+            for s_ in cutlass.range_constexpr(1, sub):
+                reach = cutlass.max(reach, starts[s_])
+            if first_key < reach:
+                t0_mn = layout_utils.reshape_acc_to_mn(thr_mma_SdP.get_slice(0).partition_C(
+                    cute.make_identity_tensor((self.tile_n, self.tile_m))))
+                for r in cutlass.range_constexpr(cute.size(acc_mn.shape[0])):
+                    key = first_key + t_mn[r, 0][0]
+                    for c in cutlass.range_constexpr(cute.size(acc_mn.shape[1])):
+                        pruned = key < starts[t0_mn[0, c][1] // 64]
+                        kept = acc_mn[r, c]
+                        acc_mn[r, c] = cutlass.Float32(cutlass.select_(pruned, -cutlass.Float32.inf, kept))
 
         @cute.jit
         def apply_score_mod_bwd(self, grad_tensor, score_tensor, thr_mma_SdP, batch_idx, head_idx, m_block,
@@ -225,4 +293,4 @@ def _build():
     interface.FlashAttentionBackwardSm90 = FoxBackwardSm90  # the interface builds its kernel from this name
     log.info("lapse: FoX's backward runs on FlashAttention-4 %s (its first call compiles the kernel)",
              FA4_VERSION)
-    return interface, fox_bias, fox_bias_bwd
+    return interface, fox_bias, fox_bias_bwd, fox_bias_acp
