@@ -69,6 +69,34 @@ def test_acp_blocks_visit_exactly_the_tiles_with_kept_pairs(t, tile_m):
                 assert listed == torch.nonzero(want[i, j, n]).flatten().tolist()
 
 
+@pytest.mark.parametrize("t,tile_n,tile_m", [(1000, 128, 64), (1, 128, 128), (129, 128, 128),
+                                             (2500, 128, 64)])
+def test_column_terms_kernel_equals_reference(t, tile_n, tile_m):
+    from lapse.ops.forgetting import fa4_prep
+
+    g = torch.Generator().manual_seed(t)
+    c = torch.nn.functional.logsigmoid(torch.randn(2, 3, t, generator=g) + 1).double().cumsum(-1) * 50
+    c_hi = c.float()
+    c_lo = (c - c_hi.double()).float()
+    want = fa4_bwd.column_terms(c_hi, c_lo, t, tile_n, tile_m)
+    got = fa4_prep.column_terms(c_hi, c_lo, t, tile_n, tile_m)
+    for a, w in zip(got, want, strict=True):
+        assert a.shape == w.shape and torch.equal(a, w)
+
+
+@pytest.mark.parametrize("t,tile_m", [(1000, 64), (1000, 128), (129, 128), (1, 64), (20000, 64)])
+def test_acp_blocks_kernel_equals_reference(t, tile_m):
+    from lapse.ops.forgetting import fa4_prep
+
+    g = torch.Generator().manual_seed(t + tile_m)
+    blocks = -(-t // 64)
+    block_start = (torch.rand(2, 2, blocks, generator=g) * (torch.arange(blocks) + 1)).floor().to(torch.int32)
+    want = fa4_bwd.acp_blocks(block_start, t, tile_m, 128)
+    got = fa4_prep.acp_blocks(block_start, t, tile_m, 128, 64)
+    for a, w in zip(got, want, strict=True):
+        assert a.shape == w.shape and torch.equal(a, w)
+
+
 def test_not_taken_on_the_cpu():
     q = torch.zeros(1, 8, 2, 64, dtype=torch.bfloat16)
     p = validate(q, q, q, torch.zeros(1, 8, 2), None, None, "torch")

@@ -66,7 +66,8 @@ def column_terms(c_hi: Tensor, c_lo: Tensor, t: int, tile_n: int, tile_m: int) -
     """``(d, shift)`` from the gate sums ``c = c_hi + c_lo`` (float32 ``[B, H, >= t]``): ``d_j = c_kref
     - c_j`` with ``kref`` the last key of ``j``'s tile of ``tile_n`` (``[B, H, t]`` padded with zeros
     to whole tiles), and ``shift_i = c_i - c_qref`` over query tiles of ``tile_m`` (``[B, H, t]``).
-    In float32: two nearby ``hi`` parts subtract exactly (Sterbenz), so both keep ``c``'s precision."""
+    In float32: two nearby ``hi`` parts subtract exactly (Sterbenz), so both keep ``c``'s precision.
+    The reference of ``fa4_prep.column_terms`` (one launch), which the backward runs."""
     dev = c_hi.device
     j = torch.arange(t, device=dev)
     kref = torch.clamp(j // tile_n * tile_n + tile_n - 1, max=t - 1)
@@ -79,7 +80,8 @@ def column_terms(c_hi: Tensor, c_lo: Tensor, t: int, tile_n: int, tile_m: int) -
 
 
 def acp_blocks(block_start: Tensor, t: int, tile_m: int, tile_n: int):
-    """FlashAttention-4's backward block sparsity for ACP's staircase: for each key tile of
+    """The reference of ``fa4_prep.acp_blocks`` (one launch), which the backward runs.
+    FlashAttention-4's backward block sparsity for ACP's staircase: for each key tile of
     ``tile_n``, the query tiles of ``tile_m`` it visits (``(count [B, H, N], indices [B, H, N, M])``
     int32, packed left): those that keep a key of the tile (``block_start``, ``[B, H, ceil(t /
     ACP_BLOCK)]`` in ACP blocks, is each 64-row block's first kept key block) and reach it
@@ -113,15 +115,18 @@ def backward(q, k, v, o, do, lse2, dlse, c_hi, c_lo, p: Problem, poison: bool = 
     t = p.tq
     cfg = interface._tile_size_bwd_sm90(p.d, p.d, True, False)
     tm, tn = cfg.m_block_size, cfg.n_block_size
+    from . import fa4_prep
+    from .common import ACP_BLOCK
+
     sparse, extra = {}, []
     if block_start is not None:
         from flash_attn.cute.block_sparsity import BlockSparseTensorsTorch
 
-        count, index = acp_blocks(block_start, t, tm, tn)
+        count, index = fa4_prep.acp_blocks(block_start, t, tm, tn, ACP_BLOCK)
         sparse = {"block_sparse_tensors": BlockSparseTensorsTorch(count, index, block_size=(tm, tn))}
         extra = [block_start.to(torch.int32).contiguous()]
         score_mod = score_mod_acp
-    d, shift = column_terms(c_hi, c_lo, t, tn, tm)
+    d, shift = fa4_prep.column_terms(c_hi, c_lo, t, tn, tm)
     colsum = torch.zeros_like(d)  # atomic adds
     rowsum = d.new_zeros(*d.shape[:-1], -(-t // tm) * tm)
     lse = lse2[..., :t] * LN2 - shift  # the kernel's scores leave out c_i - c_ref
