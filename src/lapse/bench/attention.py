@@ -1205,6 +1205,13 @@ def environment() -> dict:
     import lapse
 
     env["lapse"] = lapse.__version__
+    # which kernel lapse's FoX backward runs where it serves (dense and ACP calls on Hopper)
+    env["lapse_fox_backward"] = "triton"
+    if torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9:
+        from lapse.ops.forgetting import fa4_bwd
+
+        if fa4_bwd.ENABLED and fa4_bwd._kernels() is not None:
+            env["lapse_fox_backward"] = f"flash-attn-4 {fa4_bwd.FA4_VERSION} (fa4_bwd.py)"
     return env
 
 
@@ -1287,7 +1294,8 @@ def run(cfg: AttentionBenchConfig) -> dict:
         "",
         f"{env['device']}, torch {env['torch']} (CUDA {env['cuda']}), triton {env['triton']}, "
         f"fla {env['fla']}, flash-attn-4 {env.get('flash_attn_4', 'n/a')}, lapse {env['lapse']}, "
-        f"commit {commit or 'unknown'}, {env['date']}",
+        f"commit {commit or 'unknown'}, {env['date']}; lapse's FoX backward: "
+        f"{env.get('lapse_fox_backward', 'triton')}",
         "",
         f"`{cfg.command()}`",
         "",

@@ -21,18 +21,22 @@ FlashAttention-4's own:
   eight row groups; the reduction transposes as it goes (each exchange sends half the columns a
   thread holds and keeps the other half's sums), so ``2n - 2`` shuffles leave each lane ``n / 8``
   whole sums of ``n`` columns, and every lane adds its own with atomics.
+- **ACP** (:func:`acp_blocks`): the kernel's block sparsity lists, for each key tile, the query
+  tiles that keep a key of it; a key tile is two ACP blocks, so the hook masks the pruned keys of
+  a visited tile, and the backward differentiates the forward's pruned sum exactly.
 
-Measured on an H200 (thirtieth session, BENCHMARKS.md): with lapse's forward, forward+backward
-takes 1.15-1.17x FlashAttention-4's (without a gate) at D 128 and 1.36-1.37x at D 64, against
-1.39-1.47x with the Triton backward.
+Measured on an H200 (thirtieth session, BENCHMARKS.md), with lapse's forward, forward+backward
+takes 1.12-1.14x FlashAttention-4's (without a gate) at D 128 and 1.32-1.36x at D 64, against
+1.39-1.47x with the Triton backward; with ACP 0.45-0.46x at T 16k (Triton: 0.53-0.55x).
 
-It serves dense calls (no ACP) in float16 or bfloat16 with ``D`` in 64, 96 or 128, equal query
-and key lengths, one key head a query head and no packing, on compute capability 9; elsewhere
-the Triton kernels run. ``LAPSE_FA4_BWD=0`` in the environment (or ``ENABLED = False``) turns it
-off. Its first call compiles the kernel (tens of seconds; FlashAttention-4 caches compiles on
-disk with ``FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED=1``). Importing it replaces
-``flash_attn.cute.interface``'s backward class by the subclass, whose hooks defer to
-FlashAttention-4's own for every other ``score_mod``.
+It serves calls in float16 or bfloat16 with ``D`` in 64, 96 or 128, equal query and key lengths,
+one key head a query head and no packing, on compute capability 9; elsewhere the Triton kernels
+run. ``LAPSE_FA4_BWD=0`` in the environment (or ``ENABLED = False``) turns it off,
+``LAPSE_FA4_BWD_ACP=0`` for ACP's calls only. Its first call compiles the kernel (tens of seconds;
+FlashAttention-4 caches compiles on disk with ``FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED=1``). The
+gate terms and the block lists are one Triton launch each (fa4_prep.py; the torch versions here
+are their references). Its first use replaces ``flash_attn.cute.interface``'s backward class by
+the subclass, whose hooks defer to FlashAttention-4's own for every other ``score_mod``.
 """
 
 from __future__ import annotations
