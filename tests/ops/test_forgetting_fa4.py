@@ -111,35 +111,38 @@ def _fa4_or_skip():
 
 
 FA4_CASES = [
-    # (B, T, H, D, gate, dtype, acp)
-    (2, 1000, 3, 128, "mixed", torch.bfloat16, None),
-    (1, 4096, 4, 128, "mixed", torch.bfloat16, None),
-    (2, 1024, 4, 64, "fast", torch.bfloat16, None),
-    (1, 129, 2, 64, "mixed", torch.float16, None),
-    (1, 1, 2, 64, "mixed", torch.bfloat16, None),
-    (1, 300, 2, 96, "extreme", torch.bfloat16, None),
-    (1, 2048, 2, 64, "extreme", torch.bfloat16, None),
+    # (B, T, HQ, H, D, gate, dtype, acp)
+    (2, 1000, 3, 3, 128, "mixed", torch.bfloat16, None),
+    (1, 4096, 4, 4, 128, "mixed", torch.bfloat16, None),
+    (2, 1024, 4, 4, 64, "fast", torch.bfloat16, None),
+    (1, 129, 2, 2, 64, "mixed", torch.float16, None),
+    (1, 1, 2, 2, 64, "mixed", torch.bfloat16, None),
+    (1, 300, 2, 2, 96, "extreme", torch.bfloat16, None),
+    (1, 2048, 2, 2, 64, "extreme", torch.bfloat16, None),
+    # grouped-query heads: the gate is a query head's, dK and dV a key head's
+    (2, 1000, 6, 2, 128, "mixed", torch.bfloat16, None),
+    (1, 777, 4, 1, 64, "fast", torch.bfloat16, "auto"),
     # ACP: the backward visits the kept tiles only and masks the pruned half of a visited one
-    (2, 1000, 3, 128, "fast", torch.bfloat16, "auto"),
-    (1, 4096, 4, 128, "mixed", torch.bfloat16, "auto"),
-    (2, 1024, 4, 64, "fast", torch.bfloat16, "auto"),
-    (1, 777, 2, 64, "fast", torch.float16, "auto"),
-    (1, 300, 2, 96, "fast", torch.bfloat16, "auto"),
-    (1, 2048, 2, 64, "extreme", torch.bfloat16, "auto"),
+    (2, 1000, 3, 3, 128, "fast", torch.bfloat16, "auto"),
+    (1, 4096, 4, 4, 128, "mixed", torch.bfloat16, "auto"),
+    (2, 1024, 4, 4, 64, "fast", torch.bfloat16, "auto"),
+    (1, 777, 2, 2, 64, "fast", torch.float16, "auto"),
+    (1, 300, 2, 2, 96, "fast", torch.bfloat16, "auto"),
+    (1, 2048, 2, 2, 64, "extreme", torch.bfloat16, "auto"),
 ]
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("case", FA4_CASES, ids=[f"b{c[0]}t{c[1]}h{c[2]}d{c[3]}-{c[4]}-{c[5]}-{c[6]}".replace(
-    "torch.", "") for c in FA4_CASES])
+@pytest.mark.parametrize("case", FA4_CASES, ids=[
+    f"b{c[0]}t{c[1]}hq{c[2]}h{c[3]}d{c[4]}-{c[5]}-{c[6]}-{c[7]}".replace("torch.", "") for c in FA4_CASES])
 def test_fa4_backward_gpu(case, monkeypatch):
     _fa4_or_skip()
-    b, t, h, d, gate, dtype, acp = case
+    b, t, hq, h, d, gate, dtype, acp = case
     calls = []
     real = fa4_bwd.backward
     monkeypatch.setattr(fa4_bwd, "backward", lambda *a, **kw: calls.append(1) or real(*a, **kw))
     monkeypatch.setattr(triton_ops, "POISON_OUTPUTS", True)
-    q, k, v, lg, do = _inputs(b, t, t, h, h, d, gate, dtype, "cuda", seed=d + t)
+    q, k, v, lg, do = _inputs(b, t, t, hq, h, d, gate, dtype, "cuda", seed=d + t)
     _compare(q, k, v, lg, do, dtype, acp, None, True if acp and gate == "fast" else None)
     assert calls, "the backward did not go through FlashAttention-4"
 

@@ -29,9 +29,9 @@ Measured on an H200 (thirtieth session, BENCHMARKS.md), with lapse's forward, fo
 takes 1.12-1.14x FlashAttention-4's (without a gate) at D 128 and 1.32-1.36x at D 64, against
 1.39-1.47x with the Triton backward; with ACP 0.45-0.46x at T 16k (Triton: 0.53-0.55x).
 
-It serves calls in float16 or bfloat16 with ``D`` in 64, 96 or 128, equal query and key lengths,
-one key head a query head and no packing, on compute capability 9; elsewhere the Triton kernels
-run. ``LAPSE_FA4_BWD=0`` in the environment (or ``ENABLED = False``) turns it off,
+It serves calls in float16 or bfloat16 with ``D`` in 64, 96 or 128, equal query and key lengths
+and no packing (grouped-query heads included), on compute capability 9; elsewhere the Triton
+kernels run. ``LAPSE_FA4_BWD=0`` in the environment (or ``ENABLED = False``) turns it off,
 ``LAPSE_FA4_BWD_ACP=0`` for ACP's calls only. Its first call compiles the kernel (tens of seconds;
 FlashAttention-4 caches compiles on disk with ``FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED=1``). The
 gate terms and the block lists are one Triton launch each (fa4_prep.py; the torch versions here
@@ -55,6 +55,9 @@ FA4_VERSION = "4.0.0b36"  # the release whose hooks the subclass fills (their si
 ENABLED = os.environ.get("LAPSE_FA4_BWD", "1") != "0"
 HEAD_DIMS = (64, 96, 128)  # FlashAttention-4's transposed-tile (SdP_swapAB) configurations on Hopper
 ACP = os.environ.get("LAPSE_FA4_BWD_ACP", "1") != "0"  # ACP's backward too (its block sparsity)
+# grouped-query heads: the kernel's programs are query heads (the gate's), and it adds each
+# group's dK, dV itself
+GQA = True
 
 log = logging.getLogger(__name__)
 
@@ -62,7 +65,7 @@ log = logging.getLogger(__name__)
 def serves(q: Tensor, p: Problem, block_start: Tensor | None) -> bool:
     """Whether :func:`backward` takes this call (else the Triton kernels do)."""
     return (ENABLED and q.is_cuda and (block_start is None or ACP) and p.cu_seqlens is None and p.tq == p.tk
-            and p.h == p.hq and p.d in HEAD_DIMS and q.dtype in (torch.float16, torch.bfloat16)
+            and (GQA or p.h == p.hq) and p.d in HEAD_DIMS and q.dtype in (torch.float16, torch.bfloat16)
             and torch.cuda.get_device_capability(q.device)[0] == 9 and _kernels() is not None)
 
 
