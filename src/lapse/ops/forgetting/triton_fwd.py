@@ -180,7 +180,6 @@ def _fwd_kernel(
     USE_TMA: tl.constexpr, BIAS: tl.constexpr = True, PAIRS: tl.constexpr = False,
     LOOPS: tl.constexpr = 0, ROW_BIAS: tl.constexpr = False, FIXED_MAX: tl.constexpr = False,
     HEADS_FIRST: tl.constexpr = False, ROUTE: tl.constexpr = 0, ONE_LOOP: tl.constexpr = False,
-    O_LO=None, HAS_O_LO: tl.constexpr = False,
 ):
     # the last query tiles have the most keys: schedule them first to shorten the tail
     i_m, i_bh = program_tile(True, HEADS_FIRST)
@@ -317,11 +316,7 @@ def _fwd_kernel(
     l_safe = tl.where(m_m, l_i, 1.0)
     b_o = acc / l_safe[:, None]
     p_o = O + i_bt * stride_ob + (bos + o_m[:, None]) * stride_ot + i_h * stride_oh + o_d[None, :]
-    b_o16 = b_o.to(O.dtype.element_ty)
-    tl.store(p_o, b_o16, mask=m_m[:, None] & m_d[None, :])
-    if HAS_O_LO:  # what rounding to O's dtype left out (the backward's rowsum(dO * O) uses it)
-        p_lo = O_LO + i_bt * stride_ob + (bos + o_m[:, None]) * stride_ot + i_h * stride_oh + o_d[None, :]
-        tl.store(p_lo, (b_o - b_o16.to(tl.float32)).to(O.dtype.element_ty), mask=m_m[:, None] & m_d[None, :])
+    tl.store(p_o, b_o.to(O.dtype.element_ty), mask=m_m[:, None] & m_d[None, :])
     # log-sum-exp in base 2 of the true logits (the ref shift cancels between c_i and c_j)
     p_lse = LSE + (i_bt * HQ + i_h) * TC + bos + o_m
     b_lse = m_i + tl.math.log2(l_safe)
@@ -483,10 +478,8 @@ def _tma_allocator(size: int, alignment: int, stream):
     return torch.empty(size, dtype=torch.int8, device="cuda")
 
 
-def launch_fwd(q, k, v, c_hi, c_lo, block_start, cu, p, o, lse2, config=None, o_lo=None):
-    """Runs the forward kernel; writes o [B, Tq, HQ, D] and base-2 lse [B, HQ, Tc], and with
-    ``o_lo`` (shaped and strided as ``o``) the rounding residual ``fp32(o) - o`` in ``o``'s dtype
-    (then the Gluon kernels, which lack it, are not taken).
+def launch_fwd(q, k, v, c_hi, c_lo, block_start, cu, p, o, lse2, config=None):
+    """Runs the forward kernel; writes o [B, Tq, HQ, D] and base-2 lse [B, HQ, Tc].
 
     ``config`` (default :func:`fwd_config`) may ask for ``TMA=True``: keys and values read
     through tensor descriptors (Hopper's tensor-memory engine), taken where
@@ -497,9 +490,6 @@ def launch_fwd(q, k, v, c_hi, c_lo, block_start, cu, p, o, lse2, config=None, o_
     runs ``gluon_fwd.py``'s Hopper kernel (its options: ``BM, BN, num_warps, STAGES``)
     where it serves the inputs, else this kernel with the default options."""
     cfg = dict(config or fwd_config(p.d, q.element_size(), block_start is not None, p.tk))
-    if o_lo is not None:
-        cfg.pop("GLUON", None)
-        cfg.pop("GLUON_ACP", None)
     if cfg.pop("GLUON", False):
         gluon_fwd = _gluon()
         if gluon_fwd is not None and gluon_fwd.supported(q, k, v, block_start, cu, p):
@@ -532,7 +522,7 @@ def launch_fwd(q, k, v, c_hi, c_lo, block_start, cu, p, o, lse2, config=None, o_
         if cfg.get("PAIRS") and pairs is None:
             pairs = torch.stack((c_hi, c_lo), -1)
         with device_descriptors(use_tma == 1 and q.is_cuda):
-            _launch_fwd(q, k, v, c_hi, c_lo, block_start, cu, p, o, lse2, cfg, use_tma, no_acp, pairs, o_lo)
+            _launch_fwd(q, k, v, c_hi, c_lo, block_start, cu, p, o, lse2, cfg, use_tma, no_acp, pairs)
 
 
 def _gluon():
@@ -615,8 +605,7 @@ def tma_device(x) -> bool:
     return not x.is_cuda or cuda_capability(x)[0] >= 9
 
 
-def _launch_fwd(q, k, v, c_hi, c_lo, block_start, cu, p, o, lse2, cfg, use_tma, dense=False, pairs=None,
-                o_lo=None):
+def _launch_fwd(q, k, v, c_hi, c_lo, block_start, cu, p, o, lse2, cfg, use_tma, dense=False, pairs=None):
     """The launch of :func:`launch_fwd` (``cfg`` its options, ``TMA`` taken out). ``BIAS=False``
     leaves out the FoX bias: plain causal softmax attention in the same kernel, a timing
     diagnostic of what the bias costs (``tune_fox_fwd.py --bias-off``), never for results.
@@ -647,6 +636,6 @@ def _launch_fwd(q, k, v, c_hi, c_lo, block_start, cu, p, o, lse2, cfg, use_tma, 
         D=p.d, BD=bd, BM=bm, BN=bn, G=64,
         IS_VARLEN=cu is not None, USE_ACP=block_start is not None and not dense,
         DOT_PREC="ieee" if q.dtype.itemsize == 4 else "tf32",
-        USE_TMA=use_tma, PAIRS=pairs, O_LO=o_lo, HAS_O_LO=o_lo is not None,
+        USE_TMA=use_tma, PAIRS=pairs,
         **cfg,
     )
