@@ -49,7 +49,8 @@ import torch
 from torch import Tensor
 
 from ..backend import LN2
-from .common import Problem
+from . import fa4_prep
+from .common import ACP_BLOCK, Problem
 
 FA4_VERSION = "4.0.0b36"  # the release whose hooks the subclass fills (their signatures are internal)
 ENABLED = os.environ.get("LAPSE_FA4_BWD", "1") != "0"
@@ -93,8 +94,6 @@ def acp_blocks(block_start: Tensor, t: int, tile_m: int, tile_n: int):
     int32, packed left): those that keep a key of the tile (``block_start``, ``[B, H, ceil(t /
     ACP_BLOCK)]`` in ACP blocks, is each 64-row block's first kept key block) and reach it
     causally. A visited tile may still hold pruned keys: the score hook masks them."""
-    from .common import ACP_BLOCK
-
     sub = tile_m // ACP_BLOCK
     m_tiles, n_tiles = -(-t // tile_m), -(-t // tile_n)
     bs = block_start.to(torch.int64)
@@ -122,9 +121,6 @@ def backward(q, k, v, o, do, lse2, dlse, c_hi, c_lo, p: Problem, poison: bool = 
     t = p.tq
     cfg = interface._tile_size_bwd_sm90(p.d, p.d, True, False)
     tm, tn = cfg.m_block_size, cfg.n_block_size
-    from . import fa4_prep
-    from .common import ACP_BLOCK
-
     sparse, extra = {}, []
     if block_start is not None:
         from flash_attn.cute.block_sparsity import BlockSparseTensorsTorch
@@ -152,8 +148,9 @@ def backward(q, k, v, o, do, lse2, dlse, c_hi, c_lo, p: Problem, poison: bool = 
 
 @functools.cache
 def _kernels():
-    """``(interface, score_mod, score_mod_bwd)``, or None where ``flash-attn-4`` ``FA4_VERSION``
-    and its CuTe DSL do not import (then :func:`serves` says no)."""
+    """``(interface, score_mod, score_mod_bwd, score_mod_acp)`` (the markers that select the hooks'
+    FoX paths), or None where ``flash-attn-4`` ``FA4_VERSION`` and its CuTe DSL do not import (then
+    :func:`serves` says no)."""
     try:
         from importlib.metadata import version
 
