@@ -1,13 +1,11 @@
-"""FoX on FlashAttention-4's Hopper kernels: what does the gate cost there? Issue 16,
-twenty-ninth session (an experiment, not an op; BENCHMARKS.md, "Twenty-ninth session").
+"""FoX on FlashAttention-4's Hopper forward: what does the gate cost there? Issue 16, twenty-ninth
+and thirtieth sessions (an experiment; BENCHMARKS.md, "Twenty-ninth session", "Thirtieth session").
 
-FlashAttention-4's ``FlashAttentionForwardSm90`` and ``FlashAttentionBackwardSm90`` apply a
-``score_mod`` to each score tile through ``apply_score_mod`` (and the backward its gradient
-through ``apply_score_mod_bwd``); with their generic path (per-element indices, divisions,
-loads) FoX took 2.9-3.0x lapse's forward (``flex-flash``, twenty-eighth session). Here
-subclasses override those methods with the FoX bias made the cheap way, and the rest of the
-kernels (warp-specialised TMA loads, consumer warpgroups, intra-warpgroup overlap, the dQ
-accumulation) is FlashAttention-4's own:
+FlashAttention-4's ``FlashAttentionForwardSm90`` applies a ``score_mod`` to each score tile
+through ``apply_score_mod``; with its generic path (per-element indices, divisions, loads) FoX
+took 2.9-3.0x lapse's forward (``flex-flash``, twenty-eighth session). Here a subclass overrides
+that method with the FoX bias made the cheap way, and the rest of the kernel (warp-specialised
+TMA loads, consumer warpgroups, intra-warpgroup overlap) is FlashAttention-4's own:
 
 - the row term is left out: a row's constant cancels in its softmax. Each query tile uses
   ``c_ref``, the gate sum at its last row, and the lse gets ``c_i - c_ref`` back on the host;
@@ -16,12 +14,11 @@ accumulation) is FlashAttention-4's own:
   tile (from the double-float ``c_hi, c_lo``), the second ``d_j``, made once on the host in
   float64 and stored in float32 (small: the decay within one tile), padded to whole key tiles
   so the loads need no clamp;
-- forward: a column costs a load and an add, a score a multiply-add (``s * scale + bias_j``);
-- backward (tiles ``S^T``): the same bias; each key's sum of dS by a thread's row sum, two
-  shuffles and an atomic add a quad; each query's sum (``rows=True``) by three shuffles over
-  the warp and an atomic add a query; the gate's gradient ``rowsum - colsum`` then the
-  reverse cumulative sum on the host.
+- a column costs a load and an add, a score a multiply-add (``s * scale + bias_j``).
 
+The backward is lapse's own on FlashAttention-4's backward kernel (``lapse/ops/forgetting/
+fa4_bwd.py``, which grew out of this script: the twenty-ninth session's variants with the query
+sums made by shuffles, or left out, are in its tree, 3f8f324, and the thirtieth's at a10801d).
 Equal query and key lengths, one key head per query head, no packing.
 
     python scripts/fa4_fox.py --out $OUT/fa4-fox.json             # on the GPU, with FlashAttention-4
@@ -46,13 +43,11 @@ def build(site: str | None):
     import cutlass.cute as cute
     import torch
     from flash_attn.cute import interface
-    from flash_attn.cute.flash_bwd_sm90 import FlashAttentionBackwardSm90
     from flash_attn.cute.flash_fwd_sm90 import FlashAttentionForwardSm90
-    from flash_attn.cute.utils import atomic_add_fp32
     from quack import layout_utils
 
     # the CuTe DSL compiles the methods from their source, and looks their names up in this module
-    globals().update(cutlass=cutlass, cute=cute, layout_utils=layout_utils, atomic_add_fp32=atomic_add_fp32)
+    globals().update(cutlass=cutlass, cute=cute, layout_utils=layout_utils)
 
     class FoxForwardSm90(FlashAttentionForwardSm90):
         @cute.jit
@@ -82,127 +77,10 @@ def build(site: str | None):
 
     interface.FlashAttentionForwardSm90 = FoxForwardSm90  # the interface builds its kernel from this name
 
-    class FoxBackwardSm90(FlashAttentionBackwardSm90):
-        """The backward's tiles are ``S^T`` (``SdP_swapAB`` at D 64 and 128): a thread holds two keys
-        (rows) of each tile, so the column term is two loads a tile, and the key's sum of dS a
-        thread's row sum, two shuffles and one atomic add a quad."""
-
-        @cute.jit
-        def _tile_bias(self, aux_data, batch_idx, head_idx, m_block, n_block, seqlen_info):
-            m_d, m_chi, m_clo = aux_data.tensors[:3]
-            last_q = cutlass.min(m_block * self.tile_m + self.tile_m - 1, seqlen_info.seqlen_q - 1)
-            last_k = cutlass.min(n_block * self.tile_n + self.tile_n - 1, seqlen_info.seqlen_k - 1)
-            return ((m_chi[batch_idx, head_idx, last_q] - m_chi[batch_idx, head_idx, last_k])
-                    + (m_clo[batch_idx, head_idx, last_q] - m_clo[batch_idx, head_idx, last_k]))
-
-        @cute.jit
-        def apply_score_mod(self, acc_S, thr_mma_SdP, batch_idx, head_idx, m_block, n_block, softmax_scale,
-                            seqlen_info, aux_data=None, fastdiv_mods=(None, None)):
-            assert self.SdP_swapAB
-            m_d = aux_data.tensors[0]
-            tile_bias = self._tile_bias(aux_data, batch_idx, head_idx, m_block, n_block, seqlen_info)
-            acc_mn = layout_utils.reshape_acc_to_mn(acc_S)  # rows: keys, columns: queries
-            t_mn = layout_utils.reshape_acc_to_mn(thr_mma_SdP.partition_C(
-                cute.make_identity_tensor((self.tile_n, self.tile_m))))
-            for r in cutlass.range(cute.size(acc_mn.shape[0]), unroll_full=True):
-                bias = tile_bias + m_d[batch_idx, head_idx, n_block * self.tile_n + t_mn[r, 0][0]]
-                for c in cutlass.range(cute.size(acc_mn.shape[1]), unroll_full=True):
-                    acc_mn[r, c] = acc_mn[r, c] * softmax_scale + bias
-
-        @cute.jit
-        def apply_score_mod_bwd(self, grad_tensor, score_tensor, thr_mma_SdP, batch_idx, head_idx,
-                                m_block, n_block, softmax_scale, seqlen_info, aux_data=None,
-                                fastdiv_mods=(None, None)):
-            # the bias is added: dS passes unchanged; each key's sum of dS over the tile's queries
-            m_dc = aux_data.tensors[3]
-            g_mn = layout_utils.reshape_acc_to_mn(grad_tensor)
-            t_mn = layout_utils.reshape_acc_to_mn(thr_mma_SdP.partition_C(
-                cute.make_identity_tensor((self.tile_n, self.tile_m))))
-            lane = cute.arch.lane_idx()
-            for r in cutlass.range(cute.size(g_mn.shape[0]), unroll_full=True):
-                total = cutlass.Float32(0.0)
-                for c in cutlass.range(cute.size(g_mn.shape[1]), unroll_full=True):
-                    total += g_mn[r, c]
-                total += cute.arch.shuffle_sync_bfly(total, offset=1)
-                total += cute.arch.shuffle_sync_bfly(total, offset=2)
-                if lane % 4 == 0:
-                    key = n_block * self.tile_n + t_mn[r, 0][0]
-                    g_dc = cute.domain_offset((key,), m_dc[batch_idx, head_idx, None])
-                    atomic_add_fp32(total, g_dc.iterator)
-            if cutlass.const_expr(self.score_mod_bwd is marker_bwd_rows_t):
-                self._query_sums_transposed(g_mn, t_mn, aux_data.tensors[4], batch_idx, head_idx, m_block)
-            if cutlass.const_expr(self.score_mod_bwd is marker_bwd_rows):
-                # each query's sum of dS over the tile's keys: a thread's two keys, the warp's eight
-                # row groups by shuffles, then one atomic add a query by lanes 0-3
-                m_dr = aux_data.tensors[4]
-                for c in cutlass.range(cute.size(g_mn.shape[1]), unroll_full=True):
-                    total = g_mn[0, c]
-                    for r in cutlass.range(1, cute.size(g_mn.shape[0]), unroll_full=True):
-                        total += g_mn[r, c]
-                    total += cute.arch.shuffle_sync_bfly(total, offset=4)
-                    total += cute.arch.shuffle_sync_bfly(total, offset=8)
-                    total += cute.arch.shuffle_sync_bfly(total, offset=16)
-                    if lane < 4:
-                        query = m_block * self.tile_m + t_mn[0, c][1]
-                        g_dr = cute.domain_offset((query,), m_dr[batch_idx, head_idx, None])
-                        atomic_add_fp32(total, g_dr.iterator)
-
-        @cute.jit
-        def _query_sums_transposed(self, g_mn, t_mn, m_dr, batch_idx, head_idx, m_block):
-            """Each query's sum of dS over the tile's keys by a transposing reduction: a thread's
-            keys summed, then over the warp's eight row groups (lane bits 4, 3, 2) each exchange
-            sends half of the columns a thread still holds and keeps the other half's sums, so
-            that 2n - 2 shuffles (n columns) leave every lane n / 8 distinct queries' sums, and
-            each lane adds those with its own atomics (n / 8 a lane, not n a quad)."""
-            lane = cute.arch.lane_idx()
-            vals, qs = [], []
-            for c in cutlass.range_constexpr(cute.size(g_mn.shape[1])):
-                total = g_mn[0, c]
-                for r in cutlass.range_constexpr(1, cute.size(g_mn.shape[0])):
-                    total += g_mn[r, c]
-                vals.append(total)
-                qs.append(cutlass.Int32(t_mn[0, c][1]))
-            dup = 0  # lane bits whose lanes hold the same sums (when the columns run out)
-            for stage in cutlass.range_constexpr(3):
-                off = 16 >> stage
-                n = len(vals)
-                if cutlass.const_expr(n % 2 == 0):
-                    upper = (lane & off) != 0
-                    half = n // 2
-                    kept_vals, kept_qs = [], []
-                    for i in cutlass.range_constexpr(half):
-                        keep = cutlass.Float32(cutlass.select_(upper, vals[i + half], vals[i]))
-                        send = cutlass.Float32(cutlass.select_(upper, vals[i], vals[i + half]))
-                        kept_vals.append(keep + cute.arch.shuffle_sync_bfly(send, offset=off))
-                        kept_qs.append(cutlass.Int32(cutlass.select_(upper, qs[i + half], qs[i])))
-                    vals, qs = kept_vals, kept_qs
-                else:
-                    for i in cutlass.range_constexpr(n):
-                        vals[i] = vals[i] + cute.arch.shuffle_sync_bfly(vals[i], offset=off)
-                    dup |= off
-            if (lane & dup) == 0:
-                base = m_block * self.tile_m
-                for i in cutlass.range_constexpr(len(vals)):
-                    g_dr = cute.domain_offset((base + qs[i],), m_dr[batch_idx, head_idx, None])
-                    atomic_add_fp32(vals[i], g_dr.iterator)
-
-    interface.FlashAttentionBackwardSm90 = FoxBackwardSm90
 
     @cute.jit
     def marker(scores, b, h, q_idx, kv_idx, seqlen_info, aux_tensors):  # never called: it selects the path
         return scores
-
-    @cute.jit
-    def marker_bwd(grad, scores, b, h, q_idx, kv_idx, seqlen_info, aux_tensors):  # never called either
-        return grad
-
-    @cute.jit
-    def marker_bwd_rows(grad, scores, b, h, q_idx, kv_idx, seqlen_info, aux_tensors):  # and the row sums
-        return grad + 0.0
-
-    @cute.jit
-    def marker_bwd_rows_t(grad, scores, b, h, q_idx, kv_idx, seqlen_info, aux_tensors):  # rows, transposed
-        return grad + 1.0
 
     @cute.jit
     def no_prefetch(scores, b, h, q_idx, kv_idx, seqlen_info, aux_tensors):  # the same, without the prefetch
@@ -213,8 +91,7 @@ def build(site: str | None):
         return scores + 1.0
 
     # read by apply_score_mod as it compiles
-    globals().update(marker=marker, no_prefetch=no_prefetch, no_loads=no_loads,
-                     marker_bwd_rows=marker_bwd_rows, marker_bwd_rows_t=marker_bwd_rows_t)
+    globals().update(marker=marker, no_prefetch=no_prefetch, no_loads=no_loads)
 
     def tiles(d: int) -> tuple[int, int]:
         cfg = interface._tile_size_fwd_sm90(d, d, True, False)
@@ -256,77 +133,22 @@ def build(site: str | None):
                                                score_mod=mod, aux_tensors=aux)
         return o, lse
 
-    def fox_backward_call(q, k, v, o, do, lse, aux, c, scale, rows=True):
-        """FlashAttention-4's backward with the FoX bias, from the true lse: ``(dq, dk, dv, dc)``,
-        ``dc [B, H, T]`` float64, the gate sums' gradient ``rowsum_i(dS) - colsum_i(dS)`` (with
-        ``rows=False`` the row sums are taken as 0, what they are in exact arithmetic without dlse)."""
-        d, t = q.shape[-1], q.shape[1]
-        cfg = interface._tile_size_bwd_sm90(d, d, True, False)
-        assert cfg.n_block_size == tiles(d)[1], "d is made for the forward's key tiles"
-        colsum = torch.zeros_like(aux[0])
-        rowsum = torch.zeros(*aux[0].shape[:2], -(-t // cfg.m_block_size) * cfg.m_block_size, device=q.device)
-        dq, dk, dv = interface._flash_attn_bwd(
-            q, k, v, o, do, lse - _ref_shift(c, cfg.m_block_size), softmax_scale=scale, causal=True,
-            score_mod=marker,
-            score_mod_bwd={True: marker_bwd_rows, "t": marker_bwd_rows_t, False: marker_bwd}[rows],
-            aux_tensors=[*aux, colsum, rowsum])[:3]
-        return dq, dk, dv, rowsum[..., :t].double() - colsum[..., :t].double()
-
-    def fox_forward_backward(q, k, v, log_fgate, scale, do, rows=True):
-        """``(o, dq, dk, dv, d log f)`` (the gate's gradient ``[B, T, H]``)."""
-        aux, shift, c = prepare(log_fgate, q.shape[-1])
-        o, lse = fox_call(q, k, v, aux, scale)
-        dq, dk, dv, dc = fox_backward_call(q, k, v, o, do, lse + shift, aux, c, scale, rows)
-        dlogf = dc.flip(-1).cumsum(-1).flip(-1).transpose(1, 2).float()
-        return o, dq, dk, dv, dlogf
-
-    def fast_aux(c_hi, c_lo, t, tn, tm):
-        """From lapse's gate sums (float32 ``hi + lo``, ``[B, H, T]``), in float32 on the device:
-        ``[d, c_hi, c_lo]`` for the kernels (``d`` padded to whole key tiles of ``tn``) and the
-        backward's lse shift ``c_i - c_ref`` over query tiles of ``tm``. A difference of two nearby
-        ``hi`` parts is exact (Sterbenz), so the float32 sums keep ``c``'s precision."""
-        dev = c_hi.device
-        t_pad = -(-t // tn) * tn
-        j = torch.arange(t, device=dev)
-        kref = torch.clamp(j // tn * tn + tn - 1, max=t - 1)
-        qref = torch.clamp(j // tm * tm + tm - 1, max=t - 1)
-        hi, lo = c_hi[..., :t], c_lo[..., :t]
-        d_col = torch.zeros(*hi.shape[:2], t_pad, device=dev)
-        d_col[..., :t] = (hi[..., kref] - hi) + (lo[..., kref] - lo)
-        shift = (hi - hi[..., qref]) + (lo - lo[..., qref])
-        return [d_col, hi.contiguous(), lo.contiguous()], shift
-
-    def hybrid(q, k, v, log_fgate, scale, do, rows="t"):
-        """lapse's Triton forward, then FoX on FlashAttention-4's backward: ``(o, dq, dk, dv, d log f)``,
-        with lapse's own gate sums, lse and reverse scan (one launch each)."""
+    def fox_forward_backward(q, k, v, log_fgate, scale, do):
+        """This forward, then lapse's backward on FlashAttention-4's kernel (fa4_bwd.py): ``(o, dq, dk,
+        dv, d log f)`` (the gate's gradient ``[B, T, H]``)."""
         from lapse.ops.backend import LN2
+        from lapse.ops.forgetting import fa4_bwd
         from lapse.ops.forgetting.common import LOG_GATE_FLOOR, validate
         from lapse.ops.forgetting.gate_scan import gate_grad
-        from lapse.ops.forgetting.triton_fwd import launch_fwd
         from lapse.ops.forgetting.triton_ops import triton_gate_cumsum
 
+        aux, shift, _ = prepare(log_fgate, q.shape[-1])
+        o, lse = fox_call(q, k, v, aux, scale)
         p = validate(q, k, v, log_fgate, scale, None, "triton")
-        t, d = q.shape[1], q.shape[-1]
         c_hi, c_lo = triton_gate_cumsum(log_fgate, p)
-        o, lse2 = torch.empty_like(q), torch.empty_like(c_hi)
-        launch_fwd(q, k, v, c_hi, c_lo, None, None, p, o, lse2)
-        cfg = interface._tile_size_bwd_sm90(d, d, True, False)
-        tm, tn = cfg.m_block_size, cfg.n_block_size
-        aux, shift = fast_aux(c_hi, c_lo, t, tn, tm)
-        colsum = torch.zeros_like(aux[0])
-        rowsum = torch.zeros(*aux[0].shape[:2], -(-t // tm) * tm, device=q.device)
-        dq, dk, dv = interface._flash_attn_bwd(
-            q, k, v, o, do, lse2[..., :t] * LN2 - shift, softmax_scale=scale, causal=True, score_mod=marker,
-            score_mod_bwd={True: marker_bwd_rows, "t": marker_bwd_rows_t, False: marker_bwd}[rows],
-            aux_tensors=[*aux, colsum, rowsum])[:3]
-        dcc, dcr = colsum[..., :t].contiguous(), rowsum[..., :t].contiguous()
-        dlogf = gate_grad(dcc, dcr, log_fgate, p, LOG_GATE_FLOOR)
-        return o, dq, dk, dv, dlogf
+        dq, dk, dv, dcc, dcr = fa4_bwd.backward(q, k, v, o, do, (lse + shift) / LN2, None, c_hi, c_lo, p)
+        return o, dq, dk, dv, gate_grad(dcc, dcr, log_fgate, p, LOG_GATE_FLOOR)
 
-    fox_forward.hybrid = hybrid
-    fox_forward.fast_aux = fast_aux
-    fox_forward.backward_call = fox_backward_call
-    fox_forward.markers = (marker, marker_bwd, marker_bwd_rows, marker_bwd_rows_t)
     fox_forward.forward_backward = fox_forward_backward
     fox_forward.call = fox_call
     fox_forward.prepare = prepare
@@ -359,10 +181,6 @@ def _compile_only(site: str, dims: list[int]) -> None:
                     aux = [torch.empty(2, 8, 4096, dtype=torch.float32, device="cuda") for _ in range(5)]
                     for variant in (None, "no prefetch", "no loads"):
                         fox_forward.call(q, k, v, aux[:3], scale, variant=variant)
-                    for marker_bwd in fox_forward.markers[1:]:
-                        interface._flash_attn_bwd(q, k, v, q, q, lse, softmax_scale=scale, causal=True,
-                                                  score_mod=fox_forward.markers[0], score_mod_bwd=marker_bwd,
-                                                  aux_tensors=aux)
                 else:
                     interface._flash_attn_fwd(q, k, v, softmax_scale=scale, causal=True)
                     interface._flash_attn_bwd(q, k, v, q, q, lse, softmax_scale=scale, causal=True)
@@ -423,7 +241,7 @@ def _check_one(d: int, t: int, fox_forward) -> dict:
     import torch
 
     from lapse.bench.workloads import WorkloadSpec, make_workload
-    from lapse.ops.forgetting import forgetting_attention, naive_forgetting_attention
+    from lapse.ops.forgetting import fa4_bwd, forgetting_attention, naive_forgetting_attention
 
     wl = make_workload(WorkloadSpec(seq_len=t, tokens=2 * t, heads=8, kv_heads=8, head_dim=d), device="cuda")
     scale = 1 / math.sqrt(d)
@@ -441,16 +259,13 @@ def _check_one(d: int, t: int, fox_forward) -> dict:
     _, lse = fox_forward(wl.q, wl.k, wl.v, wl.log_fgate, scale)
     row["fa4-fox"] = errs(fox_forward.forward_backward(wl.q, wl.k, wl.v, wl.log_fgate, scale, do))
     row["fa4-fox"]["lse"] = float((lse.detach() - lse_ref.detach()).abs().max())
-    row["fa4-fox, row sums transposed"] = errs(fox_forward.forward_backward(
-        wl.q, wl.k, wl.v, wl.log_fgate, scale, do, rows="t"))
-    row["hybrid: lapse fwd, fa4-fox bwd"] = errs(fox_forward.hybrid(wl.q, wl.k, wl.v, wl.log_fgate, scale,
-                                                                    do))
-    row["fa4-fox, no row sums"] = errs(fox_forward.forward_backward(wl.q, wl.k, wl.v, wl.log_fgate, scale, do,
-                                                                    rows=False))
-    ins = [x.detach().clone().requires_grad_() for x in (wl.q, wl.k, wl.v, wl.log_fgate)]
-    o, lse = forgetting_attention(*ins, return_lse=True, backend="triton")
-    row["lapse"] = errs([o.detach(), *torch.autograd.grad(o, ins, do)])
-    row["lapse"]["lse"] = float((lse.detach() - lse_ref.detach()).abs().max())
+    for name, on in (("lapse, backward on FlashAttention-4", True), ("lapse, Triton backward", False)):
+        fa4_bwd.ENABLED = on
+        ins = [x.detach().clone().requires_grad_() for x in (wl.q, wl.k, wl.v, wl.log_fgate)]
+        o, lse = forgetting_attention(*ins, return_lse=True, backend="triton")
+        row[name] = errs([o.detach(), *torch.autograd.grad(o, ins, do)])
+        row[name]["lse"] = float((lse.detach() - lse_ref.detach()).abs().max())
+    fa4_bwd.ENABLED = True
     return row
 
 
@@ -460,7 +275,7 @@ def _time_one(d: int, t: int, interface, fox_forward, cfg) -> dict:
 
     from lapse.bench import attention as bench
     from lapse.bench.workloads import WorkloadSpec, make_workload
-    from lapse.ops.forgetting import forgetting_attention
+    from lapse.ops.forgetting import fa4_bwd, forgetting_attention
 
     spec = WorkloadSpec(seq_len=t, tokens=32768, heads=24, kv_heads=24, head_dim=d)
     wl = make_workload(spec, device="cuda")
@@ -475,7 +290,6 @@ def _time_one(d: int, t: int, interface, fox_forward, cfg) -> dict:
         "lapse": lambda: forgetting_attention(q, k, v, g, backend="triton"),
     }
     do = torch.randn_like(q)
-    aux_all, shift, c = fox_forward.prepare(g, d)
     leaves = [x.detach().clone().requires_grad_() for x in (q, k, v, g)]
     lt = [x.detach().transpose(1, 2).requires_grad_() for x in (q, k, v)]
 
@@ -483,11 +297,8 @@ def _time_one(d: int, t: int, interface, fox_forward, cfg) -> dict:
         o, lse = interface._flash_attn_fwd(q, k, v, softmax_scale=scale, causal=True, return_lse=True)[:2]
         return interface._flash_attn_bwd(q, k, v, o, do, lse, softmax_scale=scale, causal=True)
 
-    def fox_kernels_both(rows=True):
-        o, lse = fox_forward.call(q, k, v, aux_all, scale)
-        return fox_forward.backward_call(q, k, v, o, do, lse + shift, aux_all, c, scale, rows)
-
-    def lapse_both():
+    def lapse_both(on_fa4):
+        fa4_bwd.ENABLED = on_fa4
         return torch.autograd.grad(forgetting_attention(*leaves, backend="triton"), leaves, do)
 
     def sdpa_both():
@@ -497,12 +308,10 @@ def _time_one(d: int, t: int, interface, fox_forward, cfg) -> dict:
     both = {
         "sdpa-default fwd+bwd": sdpa_both,
         "flash-attn-4 fwd+bwd": fa4_both,
-        "fa4-fox kernels fwd+bwd": fox_kernels_both,
-        "fa4-fox kernels fwd+bwd, row sums transposed": lambda: fox_kernels_both(rows="t"),
-        "fa4-fox kernels fwd+bwd, no row sums": lambda: fox_kernels_both(rows=False),
-        "hybrid fwd+bwd: lapse fwd, fa4-fox bwd (row sums transposed)": lambda: fox_forward.hybrid(
+        "fa4-fox fwd, lapse's bwd on FlashAttention-4": lambda: fox_forward.forward_backward(
             q, k, v, g, scale, do),
-        "lapse fwd+bwd": lapse_both,
+        "lapse fwd+bwd, bwd on FlashAttention-4": lambda: lapse_both(True),
+        "lapse fwd+bwd, Triton bwd": lambda: lapse_both(False),
     }
     row: dict = {"D": d, "T": t}
     for name, fn in [*fns.items(), *both.items()]:
@@ -513,6 +322,7 @@ def _time_one(d: int, t: int, interface, fox_forward, cfg) -> dict:
         except Exception as e:
             row[name] = {"error": bench._short(e)}
         bench._free()
+    fa4_bwd.ENABLED = True
     return row
 
 
