@@ -197,7 +197,18 @@ def test_clear_errors(fox_run, tmp_path):
         check_same_tokenizer([a, b])
 
 
-def test_ctrl_c_keeps_the_finished_windows(fox_run, tmp_path, monkeypatch):
+@pytest.fixture
+def python_sigint():
+    """Python's own SIGINT handler for the test, whatever the runner started with (`nohup ... &`
+    starts it ignored), and the runner's back afterwards."""
+    import signal
+
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    yield
+    signal.signal(signal.SIGINT, previous)
+
+
+def test_ctrl_c_keeps_the_finished_windows(fox_run, tmp_path, monkeypatch, python_sigint):
     """A first Ctrl-C stops after the batch in flight and writes the windows finished (every
     model's sums whole); one during the first batch still finishes it. A second one stops at
     once."""
