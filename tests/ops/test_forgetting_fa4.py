@@ -1,6 +1,8 @@
 """FoX's backward on FlashAttention-4's Hopper kernel (fa4_bwd.py) against the float64 oracle.
 
-On the CPU: the float32 column terms against float64, and the path's choice (never on the CPU).
+On the CPU: the float32 column terms against float64, ACP's block lists against brute force over
+every (query, key) pair, fa4_prep.py's Triton kernels (interpreter) equal to those references bit
+for bit, and the path's choice (never on the CPU).
 On a Hopper GPU with ``flash-attn-4`` installed (``-m gpu``; the lent GPU installs it with
 scripts/fa4_env.sh): the op's forward and backward, with the backward through that kernel, held
 to test_forgetting_triton.py's rules (the kernel's error at most 3x the naive computation's in
