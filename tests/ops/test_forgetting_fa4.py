@@ -23,6 +23,8 @@ from test_forgetting_triton import _compare, _inputs, _rel  # noqa: E402
 from lapse.ops.forgetting import fa4_bwd, triton_ops  # noqa: E402
 from lapse.ops.forgetting.common import validate  # noqa: E402
 
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"  # fa4_prep's kernels: compiled, or the interpreter
+
 
 def test_column_terms_match_float64():
     g = torch.Generator().manual_seed(0)
@@ -78,8 +80,8 @@ def test_column_terms_kernel_equals_reference(t, tile_n, tile_m):
 
     g = torch.Generator().manual_seed(t)
     c = torch.nn.functional.logsigmoid(torch.randn(2, 3, t, generator=g) + 1).double().cumsum(-1) * 50
-    c_hi = c.float()
-    c_lo = (c - c_hi.double()).float()
+    c_hi = c.float().to(DEVICE)
+    c_lo = (c - c.float().double()).float().to(DEVICE)
     want = fa4_bwd.column_terms(c_hi, c_lo, t, tile_n, tile_m)
     got = fa4_prep.column_terms(c_hi, c_lo, t, tile_n, tile_m)
     for a, w in zip(got, want, strict=True):
@@ -93,6 +95,7 @@ def test_acp_blocks_kernel_equals_reference(t, tile_m):
     g = torch.Generator().manual_seed(t + tile_m)
     blocks = -(-t // 64)
     block_start = (torch.rand(2, 2, blocks, generator=g) * (torch.arange(blocks) + 1)).floor().to(torch.int32)
+    block_start = block_start.to(DEVICE)
     want = fa4_bwd.acp_blocks(block_start, t, tile_m, 128)
     got = fa4_prep.acp_blocks(block_start, t, tile_m, 128, 64)
     for a, w in zip(got, want, strict=True):

@@ -1211,7 +1211,8 @@ def environment() -> dict:
         from lapse.ops.forgetting import fa4_bwd
 
         if fa4_bwd.ENABLED and fa4_bwd._kernels() is not None:
-            env["lapse_fox_backward"] = f"flash-attn-4 {fa4_bwd.FA4_VERSION} (fa4_bwd.py)"
+            env["lapse_fox_backward"] = (f"flash-attn-4 {fa4_bwd.FA4_VERSION} where fa4_bwd.serves "
+                                         "takes the call (16-bit, D 64/96/128, no packing), else triton")
     return env
 
 

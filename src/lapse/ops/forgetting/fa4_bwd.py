@@ -36,14 +36,17 @@ kernels run. ``LAPSE_FA4_BWD=0`` in the environment (or ``ENABLED = False``) tur
 FlashAttention-4 caches compiles on disk with ``FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED=1``). The
 gate terms and the block lists are one Triton launch each (fa4_prep.py; the torch versions here
 are their references). Its first use replaces ``flash_attn.cute.interface``'s backward class by
-the subclass, whose hooks defer to FlashAttention-4's own for every other ``score_mod``.
+the subclass, whose hooks defer to FlashAttention-4's own for every other ``score_mod`` (a path no
+test has run yet: with no ``score_mod`` the hooks are not called at all, which a GPU test checks).
 """
 
 from __future__ import annotations
 
 import functools
+import hashlib
 import logging
 import os
+from pathlib import Path
 
 import torch
 from torch import Tensor
@@ -185,6 +188,12 @@ def _build():
     def fox_bias_bwd(grad, scores, b, h, q_idx, kv_idx, seqlen_info, aux_tensors):  # and their gradient
         return grad
 
+    # FlashAttention-4 keys its compiles (in memory and, with FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED,
+    # on disk) by a score_mod's own source, which for these markers never changes: key them by this
+    # file's text instead, so that an edited hook is compiled again
+    digest = hashlib.sha256(Path(__file__).read_bytes() + FA4_VERSION.encode()).hexdigest()
+    for i, marker in enumerate((fox_bias, fox_bias_acp, fox_bias_bwd)):
+        getattr(marker, "__wrapped__", marker).__cute_hash__ = f"lapse-fox-{i}-{digest}"
     # the CuTe DSL compiles the methods from their source and looks their free names up here
     globals().update(cutlass=cutlass, cute=cute, layout_utils=layout_utils, atomic_add_fp32=atomic_add_fp32,
                      fox_bias=fox_bias, fox_bias_acp=fox_bias_acp, fox_bias_bwd=fox_bias_bwd, Base=Base)
@@ -219,6 +228,9 @@ def _build():
             """ACP's pruned keys in a visited tile: key j of a query in 64-row block b is pruned
             when ``j < 64 * block_start[b]``. Only a tile that starts before some block's first
             kept key has any; a thread's query columns fall in 64-row blocks known statically."""
+            # a thread's column c lies in thread 0's column c's 64-row block only when the
+            # warpgroups split the keys (AtomLayoutMSdP 1: FlashAttention-4's choice at D 64-128)
+            assert self.AtomLayoutMSdP == 1 and self.tile_m % 64 == 0
             sub = self.tile_m // 64
             n_start = m_start.shape[2]
             starts = []
