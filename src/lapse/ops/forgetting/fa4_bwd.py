@@ -59,9 +59,6 @@ FA4_VERSION = "4.0.0b36"  # the release whose hooks the subclass fills (their si
 ENABLED = os.environ.get("LAPSE_FA4_BWD", "1") != "0"
 HEAD_DIMS = (64, 96, 128)  # FlashAttention-4's transposed-tile (SdP_swapAB) configurations on Hopper
 ACP = os.environ.get("LAPSE_FA4_BWD_ACP", "1") != "0"  # ACP's backward too (its block sparsity)
-# grouped-query heads: the kernel's programs are query heads (the gate's), and it adds each
-# group's dK, dV itself
-GQA = True
 
 log = logging.getLogger(__name__)
 
@@ -69,7 +66,7 @@ log = logging.getLogger(__name__)
 def serves(q: Tensor, p: Problem, block_start: Tensor | None) -> bool:
     """Whether :func:`backward` takes this call (else the Triton kernels do)."""
     return (ENABLED and q.is_cuda and (block_start is None or ACP) and p.cu_seqlens is None and p.tq == p.tk
-            and (GQA or p.h == p.hq) and p.d in HEAD_DIMS and q.dtype in (torch.float16, torch.bfloat16)
+            and p.d in HEAD_DIMS and q.dtype in (torch.float16, torch.bfloat16)
             and torch.cuda.get_device_capability(q.device)[0] == 9 and _kernels() is not None)
 
 
@@ -128,9 +125,10 @@ def backward(q, k, v, o, do, lse2, dlse, c_hi, c_lo, p: Problem, poison: bool = 
     if block_start is not None:
         from flash_attn.cute.block_sparsity import BlockSparseTensorsTorch
 
+        block_start = block_start.to(torch.int32).contiguous()  # the block lists' and the hook's
         count, index = fa4_prep.acp_blocks(block_start, t, tm, tn, ACP_BLOCK)
         sparse = {"block_sparse_tensors": BlockSparseTensorsTorch(count, index, block_size=(tm, tn))}
-        extra = [block_start.to(torch.int32).contiguous()]
+        extra = [block_start]
         score_mod = score_mod_acp
     d, shift = fa4_prep.column_terms(c_hi, c_lo, t, tn, tm)
     colsum = torch.zeros_like(d)  # atomic adds

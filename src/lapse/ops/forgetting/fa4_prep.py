@@ -91,10 +91,10 @@ def _acp_blocks_kernel(BS, COUNT, INDEX, NB, T, M_TILES, N_TILES, SUB: tl.conste
 
 def acp_blocks(block_start: Tensor, t: int, tile_m: int, tile_n: int, acp_block: int
                ) -> tuple[Tensor, Tensor]:
-    """As fa4_bwd.acp_blocks (its docstring), in one launch."""
+    """As fa4_bwd.acp_blocks (its docstring), in one launch; ``block_start`` int32, contiguous."""
     b, h, nb = block_start.shape
     m_tiles, n_tiles = -(-t // tile_m), -(-t // tile_n)
-    bs = block_start.to(torch.int32).contiguous()
+    bs = block_start
     count = torch.empty(b, h, n_tiles, dtype=torch.int32, device=bs.device)
     index = torch.empty(b, h, n_tiles, m_tiles, dtype=torch.int32, device=bs.device)
     _acp_blocks_kernel[(n_tiles, b * h)](bs, count, index, nb, t, m_tiles, n_tiles, SUB=tile_m // acp_block,

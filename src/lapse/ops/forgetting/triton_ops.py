@@ -44,9 +44,10 @@ def forward_kernel(q, k, v, c_hi, c_lo, p: Problem, block_start) -> tuple[Tensor
 def backward_kernels(q, k, v, o, do, lse2, dlse, c_hi, c_lo, block_start, p: Problem):
     """``(dq, dk, dv, dcc, dcr)``: the backward kernels' gradients and the column and row
     sums of dS (per key position and per query index, float32 ``[B, HQ, Tc]``). Where
-    ``flash-attn-4`` is installed, dense calls on Hopper go through its kernel (fa4_bwd.py)."""
+    ``flash-attn-4`` is installed, the calls it serves on Hopper (dense and ACP) go through its
+    kernel (fa4_bwd.py)."""
     q, k, v, do = (_last_dim_contiguous(x) for x in (q, k, v, do))
-    if q.is_cuda and fa4_bwd.serves(q, p, block_start):
+    if fa4_bwd.serves(q, p, block_start):
         return fa4_bwd.backward(q, k, v, o, do, lse2, dlse, c_hi, c_lo, p, POISON_OUTPUTS, block_start)
     block_end = block_end_from_start(block_start, p) if block_start is not None else None
     dq, dk, dv = _empty_like(q), _empty_like(k), _empty_like(v)
