@@ -1,8 +1,10 @@
-"""FoX's backward on FlashAttention-4's Hopper kernel (fa4_bwd.py) against the float64 oracle.
+"""FoX's forward and backward on FlashAttention-4's Hopper kernels (fa4_fwd.py, fa4_bwd.py) against
+the float64 oracle.
 
-On the CPU: the float32 column terms against float64, ACP's block lists against brute force over
-every (query, key) pair, fa4_prep.py's Triton kernels (interpreter) equal to those references bit
-for bit, and the path's choice (never on the CPU).
+On the CPU: the float32 column terms against float64, their permutation for the forward against
+the wgmma accumulator's column layout, ACP's block lists (the backward's and the forward's)
+against brute force over every (query, key) pair, fa4_prep.py's Triton kernels (interpreter)
+equal to those references bit for bit, and the path's choice (never on the CPU).
 On a Hopper GPU with ``flash-attn-4`` installed (``-m gpu``; the lent GPU installs it with
 scripts/fa4_env.sh): the op's forward and backward, with the backward through that kernel, held
 to test_forgetting_triton.py's rules (the kernel's error at most 3x the naive computation's in
@@ -20,7 +22,7 @@ pytest.importorskip("triton")
 
 from test_forgetting_triton import _compare, _inputs, _rel  # noqa: E402
 
-from lapse.ops.forgetting import fa4_bwd, triton_ops  # noqa: E402
+from lapse.ops.forgetting import fa4_bwd, fa4_fwd, triton_ops  # noqa: E402
 from lapse.ops.forgetting.common import validate  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"  # fa4_prep's kernels: compiled, or the interpreter
@@ -102,10 +104,79 @@ def test_acp_blocks_kernel_equals_reference(t, tile_m):
         assert a.shape == w.shape and torch.equal(a, w)
 
 
+def test_permute_columns_puts_a_threads_columns_side_by_side():
+    """In a tile of 128 keys, the thread of quad lane q holds columns 8 i + 2 q + e (the wgmma
+    accumulator's layout): after the permutation they are the 32 values at 32 q."""
+    t_pad = 256
+    d = torch.arange(2 * t_pad, dtype=torch.float32).view(2, t_pad)
+    got = fa4_fwd.permute_columns(d, 128)
+    for tile in range(2):
+        for q in range(4):
+            cols = [tile * 128 + 8 * i + 2 * q + e for i in range(16) for e in range(2)]
+            at = tile * 128 + 32 * q
+            assert torch.equal(got[:, at: at + 32], d[:, cols])
+
+
+@pytest.mark.parametrize("t,tile_m", [(1000, 128), (1000, 192), (129, 192), (64, 128), (1, 192),
+                                      (5000, 192)])
+def test_acp_key_tiles_visit_exactly_the_tiles_with_kept_pairs(t, tile_m):
+    """The forward's lists against brute force: query tile m lists key tile n iff some query of
+    it keeps some key of it causally, or n lies between two that do (the kernel walks a range);
+    increasing, packed left."""
+    g = torch.Generator().manual_seed(t + tile_m)
+    tile_n = 128
+    b, h, blocks = 2, 3, -(-t // 64)
+    diag = torch.arange(blocks)
+    block_start = (torch.rand(b, h, blocks, generator=g) * (diag + 1)).floor().to(torch.int32)
+    count, index = fa4_fwd.acp_key_tiles(block_start, t, tile_m, tile_n)
+    rows, keys = torch.arange(t), torch.arange(t)
+    kept = (keys[None, :] <= rows[:, None]) & (keys >= 64 * block_start[..., rows // 64, None])
+    m_tiles, n_tiles = -(-t // tile_m), -(-t // tile_n)
+    kept = torch.nn.functional.pad(kept, (0, n_tiles * tile_n - t, 0, m_tiles * tile_m - t))
+    some = kept.view(b, h, m_tiles, tile_m, n_tiles, tile_n).any(5).any(3)  # [B, H, M, N]
+    for i in range(b):
+        for j in range(h):
+            for m in range(m_tiles):
+                hit = torch.nonzero(some[i, j, m]).flatten().tolist()
+                want = list(range(hit[0], hit[-1] + 1))
+                # the staircase's rows keep a contiguous range: no tile between two is skipped
+                assert len(want) == len(hit)
+                assert count[i, j, m] == len(want)
+                assert index[i, j, m, : len(want)].tolist() == want
+
+
+@pytest.mark.parametrize("t,tile_m", [(1000, 128), (1000, 192), (1, 192), (20000, 192)])
+def test_acp_key_tiles_kernel_equals_reference(t, tile_m):
+    from lapse.ops.forgetting import fa4_prep
+
+    g = torch.Generator().manual_seed(t)
+    blocks = -(-t // 64)
+    block_start = (torch.rand(2, 3, blocks, generator=g) * (torch.arange(blocks) + 1)).floor()
+    block_start = block_start.to(torch.int32).to(DEVICE)
+    want = fa4_fwd.acp_key_tiles(block_start, t, tile_m, 128)
+    got = fa4_prep.acp_key_tiles(block_start, t, tile_m, 128, 64)
+    for a, w in zip(got, want, strict=True):
+        assert a.shape == w.shape and torch.equal(a, w)
+
+
+@pytest.mark.parametrize("t,tile_n,tile_m", [(1000, 128, 128), (129, 128, 192), (2500, 128, 192)])
+def test_column_terms_kernel_permuted_equals_reference(t, tile_n, tile_m):
+    from lapse.ops.forgetting import fa4_prep
+
+    g = torch.Generator().manual_seed(t)
+    c = torch.nn.functional.logsigmoid(torch.randn(2, 3, t + 5, generator=g) * 3 + 2).double().cumsum(-1)
+    c_hi = c.float()
+    c_lo = (c - c_hi.double()).float()
+    c_hi, c_lo = c_hi.to(DEVICE), c_lo.to(DEVICE)
+    d, shift = fa4_bwd.column_terms(c_hi, c_lo, t, tile_n, tile_m)
+    got_d, got_shift = fa4_prep.column_terms(c_hi, c_lo, t, tile_n, tile_m, permute=True)
+    assert torch.equal(got_d, fa4_fwd.permute_columns(d, tile_n)) and torch.equal(got_shift, shift)
+
+
 def test_not_taken_on_the_cpu():
     q = torch.zeros(1, 8, 2, 64, dtype=torch.bfloat16)
     p = validate(q, q, q, torch.zeros(1, 8, 2), None, None, "torch")
-    assert not fa4_bwd.serves(q, p, None)
+    assert not fa4_bwd.serves(q, p, None) and not fa4_fwd.serves(q, p, None)
 
 
 def _fa4_or_skip():
@@ -144,21 +215,37 @@ def test_fa4_backward_gpu(case, monkeypatch):
     _fa4_or_skip()
     b, t, hq, h, d, gate, dtype, acp = case
     calls = []
-    real = fa4_bwd.backward
-    monkeypatch.setattr(fa4_bwd, "backward", lambda *a, **kw: calls.append(1) or real(*a, **kw))
+    for mod, name in ((fa4_bwd, "backward"), (fa4_fwd, "forward")):
+        real = getattr(mod, name)
+        monkeypatch.setattr(mod, name, lambda *a, _r=real, _n=name, **kw: calls.append(_n) or _r(*a, **kw))
     monkeypatch.setattr(triton_ops, "POISON_OUTPUTS", True)
     q, k, v, lg, do = _inputs(b, t, t, hq, h, d, gate, dtype, "cuda", seed=d + t)
     _compare(q, k, v, lg, do, dtype, acp, None, True if acp and gate == "fast" else None)
-    assert calls, "the backward did not go through FlashAttention-4"
+    assert "backward" in calls and "forward" in calls, f"not both through FlashAttention-4: {calls}"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", [c for c in FA4_CASES if c[1] in (1000, 777, 129)], ids=[
+    f"b{c[0]}t{c[1]}hq{c[2]}h{c[3]}d{c[4]}-{c[5]}-{c[6]}-{c[7]}".replace("torch.", "")
+    for c in FA4_CASES if c[1] in (1000, 777, 129)])
+def test_fa4_forward_with_triton_backward_gpu(case, monkeypatch):
+    """The forward on FlashAttention-4 and the Triton backward: the lse handed between them."""
+    _fa4_or_skip()
+    b, t, hq, h, d, gate, dtype, acp = case
+    monkeypatch.setattr(fa4_bwd, "ENABLED", False)
+    monkeypatch.setattr(triton_ops, "POISON_OUTPUTS", True)
+    q, k, v, lg, do = _inputs(b, t, t, hq, h, d, gate, dtype, "cuda", seed=d + t + 1)
+    _compare(q, k, v, lg, do, dtype, acp, None, None)
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("d", [64, 128])
 def test_fa4_without_score_mod_unchanged_gpu(d):
-    """The subclass replaces FlashAttention-4's backward class for every caller: without FoX's
-    score_mod it must still compute plain causal attention's gradients."""
+    """The subclasses replace FlashAttention-4's forward and backward classes for every caller:
+    without FoX's score_mod they must still compute plain causal attention and its gradients."""
     _fa4_or_skip()
     interface = fa4_bwd._kernels()[0]
+    assert fa4_fwd._kernels() is not None  # the forward's subclass in place too
     g = torch.Generator(device="cuda").manual_seed(d)
     q, k, v, do = (torch.randn(2, 777, 3, d, device="cuda", generator=g).bfloat16() for _ in range(4))
     scale = d**-0.5
@@ -168,9 +255,10 @@ def test_fa4_without_score_mod_unchanged_gpu(d):
     def sdpa_grads(dtype):
         xs = [x.to(dtype).transpose(1, 2).requires_grad_() for x in (q, k, v)]
         out = torch.nn.functional.scaled_dot_product_attention(*xs, is_causal=True, scale=scale)
-        return [g.transpose(1, 2) for g in torch.autograd.grad(out, xs, do.to(dtype).transpose(1, 2))]
+        grads = torch.autograd.grad(out, xs, do.to(dtype).transpose(1, 2))
+        return [out.detach().transpose(1, 2)] + [g.transpose(1, 2) for g in grads]
 
     want, base = sdpa_grads(torch.float64), sdpa_grads(torch.bfloat16)  # base: SDPA's own kernel in bf16
-    for name, a, b, w in zip(("dq", "dk", "dv"), got, base, want, strict=True):
+    for name, a, b, w in zip(("o", "dq", "dk", "dv"), [o, *got], base, want, strict=True):
         err, err_base = _rel(a, w), _rel(b, w)
         assert err <= 3 * err_base + 1e-3, f"{name}: {err:.2e} against SDPA's {err_base:.2e}"

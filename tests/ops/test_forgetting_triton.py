@@ -25,7 +25,7 @@ import torch.nn.functional as F
 
 triton = pytest.importorskip("triton")  # tests/conftest.py sets TRITON_INTERPRET on CPU
 
-from lapse.ops.forgetting import fa4_bwd, forgetting_attention, triton_ops  # noqa: E402
+from lapse.ops.forgetting import fa4_bwd, fa4_fwd, forgetting_attention, triton_ops  # noqa: E402
 from lapse.ops.forgetting.common import acp_block_start, cumulative_log_gates, validate  # noqa: E402
 from lapse.ops.forgetting.pruning import triton_block_start  # noqa: E402
 
@@ -49,9 +49,10 @@ def _dc(dr):
 @pytest.fixture(autouse=True)
 def _poison(monkeypatch):
     triton_ops.POISON_OUTPUTS = True
-    # the Triton kernels themselves: FlashAttention-4's backward, where installed, has its own
-    # tests (test_forgetting_fa4.py)
+    # the Triton kernels themselves: FlashAttention-4's forward and backward, where installed, have
+    # their own tests (test_forgetting_fa4.py)
     monkeypatch.setattr(fa4_bwd, "ENABLED", False)
+    monkeypatch.setattr(fa4_fwd, "ENABLED", False)
     yield
     triton_ops.POISON_OUTPUTS = False
 

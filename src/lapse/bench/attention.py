@@ -1205,14 +1205,17 @@ def environment() -> dict:
     import lapse
 
     env["lapse"] = lapse.__version__
-    # which kernel lapse's FoX backward runs where it serves (dense and ACP calls on Hopper)
-    env["lapse_fox_backward"] = "triton"
+    # which kernels lapse's FoX forward and backward run where they serve (dense and ACP on Hopper)
+    env["lapse_fox_forward"] = env["lapse_fox_backward"] = "triton"
     if torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9:
-        from lapse.ops.forgetting import fa4_bwd
+        from lapse.ops.forgetting import fa4_bwd, fa4_fwd
 
-        if fa4_bwd.ENABLED and fa4_bwd._kernels() is not None:
-            env["lapse_fox_backward"] = (f"flash-attn-4 {fa4_bwd.FA4_VERSION} where fa4_bwd.serves "
-                                         "takes the call (16-bit, D 64/96/128, no packing), else triton")
+        for name, mod in (("forward", fa4_fwd), ("backward", fa4_bwd)):
+            if mod.ENABLED and mod._kernels() is not None:
+                dims = "/".join(map(str, mod.HEAD_DIMS))
+                where = mod.__name__.rsplit(".", 1)[-1]
+                env[f"lapse_fox_{name}"] = (f"flash-attn-4 {fa4_bwd.FA4_VERSION} where {where}.serves takes "
+                                            f"the call (16-bit, D {dims}, no packing), else triton")
     return env
 
 
@@ -1295,8 +1298,8 @@ def run(cfg: AttentionBenchConfig) -> dict:
         "",
         f"{env['device']}, torch {env['torch']} (CUDA {env['cuda']}), triton {env['triton']}, "
         f"fla {env['fla']}, flash-attn-4 {env.get('flash_attn_4', 'n/a')}, lapse {env['lapse']}, "
-        f"commit {commit or 'unknown'}, {env['date']}; lapse's FoX backward: "
-        f"{env.get('lapse_fox_backward', 'triton')}",
+        f"commit {commit or 'unknown'}, {env['date']}; lapse's FoX forward: "
+        f"{env.get('lapse_fox_forward', 'triton')}; backward: {env.get('lapse_fox_backward', 'triton')}",
         "",
         f"`{cfg.command()}`",
         "",

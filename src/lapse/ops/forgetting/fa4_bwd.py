@@ -65,8 +65,14 @@ log = logging.getLogger(__name__)
 
 def serves(q: Tensor, p: Problem, block_start: Tensor | None) -> bool:
     """Whether :func:`backward` takes this call (else the Triton kernels do)."""
-    return (ENABLED and q.is_cuda and (block_start is None or ACP) and p.cu_seqlens is None and p.tq == p.tk
-            and p.d in HEAD_DIMS and q.dtype in (torch.float16, torch.bfloat16)
+    return ENABLED and (block_start is None or ACP) and fits(q, p)
+
+
+def fits(q: Tensor, p: Problem) -> bool:
+    """Whether FlashAttention-4's Hopper kernels can take this call's shapes here (the forward's
+    and the backward's common conditions)."""
+    return (q.is_cuda and p.cu_seqlens is None and p.tq == p.tk and p.d in HEAD_DIMS
+            and q.dtype in (torch.float16, torch.bfloat16)
             and torch.cuda.get_device_capability(q.device)[0] == 9 and _kernels() is not None)
 
 

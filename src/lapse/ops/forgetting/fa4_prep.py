@@ -1,8 +1,9 @@
-"""The inputs of the backward on FlashAttention-4's kernel (fa4_bwd.py), one Triton launch each:
-the gate's column terms and the lse shift, and ACP's block sparsity. The torch versions in
-fa4_bwd.py (``column_terms``, ``acp_blocks``) are their references (tests hold them equal bit
-for bit); these exist because the references' dozen small launches and indexing cost a
-backward 0.4-0.7 ms of host time each (thirtieth session, ``scripts/diag_fa4_host.py``)."""
+"""The inputs of the forward and the backward on FlashAttention-4's kernels (fa4_fwd.py,
+fa4_bwd.py), one Triton launch each: the gate's column terms and the lse shift, and ACP's block
+sparsity. The torch versions there (``column_terms``, ``permute_columns``, ``acp_blocks``,
+``acp_key_tiles``) are their references (tests hold them equal bit for bit); these exist because
+the references' dozen small launches and indexing cost a backward 0.4-0.7 ms of host time each
+(thirtieth session, ``scripts/diag_fa4_host.py``)."""
 
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ BLOCK_M = 256  # query tiles a step (block sparsity)
 
 @triton.jit
 def _column_terms_kernel(CHI, CLO, D, SHIFT, T, TC, T_PAD, TILE_N: tl.constexpr, TILE_M: tl.constexpr,
-                         BLOCK: tl.constexpr):
+                         BLOCK: tl.constexpr, PERMUTE: tl.constexpr):
     i_bh = tl.program_id(1).to(tl.int64)
     j = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     inside = j < T
@@ -31,19 +32,25 @@ def _column_terms_kernel(CHI, CLO, D, SHIFT, T, TC, T_PAD, TILE_N: tl.constexpr,
     hi_q = tl.load(CHI + row + qref, mask=inside, other=0.0)
     lo_q = tl.load(CLO + row + qref, mask=inside, other=0.0)
     d = tl.where(inside, (hi_k - hi) + (lo_k - lo), 0.0)
-    tl.store(D + i_bh * T_PAD + j, d, mask=j < T_PAD)
+    at = j
+    if PERMUTE:  # fa4_fwd.permute_columns: column 8 i + 2 q + e of a tile at q * TILE_N / 4 + 2 i + e
+        local = j % TILE_N
+        at = j - local + (local % 8) // 2 * (TILE_N // 4) + local // 8 * 2 + local % 2
+    tl.store(D + i_bh * T_PAD + at, d, mask=j < T_PAD)
     tl.store(SHIFT + i_bh * T + j, (hi - hi_q) + (lo - lo_q), mask=inside)
 
 
-def column_terms(c_hi: Tensor, c_lo: Tensor, t: int, tile_n: int, tile_m: int) -> tuple[Tensor, Tensor]:
-    """As fa4_bwd.column_terms (its docstring), in one launch."""
+def column_terms(c_hi: Tensor, c_lo: Tensor, t: int, tile_n: int, tile_m: int, permute: bool = False
+                 ) -> tuple[Tensor, Tensor]:
+    """As fa4_bwd.column_terms (its docstring), in one launch; ``permute``: ``d`` as
+    fa4_fwd.permute_columns lays it out for the forward."""
     b, h, tc = c_hi.shape
     t_pad = -(-t // tile_n) * tile_n
     d = torch.empty(b, h, t_pad, dtype=torch.float32, device=c_hi.device)
     shift = torch.empty(b, h, t, dtype=torch.float32, device=c_hi.device)
     grid = (triton.cdiv(t_pad, BLOCK_T), b * h)
     _column_terms_kernel[grid](c_hi, c_lo, d, shift, t, tc, t_pad, TILE_N=tile_n, TILE_M=tile_m,
-                               BLOCK=BLOCK_T)
+                               BLOCK=BLOCK_T, PERMUTE=permute)
     return d, shift
 
 
@@ -100,4 +107,33 @@ def acp_blocks(block_start: Tensor, t: int, tile_m: int, tile_n: int, acp_block:
     _acp_blocks_kernel[(n_tiles, b * h)](bs, count, index, nb, t, m_tiles, n_tiles, SUB=tile_m // acp_block,
                                          ACP=acp_block, TILE_M=tile_m, TILE_N=tile_n,
                                          BLOCK=min(BLOCK_M, triton.next_power_of_2(m_tiles)))
+    return count, index
+
+
+@triton.jit
+def _acp_key_tiles_kernel(BS, COUNT, INDEX, NB, T, M_TILES, N_TILES, SUB: tl.constexpr, ACP: tl.constexpr,
+                          TILE_M: tl.constexpr, TILE_N: tl.constexpr, BLOCK: tl.constexpr):
+    m = tl.program_id(0)
+    i_bh = tl.program_id(1).to(tl.int64)
+    first = _first_kept(BS, i_bh, m, NB, SUB, ACP) // TILE_N
+    last = tl.minimum(m * TILE_M + TILE_M - 1, T - 1) // TILE_N
+    count = tl.maximum(last - first + 1, 0)
+    tl.store(COUNT + i_bh * M_TILES + m, count)
+    row = INDEX + (i_bh * M_TILES + m) * N_TILES
+    for n0 in range(0, N_TILES, BLOCK):
+        n = n0 + tl.arange(0, BLOCK)
+        tl.store(row + n, tl.where(n < count, first + n, 0), mask=n < N_TILES)
+
+
+def acp_key_tiles(block_start: Tensor, t: int, tile_m: int, tile_n: int, acp_block: int
+                  ) -> tuple[Tensor, Tensor]:
+    """As fa4_fwd.acp_key_tiles (its docstring), in one launch; ``block_start`` int32, contiguous."""
+    b, h, nb = block_start.shape
+    m_tiles, n_tiles = -(-t // tile_m), -(-t // tile_n)
+    count = torch.empty(b, h, m_tiles, dtype=torch.int32, device=block_start.device)
+    index = torch.empty(b, h, m_tiles, n_tiles, dtype=torch.int32, device=block_start.device)
+    block = min(BLOCK_M, triton.next_power_of_2(n_tiles))
+    _acp_key_tiles_kernel[(m_tiles, b * h)](block_start, count, index, nb, t, m_tiles, n_tiles,
+                                            SUB=tile_m // acp_block, ACP=acp_block, TILE_M=tile_m,
+                                            TILE_N=tile_n, BLOCK=block)
     return count, index

@@ -7,7 +7,7 @@ import torch
 from torch import Tensor
 
 from ..backend import LN2
-from . import fa4_bwd
+from . import fa4_bwd, fa4_fwd
 from .common import LOG_GATE_FLOOR, Problem
 from .gate_scan import gate_cumsum, gate_grad
 from .pruning import block_end_from_start
@@ -33,8 +33,12 @@ def triton_gate_cumsum(log_fgate: Tensor, p: Problem) -> tuple[Tensor, Tensor]:
 
 
 def forward_kernel(q, k, v, c_hi, c_lo, p: Problem, block_start) -> tuple[Tensor, Tensor]:
-    """``(o, lse2)``: the forward kernel's output and base-2 lse ``[B, HQ, Tc]`` float32."""
+    """``(o, lse2)``: the forward kernel's output and base-2 lse ``[B, HQ, Tc]`` float32. Where
+    ``flash-attn-4`` is installed, the calls it serves on Hopper (dense and ACP) go through its
+    kernel (fa4_fwd.py)."""
     q, k, v = (_last_dim_contiguous(x) for x in (q, k, v))
+    if fa4_fwd.serves(q, p, block_start):
+        return fa4_fwd.forward(q, k, v, c_hi, c_lo, p, block_start, POISON_OUTPUTS)
     o = _empty_like(q)
     lse2 = _empty_like(c_hi)
     launch_fwd(q, k, v, c_hi, c_lo, block_start, p.cu_seqlens, p, o, lse2)
