@@ -43,6 +43,7 @@ from .common import ACP_BLOCK, Problem
 ENABLED = os.environ.get("LAPSE_FA4_FWD", "1") != "0"
 ACP = os.environ.get("LAPSE_FA4_FWD_ACP", "1") != "0"
 HEAD_DIMS = (64, 96, 128)
+PREFETCH = int(os.environ.get("LAPSE_FA4_FWD_PREFETCH", "1"))  # key tiles ahead whose column terms go to L1
 
 log = logging.getLogger(__name__)
 
@@ -146,11 +147,12 @@ def _build():
     def fox_acp(scores, b, h, q_idx, kv_idx, seqlen_info, aux_tensors):  # the same, with ACP's mask
         return scores + 0.0
 
-    digest = hashlib.sha256(Path(__file__).read_bytes() + fa4_bwd.FA4_VERSION.encode()).hexdigest()
+    key = Path(__file__).read_bytes() + f"{fa4_bwd.FA4_VERSION} {PREFETCH}".encode()
+    digest = hashlib.sha256(key).hexdigest()
     for i, marker in enumerate((fox, fox_acp)):  # compiles keyed by this file's text (fa4_bwd.py says why)
         getattr(marker, "__wrapped__", marker).__cute_hash__ = f"lapse-fox-fwd-{i}-{digest}"
     globals().update(cutlass=cutlass, cute=cute, layout_utils=layout_utils, fox=fox, fox_acp=fox_acp,
-                     Base=Base)
+                     Base=Base, PREFETCH=PREFETCH)
 
     class FoxForwardSm90(Base):
         @cute.jit
@@ -178,6 +180,9 @@ def _build():
                 start = (row.iterator + (n_block * self.tile_n + quad * per)).toint()
                 g_d = cute.make_tensor(cute.make_ptr(cutlass.Float32, start, cute.AddressSpace.gmem,
                                                      assumed_align=16), cute.make_layout(per))
+                # the tiles PREFETCH ahead into L1 (the loop walks down the keys): this thread's line
+                for ahead in cutlass.range_constexpr(1, PREFETCH + 1):
+                    cute.arch.prefetch((g_d.iterator + (-ahead * self.tile_n)).llvm_ptr, cache_level="L1")
                 r_d = cute.make_rmem_tensor(per, cutlass.Float32)
                 cute.autovec_copy(g_d, r_d)
                 for c in cutlass.range(per, unroll_full=True):
