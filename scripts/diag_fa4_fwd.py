@@ -17,6 +17,7 @@ def main() -> None:
     ap.add_argument("--out")
     ap.add_argument("--dims", nargs="*", type=int, default=[128, 64])
     ap.add_argument("--seq-lens", nargs="*", type=int, default=[4096, 8192, 16384])
+    ap.add_argument("--forwards", nargs="*", default=["fa4", "triton"], help="lapse's forwards to time")
     a = ap.parse_args()
 
     import torch
@@ -35,8 +36,8 @@ def main() -> None:
             do = torch.randn_like(wl.q)
             row: dict = {"D": d, "T": t}
             for name in ("sdpa-default", "flash-attn-4", "lapse", "lapse-acp"):
-                runs = [("", True)] if name not in ("lapse", "lapse-acp") else [(" fwd fa4", True),
-                                                                                (" fwd triton", False)]
+                runs = [("", True)] if name not in ("lapse", "lapse-acp") else [
+                    (f" fwd {f}", f == "fa4") for f in a.forwards]
                 for label, on in runs:
                     fa4_fwd.ENABLED = on
                     r = bench.build_runner(name, wl, cfg)

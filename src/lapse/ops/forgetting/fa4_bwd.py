@@ -42,6 +42,7 @@ test has run yet: with no ``score_mod`` the hooks are not called at all, which a
 
 from __future__ import annotations
 
+import contextvars
 import functools
 import hashlib
 import logging
@@ -59,8 +60,11 @@ FA4_VERSION = "4.0.0b36"  # the release whose hooks the subclass fills (their si
 ENABLED = os.environ.get("LAPSE_FA4_BWD", "1") != "0"
 HEAD_DIMS = (64, 96, 128)  # FlashAttention-4's transposed-tile (SdP_swapAB) configurations on Hopper
 ACP = os.environ.get("LAPSE_FA4_BWD_ACP", "1") != "0"  # ACP's backward too (its block sparsity)
+D64_CONFIG = os.environ.get("LAPSE_FA4_BWD_D64", "d128")  # the tiles at D 64 (below: why)
+QUERY_CHUNK = int(os.environ.get("LAPSE_FA4_BWD_CHUNK", "8"))  # query sums reduced so many columns at once
 
 log = logging.getLogger(__name__)
+_FOX_CALL = contextvars.ContextVar("lapse_fa4_fox_backward", default=False)  # inside backward()'s kernel call
 
 
 def serves(q: Tensor, p: Problem, block_start: Tensor | None) -> bool:
@@ -125,7 +129,7 @@ def backward(q, k, v, o, do, lse2, dlse, c_hi, c_lo, p: Problem, poison: bool = 
     the pruned keys of a visited one, so it differentiates the forward's pruned sum exactly."""
     interface, score_mod, score_mod_bwd, score_mod_acp = _kernels()
     t = p.tq
-    cfg = interface._tile_size_bwd_sm90(p.d, p.d, True, False)
+    cfg = interface._tile_size_bwd_sm90(p.d, p.d, True, False, fox=True)
     tm, tn = cfg.m_block_size, cfg.n_block_size
     sparse, extra = {}, []
     if block_start is not None:
@@ -146,10 +150,14 @@ def backward(q, k, v, o, do, lse2, dlse, c_hi, c_lo, p: Problem, poison: bool = 
     grads = {}
     if poison:
         grads = {n: torch.full_like(x, float("nan")) for n, x in (("dq", q), ("dk", k), ("dv", v))}
-    dq, dk, dv = interface._flash_attn_bwd(
-        q, k, v, o, do, lse.contiguous(), softmax_scale=p.scale, causal=True, score_mod=score_mod,
-        score_mod_bwd=score_mod_bwd, dlse=dlse, **grads, **sparse,
-        aux_tensors=[d, c_hi[..., :t].contiguous(), c_lo[..., :t].contiguous(), colsum, rowsum, *extra])[:3]
+    aux = [d, c_hi[..., :t].contiguous(), c_lo[..., :t].contiguous(), colsum, rowsum, *extra]
+    token = _FOX_CALL.set(True)  # the interface asks for its tiles by head dim alone (tile_size in _build)
+    try:
+        dq, dk, dv = interface._flash_attn_bwd(
+            q, k, v, o, do, lse.contiguous(), softmax_scale=p.scale, causal=True, score_mod=score_mod,
+            score_mod_bwd=score_mod_bwd, dlse=dlse, **grads, **sparse, aux_tensors=aux)[:3]
+    finally:
+        _FOX_CALL.reset(token)
     return dq, dk, dv, colsum[..., :t].contiguous(), rowsum[..., :t].contiguous()
 
 
@@ -195,12 +203,14 @@ def _build():
     # FlashAttention-4 keys its compiles (in memory and, with FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED,
     # on disk) by a score_mod's own source, which for these markers never changes: key them by this
     # file's text instead, so that an edited hook is compiled again
-    digest = hashlib.sha256(Path(__file__).read_bytes() + FA4_VERSION.encode()).hexdigest()
+    key = Path(__file__).read_bytes() + f"{FA4_VERSION} {QUERY_CHUNK} {D64_CONFIG}".encode()
+    digest = hashlib.sha256(key).hexdigest()
     for i, marker in enumerate((fox_bias, fox_bias_acp, fox_bias_bwd)):
         getattr(marker, "__wrapped__", marker).__cute_hash__ = f"lapse-fox-{i}-{digest}"
     # the CuTe DSL compiles the methods from their source and looks their free names up here
     globals().update(cutlass=cutlass, cute=cute, layout_utils=layout_utils, atomic_add_fp32=atomic_add_fp32,
-                     fox_bias=fox_bias, fox_bias_acp=fox_bias_acp, fox_bias_bwd=fox_bias_bwd, Base=Base)
+                     QUERY_CHUNK=QUERY_CHUNK, fox_bias=fox_bias, fox_bias_acp=fox_bias_acp,
+                     fox_bias_bwd=fox_bias_bwd, Base=Base)
 
     class FoxBackwardSm90(Base):
         @cute.jit
@@ -219,8 +229,13 @@ def _build():
                 acc_mn = layout_utils.reshape_acc_to_mn(acc_S)  # rows: keys, columns: queries
                 t_mn = layout_utils.reshape_acc_to_mn(thr_mma_SdP.partition_C(
                     cute.make_identity_tensor((self.tile_n, self.tile_m))))
+                t0_mn = layout_utils.reshape_acc_to_mn(thr_mma_SdP.get_slice(0).partition_C(
+                    cute.make_identity_tensor((self.tile_n, self.tile_m))))
+                # this thread's keys of d from one pointer: each load then takes a constant offset
+                first = n_block * self.tile_n + t_mn[0, 0][0]
+                g_d = cute.domain_offset((first,), m_d[batch_idx, head_idx, None])
                 for r in cutlass.range(cute.size(acc_mn.shape[0]), unroll_full=True):
-                    bias = tile_bias + m_d[batch_idx, head_idx, n_block * self.tile_n + t_mn[r, 0][0]]
+                    bias = tile_bias + g_d[t0_mn[r, 0][0] - t0_mn[0, 0][0]]
                     for c in cutlass.range(cute.size(acc_mn.shape[1]), unroll_full=True):
                         acc_mn[r, c] = acc_mn[r, c] * softmax_scale + bias
                 if cutlass.const_expr(self.score_mod is fox_bias_acp):
@@ -269,53 +284,85 @@ def _build():
                 t_mn = layout_utils.reshape_acc_to_mn(thr_mma_SdP.partition_C(
                     cute.make_identity_tensor((self.tile_n, self.tile_m))))
                 lane = cute.arch.lane_idx()
+                t0_mn = layout_utils.reshape_acc_to_mn(thr_mma_SdP.get_slice(0).partition_C(
+                    cute.make_identity_tensor((self.tile_n, self.tile_m))))
+                first = n_block * self.tile_n + t_mn[0, 0][0]
+                g_dc = cute.domain_offset((first,), m_dc[batch_idx, head_idx, None])
+                totals = []
                 for r in cutlass.range_constexpr(cute.size(g_mn.shape[0])):  # a key's: its quad's row
                     total = g_mn[r, 0]
                     for c in cutlass.range_constexpr(1, cute.size(g_mn.shape[1])):
                         total += g_mn[r, c]
                     total += cute.arch.shuffle_sync_bfly(total, offset=1)
                     total += cute.arch.shuffle_sync_bfly(total, offset=2)
-                    if lane % 4 == 0:
-                        key = n_block * self.tile_n + t_mn[r, 0][0]
-                        g_dc = cute.domain_offset((key,), m_dc[batch_idx, head_idx, None])
-                        atomic_add_fp32(total, g_dc.iterator)
-                self._query_sums(g_mn, t_mn, m_dr, batch_idx, head_idx, m_block, lane)
+                    totals.append(total)
+                if lane % 4 == 0:
+                    for r in cutlass.range_constexpr(len(totals)):
+                        atomic_add_fp32(totals[r], (g_dc.iterator + (t0_mn[r, 0][0] - t0_mn[0, 0][0])))
+                self._query_sums(g_mn, t_mn, t0_mn, m_dr, batch_idx, head_idx, m_block, lane)
 
         @cute.jit
-        def _query_sums(self, g_mn, t_mn, m_dr, batch_idx, head_idx, m_block, lane):
+        def _query_sums(self, g_mn, t_mn, t0_mn, m_dr, batch_idx, head_idx, m_block, lane):
             """Each query's sum of dS over the tile's keys (the module's docstring): a thread's keys,
-            then the warp's row groups (lane bits 4, 3, 2) by a transposing reduction."""
-            vals, qs = [], []
-            for c in cutlass.range_constexpr(cute.size(g_mn.shape[1])):
+            then the warp's row groups (lane bits 4, 3, 2) by a transposing reduction, QUERY_CHUNK
+            columns at a time (fewer sums live at once: the same shuffles, fewer registers)."""
+            n_cols = cute.size(g_mn.shape[1])
+            chunk = QUERY_CHUNK if QUERY_CHUNK and n_cols % QUERY_CHUNK == 0 else n_cols
+            for c in cutlass.range_constexpr(n_cols):  # a thread's queries: pairs eight apart
+                assert t0_mn[0, c][1] == 8 * (c // 2) + c % 2
+            for c0 in cutlass.range_constexpr(0, n_cols, chunk):
+                self._query_sums_of(g_mn, t_mn, m_dr, batch_idx, head_idx, m_block, lane, c0, chunk)
+
+        @cute.jit
+        def _query_sums_of(self, g_mn, t_mn, m_dr, batch_idx, head_idx, m_block, lane, c0, chunk):
+            vals = []
+            for c in cutlass.range_constexpr(c0, c0 + chunk):
                 total = g_mn[0, c]
                 for r in cutlass.range_constexpr(1, cute.size(g_mn.shape[0])):
                     total += g_mn[r, c]
                 vals.append(total)
-                qs.append(cutlass.Int32(t_mn[0, c][1]))
+            # each exchange keeps the upper half of the columns where the lane's bit is set: the
+            # column a lane keeps is c0 + i + the halves' offsets of its set bits
             dup = 0  # lane bits whose lanes end with the same sums (an odd number of columns left)
+            kept_at = []  # (lane bit, column offset) of each halving
             for stage in cutlass.range_constexpr(3):
                 off = 16 >> stage
                 n = len(vals)
                 if cutlass.const_expr(n % 2 == 0):
                     upper = (lane & off) != 0
-                    kept_vals, kept_qs = [], []
+                    kept_vals = []
                     for i in cutlass.range_constexpr(n // 2):
                         keep = cutlass.Float32(cutlass.select_(upper, vals[i + n // 2], vals[i]))
                         send = cutlass.Float32(cutlass.select_(upper, vals[i], vals[i + n // 2]))
                         kept_vals.append(keep + cute.arch.shuffle_sync_bfly(send, offset=off))
-                        kept_qs.append(cutlass.Int32(cutlass.select_(upper, qs[i + n // 2], qs[i])))
-                    vals, qs = kept_vals, kept_qs
+                    vals = kept_vals
+                    kept_at.append((off, n // 2))
                 else:
                     for i in cutlass.range_constexpr(n):
                         vals[i] = vals[i] + cute.arch.shuffle_sync_bfly(vals[i], offset=off)
                     dup |= off
+            shift = 0
+            for off, half in kept_at:
+                shift = shift + cutlass.Int32(cutlass.select_((lane & off) != 0, half, 0))
             if (lane & dup) == 0:
                 for i in cutlass.range_constexpr(len(vals)):
-                    query = m_block * self.tile_m + qs[i]
+                    c = c0 + i + shift  # this lane's column of the thread's tile (dynamic)
+                    query = m_block * self.tile_m + t_mn[0, 0][1] + (c // 2) * 8 + c % 2
                     g_dr = cute.domain_offset((query,), m_dr[batch_idx, head_idx, None])
                     atomic_add_fp32(vals[i], g_dr.iterator)
 
     interface.FlashAttentionBackwardSm90 = FoxBackwardSm90  # the interface builds its kernel from this name
+    fa4_tiles = interface._tile_size_bwd_sm90
+
+    def tile_size(head_dim, head_dim_v, causal, local, sparse_block_size_q=None, fox=None):
+        """FlashAttention-4's tiles, but at D 64 for FoX (``fox``, or the call's score_mod, which
+        the interface does not pass: the markers' compile flag below) those of D 96 or 128."""
+        if (fox or _FOX_CALL.get()) and head_dim <= 64 and D64_CONFIG != "fa4":
+            like = {"d96": 96, "d128": 128}[D64_CONFIG]
+            return fa4_tiles(like, like, causal, local, sparse_block_size_q)
+        return fa4_tiles(head_dim, head_dim_v, causal, local, sparse_block_size_q)
+
+    interface._tile_size_bwd_sm90 = tile_size
     log.info("lapse: FoX's backward runs on FlashAttention-4 %s (its first call compiles the kernel)",
              FA4_VERSION)
     return interface, fox_bias, fox_bias_bwd, fox_bias_acp
