@@ -214,28 +214,37 @@ FA4_CASES = [
 def test_fa4_backward_gpu(case, monkeypatch):
     _fa4_or_skip()
     b, t, hq, h, d, gate, dtype, acp = case
+    _check_paths(case, monkeypatch, forward_on_fa4=False, backward_on_fa4=True, seed=d + t)
+
+
+def _check_paths(case, monkeypatch, forward_on_fa4, backward_on_fa4, seed):
+    """One case through the op with each of its forward and backward on FlashAttention-4 or on
+    Triton, checked to have gone where asked."""
+    b, t, hq, h, d, gate, dtype, acp = case
+    monkeypatch.setattr(fa4_fwd, "ENABLED", forward_on_fa4)
+    monkeypatch.setattr(fa4_bwd, "ENABLED", backward_on_fa4)
     calls = []
     for mod, name in ((fa4_bwd, "backward"), (fa4_fwd, "forward")):
         real = getattr(mod, name)
         monkeypatch.setattr(mod, name, lambda *a, _r=real, _n=name, **kw: calls.append(_n) or _r(*a, **kw))
     monkeypatch.setattr(triton_ops, "POISON_OUTPUTS", True)
-    q, k, v, lg, do = _inputs(b, t, t, hq, h, d, gate, dtype, "cuda", seed=d + t)
+    q, k, v, lg, do = _inputs(b, t, t, hq, h, d, gate, dtype, "cuda", seed=seed)
     _compare(q, k, v, lg, do, dtype, acp, None, True if acp and gate == "fast" else None)
-    assert "backward" in calls and "forward" in calls, f"not both through FlashAttention-4: {calls}"
+    assert ("forward" in calls) == forward_on_fa4 and ("backward" in calls) == backward_on_fa4, calls
+
+
+FWD_CASES = [c for c in FA4_CASES if c[1] in (1000, 777, 129, 300)]
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("case", [c for c in FA4_CASES if c[1] in (1000, 777, 129)], ids=[
-    f"b{c[0]}t{c[1]}hq{c[2]}h{c[3]}d{c[4]}-{c[5]}-{c[6]}-{c[7]}".replace("torch.", "")
-    for c in FA4_CASES if c[1] in (1000, 777, 129)])
-def test_fa4_forward_with_triton_backward_gpu(case, monkeypatch):
-    """The forward on FlashAttention-4 and the Triton backward: the lse handed between them."""
+@pytest.mark.parametrize("backward_on_fa4", [True, False], ids=["bwd-fa4", "bwd-triton"])
+@pytest.mark.parametrize("case", FWD_CASES, ids=[
+    f"b{c[0]}t{c[1]}hq{c[2]}h{c[3]}d{c[4]}-{c[5]}-{c[6]}-{c[7]}".replace("torch.", "") for c in FWD_CASES])
+def test_fa4_forward_gpu(case, backward_on_fa4, monkeypatch):
+    """The opt-in forward on FlashAttention-4 (LAPSE_FA4_FWD=1), with either backward: the lse
+    handed between them."""
     _fa4_or_skip()
-    b, t, hq, h, d, gate, dtype, acp = case
-    monkeypatch.setattr(fa4_bwd, "ENABLED", False)
-    monkeypatch.setattr(triton_ops, "POISON_OUTPUTS", True)
-    q, k, v, lg, do = _inputs(b, t, t, hq, h, d, gate, dtype, "cuda", seed=d + t + 1)
-    _compare(q, k, v, lg, do, dtype, acp, None, None)
+    _check_paths(case, monkeypatch, True, backward_on_fa4, seed=case[4] + case[1] + 1)
 
 
 @pytest.mark.gpu
@@ -262,3 +271,21 @@ def test_fa4_without_score_mod_unchanged_gpu(d):
     for name, a, b, w in zip(("o", "dq", "dk", "dv"), [o, *got], base, want, strict=True):
         err, err_base = _rel(a, w), _rel(b, w)
         assert err <= 3 * err_base + 1e-3, f"{name}: {err:.2e} against SDPA's {err_base:.2e}"
+
+
+@pytest.mark.gpu
+def test_fa4_backward_tiles_gpu():
+    """FoX's backward at D 64 asks FlashAttention-4 for the D 128 tiles (its own leave the hooks no
+    registers); every other call, and every other head dim, gets FlashAttention-4's own."""
+    _fa4_or_skip()
+    interface = fa4_bwd._kernels()[0]
+    own64, own128 = interface._tile_size_bwd_sm90(64, 64, True, False), interface._tile_size_bwd_sm90(
+        128, 128, True, False)
+    assert own64.m_block_size == 128  # FlashAttention-4's D 64 tiles, which FoX leaves
+    assert interface._tile_size_bwd_sm90(64, 64, True, False, fox=True) == own128
+    assert interface._tile_size_bwd_sm90(128, 128, True, False, fox=True) == own128
+    token = fa4_bwd._FOX_CALL.set(True)
+    try:
+        assert interface._tile_size_bwd_sm90(64, 64, True, False) == own128
+    finally:
+        fa4_bwd._FOX_CALL.reset(token)
