@@ -275,17 +275,19 @@ def test_fa4_without_score_mod_unchanged_gpu(d):
 
 @pytest.mark.gpu
 def test_fa4_backward_tiles_gpu():
-    """FoX's backward at D 64 asks FlashAttention-4 for the D 128 tiles (its own leave the hooks no
-    registers); every other call, and every other head dim, gets FlashAttention-4's own."""
+    """FoX's dense backward at D 64 asks FlashAttention-4 for D 96's tiles (its own leave the hooks
+    no registers), ACP's for its own (fa4_bwd.D64_TILES); every other call, and every other head
+    dim, gets FlashAttention-4's own."""
     _fa4_or_skip()
     interface = fa4_bwd._kernels()[0]
-    own64, own128 = interface._tile_size_bwd_sm90(64, 64, True, False), interface._tile_size_bwd_sm90(
-        128, 128, True, False)
-    assert own64.m_block_size == 128  # FlashAttention-4's D 64 tiles, which FoX leaves
-    assert interface._tile_size_bwd_sm90(64, 64, True, False, fox=True) == own128
-    assert interface._tile_size_bwd_sm90(128, 128, True, False, fox=True) == own128
-    token = fa4_bwd._FOX_CALL.set(True)
+    own = {d: interface._tile_size_bwd_sm90(d, d, True, False) for d in (64, 96, 128)}
+    assert own[64].m_block_size == 128 and own[96].m_block_size == 64  # the tiles FoX's dense calls leave
+    assert fa4_bwd.D64_TILES == {"dense": "d96", "acp": "fa4"}
+    assert interface._tile_size_bwd_sm90(64, 64, True, False, fox="dense") == own[96]
+    assert interface._tile_size_bwd_sm90(64, 64, True, False, fox="acp") == own[64]
+    assert interface._tile_size_bwd_sm90(128, 128, True, False, fox="dense") == own[128]
+    token = fa4_bwd._FOX_CALL.set("dense")
     try:
-        assert interface._tile_size_bwd_sm90(64, 64, True, False) == own128
+        assert interface._tile_size_bwd_sm90(64, 64, True, False) == own[96]
     finally:
         fa4_bwd._FOX_CALL.reset(token)
