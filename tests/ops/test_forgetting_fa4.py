@@ -179,6 +179,24 @@ def test_not_taken_on_the_cpu():
     assert not fa4_bwd.serves(q, p, None) and not fa4_fwd.serves(q, p, None)
 
 
+@pytest.mark.parametrize("path", ["forward", "backward"])
+def test_a_failing_fa4_kernel_falls_back_to_triton(path, monkeypatch):
+    """Where FlashAttention-4's kernel fails (its compile, here a stand-in that raises), the call
+    runs on the Triton kernels, warns once, and that path stays off for the process."""
+    mod = fa4_fwd if path == "forward" else fa4_bwd
+    monkeypatch.setattr(mod, "ENABLED", True)
+    monkeypatch.setattr(mod, "serves", lambda *a: mod.ENABLED)
+
+    def broken(*a, **kw):
+        raise RuntimeError("stand-in for a compile failure")
+
+    monkeypatch.setattr(mod, path, broken)
+    q, k, v, lg, do = _inputs(1, 40, 40, 2, 2, 16, "mixed", torch.float32, "cpu", seed=3)
+    with pytest.warns(RuntimeWarning, match=f"FoX's {path} on FlashAttention-4 failed"):
+        _compare(q, k, v, lg, do, torch.float32)
+    assert mod.ENABLED is False
+
+
 def _fa4_or_skip():
     if not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] != 9:
         pytest.skip("needs a Hopper GPU")
@@ -291,3 +309,21 @@ def test_fa4_backward_tiles_gpu():
         assert interface._tile_size_bwd_sm90(64, 64, True, False) == own[96]
     finally:
         fa4_bwd._FOX_CALL.reset(token)
+
+
+@pytest.mark.gpu
+def test_fa4_refuses_what_it_does_not_serve_gpu():
+    """The calls FlashAttention-4's kernels cannot take go to Triton: float32, head dims outside
+    64/96/128, packed sequences, query and key lengths that differ."""
+    _fa4_or_skip()
+
+    def takes(dtype=torch.bfloat16, d=64, tq=256, tk=256, cu=None):
+        q = torch.zeros(1 if cu is None else 1, tq, 2, d, dtype=dtype, device="cuda")
+        kv = torch.zeros(1, tk, 2, d, dtype=dtype, device="cuda")
+        p = validate(q, kv, kv, torch.zeros(1, tk, 2, device="cuda"), None, cu, "triton")
+        return fa4_bwd.serves(q, p, None), fa4_bwd.fits(q, p)
+
+    assert takes() == (True, True)
+    cu = torch.tensor([0, 100, 256], dtype=torch.int32, device="cuda")
+    for kwargs in ({"dtype": torch.float32}, {"d": 48}, {"d": 256}, {"tq": 1}, {"cu": cu}):
+        assert takes(**kwargs) == (False, False), kwargs

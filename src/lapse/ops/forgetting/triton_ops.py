@@ -3,6 +3,8 @@ triton_fwd.py / triton_bwd.py; the same launches as custom ops in library.py).""
 
 from __future__ import annotations
 
+import warnings
+
 import torch
 from torch import Tensor
 
@@ -27,6 +29,15 @@ def _last_dim_contiguous(x: Tensor) -> Tensor:
     return x if x.stride(-1) == 1 else x.contiguous()
 
 
+def _fa4_failed(module, what: str, error: Exception) -> None:
+    """FlashAttention-4's kernel for FoX's ``what`` failed (a CuTe DSL or driver it does not work
+    with): say so once and turn that path off for the process; the caller then runs Triton's."""
+    module.ENABLED = False
+    warnings.warn(f"lapse: FoX's {what} on FlashAttention-4 failed ({type(error).__name__}: "
+                  f"{str(error).strip().splitlines()[0] if str(error).strip() else ''}); it runs on the "
+                  "Triton kernels from now on", RuntimeWarning, stacklevel=3)
+
+
 def triton_gate_cumsum(log_fgate: Tensor, p: Problem) -> tuple[Tensor, Tensor]:
     """The cumulative log gate as float32 ``hi + lo``, each ``[B, HQ, Tc]`` (one kernel)."""
     return gate_cumsum(log_fgate, p, LOG_GATE_FLOOR)
@@ -38,7 +49,10 @@ def forward_kernel(q, k, v, c_hi, c_lo, p: Problem, block_start) -> tuple[Tensor
     kernel (fa4_fwd.py)."""
     q, k, v = (_last_dim_contiguous(x) for x in (q, k, v))
     if fa4_fwd.serves(q, p, block_start):
-        return fa4_fwd.forward(q, k, v, c_hi, c_lo, p, block_start, POISON_OUTPUTS)
+        try:
+            return fa4_fwd.forward(q, k, v, c_hi, c_lo, p, block_start, POISON_OUTPUTS)
+        except Exception as e:  # its compile or launch failed here: Triton's kernel, from now on
+            _fa4_failed(fa4_fwd, "forward", e)
     o = _empty_like(q)
     lse2 = _empty_like(c_hi)
     launch_fwd(q, k, v, c_hi, c_lo, block_start, p.cu_seqlens, p, o, lse2)
@@ -52,7 +66,10 @@ def backward_kernels(q, k, v, o, do, lse2, dlse, c_hi, c_lo, block_start, p: Pro
     kernel (fa4_bwd.py)."""
     q, k, v, do = (_last_dim_contiguous(x) for x in (q, k, v, do))
     if fa4_bwd.serves(q, p, block_start):
-        return fa4_bwd.backward(q, k, v, o, do, lse2, dlse, c_hi, c_lo, p, POISON_OUTPUTS, block_start)
+        try:
+            return fa4_bwd.backward(q, k, v, o, do, lse2, dlse, c_hi, c_lo, p, POISON_OUTPUTS, block_start)
+        except Exception as e:  # its compile or launch failed here: the Triton kernels, from now on
+            _fa4_failed(fa4_bwd, "backward", e)
     block_end = block_end_from_start(block_start, p) if block_start is not None else None
     dq, dk, dv = _empty_like(q), _empty_like(k), _empty_like(v)
     dcc, dcr = _empty_like(lse2), _empty_like(lse2)
