@@ -19,10 +19,15 @@ from its first kept key to the diagonal (:func:`acp_key_tiles`); in a listed til
 the keys a thread's 64-row block prunes (a warp's rows lie in one such block). So it computes
 exactly the Triton forward's pruned sum, and the backward (either) differentiates it.
 
-It serves what the backward serves (fa4_bwd.serves: float16 or bfloat16, ``D`` 64, 96 or 128,
-equal query and key lengths, no packing, compute capability 9) at the head dims in
-``HEAD_DIMS``; ``LAPSE_FA4_FWD=0`` (or ``ENABLED = False``) turns it off, ``LAPSE_FA4_FWD_ACP=0``
-for ACP's calls only.
+**Slower than the Triton forward, so off by default** (thirty-first session, H200, BENCHMARKS.md):
+1.31-1.35x FlashAttention-4's forward at D 128 and 1.69-1.81x at D 64, where Triton's takes
+1.21-1.27x and 1.18-1.24x; with ACP forward+backward equal at D 128 and slower at D 64. The loads
+come after the QK^T wait, on the softmax's critical path, and a score hook cannot move them; a
+forward whose producer warp brings the column terms with K is the route past it.
+
+``LAPSE_FA4_FWD=1`` (or ``ENABLED = True``) turns it on, for the calls the backward's kernel can
+take (fa4_bwd.fits: float16 or bfloat16, ``D`` 64, 96 or 128, equal query and key lengths, no
+packing, compute capability 9); ``LAPSE_FA4_FWD_ACP=0`` keeps ACP's calls on Triton.
 """
 
 from __future__ import annotations
