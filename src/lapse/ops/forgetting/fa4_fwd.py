@@ -49,6 +49,7 @@ ENABLED = os.environ.get("LAPSE_FA4_FWD", "0") == "1"  # off by default: slower 
 ACP = os.environ.get("LAPSE_FA4_FWD_ACP", "1") != "0"
 HEAD_DIMS = (64, 96, 128)
 PREFETCH = int(os.environ.get("LAPSE_FA4_FWD_PREFETCH", "1"))  # key tiles ahead whose column terms go to L1
+STAGED = os.environ.get("LAPSE_FA4_FWD_STAGED", "1") == "1"  # the column terms through shared memory
 
 log = logging.getLogger(__name__)
 
@@ -140,6 +141,7 @@ def _kernels():
 def _build():
     import cutlass
     import cutlass.cute as cute
+    from cutlass.cute.nvgpu import cpasync
     from flash_attn.cute import interface
     from flash_attn.cute.flash_fwd_sm90 import FlashAttentionForwardSm90 as Base
     from quack import layout_utils
@@ -152,14 +154,36 @@ def _build():
     def fox_acp(scores, b, h, q_idx, kv_idx, seqlen_info, aux_tensors):  # the same, with ACP's mask
         return scores + 0.0
 
-    key = Path(__file__).read_bytes() + f"{fa4_bwd.FA4_VERSION} {PREFETCH}".encode()
+    key = Path(__file__).read_bytes() + f"{fa4_bwd.FA4_VERSION} {PREFETCH} {STAGED}".encode()
     digest = hashlib.sha256(key).hexdigest()
     for i, marker in enumerate((fox, fox_acp)):  # compiles keyed by this file's text (fa4_bwd.py says why)
         getattr(marker, "__wrapped__", marker).__cute_hash__ = f"lapse-fox-fwd-{i}-{digest}"
     globals().update(cutlass=cutlass, cute=cute, layout_utils=layout_utils, fox=fox, fox_acp=fox_acp,
-                     Base=Base, PREFETCH=PREFETCH)
+                     Base=Base, PREFETCH=PREFETCH, STAGED=STAGED, cpasync=cpasync)
+
+    class _Recorded(cute.struct):
+        """FlashAttention-4's shared storage with room for the column terms; the kernel's instance
+        is kept on the kernel object as the trace makes it, for the score hook to find."""
+
+        def __init__(self, cls, owner):
+            super().__init__(cls)
+            self.owner = owner
+
+        def __call__(self, base, *, loc=None, ip=None):
+            made = super().__call__(base, loc=loc, ip=ip)
+            self.owner._fox_storage = made
+            return made
 
     class FoxForwardSm90(Base):
+        def _get_shared_storage_cls(self):
+            base = Base._get_shared_storage_cls(self)
+            if not STAGED or (self.score_mod is not fox and self.score_mod is not fox_acp):
+                return base
+            fields = dict(base._annotations)
+            terms = 2 * (self.num_threads // 32) * self.tile_n  # two stages a warp
+            fields["fox_d"] = cute.struct.Align[cute.struct.MemRange[cutlass.Float32, terms], 128]
+            return _Recorded(type("FoxSharedStorage", (), {"__annotations__": fields}), self)
+
         @cute.jit
         def apply_score_mod(self, thr_mma_qk, batch_idx, head_idx, m_block, acc_S, n_block, softmax_scale,
                             seqlen, aux_data=None, fastdiv_mods=None):
@@ -185,17 +209,54 @@ def _build():
                 start = (row.iterator + (n_block * self.tile_n + quad * per)).toint()
                 g_d = cute.make_tensor(cute.make_ptr(cutlass.Float32, start, cute.AddressSpace.gmem,
                                                      assumed_align=16), cute.make_layout(per))
-                # the tiles PREFETCH ahead into L1 (the loop walks down the keys): this thread's line
-                for ahead in cutlass.range_constexpr(1, PREFETCH + 1):
-                    cute.arch.prefetch((g_d.iterator + (-ahead * self.tile_n)).llvm_ptr, cache_level="L1")
                 r_d = cute.make_rmem_tensor(per, cutlass.Float32)
-                cute.autovec_copy(g_d, r_d)
+                if cutlass.const_expr(STAGED):
+                    self._staged_columns(r_d, row, m_block, n_block, seqlen, quad, per)
+                else:
+                    # the tiles PREFETCH ahead into L1 (the loop walks down the keys): this thread's line
+                    for ahead in cutlass.range_constexpr(1, PREFETCH + 1):
+                        cute.arch.prefetch((g_d.iterator + (-ahead * self.tile_n)).llvm_ptr, cache_level="L1")
+                    cute.autovec_copy(g_d, r_d)
                 for c in cutlass.range(per, unroll_full=True):
                     bias = tile_bias + r_d[c]
                     for r in cutlass.range(cute.size(acc_mn.shape[0]), unroll_full=True):
                         acc_mn[r, c] = acc_mn[r, c] * softmax_scale + bias
                 if cutlass.const_expr(self.score_mod is fox_acp):
                     self._acp_mask(acc_mn, t_mn, aux_data.tensors[3], batch_idx, head_idx, m_block, n_block)
+
+        @cute.jit
+        def _staged_columns(self, r_d, row, m_block, n_block, seqlen, quad, per):
+            """This thread's column terms of key tile ``n_block`` into ``r_d`` from shared memory,
+            where the previous tile's call copied them (``cp.async``: each warp its own copy of the
+            tile's 128 terms, two stages), after starting the copy of the next tile (``n_block -
+            1``: the loop walks down the keys). A query tile's first (its diagonal) copies its own."""
+            warp = cute.arch.warp_idx()
+            lane = cute.arch.lane_idx()
+            n_tiles = cute.ceil_div(seqlen.seqlen_k, self.tile_n)
+            first = cutlass.min(n_tiles, cute.ceil_div((m_block + 1) * self.tile_m, self.tile_n)) - 1
+            stages = cute.make_layout((self.tile_n, self.num_threads // 32, 2))  # (term, warp, stage)
+            s_d = self._fox_storage.fox_d.get_tensor(stages)
+            cute.arch.sync_warp()  # every lane's reads of the stage about to be refilled are done
+            if n_block == first:
+                self._copy_columns(row, s_d, n_block, warp, lane)
+            self._copy_columns(row, s_d, cutlass.max(n_block - 1, 0), warp, lane)
+            cute.arch.cp_async_wait_group(1)
+            cute.arch.sync_warp()
+            mine = cute.domain_offset((quad * per, warp, n_block % 2), s_d)
+            cute.autovec_copy(cute.make_tensor(mine.iterator.align(16), cute.make_layout(per)), r_d)
+
+        @cute.jit
+        def _copy_columns(self, row, s_d, n, warp, lane):
+            """Key tile ``n``'s column terms to this warp's stage ``n % 2``, a 16-byte cp.async a lane."""
+            atom = cute.make_copy_atom(cpasync.CopyG2SOp(cache_mode=cpasync.LoadCacheMode.GLOBAL),
+                                       cutlass.Float32, num_bits_per_copy=128)
+            vec = self.tile_n // 32  # floats a lane copies
+            at = (row.iterator + (n * self.tile_n + lane * vec)).toint()
+            src = cute.make_ptr(cutlass.Float32, at, cute.AddressSpace.gmem, assumed_align=16)
+            src = cute.make_tensor(src, cute.make_layout(vec))
+            dst = cute.domain_offset((lane * vec, warp, n % 2), s_d)
+            cute.copy(atom, src, cute.make_tensor(dst.iterator.align(16), cute.make_layout(vec)))
+            cute.arch.cp_async_commit_group()
 
         @cute.jit
         def _acp_mask(self, acc_mn, t_mn, m_start, batch_idx, head_idx, m_block, n_block):
