@@ -20,10 +20,17 @@ the keys a thread's 64-row block prunes (a warp's rows lie in one such block). S
 exactly the Triton forward's pruned sum, and the backward (either) differentiates it.
 
 **Slower than the Triton forward, so off by default** (thirty-first session, H200, BENCHMARKS.md):
-1.31-1.35x FlashAttention-4's forward at D 128 and 1.69-1.81x at D 64, where Triton's takes
-1.21-1.27x and 1.18-1.24x; with ACP forward+backward equal at D 128 and slower at D 64. The loads
-come after the QK^T wait, on the softmax's critical path, and a score hook cannot move them; a
-forward whose producer warp brings the column terms with K is the route past it.
+1.31-1.35x FlashAttention-4's forward at D 128 and 1.69-1.81x at D 64 with the column terms loaded
+in the hook, 1.35x and 1.45-1.64x with them staged through shared memory (``STAGED``, below),
+where Triton's takes 1.18-1.27x and 1.18-1.25x; with ACP forward+backward equal at D 128 and
+slower at D 64. The loads' latency is not what costs (staging them did not help at D 128); the
+per-column add before the row max, which puts the scores' multiply-adds behind the terms, and
+19-28% more instructions on the softmax are what is left (BENCHMARKS.md, thirty-first session).
+
+``STAGED`` (``LAPSE_FA4_FWD_STAGED``, on): each hook call starts a ``cp.async`` (16 bytes a lane)
+of the next key tile's terms into its warp's half of two stages in shared memory, which the
+kernel's shared storage grows by (``_get_shared_storage_cls``; the instance the trace makes is
+kept on the kernel object for the hook), and reads its own tile's from there.
 
 ``LAPSE_FA4_FWD=1`` (or ``ENABLED = True``) turns it on, for the calls the backward's kernel can
 take (fa4_bwd.fits: float16 or bfloat16, ``D`` 64, 96 or 128, equal query and key lengths, no
