@@ -169,8 +169,21 @@ def test_column_terms_kernel_permuted_equals_reference(t, tile_n, tile_m):
     c_lo = (c - c_hi.double()).float()
     c_hi, c_lo = c_hi.to(DEVICE), c_lo.to(DEVICE)
     d, shift = fa4_bwd.column_terms(c_hi, c_lo, t, tile_n, tile_m)
-    got_d, got_shift = fa4_prep.column_terms(c_hi, c_lo, t, tile_n, tile_m, permute=True)
+    got_d, got_shift = fa4_prep.column_terms(c_hi, c_lo, t, tile_n, tile_m, permute="columns")
     assert torch.equal(got_d, fa4_fwd.permute_columns(d, tile_n)) and torch.equal(got_shift, shift)
+    got_d, got_shift = fa4_prep.column_terms(c_hi, c_lo, t, tile_n, tile_m, permute="keys")
+    assert torch.equal(got_d, fa4_bwd.permute_keys(d)) and torch.equal(got_shift, shift)
+
+
+def test_permute_keys_puts_a_threads_keys_side_by_side():
+    """In the backward's transposed tiles a thread holds keys g and g + 8 of each 16-key slab: after
+    the permutation they are the pair at 2 g."""
+    d = torch.arange(2 * 256, dtype=torch.float32).view(2, 256)
+    got = fa4_bwd.permute_keys(d)
+    for slab in range(16):
+        for g in range(8):
+            at = slab * 16 + 2 * g
+            assert torch.equal(got[:, at: at + 2], d[:, [slab * 16 + g, slab * 16 + g + 8]])
 
 
 def test_not_taken_on_the_cpu():

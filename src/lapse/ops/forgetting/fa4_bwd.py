@@ -113,6 +113,14 @@ def column_terms(c_hi: Tensor, c_lo: Tensor, t: int, tile_n: int, tile_m: int) -
     return d, shift
 
 
+def permute_keys(d: Tensor) -> Tensor:
+    """``d`` (``[..., whole tiles]``) with each thread's two keys side by side: in the backward's
+    transposed tiles a thread holds keys ``g`` and ``g + 8`` of a 16-key slab, stored at ``2 g`` and
+    ``2 g + 1`` (one 64-bit load). The reference of ``fa4_prep.column_terms(..., permute="keys")``."""
+    *lead, t_pad = d.shape
+    return d.reshape(*lead, t_pad // 16, 2, 8).transpose(-1, -2).reshape(*lead, t_pad).contiguous()
+
+
 def acp_blocks(block_start: Tensor, t: int, tile_m: int, tile_n: int):
     """The reference of ``fa4_prep.acp_blocks`` (one launch), which the backward runs.
     FlashAttention-4's backward block sparsity for ACP's staircase: for each key tile of
@@ -157,7 +165,7 @@ def backward(q, k, v, o, do, lse2, dlse, c_hi, c_lo, p: Problem, poison: bool = 
         sparse = {"block_sparse_tensors": BlockSparseTensorsTorch(count, index, block_size=(tm, tn))}
         extra = [block_start]
         score_mod = score_mod_acp
-    d, shift = fa4_prep.column_terms(c_hi, c_lo, t, tn, tm)
+    d, shift = fa4_prep.column_terms(c_hi, c_lo, t, tn, tm, permute="keys")
     colsum = torch.zeros_like(d)  # atomic adds
     rowsum = d.new_zeros(*d.shape[:-1], -(-t // tm) * tm)
     lse = lse2[..., :t] * LN2 - shift  # the kernel's scores leave out c_i - c_ref
@@ -248,11 +256,17 @@ def _build():
                     cute.make_identity_tensor((self.tile_n, self.tile_m))))
                 t0_mn = layout_utils.reshape_acc_to_mn(thr_mma_SdP.get_slice(0).partition_C(
                     cute.make_identity_tensor((self.tile_n, self.tile_m))))
-                # this thread's keys of d from one pointer: each load then takes a constant offset
-                first = n_block * self.tile_n + t_mn[0, 0][0]
-                g_d = cute.domain_offset((first,), m_d[batch_idx, head_idx, None])
+                # this thread's two keys (rows g and g + 8 of a 16-key slab) side by side in d: one load
+                assert cute.size(acc_mn.shape[0]) == 2 and t0_mn[1, 0][0] - t0_mn[0, 0][0] == 8
+                row0 = t_mn[0, 0][0]
+                at = (m_d[batch_idx, head_idx, None].iterator + (n_block * self.tile_n + row0 // 16 * 16
+                                                                  + row0 % 16 * 2)).toint()
+                g_d = cute.make_ptr(cutlass.Float32, at, cute.AddressSpace.gmem, assumed_align=8)
+                g_d = cute.make_tensor(g_d, cute.make_layout(2))
+                r_d = cute.make_rmem_tensor(2, cutlass.Float32)
+                cute.autovec_copy(g_d, r_d)
                 for r in cutlass.range(cute.size(acc_mn.shape[0]), unroll_full=True):
-                    bias = tile_bias + g_d[t0_mn[r, 0][0] - t0_mn[0, 0][0]]
+                    bias = tile_bias + r_d[r]
                     for c in cutlass.range(cute.size(acc_mn.shape[1]), unroll_full=True):
                         acc_mn[r, c] = acc_mn[r, c] * softmax_scale + bias
                 if cutlass.const_expr(self.score_mod is fox_bias_acp):

@@ -79,7 +79,7 @@ def permute_columns(d: Tensor, tile_n: int) -> Tensor:
     """``d`` (``[..., whole tiles of tile_n]``) with each thread's columns side by side: in a tile,
     the thread of quad lane ``q`` holds columns ``8 i + 2 q + e`` (``e`` 0 or 1, the wgmma
     accumulator's layout), stored at ``q * tile_n / 4 + 2 i + e``. The reference of
-    ``fa4_prep.column_terms(..., permute=True)``."""
+    ``fa4_prep.column_terms(..., permute="columns")``."""
     *lead, t_pad = d.shape
     x = d.reshape(*lead, t_pad // tile_n, tile_n // 8, 4, 2)  # [.., tile, i, q, e]
     return x.transpose(-3, -2).reshape(*lead, t_pad).contiguous()
@@ -111,7 +111,7 @@ def forward(q, k, v, c_hi, c_lo, p: Problem, block_start=None, poison: bool = Fa
     interface, fox, fox_acp = _kernels()
     t = p.tq
     tm, tn = tiles(p.d)
-    d, shift = fa4_prep.column_terms(c_hi, c_lo, t, tn, tm, permute=True)
+    d, shift = fa4_prep.column_terms(c_hi, c_lo, t, tn, tm, permute="columns")
     aux = [d, c_hi, c_lo]
     sparse = {}
     mod = fox

@@ -33,24 +33,28 @@ def _column_terms_kernel(CHI, CLO, D, SHIFT, T, TC, T_PAD, TILE_N: tl.constexpr,
     lo_q = tl.load(CLO + row + qref, mask=inside, other=0.0)
     d = tl.where(inside, (hi_k - hi) + (lo_k - lo), 0.0)
     at = j
-    if PERMUTE:  # fa4_fwd.permute_columns: column 8 i + 2 q + e of a tile at q * TILE_N / 4 + 2 i + e
+    if PERMUTE == 1:  # fa4_fwd.permute_columns: column 8 i + 2 q + e of a tile at q * TILE_N / 4 + 2 i + e
         local = j % TILE_N
         at = j - local + (local % 8) // 2 * (TILE_N // 4) + local // 8 * 2 + local % 2
+    if PERMUTE == 2:  # fa4_bwd.permute_keys: key g + 8 r of a 16-key slab at 2 g + r
+        local = j % 16
+        at = j - local + local % 8 * 2 + local // 8
     tl.store(D + i_bh * T_PAD + at, d, mask=j < T_PAD)
     tl.store(SHIFT + i_bh * T + j, (hi - hi_q) + (lo - lo_q), mask=inside)
 
 
-def column_terms(c_hi: Tensor, c_lo: Tensor, t: int, tile_n: int, tile_m: int, permute: bool = False
+def column_terms(c_hi: Tensor, c_lo: Tensor, t: int, tile_n: int, tile_m: int, permute: str | None = None
                  ) -> tuple[Tensor, Tensor]:
-    """As fa4_bwd.column_terms (its docstring), in one launch; ``permute``: ``d`` as
-    fa4_fwd.permute_columns lays it out for the forward."""
+    """As fa4_bwd.column_terms (its docstring), in one launch; ``permute``: ``d`` laid out as
+    fa4_fwd.permute_columns ("columns", the forward's) or fa4_bwd.permute_keys ("keys", the
+    backward's) lay it out."""
     b, h, tc = c_hi.shape
     t_pad = -(-t // tile_n) * tile_n
     d = torch.empty(b, h, t_pad, dtype=torch.float32, device=c_hi.device)
     shift = torch.empty(b, h, t, dtype=torch.float32, device=c_hi.device)
     grid = (triton.cdiv(t_pad, BLOCK_T), b * h)
     _column_terms_kernel[grid](c_hi, c_lo, d, shift, t, tc, t_pad, TILE_N=tile_n, TILE_M=tile_m,
-                               BLOCK=BLOCK_T, PERMUTE=permute)
+                               BLOCK=BLOCK_T, PERMUTE={None: 0, "columns": 1, "keys": 2}[permute])
     return d, shift
 
 
