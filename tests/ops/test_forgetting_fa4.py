@@ -305,26 +305,6 @@ def test_fa4_without_score_mod_unchanged_gpu(d):
 
 
 @pytest.mark.gpu
-def test_fa4_backward_tiles_gpu():
-    """FoX's dense backward at D 64 asks FlashAttention-4 for D 96's tiles (its own leave the hooks
-    no registers), ACP's for its own (fa4_bwd.D64_TILES); every other call, and every other head
-    dim, gets FlashAttention-4's own."""
-    _fa4_or_skip()
-    interface = fa4_bwd._kernels()[0]
-    own = {d: interface._tile_size_bwd_sm90(d, d, True, False) for d in (64, 96, 128)}
-    assert own[64].m_block_size == 128 and own[96].m_block_size == 64  # the tiles FoX's dense calls leave
-    assert fa4_bwd.D64_TILES == {"dense": "d96", "acp": "fa4"}
-    assert interface._tile_size_bwd_sm90(64, 64, True, False, fox="dense") == own[96]
-    assert interface._tile_size_bwd_sm90(64, 64, True, False, fox="acp") == own[64]
-    assert interface._tile_size_bwd_sm90(128, 128, True, False, fox="dense") == own[128]
-    token = fa4_bwd._FOX_CALL.set("dense")
-    try:
-        assert interface._tile_size_bwd_sm90(64, 64, True, False) == own[96]
-    finally:
-        fa4_bwd._FOX_CALL.reset(token)
-
-
-@pytest.mark.gpu
 def test_fa4_refuses_what_it_does_not_serve_gpu():
     """The calls FlashAttention-4's kernels cannot take go to Triton: float32, head dims outside
     64/96/128, packed sequences, query and key lengths that differ."""

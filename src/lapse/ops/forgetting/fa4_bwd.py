@@ -25,16 +25,17 @@ FlashAttention-4's own:
   tiles that keep a key of it; a key tile is two ACP blocks, so the hook masks the pruned keys of
   a visited tile, and the backward differentiates the forward's pruned sum exactly.
 
-- **the tiles at D 64** (``D64_TILES``): FlashAttention-4's own (128 queries x 128 keys, a thread
-  holding 64 scores of S and 64 of dP) leave the hooks no registers: ptxas serialized every wgmma
-  of the loop ("insufficient register resources") and spilled. FoX's dense calls take the tiles
-  FlashAttention-4 takes at D 96 (64 x 128), which compile without either; ACP's keep the 128-row
-  ones, faster for it all the same (thirty-first session: dense forward+backward 1.20-1.27x
-  FlashAttention-4's against 1.31-1.35x; ACP 0.45-0.63x against 0.50-0.67x).
+- **registers.** At D 64 FlashAttention-4's tiles (128 queries x 128 keys) give a consumer thread
+  64 scores of S and 64 of dP, and little room is left: with a thread's two keys of ``d`` loaded
+  one by one, ptxas serialized every wgmma of the loop ("insufficient register resources") and
+  spilled. So ``d`` is stored with each thread's two keys side by side (:func:`permute_keys`), one
+  64-bit load, and the key sums' atomics and the bias's load use one pointer a tile; the loop
+  then compiles as FlashAttention-4's own does (thirty-first session: dense forward+backward at
+  D 64 went from 1.31-1.35x FlashAttention-4's to 1.16-1.17x).
 
 Measured on an H200 (thirtieth and thirty-first sessions, BENCHMARKS.md), with lapse's forward,
-forward+backward takes 1.14-1.17x FlashAttention-4's (without a gate) at D 128 and 1.20-1.27x at
-D 64, against 1.39-1.47x with the Triton backward; with ACP 0.45x at T 16k (Triton: 0.53-0.55x).
+forward+backward takes 1.12-1.17x FlashAttention-4's (without a gate) at D 128 and 1.15-1.16x at
+D 64, against 1.39-1.47x with the Triton backward; with ACP 0.44-0.45x at T 16k (Triton: 0.53-0.55x).
 
 It serves calls in float16 or bfloat16 with ``D`` in 64, 96 or 128, equal query and key lengths
 and no packing (grouped-query heads included), on compute capability 9; elsewhere the Triton
@@ -49,7 +50,6 @@ test has run yet: with no ``score_mod`` the hooks are not called at all, which a
 
 from __future__ import annotations
 
-import contextvars
 import functools
 import hashlib
 import logging
@@ -67,10 +67,6 @@ FA4_VERSION = "4.0.0b36"  # the release whose hooks the subclass fills (their si
 ENABLED = os.environ.get("LAPSE_FA4_BWD", "1") != "0"
 HEAD_DIMS = (64, 96, 128)  # FlashAttention-4's transposed-tile (SdP_swapAB) configurations on Hopper
 ACP = os.environ.get("LAPSE_FA4_BWD_ACP", "1") != "0"  # ACP's backward too (its block sparsity)
-# the tiles FoX's backward takes at D 64, dense and ACP ("fa4": FlashAttention-4's own; "d96", "d128":
-# those it takes at that head dim): the module's docstring says why
-D64_TILES = {"dense": os.environ.get("LAPSE_FA4_BWD_D64", "d96"),
-             "acp": os.environ.get("LAPSE_FA4_BWD_D64_ACP", "fa4")}
 QUERY_CHUNK = int(os.environ.get("LAPSE_FA4_BWD_CHUNK", "8"))  # query sums reduced so many columns at once
 
 
@@ -80,7 +76,6 @@ def query_chunk(n_cols: int) -> int:
     return QUERY_CHUNK if QUERY_CHUNK > 0 and n_cols % QUERY_CHUNK == 0 else n_cols
 
 log = logging.getLogger(__name__)
-_FOX_CALL = contextvars.ContextVar("lapse_fa4_fox_backward", default=None)  # "dense"/"acp" inside backward()
 
 
 def serves(q: Tensor, p: Problem, block_start: Tensor | None) -> bool:
@@ -153,8 +148,7 @@ def backward(q, k, v, o, do, lse2, dlse, c_hi, c_lo, p: Problem, poison: bool = 
     the pruned keys of a visited one, so it differentiates the forward's pruned sum exactly."""
     interface, score_mod, score_mod_bwd, score_mod_acp = _kernels()
     t = p.tq
-    kind = "dense" if block_start is None else "acp"
-    cfg = interface._tile_size_bwd_sm90(p.d, p.d, True, False, fox=kind)
+    cfg = interface._tile_size_bwd_sm90(p.d, p.d, True, False)
     tm, tn = cfg.m_block_size, cfg.n_block_size
     sparse, extra = {}, []
     if block_start is not None:
@@ -176,13 +170,9 @@ def backward(q, k, v, o, do, lse2, dlse, c_hi, c_lo, p: Problem, poison: bool = 
     if poison:
         grads = {n: torch.full_like(x, float("nan")) for n, x in (("dq", q), ("dk", k), ("dv", v))}
     aux = [d, c_hi[..., :t].contiguous(), c_lo[..., :t].contiguous(), colsum, rowsum, *extra]
-    token = _FOX_CALL.set(kind)  # the interface asks for its tiles by head dim alone (tile_size in _build)
-    try:
-        dq, dk, dv = interface._flash_attn_bwd(
-            q, k, v, o, do, lse.contiguous(), softmax_scale=p.scale, causal=True, score_mod=score_mod,
-            score_mod_bwd=score_mod_bwd, dlse=dlse, **grads, **sparse, aux_tensors=aux)[:3]
-    finally:
-        _FOX_CALL.reset(token)
+    dq, dk, dv = interface._flash_attn_bwd(
+        q, k, v, o, do, lse.contiguous(), softmax_scale=p.scale, causal=True, score_mod=score_mod,
+        score_mod_bwd=score_mod_bwd, dlse=dlse, **grads, **sparse, aux_tensors=aux)[:3]
     return dq, dk, dv, colsum[..., :t].contiguous(), rowsum[..., :t].contiguous()
 
 
@@ -228,7 +218,7 @@ def _build():
     # FlashAttention-4 keys its compiles (in memory and, with FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED,
     # on disk) by a score_mod's own source, which for these markers never changes: key them by this
     # file's text instead, so that an edited hook is compiled again
-    key = Path(__file__).read_bytes() + f"{FA4_VERSION} {QUERY_CHUNK} {D64_TILES}".encode()
+    key = Path(__file__).read_bytes() + f"{FA4_VERSION} {QUERY_CHUNK}".encode()
     digest = hashlib.sha256(key).hexdigest()
     for i, marker in enumerate((fox_bias, fox_bias_acp, fox_bias_bwd)):
         getattr(marker, "__wrapped__", marker).__cute_hash__ = f"lapse-fox-{i}-{digest}"
@@ -383,19 +373,6 @@ def _build():
                     atomic_add_fp32(vals[i], g_dr.iterator)
 
     interface.FlashAttentionBackwardSm90 = FoxBackwardSm90  # the interface builds its kernel from this name
-    fa4_tiles = interface._tile_size_bwd_sm90
-
-    def tile_size(head_dim, head_dim_v, causal, local, sparse_block_size_q=None, fox=None):
-        """FlashAttention-4's tiles, but at D 64 for FoX's calls (``fox``: "dense" or "acp"; inside
-        backward() the interface's own call, which cannot say, reads it from ``_FOX_CALL``) the ones
-        ``D64_TILES`` names."""
-        like = D64_TILES.get(fox or _FOX_CALL.get(), "fa4")
-        if head_dim <= 64 and like != "fa4":
-            dim = {"d96": 96, "d128": 128}[like]
-            return fa4_tiles(dim, dim, causal, local, sparse_block_size_q)
-        return fa4_tiles(head_dim, head_dim_v, causal, local, sparse_block_size_q)
-
-    interface._tile_size_bwd_sm90 = tile_size
     log.info("lapse: FoX's backward runs on FlashAttention-4 %s (its first call compiles the kernel)",
              FA4_VERSION)
     return interface, fox_bias, fox_bias_bwd, fox_bias_acp
