@@ -48,21 +48,26 @@ def test_column_terms_match_float64():
         assert torch.allclose(shift.double(), want_shift, rtol=2**-22, atol=1e-6)
 
 
+def _random_staircase(b, h, t, seed):
+    """``block_start`` (any prefix of each 64-row block's key blocks, up to its diagonal block:
+    staircases and more) and, by brute force, which (query, key) pairs it keeps causally
+    (``[B, H, T, T]``)."""
+    g = torch.Generator().manual_seed(seed)
+    blocks = -(-t // 64)
+    block_start = (torch.rand(b, h, blocks, generator=g) * (torch.arange(blocks) + 1)).floor().to(torch.int32)
+    rows, keys = torch.arange(t), torch.arange(t)
+    kept = (keys[None, :] <= rows[:, None]) & (keys >= 64 * block_start[..., rows // 64, None])
+    return block_start, kept
+
+
 @pytest.mark.parametrize("t,tile_m", [(1000, 64), (1000, 128), (129, 128), (64, 64), (1, 128)])
 def test_acp_blocks_visit_exactly_the_tiles_with_kept_pairs(t, tile_m):
     """Against brute force over every (query, key) pair: a query tile is listed for a key tile
     iff some query of it keeps some key of it causally (key <= query, key at or past 64 x its
     64-row block's start); listed ones are packed left, in increasing order."""
-    g = torch.Generator().manual_seed(t + tile_m)
-    tile_n = 128
-    b, h, blocks = 2, 3, -(-t // 64)
-    diag = torch.arange(blocks)
-    # any prefix of each row's key blocks, up to its diagonal block (staircases and more)
-    block_start = (torch.rand(b, h, blocks, generator=g) * (diag + 1)).floor().to(torch.int32)
+    b, h, tile_n = 2, 3, 128
+    block_start, kept = _random_staircase(b, h, t, seed=t + tile_m)
     count, index = fa4_bwd.acp_blocks(block_start, t, tile_m, tile_n)
-    rows, keys = torch.arange(t), torch.arange(t)
-    first = 64 * block_start[..., rows // 64, None]  # [B, H, T, 1]
-    kept = (keys[None, :] <= rows[:, None]) & (keys >= first)
     m_tiles, n_tiles = -(-t // tile_m), -(-t // tile_n)
     pad_r, pad_k = m_tiles * tile_m - t, n_tiles * tile_n - t
     kept = torch.nn.functional.pad(kept, (0, pad_k, 0, pad_r))
@@ -123,14 +128,9 @@ def test_acp_key_tiles_visit_exactly_the_tiles_with_kept_pairs(t, tile_m):
     """The forward's lists against brute force: query tile m lists key tile n iff some query of
     it keeps some key of it causally, or n lies between two that do (the kernel walks a range);
     increasing, packed left."""
-    g = torch.Generator().manual_seed(t + tile_m)
-    tile_n = 128
-    b, h, blocks = 2, 3, -(-t // 64)
-    diag = torch.arange(blocks)
-    block_start = (torch.rand(b, h, blocks, generator=g) * (diag + 1)).floor().to(torch.int32)
+    b, h, tile_n = 2, 3, 128
+    block_start, kept = _random_staircase(b, h, t, seed=t + tile_m)
     count, index = fa4_fwd.acp_key_tiles(block_start, t, tile_m, tile_n)
-    rows, keys = torch.arange(t), torch.arange(t)
-    kept = (keys[None, :] <= rows[:, None]) & (keys >= 64 * block_start[..., rows // 64, None])
     m_tiles, n_tiles = -(-t // tile_m), -(-t // tile_n)
     kept = torch.nn.functional.pad(kept, (0, n_tiles * tile_n - t, 0, m_tiles * tile_m - t))
     some = kept.view(b, h, m_tiles, tile_m, n_tiles, tile_n).any(5).any(3)  # [B, H, M, N]

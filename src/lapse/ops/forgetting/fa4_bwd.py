@@ -116,6 +116,18 @@ def permute_keys(d: Tensor) -> Tensor:
     return d.reshape(*lead, t_pad // 16, 2, 8).transpose(-1, -2).reshape(*lead, t_pad).contiguous()
 
 
+def first_kept_keys(block_start: Tensor, t: int, tile_m: int) -> Tensor:
+    """The first kept key of each query tile of ``tile_m`` (int64 ``[B, H, M]``): the least over its
+    64-row ACP blocks' ``block_start`` (past the last block, the last block's), in keys."""
+    sub = tile_m // ACP_BLOCK
+    m_tiles = -(-t // tile_m)
+    bs = block_start.to(torch.int64)
+    pad = m_tiles * sub - bs.shape[-1]
+    if pad > 0:
+        bs = torch.cat([bs, bs[..., -1:].expand(*bs.shape[:-1], pad)], -1)
+    return bs[..., : m_tiles * sub].view(*bs.shape[:-1], m_tiles, sub).amin(-1) * ACP_BLOCK
+
+
 def acp_blocks(block_start: Tensor, t: int, tile_m: int, tile_n: int):
     """The reference of ``fa4_prep.acp_blocks`` (one launch), which the backward runs.
     FlashAttention-4's backward block sparsity for ACP's staircase: for each key tile of
@@ -123,15 +135,10 @@ def acp_blocks(block_start: Tensor, t: int, tile_m: int, tile_n: int):
     int32, packed left): those that keep a key of the tile (``block_start``, ``[B, H, ceil(t /
     ACP_BLOCK)]`` in ACP blocks, is each 64-row block's first kept key block) and reach it
     causally. A visited tile may still hold pruned keys: the score hook masks them."""
-    sub = tile_m // ACP_BLOCK
     m_tiles, n_tiles = -(-t // tile_m), -(-t // tile_n)
-    bs = block_start.to(torch.int64)
-    pad = m_tiles * sub - bs.shape[-1]
-    if pad > 0:
-        bs = torch.cat([bs, bs[..., -1:].expand(*bs.shape[:-1], pad)], -1)
-    first_kept = bs[..., : m_tiles * sub].view(*bs.shape[:-1], m_tiles, sub).amin(-1) * ACP_BLOCK  # [B, H, M]
-    m = torch.arange(m_tiles, device=bs.device)
-    n = torch.arange(n_tiles, device=bs.device)
+    first_kept = first_kept_keys(block_start, t, tile_m)  # [B, H, M]
+    m = torch.arange(m_tiles, device=block_start.device)
+    n = torch.arange(n_tiles, device=block_start.device)
     last_row = torch.clamp(m * tile_m + tile_m - 1, max=t - 1)  # [M]
     visit = (first_kept[..., None, :] <= (n * tile_n + tile_n - 1)[:, None]) & (
         last_row[None, :] >= (n * tile_n)[:, None])  # [B, H, N, M]

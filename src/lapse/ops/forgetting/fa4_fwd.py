@@ -90,17 +90,12 @@ def acp_key_tiles(block_start: Tensor, t: int, tile_m: int, tile_n: int) -> tupl
     ACP's staircase: for each query tile of ``tile_m``, the key tiles of ``tile_n`` from the one
     holding its first kept key (the least over its 64-row blocks' ``block_start``) to its diagonal
     (``(count [B, H, M], index [B, H, M, N])`` int32, increasing, packed left, zeros after)."""
-    sub = tile_m // ACP_BLOCK
     m_tiles, n_tiles = -(-t // tile_m), -(-t // tile_n)
-    bs = block_start.to(torch.int64)
-    pad = m_tiles * sub - bs.shape[-1]
-    if pad > 0:
-        bs = torch.cat([bs, bs[..., -1:].expand(*bs.shape[:-1], pad)], -1)
-    first = bs[..., : m_tiles * sub].view(*bs.shape[:-1], m_tiles, sub).amin(-1) * ACP_BLOCK // tile_n
-    m = torch.arange(m_tiles, device=bs.device)
+    first = fa4_bwd.first_kept_keys(block_start, t, tile_m) // tile_n
+    m = torch.arange(m_tiles, device=block_start.device)
     last = torch.clamp(m * tile_m + tile_m - 1, max=t - 1) // tile_n  # [M]
     count = (last - first + 1).clamp_min(0)
-    n = torch.arange(n_tiles, device=bs.device)
+    n = torch.arange(n_tiles, device=block_start.device)
     index = torch.where(n < count[..., None], first[..., None] + n, 0)
     return count.to(torch.int32).contiguous(), index.to(torch.int32).contiguous()
 
