@@ -28,7 +28,10 @@ def main() -> None:
 
     set_value_checks(False)
     cfg = bench.AttentionBenchConfig()
+    fa4_fwd.ENABLED = True  # for the environment's label; each run below sets its own
     res: dict = {"env": bench.environment(), "timing": []}
+    forward, calls = fa4_fwd.forward, []
+    fa4_fwd.forward = lambda *args, **kw: calls.append(1) or forward(*args, **kw)  # where each "fwd fa4" ran
     for d in a.dims:
         for t in a.seq_lens:
             wl = make_workload(WorkloadSpec(seq_len=t, tokens=32768, heads=24, kv_heads=24, head_dim=d),
@@ -52,11 +55,15 @@ def main() -> None:
                             return torch.autograd.grad(r.forward(), r.grad_inputs, dout)
 
                     for mode, fn in (("fwd", fwd), ("fwd+bwd", both)):
+                        calls.clear()
                         try:
                             fn()
                             row[f"{name}{label} {mode}"] = bench._time_graphed(fn, cfg)
                         except Exception as e:
                             row[f"{name}{label} {mode}"] = bench._short(e)
+                        if label:  # the forward FlashAttention-4's (no fallback) where the label says so
+                            ran = bool(calls) and fa4_fwd.ENABLED
+                            row[f"{name}{label} {mode} forward on flash-attn-4"] = ran
                         bench._free()
             fa4_fwd.ENABLED = True
             res["timing"].append(row)

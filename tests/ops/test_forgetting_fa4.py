@@ -28,6 +28,13 @@ from lapse.ops.forgetting.common import validate  # noqa: E402
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"  # fa4_prep's kernels: compiled, or the interpreter
 
 
+@pytest.fixture(autouse=True)
+def _strict(monkeypatch):
+    """A FlashAttention-4 kernel that fails raises here instead of falling back to Triton, so that
+    it fails its test (the fallback's own test turns this off)."""
+    monkeypatch.setattr(triton_ops, "FA4_STRICT", True)
+
+
 def test_column_terms_match_float64():
     g = torch.Generator().manual_seed(0)
     b, h, t = 2, 3, 1000
@@ -195,19 +202,34 @@ def test_not_taken_on_the_cpu():
 @pytest.mark.parametrize("path", ["forward", "backward"])
 def test_a_failing_fa4_kernel_falls_back_to_triton(path, monkeypatch):
     """Where FlashAttention-4's kernel fails (its compile, here a stand-in that raises), the call
-    runs on the Triton kernels, warns once, and that path stays off for the process."""
+    runs on the Triton kernels, warns once (a second call neither tries it nor warns), and that
+    path stays off for the process; running out of memory is not its fault and propagates."""
+    monkeypatch.setattr(triton_ops, "FA4_STRICT", False)
     mod = fa4_fwd if path == "forward" else fa4_bwd
     monkeypatch.setattr(mod, "ENABLED", True)
     monkeypatch.setattr(mod, "serves", lambda *a: mod.ENABLED)
+    tries = []
 
     def broken(*a, **kw):
+        tries.append(1)
         raise RuntimeError("stand-in for a compile failure")
 
     monkeypatch.setattr(mod, path, broken)
     q, k, v, lg, do = _inputs(1, 40, 40, 2, 2, 16, "mixed", torch.float32, "cpu", seed=3)
-    with pytest.warns(RuntimeWarning, match=f"FoX's {path} on FlashAttention-4 failed"):
+    with pytest.warns(RuntimeWarning, match=f"FoX's {path} on FlashAttention-4 failed") as record:
         _compare(q, k, v, lg, do, torch.float32)
-    assert mod.ENABLED is False
+        _compare(q, k, v, lg, do, torch.float32)
+    assert mod.ENABLED is False and len(tries) == 1
+    assert sum("FlashAttention-4 failed" in str(w.message) for w in record) == 1
+
+    def out_of_memory(*a, **kw):
+        raise torch.cuda.OutOfMemoryError("stand-in")
+
+    monkeypatch.setattr(mod, "ENABLED", True)
+    monkeypatch.setattr(mod, path, out_of_memory)
+    with pytest.raises(torch.cuda.OutOfMemoryError):
+        _compare(q, k, v, lg, do, torch.float32)
+    assert mod.ENABLED is True
 
 
 def _fa4_or_skip():
@@ -262,6 +284,7 @@ def _check_paths(case, monkeypatch, forward_on_fa4, backward_on_fa4, seed):
     q, k, v, lg, do = _inputs(b, t, t, hq, h, d, gate, dtype, "cuda", seed=seed)
     _compare(q, k, v, lg, do, dtype, acp, None, True if acp and gate == "fast" else None)
     assert ("forward" in calls) == forward_on_fa4 and ("backward" in calls) == backward_on_fa4, calls
+    assert (fa4_fwd.ENABLED, fa4_bwd.ENABLED) == (forward_on_fa4, backward_on_fa4)  # no fallback
 
 
 FWD_CASES = [c for c in FA4_CASES if c[1] in (1000, 777, 129, 300)]
@@ -311,12 +334,16 @@ def test_fa4_refuses_what_it_does_not_serve_gpu():
     _fa4_or_skip()
 
     def takes(dtype=torch.bfloat16, d=64, tq=256, tk=256, cu=None):
-        q = torch.zeros(1 if cu is None else 1, tq, 2, d, dtype=dtype, device="cuda")
+        q = torch.zeros(1, tq, 2, d, dtype=dtype, device="cuda")
         kv = torch.zeros(1, tk, 2, d, dtype=dtype, device="cuda")
         p = validate(q, kv, kv, torch.zeros(1, tk, 2, device="cuda"), None, cu, "triton")
-        return fa4_bwd.serves(q, p, None), fa4_bwd.fits(q, p)
+        return fa4_bwd.serves(q, p, None), fa4_fwd.serves(q, p, None), fa4_bwd.fits(q, p)
 
-    assert takes() == (True, True)
-    cu = torch.tensor([0, 100, 256], dtype=torch.int32, device="cuda")
-    for kwargs in ({"dtype": torch.float32}, {"d": 48}, {"d": 256}, {"tq": 1}, {"cu": cu}):
-        assert takes(**kwargs) == (False, False), kwargs
+    fa4_fwd.ENABLED, before = True, fa4_fwd.ENABLED  # the forward is opt-in
+    try:
+        assert takes() == (True, True, True)
+        cu = torch.tensor([0, 100, 256], dtype=torch.int32, device="cuda")
+        for kwargs in ({"dtype": torch.float32}, {"d": 48}, {"d": 256}, {"tq": 1}, {"cu": cu}):
+            assert takes(**kwargs) == (False, False, False), kwargs
+    finally:
+        fa4_fwd.ENABLED = before

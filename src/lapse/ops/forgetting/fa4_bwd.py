@@ -19,8 +19,9 @@ FlashAttention-4's own:
   kernels' (without the query sums it is 10x off: the twenty-ninth session). A key's sum is a
   thread's row: two shuffles and an atomic add a quad. A query's sum runs across the warp's
   eight row groups; the reduction transposes as it goes (each exchange sends half the columns a
-  thread holds and keeps the other half's sums), so ``2n - 2`` shuffles leave each lane ``n / 8``
-  whole sums of ``n`` columns, and every lane adds its own with atomics.
+  thread holds and keeps the other half's sums), so ``n/2 + n/4 + n/8`` shuffles leave each lane
+  ``n / 8`` whole sums of ``n`` columns (eight at a time: ``QUERY_CHUNK``), and every lane adds
+  its own with atomics.
 - **ACP** (:func:`acp_blocks`): the kernel's block sparsity lists, for each key tile, the query
   tiles that keep a key of it; a key tile is two ACP blocks, so the hook masks the pruned keys of
   a visited tile, and the backward differentiates the forward's pruned sum exactly.
@@ -54,6 +55,7 @@ import functools
 import hashlib
 import logging
 import os
+import threading
 from pathlib import Path
 
 import torch
@@ -76,6 +78,7 @@ def query_chunk(n_cols: int) -> int:
     return QUERY_CHUNK if QUERY_CHUNK > 0 and n_cols % QUERY_CHUNK == 0 else n_cols
 
 log = logging.getLogger(__name__)
+_BUILDING = threading.Lock()  # one thread builds the subclass and rewrites FlashAttention-4's class
 
 
 def serves(q: Tensor, p: Problem, block_start: Tensor | None) -> bool:
@@ -183,8 +186,15 @@ def backward(q, k, v, o, do, lse2, dlse, c_hi, c_lo, p: Problem, poison: bool = 
     return dq, dk, dv, colsum[..., :t].contiguous(), rowsum[..., :t].contiguous()
 
 
-@functools.cache
 def _kernels():
+    """:func:`_kernels_once` under a lock: one build of the subclass, whose markers its hooks
+    compare against, even when threads make their first calls together."""
+    with _BUILDING:
+        return _kernels_once()
+
+
+@functools.cache
+def _kernels_once():
     """``(interface, score_mod, score_mod_bwd, score_mod_acp)`` (the markers that select the hooks'
     FoX paths), or None where ``flash-attn-4`` ``FA4_VERSION`` and its CuTe DSL do not import (then
     :func:`serves` says no)."""

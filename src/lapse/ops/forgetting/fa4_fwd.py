@@ -43,6 +43,7 @@ import functools
 import hashlib
 import logging
 import os
+import threading
 from pathlib import Path
 
 import torch
@@ -59,6 +60,7 @@ PREFETCH = int(os.environ.get("LAPSE_FA4_FWD_PREFETCH", "1"))  # key tiles ahead
 STAGED = os.environ.get("LAPSE_FA4_FWD_STAGED", "1") == "1"  # the column terms through shared memory
 
 log = logging.getLogger(__name__)
+_BUILDING = threading.Lock()  # one thread builds the subclass and rewrites FlashAttention-4's class
 
 
 def serves(q: Tensor, p: Problem, block_start: Tensor | None) -> bool:
@@ -127,8 +129,15 @@ def forward(q, k, v, c_hi, c_lo, p: Problem, block_start=None, poison: bool = Fa
     return o, lse2
 
 
-@functools.cache
 def _kernels():
+    """:func:`_kernels_once` under a lock: one build of the subclass, whose markers its hooks
+    compare against, even when threads make their first calls together."""
+    with _BUILDING:
+        return _kernels_once()
+
+
+@functools.cache
+def _kernels_once():
     """``(interface, fox, fox_acp)`` (the markers that select the hook's FoX paths), or None where
     FlashAttention-4 is not usable (fa4_bwd._kernels says why)."""
     if fa4_bwd._kernels() is None:
@@ -252,6 +261,7 @@ def _build():
             """Key tile ``n``'s column terms to this warp's stage ``n % 2``, a 16-byte cp.async a lane."""
             atom = cute.make_copy_atom(cpasync.CopyG2SOp(cache_mode=cpasync.LoadCacheMode.GLOBAL),
                                        cutlass.Float32, num_bits_per_copy=128)
+            assert self.tile_n == 128  # a lane's 16 bytes: a warp copies the tile's 128 terms at once
             vec = self.tile_n // 32  # floats a lane copies
             at = (row.iterator + (n * self.tile_n + lane * vec)).toint()
             src = cute.make_ptr(cutlass.Float32, at, cute.AddressSpace.gmem, assumed_align=16)
