@@ -78,7 +78,6 @@ def query_chunk(n_cols: int) -> int:
     return QUERY_CHUNK if QUERY_CHUNK > 0 and n_cols % QUERY_CHUNK == 0 else n_cols
 
 log = logging.getLogger(__name__)
-_BUILDING = threading.Lock()  # one thread builds the subclass and rewrites FlashAttention-4's class
 
 
 def serves(q: Tensor, p: Problem, block_start: Tensor | None) -> bool:
@@ -186,15 +185,21 @@ def backward(q, k, v, o, do, lse2, dlse, c_hi, c_lo, p: Problem, poison: bool = 
     return dq, dk, dv, colsum[..., :t].contiguous(), rowsum[..., :t].contiguous()
 
 
+def built_once(make):
+    """``make()`` called once and its result kept, under a lock: one build of a subclass (whose
+    markers its hooks compare against) even when threads make their first calls together."""
+    lock, cached = threading.Lock(), functools.cache(make)
+
+    @functools.wraps(make)
+    def once():
+        with lock:
+            return cached()
+
+    return once
+
+
+@built_once
 def _kernels():
-    """:func:`_kernels_once` under a lock: one build of the subclass, whose markers its hooks
-    compare against, even when threads make their first calls together."""
-    with _BUILDING:
-        return _kernels_once()
-
-
-@functools.cache
-def _kernels_once():
     """``(interface, score_mod, score_mod_bwd, score_mod_acp)`` (the markers that select the hooks'
     FoX paths), or None where ``flash-attn-4`` ``FA4_VERSION`` and its CuTe DSL do not import (then
     :func:`serves` says no)."""

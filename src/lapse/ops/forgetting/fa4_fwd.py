@@ -39,11 +39,9 @@ packing, compute capability 9); ``LAPSE_FA4_FWD_ACP=0`` keeps ACP's calls on Tri
 
 from __future__ import annotations
 
-import functools
 import hashlib
 import logging
 import os
-import threading
 from pathlib import Path
 
 import torch
@@ -60,7 +58,6 @@ PREFETCH = int(os.environ.get("LAPSE_FA4_FWD_PREFETCH", "1"))  # key tiles ahead
 STAGED = os.environ.get("LAPSE_FA4_FWD_STAGED", "1") == "1"  # the column terms through shared memory
 
 log = logging.getLogger(__name__)
-_BUILDING = threading.Lock()  # one thread builds the subclass and rewrites FlashAttention-4's class
 
 
 def serves(q: Tensor, p: Problem, block_start: Tensor | None) -> bool:
@@ -129,15 +126,8 @@ def forward(q, k, v, c_hi, c_lo, p: Problem, block_start=None, poison: bool = Fa
     return o, lse2
 
 
+@fa4_bwd.built_once
 def _kernels():
-    """:func:`_kernels_once` under a lock: one build of the subclass, whose markers its hooks
-    compare against, even when threads make their first calls together."""
-    with _BUILDING:
-        return _kernels_once()
-
-
-@functools.cache
-def _kernels_once():
     """``(interface, fox, fox_acp)`` (the markers that select the hook's FoX paths), or None where
     FlashAttention-4 is not usable (fa4_bwd._kernels says why)."""
     if fa4_bwd._kernels() is None:
