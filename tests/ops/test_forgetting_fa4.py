@@ -287,7 +287,8 @@ def _check_paths(case, monkeypatch, forward_on_fa4, backward_on_fa4, seed):
     assert (fa4_fwd.ENABLED, fa4_bwd.ENABLED) == (forward_on_fa4, backward_on_fa4)  # no fallback
 
 
-FWD_CASES = [c for c in FA4_CASES if c[1] in (1000, 777, 129, 300)]
+# T 1 (a query tile's first key tile is its last), 2048 with ACP (the last visited tile is not tile 0)
+FWD_CASES = [c for c in FA4_CASES if c[1] in (1000, 777, 129, 300, 1, 2048)]
 
 
 @pytest.mark.gpu

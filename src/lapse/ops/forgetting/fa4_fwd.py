@@ -212,7 +212,10 @@ def _build():
                                                      assumed_align=16), cute.make_layout(per))
                 r_d = cute.make_rmem_tensor(per, cutlass.Float32)
                 if cutlass.const_expr(STAGED):
-                    self._staged_columns(r_d, row, m_block, n_block, seqlen, quad, per)
+                    last = 0  # the last key tile the loop visits (it walks down): ACP's first kept
+                    if cutlass.const_expr(self.score_mod is fox_acp):
+                        last = self._first_kept_tile(aux_data.tensors[3], batch_idx, head_idx, m_block)
+                    self._staged_columns(r_d, row, m_block, n_block, last, seqlen, quad, per)
                 else:
                     # the tiles PREFETCH ahead into L1 (the loop walks down the keys): this thread's line
                     for ahead in cutlass.range_constexpr(1, PREFETCH + 1):
@@ -226,11 +229,23 @@ def _build():
                     self._acp_mask(acc_mn, t_mn, aux_data.tensors[3], batch_idx, head_idx, m_block, n_block)
 
         @cute.jit
-        def _staged_columns(self, r_d, row, m_block, n_block, seqlen, quad, per):
+        def _first_kept_tile(self, m_start, batch_idx, head_idx, m_block):
+            """ACP: the key tile holding query tile ``m_block``'s first kept key, the last one its
+            block list visits (``acp_key_tiles``): the least over its 64-row blocks'."""
+            sub, top = self.tile_m // 64, m_start.shape[2] - 1
+            first = m_start[batch_idx, head_idx, cutlass.min(m_block * sub, top)]
+            for s_ in cutlass.range_constexpr(1, sub):
+                first = cutlass.min(first, m_start[batch_idx, head_idx, cutlass.min(m_block * sub + s_, top)])
+            return first * 64 // self.tile_n
+
+        @cute.jit
+        def _staged_columns(self, r_d, row, m_block, n_block, last, seqlen, quad, per):
             """This thread's column terms of key tile ``n_block`` into ``r_d`` from shared memory,
             where the previous tile's call copied them (``cp.async``: each warp its own copy of the
             tile's 128 terms, two stages), after starting the copy of the next tile (``n_block -
-            1``: the loop walks down the keys). A query tile's first (its diagonal) copies its own."""
+            1``: the loop walks down the keys to ``last``). A query tile's first (its diagonal)
+            copies its own; its last starts none and waits for every copy, so none is in flight
+            when the program moves on or ends."""
             warp = cute.arch.warp_idx()
             lane = cute.arch.lane_idx()
             n_tiles = cute.ceil_div(seqlen.seqlen_k, self.tile_n)
@@ -240,8 +255,11 @@ def _build():
             cute.arch.sync_warp()  # every lane's reads of the stage about to be refilled are done
             if n_block == first:
                 self._copy_columns(row, s_d, n_block, warp, lane)
-            self._copy_columns(row, s_d, cutlass.max(n_block - 1, 0), warp, lane)
-            cute.arch.cp_async_wait_group(1)
+            if n_block > last:
+                self._copy_columns(row, s_d, n_block - 1, warp, lane)
+                cute.arch.cp_async_wait_group(1)
+            else:
+                cute.arch.cp_async_wait_group(0)
             cute.arch.sync_warp()
             mine = cute.domain_offset((quad * per, warp, n_block % 2), s_d)
             cute.autovec_copy(cute.make_tensor(mine.iterator.align(16), cute.make_layout(per)), r_d)
