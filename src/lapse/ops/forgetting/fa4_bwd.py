@@ -51,7 +51,6 @@ test has run yet: with no ``score_mod`` the hooks are not called at all, which a
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import hashlib
 import logging
@@ -71,7 +70,6 @@ ENABLED = os.environ.get("LAPSE_FA4_BWD", "1") != "0"
 HEAD_DIMS = (64, 96, 128)  # FlashAttention-4's transposed-tile (SdP_swapAB) configurations on Hopper
 ACP = os.environ.get("LAPSE_FA4_BWD_ACP", "1") != "0"  # ACP's backward too (its block sparsity)
 QUERY_CHUNK = int(os.environ.get("LAPSE_FA4_BWD_CHUNK", "8"))  # query sums reduced so many columns at once
-LONGEST_FIRST = os.environ.get("LAPSE_FA4_BWD_LPT", "1") != "0"  # the key tiles' order (:func:`_scheduled`)
 
 
 def query_chunk(n_cols: int) -> int:
@@ -181,37 +179,10 @@ def backward(q, k, v, o, do, lse2, dlse, c_hi, c_lo, p: Problem, poison: bool = 
     if poison:
         grads = {n: torch.full_like(x, float("nan")) for n, x in (("dq", q), ("dk", k), ("dv", v))}
     aux = [d, c_hi[..., :t].contiguous(), c_lo[..., :t].contiguous(), colsum, rowsum, *extra]
-    with _scheduled():
-        dq, dk, dv = interface._flash_attn_bwd(
-            q, k, v, o, do, lse.contiguous(), softmax_scale=p.scale, causal=True, score_mod=score_mod,
-            score_mod_bwd=score_mod_bwd, dlse=dlse, **grads, **sparse, aux_tensors=aux)[:3]
+    dq, dk, dv = interface._flash_attn_bwd(
+        q, k, v, o, do, lse.contiguous(), softmax_scale=p.scale, causal=True, score_mod=score_mod,
+        score_mod_bwd=score_mod_bwd, dlse=dlse, **grads, **sparse, aux_tensors=aux)[:3]
     return dq, dk, dv, colsum[..., :t].contiguous(), rowsum[..., :t].contiguous()
-
-
-_SCHEDULER_LOCK = threading.Lock()
-
-
-@contextlib.contextmanager
-def _scheduled():
-    """With ``LONGEST_FIRST``, the kernel a call compiles takes its key tiles in
-    FlashAttention-4's longest-first order (``SingleTileLPTBwdScheduler``, which it runs only in
-    its deterministic mode; here with the atomics as usual): key tile 0 (the most query tiles)
-    first, within groups of heads sized to the L2 cache. Its default order (``SingleTileScheduler``:
-    each head's key tiles in turn) leaves a long key tile of a global head for the end, which
-    ACP's short ones cannot fill: BENCHMARKS.md, thirty-second session. The order is read when the
-    kernel is traced (a first call), through the module's name, swapped here under a lock."""
-    if not LONGEST_FIRST:
-        yield
-        return
-    from flash_attn.cute import flash_bwd_sm90
-
-    with _SCHEDULER_LOCK:
-        default = flash_bwd_sm90.SingleTileScheduler
-        flash_bwd_sm90.SingleTileScheduler = flash_bwd_sm90.SingleTileLPTBwdScheduler
-        try:
-            yield
-        finally:
-            flash_bwd_sm90.SingleTileScheduler = default
 
 
 def built_once(make):
@@ -269,7 +240,7 @@ def _build():
     # FlashAttention-4 keys its compiles (in memory and, with FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED,
     # on disk) by a score_mod's own source, which for these markers never changes: key them by this
     # file's text instead, so that an edited hook is compiled again
-    key = Path(__file__).read_bytes() + f"{FA4_VERSION} {QUERY_CHUNK} {LONGEST_FIRST}".encode()
+    key = Path(__file__).read_bytes() + f"{FA4_VERSION} {QUERY_CHUNK}".encode()
     digest = hashlib.sha256(key).hexdigest()
     for i, marker in enumerate((fox_bias, fox_bias_acp, fox_bias_bwd)):
         getattr(marker, "__wrapped__", marker).__cute_hash__ = f"lapse-fox-{i}-{digest}"
