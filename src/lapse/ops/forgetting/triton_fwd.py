@@ -434,6 +434,14 @@ def fwd_config(d: int, dtype_bytes: int, acp: bool = False, tk: int = 0) -> dict
     (``h100-ab-loops-d64.json``), outputs and gradients equal bit for bit. The fifteenth
     session's H200 measurement had found no change in the forward's fixed part.
 
+    ``HEADS_FIRST`` in the D 128 ACP table below ``LONG_ACP_KEYS`` keys (16-bit inputs: every
+    head's longest query tile first, then every head's next, so a global head's long tiles do not
+    come last; thirty-second session on an H200, ``BENCH_WORKLOAD=1 scripts/tune_fox_fwd.py --shapes
+    4096x128x24 --modes acp --variants '{"HEADS_FIRST": true}' '{"HEADS_FIRST": false}'``, two calls,
+    ``docs/bench/session32/tune-d128-var.json``, ``tune-heads-first.json``): 1.001 and 1.002 ms
+    against 1.019 and 1.022 at T 4k. At D 64 it lost at 4k and 8k (0.643 / 0.920 against 0.536 /
+    0.866) and won 1% at 16k, within two runs' spread: not taken there.
+
     ``GLUON_ACP="routed"`` (D 128 with ACP, 16-bit inputs; twenty-fifth session): where ``ROUTE``
     splits the heads, the second launch (the heads ACP prunes) runs ``gluon_fwd.py``'s persistent
     kernel on Hopper. On an H200 that launch took 0.219-0.221 / 0.225-0.226 ms at T 4k / 16k
@@ -466,7 +474,7 @@ def fwd_config(d: int, dtype_bytes: int, acp: bool = False, tk: int = 0) -> dict
                         LOOPS=3, FIXED_MAX=True, ROUTE=1, GLUON_ACP="routed")
         if acp:
             cfg = dict(BM=64, BN=64, num_warps=4, num_stages=3, PAIRS=False, LOOPS=3, FIXED_MAX=rb)
-            return dict(cfg, ROUTE=1) if rb and d == 128 else cfg
+            return dict(cfg, ROUTE=1, HEADS_FIRST=True) if rb and d == 128 else cfg
         return dict(BM=128, BN=128, num_warps=8, num_stages=3, TMA="host", PAIRS=True, ROW_BIAS=rb,
                     FIXED_MAX=rb)
     return dict(BM=64, BN=32, num_warps=4, num_stages=2)
