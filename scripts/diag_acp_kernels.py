@@ -32,7 +32,8 @@ def main() -> None:
     res: dict = {"env": bench.environment(), "rows": []}
     for d in a.dims:
         for t in a.seq_lens:
-            wl = make_workload(WorkloadSpec(seq_len=t, tokens=32768, heads=24, kv_heads=24, head_dim=d), device="cuda")
+            spec = WorkloadSpec(seq_len=t, tokens=32768, heads=24, kv_heads=24, head_dim=d)
+            wl = make_workload(spec, device="cuda")
             do = torch.randn_like(wl.q)
             for name in ("lapse", "lapse-acp"):
                 r = bench.build_runner(name, wl, cfg)
