@@ -16,32 +16,34 @@ the backward at D 64 on 64 x 128 tiles (FlashAttention-4's D 96 configuration) i
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import math
 
 
-def main() -> None:
+def _args() -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--out")
+    ap.add_argument("--out", help="the rows as JSON, written after each")
     ap.add_argument("--dims", nargs="*", type=int, default=[64, 128])
     ap.add_argument("--seq-lens", nargs="*", type=int, default=[4096, 8192, 16384])
     ap.add_argument("--tiles", action="store_true", help="D 64: also the backward on 64 x 128 tiles")
-    a = ap.parse_args()
+    return ap.parse_args()
 
+
+def main() -> None:
+    a = _args()
     from lapse.bench import attention as bench
+    from lapse.files import write_json_atomic
     from lapse.ops.forgetting import set_value_checks
 
     set_value_checks(False)
     res: dict = {"env": bench.environment(), "rows": []}
-    for d in a.dims:
-        for t in a.seq_lens:
-            row = measure(d, t, a.tiles and d == 64)
-            print(json.dumps(row), flush=True)
-            res["rows"].append(row)
-            bench._free()
-            if a.out:
-                with open(a.out, "w") as f:
-                    json.dump(res, f, indent=1)
+    for d, t in itertools.product(a.dims, a.seq_lens):
+        res["rows"].append(measure(d, t, a.tiles and d == 64))
+        print(json.dumps(res["rows"][-1]), flush=True)
+        bench._free()
+        if a.out:  # after every row: a call cut by its time limit keeps what it measured
+            write_json_atomic(a.out, res, indent=1)
 
 
 def measure(d: int, t: int, tiles_too: bool) -> dict:
