@@ -190,6 +190,43 @@ def test_the_command_line_prints_one_line(tmp_path):
     assert done.stderr == "error: --steps: steps must be a positive integer, got 0\n"
 
 
+def test_ctrl_c_while_the_command_starts_is_one_line_and_exit_130(tmp_path):
+    """The commands' modules take seconds to import (torch, transformers): a Ctrl-C then printed
+    a traceback from inside transformers. Here the interrupt comes from an import hook, at the
+    module the command line brings in first."""
+    env = {k: v for k, v in os.environ.items() if k != "LAPSE_DEBUG"}
+    code = (
+        "import runpy, sys\n"
+        "class Stop:\n"
+        "    def find_spec(self, name, path=None, target=None):\n"
+        "        if name == 'lapse.bench.attention':\n"
+        "            raise KeyboardInterrupt\n"
+        "sys.meta_path.insert(0, Stop())\n"
+        "sys.argv = ['lapse', 'train', 'cpu-tiny']\n"
+        "runpy.run_module('lapse.cli', run_name='__main__')\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, cwd=tmp_path,
+                          timeout=120)
+    assert (done.returncode, done.stdout, done.stderr) == (130, "", "interrupted\n")
+
+
+def test_the_first_signal_says_how_to_stop_at_once(capsys):
+    """After a SIGTERM (a scheduler's), "Ctrl-C again" was wrong: it names the SIGINT that stops
+    at once; a second SIGINT raises."""
+    import signal
+
+    from lapse.interrupt import StopFlag
+
+    for first, hint in ((signal.SIGINT, "(Ctrl-C again to stop at once)"),
+                        (signal.SIGTERM, "(a SIGINT (Ctrl-C) to stop at once)")):
+        flag = StopFlag("stopping after this step")
+        flag(first, None)
+        assert capsys.readouterr().out == f"\n{first.name}: stopping after this step {hint}\n"
+        assert flag.reason == first.name
+        with pytest.raises(KeyboardInterrupt):
+            flag(signal.SIGINT, None)
+
+
 @pytest.mark.parametrize(
     "args, message",
     [

@@ -29,26 +29,32 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Annotated
 
-import tyro
-from tyro.extras import SubcommandApp
+# the commands' configs bring torch and transformers in (seconds): a Ctrl-C meanwhile stops the
+# command as one during it does, without a traceback
+try:
+    import tyro
+    from tyro.extras import SubcommandApp
 
-from lapse.bench.attention import AttentionBenchConfig
-from lapse.bench.decode import DecodeBenchConfig
-from lapse.bench.training import TrainBenchConfig
-from lapse.eval.acp import AcpEvalConfig
-from lapse.eval.common import ExportConfig, output_folder
-from lapse.eval.dcp import DcpStudyConfig
-from lapse.eval.eviction import EvictionStudyConfig
-from lapse.eval.lm_eval_config import LmEvalConfig
-from lapse.eval.loss import PerTokenLossConfig, PplConfig
-from lapse.eval.niah import NiahConfig
-from lapse.eval.policy import PolicyLossConfig
-from lapse.eval.report import ReportConfig
-from lapse.generation.command import GenerateConfig
-from lapse.models.checkpoint import is_export_folder
-from lapse.train.config import TRAIN_PRESETS, ResumeConfig, TrainConfig
-from lapse.train.importing import ImportConfig
-from lapse.train.lock import RunInUse
+    from lapse.bench.attention import AttentionBenchConfig
+    from lapse.bench.decode import DecodeBenchConfig
+    from lapse.bench.training import TrainBenchConfig
+    from lapse.eval.acp import AcpEvalConfig
+    from lapse.eval.common import ExportConfig, output_folder
+    from lapse.eval.dcp import DcpStudyConfig
+    from lapse.eval.eviction import EvictionStudyConfig
+    from lapse.eval.lm_eval_config import LmEvalConfig
+    from lapse.eval.loss import PerTokenLossConfig, PplConfig
+    from lapse.eval.niah import NiahConfig
+    from lapse.eval.policy import PolicyLossConfig
+    from lapse.eval.report import ReportConfig
+    from lapse.generation.command import GenerateConfig
+    from lapse.models.checkpoint import is_export_folder
+    from lapse.train.config import TRAIN_PRESETS, ResumeConfig, TrainConfig
+    from lapse.train.importing import ImportConfig
+    from lapse.train.lock import RunInUse
+except KeyboardInterrupt:
+    print("interrupted", file=sys.stderr)
+    raise SystemExit(130) from None
 
 
 def _finish_training(summary: dict) -> None:

@@ -20,7 +20,8 @@ class StopFlag:
         if self.reason is not None and signum == signal.SIGINT:
             raise KeyboardInterrupt
         self.reason = signal.Signals(signum).name
-        print(f"\n{self.reason}: {self.message} (Ctrl-C again to stop at once)", flush=True)
+        at_once = "Ctrl-C again" if signum == signal.SIGINT else "a SIGINT (Ctrl-C)"
+        print(f"\n{self.reason}: {self.message} ({at_once} to stop at once)", flush=True)
 
 
 @contextmanager

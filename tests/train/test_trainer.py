@@ -196,6 +196,9 @@ def test_cuda_graphs_need_one_cuda_process(tmp_path, data_dir):
 
 
 def test_unknown_preset_and_empty_corpus_fail_at_start(tmp_path, data_dir):
+    """A run that fails before it starts (here its corpus is empty) leaves no trace: the run
+    folder it made is removed (it left a lock and config.json, so each retry without ``--run-dir``
+    left one more dated folder), and a folder that was empty is empty again."""
     with pytest.raises(ValueError, match="unknown training preset"):
         train_preset("nope")
     with pytest.raises(SystemExit):
@@ -207,7 +210,11 @@ def test_unknown_preset_and_empty_corpus_fail_at_start(tmp_path, data_dir):
     )
     with pytest.raises(ValueError, match="empty corpus|no documents"):
         train(cfg)
-    assert latest_checkpoint(tmp_path / "run") is None
+    assert not (tmp_path / "run").exists()
+    (tmp_path / "made").mkdir()
+    with pytest.raises(ValueError, match="empty corpus|no documents"):
+        train(replace(cfg, run_dir=tmp_path / "made"))
+    assert list((tmp_path / "made").iterdir()) == []
 
 
 def test_cli_train_with_overrides(tmp_path, data_dir, capsys):

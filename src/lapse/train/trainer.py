@@ -27,6 +27,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import shutil
 import time
 import warnings
 from collections.abc import Callable
@@ -349,8 +350,10 @@ def _run(cfg: TrainConfig, *, resuming: bool) -> dict:
     ended = False  # the run ended normally (finished or stopped): the ranks leave together
     try:
         run_dir = cfg.run_dir if resuming else _new_run_dir(cfg, world)
-        with _hold_run_dir(run_dir, world):
+        new_run = world.main and not resuming
+        with _undone_if_setup_fails(run_dir, new_run) as started, _hold_run_dir(run_dir, world):
             run = _setup(replace(cfg, run_dir=run_dir), world, resuming)
+            started()
             # The handlers stay installed until the final checkpoint is written, and again
             # for the report: a SIGTERM then must not kill the process half way.
             stop = StopFlag("stopping after this step with a checkpoint")
@@ -366,6 +369,33 @@ def _run(cfg: TrainConfig, *, resuming: bool) -> dict:
         return summary
     finally:
         close_world(world, clean=ended)
+
+
+@contextmanager
+def _undone_if_setup_fails(run_dir: Path, new_run: bool):
+    """Yields ``started``, to call once the run is set up. Until then an error (a bad corpus, an
+    ``init_from`` of another kind) leaves no trace of a new run: a folder this call made is
+    removed, and one that was empty is emptied again (the one-line error is all the user sees)."""
+    made = new_run and not run_dir.exists()
+    emptied = new_run and not made and run_dir.is_dir() and not any(run_dir.iterdir())
+    done = False
+
+    def started() -> None:
+        nonlocal done
+        done = True
+
+    try:
+        yield started
+    except BaseException:
+        if not done and made:
+            shutil.rmtree(run_dir, ignore_errors=True)
+        elif not done and emptied:
+            for path in run_dir.iterdir():
+                if path.is_dir():
+                    shutil.rmtree(path, ignore_errors=True)
+                else:
+                    path.unlink(missing_ok=True)
+        raise
 
 
 @contextmanager
