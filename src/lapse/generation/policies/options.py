@@ -51,14 +51,15 @@ class PolicyOptions:
     """h2o / a2sf: rank tokens per kv head, or once per layer (every head the same tokens:
     what DCP models need)."""
     sinks: int = 4
-    """window / h2o / a2sf: first positions always kept (attention sinks)."""
+    """window / h2o / a2sf: first positions always kept (attention sinks). 4 for every policy
+    here; the ``H2O`` and ``A2SF`` classes default to 0, as their papers keep none."""
     window: int = 1024
     """window: recent positions kept."""
     eps: Annotated[float, tyro.conf.arg(aliases=("--acp-eps",))] = math.exp(-10)
     """acp: attention mass a row may lose to eviction."""
     every: int | None = None
     """Evict every this many steps (outside the decode step); default: the policy's own
-    (window, acp: 64; h2o, a2sf: 1)."""
+    (window, acp: 64; h2o, a2sf: 1; dcp: 128)."""
 
     def __post_init__(self) -> None:
         if not self.budget > 0:
