@@ -304,3 +304,90 @@ def test_flex_flash_provider_says_why_not_on_cpu():
     assert cfg.providers == ("flex-flash",) and "flex-flash" in bench.GATED
     with pytest.raises(bench.NotAvailable, match="flex-flash runs on CUDA GPUs only"):
         bench.build_runner("flex-flash", wl, cfg)
+
+
+def test_flash_attn_4_acp_hands_flash_attention_the_tiles_lapse_acp_visits(monkeypatch):
+    """``flash-attn-4-acp`` (FlashAttention-4's block sparsity on ACP's tiles, the peer of
+    lapse-acp's efficiency): the forward's lists visit, for each query tile, every key tile that
+    holds a key ACP keeps for one of its rows, through the diagonal and nothing before; the
+    backward's lists visit the same (query tile, key tile) pairs; the kernel is called causal,
+    once before the timing. A stand-in ``flash_attn.cute`` records what it is given."""
+    from lapse.ops.forgetting import ACP_BLOCK, common
+    from lapse.ops.forgetting.pruning import triton_acp_block_start
+    from lapse.ops.forgetting.triton_ops import triton_gate_cumsum
+
+    calls: list = []
+    _fake_flash_attn_4(monkeypatch, calls)
+    cute = sys.modules["flash_attn.cute"]
+
+    def flash_attn_func(q, k, v, softmax_scale=None, causal=False, block_sparse_tensors=None,
+                        block_sparse_tensors_bwd=None):
+        calls.append(("sparse", causal, block_sparse_tensors, block_sparse_tensors_bwd))
+        return torch.zeros_like(q), None
+
+    tile = types.SimpleNamespace(m_block_size=128, n_block_size=128)
+    cute.flash_attn_func = flash_attn_func
+    cute.interface = types.SimpleNamespace(_tile_size_fwd_sm90=lambda *a: tile,
+                                           _tile_size_bwd_sm90=lambda *a: tile)
+    sparsity = types.ModuleType("flash_attn.cute.block_sparsity")
+    sparsity.BlockSparseTensorsTorch = lambda *lists, block_size: (lists, block_size)
+    monkeypatch.setitem(sys.modules, "flash_attn.cute.block_sparsity", sparsity)
+    monkeypatch.setattr(bench, "_on_hopper", lambda x: True)
+    t = 640  # five tiles of 128; local heads keep a few 64-key blocks a row
+    spec = WorkloadSpec(seq_len=t, tokens=2 * t, heads=4, head_dim=16, dtype=torch.float32)
+    wl = make_workload(spec, device="cpu")
+    cfg = AttentionBenchConfig(seq_lens=(t,), tokens=2 * t, heads=4, head_dim=16)
+    assert "flash-attn-4-acp" in cfg.providers and bench.PRUNED["flash-attn-4-acp"] == "flash-attn-4"
+
+    r = bench.build_runner("flash-attn-4-acp", wl, cfg)
+    assert len(calls) == 1 and calls[0][1] is True  # the compile's call, before any timing
+    (count, index, *full), size = calls[0][2]
+    (bcount, bindex), bsize = calls[0][3]
+    assert size == bsize == (128, 128) and not full[0].any()
+    p = common.validate(wl.q, wl.k, wl.v, wl.log_fgate, None, None, "triton")
+    starts = triton_acp_block_start("auto", cfg.acp_eps, wl.q, wl.k, *triton_gate_cumsum(wl.log_fgate, p), p)
+    assert (starts > 0).any()  # the workload prunes: the lists are not the dense ones
+    n = t // 128
+    for b in range(2):
+        for h in range(4):
+            fwd_pairs, bwd_pairs = set(), set()
+            for m in range(n):
+                # the key tile of the first key ACP keeps for one of the tile's rows
+                first = min(starts[b, h, 2 * m: 2 * m + 2].tolist()) * ACP_BLOCK // 128
+                got = index[b, h, m, : count[b, h, m]].tolist()
+                assert sorted(got) == list(range(first, m + 1)), (b, h, m, got)
+                fwd_pairs |= {(m, j) for j in got}
+            for j in range(n):
+                bwd_pairs |= {(i, j) for i in bindex[b, h, j, : bcount[b, h, j]].tolist()}
+            assert fwd_pairs == bwd_pairs
+    r.forward()
+    assert len(calls) == 2 and calls[1][2] is calls[0][2]  # the same lists every call
+
+
+def test_flash_attn_4_acp_says_why_not():
+    spec = WorkloadSpec(seq_len=24, tokens=48, heads=4, head_dim=16, dtype=torch.float32)
+    cfg = AttentionBenchConfig(seq_lens=(24,), tokens=48, heads=4, head_dim=16)
+    with pytest.raises(bench.NotAvailable, match="flash-attn-4 runs on CUDA GPUs only"):
+        bench.build_runner("flash-attn-4-acp", make_workload(spec, device="cpu"), cfg)
+    packed = WorkloadSpec(varlen=True, seq_len=24, tokens=80, heads=4, head_dim=16, dtype=torch.float32)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(bench, "_on_gpu", lambda x: True)
+        with pytest.raises(bench.NotAvailable, match="no block sparsity with packed sequences"):
+            bench.build_runner("flash-attn-4-acp", make_workload(packed, device="cpu"), cfg)
+
+
+def test_efficiency_of_each_pruned_provider_against_its_dense_one():
+    """lapse-acp against lapse, flash-attn-4-acp against flash-attn-4, each with its own
+    pruned share; the table shows both."""
+    result = _result(lapse=_timed(2.5, 11.0), lapse_acp=_timed(1.2, 5.0), flash_attn_4=_timed(2.0, 8.0),
+                     flash_attn_4_acp=_timed(1.0, 4.0))
+    result["providers"]["lapse-acp"]["pruned"] = 0.6
+    result["providers"]["flash-attn-4-acp"]["pruned"] = 0.6
+    bench._derive(result)
+    rows = result["providers"]
+    assert rows["lapse-acp"]["fwd+bwd"]["efficiency"] == pytest.approx(11.0 * 0.4 / 5.0)
+    assert rows["flash-attn-4-acp"]["fwd+bwd"]["efficiency"] == pytest.approx(8.0 * 0.4 / 4.0)
+    assert rows["flash-attn-4-acp"]["fwd"]["efficiency"] == pytest.approx(2.0 * 0.4 / 1.0)
+    assert result["fastest_softmax"]["fwd"]["provider"] == "flash-attn-4"  # never the sparse one
+    table = bench.markdown_table(result, ("fwd", "fwd+bwd"))
+    assert "| flash-attn-4-acp |" in table and f"fwd+bwd {8.0 * 0.4 / 4.0:.2f}" in table

@@ -20,6 +20,12 @@ Providers (``--providers``):
   n/a where it is not importable or cannot run (CUDA only). Not a dependency of lapse: it
   needs the CuTe DSL compiler (``nvidia-cutlass-dsl``); its first call compiles, outside
   the timed region. (``flash-attn`` 2.x has no binary wheel in the package registry.)
+- ``flash-attn-4-acp``: the same kernels with FlashAttention-4's block sparsity on exactly the
+  tiles ``lapse-acp`` visits (its forward's key tiles and its backward's query tiles, from the
+  same boundaries), *no gate*: what the fastest block-sparse attention keeps of its speed on
+  ACP's tiles, the peer of ``lapse-acp``'s efficiency (its own against ``flash-attn-4``). The
+  tile lists are made outside the timed call (``lapse-acp`` times its bound and lists); Hopper
+  only (the lists follow FlashAttention-4's sm90 tiles), no varlen.
 - ``flex``: FlexAttention (compiled) with the decay ``score_mod``
   ``score + c[b, h, q] - c[b, h, kv]``, ``c`` the float32 cumulative sum of the log gates
   (computed inside the timed region), causal (and per-document) block mask.
@@ -56,7 +62,8 @@ and backward (``ops/castle/README.md``), so read them as "softmax-equivalent".
 Ratios. The softmax baselines (``SOFTMAX_BASELINES``: SDPA's and FlashAttention-4) compute
 no gate: they are the speed to match. Every provider's time is divided by the fastest of
 them that ran in the same workload, per mode (the forward and the forward+backward may pick
-different ones), and the table header names it. With ACP, ``efficiency = t_dense * (1 - pruned) / t_acp``.
+different ones), and the table header names it. With ACP, ``efficiency = t_dense * (1 - pruned) / t_acp``
+(``flash-attn-4-acp``: against ``flash-attn-4``, with the same ``pruned``).
 
 Method. Each workload (one per ``--seq-lens`` value, or one varlen workload) is drawn by
 :mod:`lapse.bench.workloads` on the GPU. First a correctness check: the output (and, when
@@ -106,6 +113,7 @@ Provider = Literal[
     "sdpa-efficient",
     "sdpa-cudnn",
     "flash-attn-4",
+    "flash-attn-4-acp",
     "flex",
     "flex-flash",
     "fla",
@@ -122,8 +130,12 @@ SOFTMAX_BASELINES: tuple[Provider, ...] = (
     "sdpa-default", "sdpa-flash", "sdpa-efficient", "sdpa-cudnn", "flash-attn-4"
 )
 """Causal softmax attention without a gate: the ratios are taken against the fastest."""
-PROVIDERS: tuple[Provider, ...] = ("lapse", "lapse-acp", *SOFTMAX_BASELINES, "flex", "fla")
+PROVIDERS: tuple[Provider, ...] = (
+    "lapse", "lapse-acp", *SOFTMAX_BASELINES, "flash-attn-4-acp", "flex", "fla"
+)
 """The default providers (forgetting attention and its peers)."""
+PRUNED: dict[Provider, Provider] = {"lapse-acp": "lapse", "flash-attn-4-acp": "flash-attn-4"}
+"""Providers that skip ACP's pruned tiles, each with its dense counterpart (their efficiency)."""
 PROVIDER_ALIASES: dict[str, Provider] = {"sdpa": "sdpa-flash"}
 """Older names still accepted by --providers."""
 CASTLE_PROVIDERS: tuple[Provider, ...] = (
@@ -422,18 +434,71 @@ def _fa4_runner(wl: Workload) -> Runner:
             return _output(flash_attn_func(q, k, v, softmax_scale=spec.scale, causal=True))
 
         runner = Runner(forward, [q, k, v], notes=notes)
+    return _first_call(runner, "flash-attn-4")  # its version: in the results' header (environment())
+
+
+def _fa4_acp_runner(wl: Workload, cfg: AttentionBenchConfig) -> Runner:
+    """FlashAttention-4 with its block sparsity on the tiles ``lapse-acp`` visits, no gate (the
+    module's docstring). The boundaries and the tile lists are made here, before the timing, as
+    lapse's FlashAttention-4 backward makes its own (``fa4_prep``)."""
+    spec = wl.spec
+    if not _on_gpu(wl.q):
+        raise NotAvailable("flash-attn-4 runs on CUDA GPUs only")
+    if spec.varlen:
+        raise NotAvailable("FlashAttention-4's backward takes no block sparsity with packed sequences")
+    if not _on_hopper(wl.q):
+        raise NotAvailable("the tile lists follow FlashAttention-4's Hopper (sm90) tiles")
+    try:
+        from flash_attn.cute import flash_attn_func, interface
+        from flash_attn.cute.block_sparsity import BlockSparseTensorsTorch
+    except Exception as e:  # ImportError, or the CuTe DSL compiler missing or broken
+        raise NotAvailable(f"flash-attn-4 not importable ({_short(e)})") from e
+    from lapse.ops.forgetting import ACP_BLOCK, common, fa4_fwd, fa4_prep
+    from lapse.ops.forgetting.pruning import triton_acp_block_start
+    from lapse.ops.forgetting.triton_ops import triton_gate_cumsum
+
+    p = common.validate(wl.q, wl.k, wl.v, wl.log_fgate, None, None, "triton")
+    with torch.no_grad():
+        cum = triton_gate_cumsum(wl.log_fgate, p)
+        starts = triton_acp_block_start(_acp_argument(cfg, spec), cfg.acp_eps, wl.q, wl.k, *cum, p)
+    starts, t = starts.to(torch.int32).contiguous(), spec.seq_len
+    tm, tn = fa4_fwd.tiles(spec.head_dim)
+    count, index = fa4_prep.acp_key_tiles(starts, t, tm, tn, ACP_BLOCK)
+    full = count.new_zeros(count.shape), count.new_zeros(*count.shape, 1)  # none: every tile "masked"
+    fwd = BlockSparseTensorsTorch(count, index, *full, block_size=(tm, tn))
+    tiles = interface._tile_size_bwd_sm90(spec.head_dim, spec.head_dim, True, False)
+    bm, bn = tiles.m_block_size, tiles.n_block_size
+    bwd = BlockSparseTensorsTorch(*fa4_prep.acp_blocks(starts, t, bm, bn, ACP_BLOCK), block_size=(bm, bn))
+    q, k, v = (_leaf(x) for x in (wl.q, wl.k, wl.v))
+
+    def forward() -> Tensor:
+        return _output(flash_attn_func(q, k, v, softmax_scale=spec.scale, causal=True,
+                                       block_sparse_tensors=fwd, block_sparse_tensors_bwd=bwd))
+
+    notes = [f"no forget gate: FlashAttention-4's block sparsity on lapse-acp's tiles ({tm} x {tn} forward, "
+             f"{bm} x {bn} backward), lists made outside the timed call"]
+    return _first_call(Runner(forward, [q, k, v], notes=notes), "flash-attn-4")
+
+
+def _first_call(runner: Runner, name: str) -> Runner:
+    """``runner`` after its first forward (a compile, outside the timed region); a failure
+    there is :class:`NotAvailable` with the kernel's reason."""
     try:
         with torch.no_grad():
             runner.forward()
-        if q.is_cuda:
+        if torch.cuda.is_available():
             torch.cuda.synchronize()
     except Exception as e:
-        raise NotAvailable(f"flash-attn-4 failed on these inputs ({_short(e)})") from e
-    return runner  # its version: in the results' header (environment())
+        raise NotAvailable(f"{name} failed on these inputs ({_short(e)})") from e
+    return runner
 
 
 def _on_gpu(x: Tensor) -> bool:
     return x.is_cuda
+
+
+def _on_hopper(x: Tensor) -> bool:
+    return torch.cuda.get_device_capability(x.device)[0] == 9
 
 
 def _output(out) -> Tensor:
@@ -646,6 +711,8 @@ def build_runner(name: Provider, wl: Workload, cfg: AttentionBenchConfig) -> Run
         return _lapse_runner(wl, _acp_argument(cfg, wl.spec), cfg.acp_eps)
     if name == "flash-attn-4":
         return _fa4_runner(wl)
+    if name == "flash-attn-4-acp":
+        return _fa4_acp_runner(wl, cfg)
     if name in SOFTMAX_BASELINES:
         return _sdpa_runner(wl, name)
     if name in ("flex", "flex-flash"):
@@ -845,7 +912,7 @@ def _peak_mib(fn: Callable[[], object]) -> float | None:
     return (torch.cuda.max_memory_allocated() - before) / 2**20
 
 
-GRAPH_TIMED = ("lapse", "lapse-acp", *SOFTMAX_BASELINES)
+GRAPH_TIMED = ("lapse", "lapse-acp", *SOFTMAX_BASELINES, "flash-attn-4-acp")
 
 
 def _graph_ms(r: Runner, mode: str, d_out: Tensor, cfg: AttentionBenchConfig) -> dict:
@@ -950,13 +1017,14 @@ def _bench_provider(
             row.setdefault("traceback", traceback.format_exc())
         _free()
 
-    if name == "lapse-acp":
+    if name in PRUNED:
         acp = _acp_argument(cfg, wl.spec)
         row["acp"] = {"bound": acp, "eps": cfg.acp_eps}
         try:
             row["pruned"] = _pruned_fraction(wl, acp, cfg.acp_eps)
         except Exception as e:
             row["notes"].append(f"pruned fraction n/a: {_short(e)}")
+    if name == "lapse-acp":
         try:
             row["boundary_search"] = _time_boundary_search(wl, acp, cfg)
         except Exception as e:
@@ -1058,15 +1126,16 @@ def _derive(result: dict) -> None:
                 g = row.get(mode, {}).get("graph_ms")
                 if g is not None:
                     row[mode]["graph_vs_fastest"] = g / t_graph
+    for name, dense in PRUNED.items():
+        pruned = rows.get(name, {}).get("pruned")
+        for mode in ("fwd", "fwd+bwd"):
+            for key, out in (("ms", "efficiency"), ("graph_ms", "graph_efficiency")):
+                t_dense, t_acp = ms(dense, mode, key), ms(name, mode, key)
+                if None not in (pruned, t_dense, t_acp):
+                    rows[name][mode][out] = t_dense * (1 - pruned) / t_acp
     acp = rows.get("lapse-acp")
     if acp is None:
         return
-    pruned = acp.get("pruned")
-    for mode in ("fwd", "fwd+bwd"):
-        for key, out in (("ms", "efficiency"), ("graph_ms", "graph_efficiency")):
-            t_dense, t_acp = ms("lapse", mode, key), ms("lapse-acp", mode, key)
-            if None not in (pruned, t_dense, t_acp):
-                acp[mode][out] = t_dense * (1 - pruned) / t_acp
     search = acp.get("boundary_search", {})
     t_acp = ms("lapse-acp", "fwd")
     if "search_ms" in search and t_acp is not None:
@@ -1132,7 +1201,7 @@ def markdown_table(result: dict, modes: tuple[str, ...]) -> str:
             ]
             if "error" in row.get(mode, {}):
                 notes.append(f"{name} {mode}: n/a: {row[mode]['error']}")
-        cells.append(_fmt(row.get("pruned"), ".3f") if name == "lapse-acp" else "-")
+        cells.append(_fmt(row.get("pruned"), ".3f") if name in PRUNED else "-")
         eff = [f"{mode} {row[mode]['efficiency']:.2f}" for mode in modes if "efficiency" in row.get(mode, {})]
         cells.append(", ".join(eff) if eff else "-")
         cells.append(_check_cell(row))
