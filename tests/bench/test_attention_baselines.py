@@ -391,3 +391,71 @@ def test_efficiency_of_each_pruned_provider_against_its_dense_one():
     assert result["fastest_softmax"]["fwd"]["provider"] == "flash-attn-4"  # never the sparse one
     table = bench.markdown_table(result, ("fwd", "fwd+bwd"))
     assert "| flash-attn-4-acp |" in table and f"fwd+bwd {8.0 * 0.4 / 4.0:.2f}" in table
+
+
+def _tile_mask(count: torch.Tensor, index: torch.Tensor, rows: int, cols: int, t: int,
+               by_rows: bool) -> torch.Tensor:
+    """``[B, H, T, T]`` (queries, keys): True where a block-sparsity list visits the pair's tile.
+    ``by_rows``: the lists are per query tile (``rows`` high) of key tiles (``cols`` wide), else
+    per key tile of query tiles."""
+    listed = (torch.arange(index.shape[-1], device=index.device) < count[..., None]).int()
+    visited = torch.zeros(*count.shape, -(-t // (cols if by_rows else rows)), dtype=torch.int32,
+                          device=index.device)
+    visited.scatter_reduce_(-1, index.long(), listed, reduce="amax")
+    if not by_rows:
+        visited = visited.transpose(-1, -2)  # [B, H, query tiles, key tiles]
+    return visited.bool().repeat_interleave(rows, -2)[..., :t, :].repeat_interleave(cols, -1)[..., :t]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_flash_attn_4_acp_visits_the_listed_tiles_only(head_dim):
+    """On the GPU, with FlashAttention-4: ``flash-attn-4-acp``'s output is causal softmax attention
+    over the key tiles its forward's lists visit, and its backward works on the tiles its own lists
+    visit (those holding a pair ACP keeps, at the backward's tiles): with P = exp(S - lse) there (lse
+    the forward's), dV = P^T dO, dS = P (dO V^T - rowsum(dO O)), dQ = dS K s, dK = dS^T Q s.
+    Without a gate the skipped pairs carry weight, so that is not the gradient of the output: this
+    provider is a timing peer doing ACP's tile work. Reference in float32; T 640 is not a whole
+    number of 128-key tiles."""
+    if not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] != 9:
+        pytest.skip("needs a Hopper GPU")
+    pytest.importorskip("flash_attn.cute")
+    t, heads = 640, 4
+    spec = WorkloadSpec(seq_len=t, tokens=2 * t, heads=heads, head_dim=head_dim)
+    wl = make_workload(spec, device="cuda")
+    cfg = AttentionBenchConfig(seq_lens=(t,), tokens=2 * t, heads=heads, head_dim=head_dim)
+    captured = {}
+    import flash_attn.cute as cute
+
+    real = cute.flash_attn_func
+
+    def spy(*args, **kwargs):
+        captured.update(kwargs)
+        return real(*args, **kwargs)
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(cute, "flash_attn_func", spy)
+        r = bench.build_runner("flash-attn-4-acp", wl, cfg)
+        out = r.forward()
+    fwd, bwd = captured["block_sparse_tensors"], captured["block_sparse_tensors_bwd"]
+    causal = torch.ones(t, t, dtype=torch.bool, device="cuda").tril()
+    seen = _tile_mask(fwd.mask_block_cnt, fwd.mask_block_idx, *fwd.block_size, t, by_rows=True) & causal
+    worked = _tile_mask(bwd.mask_block_cnt, bwd.mask_block_idx, *bwd.block_size, t, by_rows=False) & causal
+    assert (causal & ~seen).any()  # ACP pruned tiles
+    q, k, v = (x.detach().float().transpose(1, 2) for x in (wl.q, wl.k, wl.v))  # [B, H, T, D]
+    s = spec.scale
+    scores = q @ k.transpose(-1, -2) * s
+    lse = scores.masked_fill(~seen, float("-inf")).logsumexp(-1, keepdim=True)
+    o = (scores - lse).exp().masked_fill(~seen, 0) @ v
+    d_out = torch.randn_like(out)
+    do = d_out.float().transpose(1, 2)
+    # the backward's weights exp(S - lse) on its own tiles: at D 64 a 128-row tile of it can cover
+    # rows of a 192-row forward tile that did not visit its keys
+    pw = (scores - lse).exp().masked_fill(~worked, 0)
+    ds = pw * (do @ v.transpose(-1, -2) - (do * o).sum(-1, keepdim=True))
+    want = (o, ds @ k * s, ds.transpose(-1, -2) @ q * s, pw.transpose(-1, -2) @ do)
+    got = (out, *torch.autograd.grad(out, r.grad_inputs, d_out))
+    errors = [((g.float().transpose(1, 2) - w).norm() / w.norm()).item()
+              for g, w in zip(got, want, strict=True)]
+    print(f"D {head_dim}: relative errors of o, dq, dk, dv {errors}")
+    assert max(errors) < 2e-2, errors  # the bench's check of outputs (bf16 against a float32 reference)

@@ -25,7 +25,9 @@ Providers (``--providers``):
   same boundaries), *no gate*: what the fastest block-sparse attention keeps of its speed on
   ACP's tiles, the peer of ``lapse-acp``'s efficiency (its own against ``flash-attn-4``). The
   tile lists are made outside the timed call (``lapse-acp`` times its bound and lists); Hopper
-  only (the lists follow FlashAttention-4's sm90 tiles), no varlen.
+  only (the lists follow FlashAttention-4's sm90 tiles), no varlen. A timing peer: without a
+  gate the keys it skips carry weight, and its backward works on its own tiles (those holding
+  a pair ACP keeps), so its gradients are not its output's (the GPU test states what it computes).
 - ``flex``: FlexAttention (compiled) with the decay ``score_mod``
   ``score + c[b, h, q] - c[b, h, kv]``, ``c`` the float32 cumulative sum of the log gates
   (computed inside the timed region), causal (and per-document) block mask.
