@@ -412,6 +412,82 @@ def test_compiled_eviction_pass_equals_eager(policy):
     assert eager._free == traced._free and eager.bytes_held() == traced.bytes_held()
 
 
+POLICIES_AT_LENGTH = [
+    ACPBoundary(every=1),
+    SinkWindow(sinks=4, window=256, every=1),
+    H2O(budget=0.2, recent=8, every=1),
+    A2SF(budget=0.2, recent=8, alpha=0.9, every=1),
+]
+POLICY_IDS = ["acp", "window", "h2o", "a2sf"]
+
+
+@pytest.mark.parametrize("policy", POLICIES_AT_LENGTH, ids=POLICY_IDS)
+def test_a_traced_pass_scans_through_prefix_count(policy):
+    """Every scan of a compiled eviction pass goes through ``lapse::prefix_count``, which
+    Inductor calls rather than fuses: a scan fused with the per-head lengths it compares
+    slot indices with is what Inductor's split-scan code generation fails on (CUDA, long
+    widths). The trace is the same on a CPU; the failure itself is the GPU test below."""
+    graphs = []
+
+    def backend(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    model = _model("fox-pro")
+    ids = torch.randint(0, model.config.vocab_size, (2, 40), generator=torch.Generator().manual_seed(5))
+    store = paged_store_for(model, 2, 40, 8, policy)
+    prefill(model, ids, store)
+    torch._dynamo.reset()
+    evict(model, store, policy, compile=backend)
+    assert graphs
+    targets = [node.target for gm in graphs for node in gm.graph.nodes]
+    assert torch.ops.lapse.prefix_count.default in targets
+    scans = [t for t in targets if getattr(t, "__name__", str(t)) in ("cumsum", "cumprod", "logcumsumexp")]
+    assert not scans, f"a scan outside lapse::prefix_count: {scans}"
+
+
+def test_prefix_count_is_an_inclusive_count():
+    flags = torch.rand(3, 5, 300, generator=torch.Generator().manual_seed(0)) < 0.4
+    assert torch.equal(torch.ops.lapse.prefix_count(flags), flags.long().cumsum(-1))
+    assert torch.ops.lapse.prefix_count(flags[..., :0]).shape == (3, 5, 0)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("policy", POLICIES_AT_LENGTH, ids=POLICY_IDS)
+def test_compiled_eviction_at_long_widths_equals_eager_on_cuda(policy):
+    """Inductor compiles each policy's pass at widths of thousands of slots (its scans
+    then take the split-scan kernel) and at two widths in one process (the second
+    compilation has symbolic sizes), and the store it leaves equals the eager pass's."""
+    model = _model("fox-pro").cuda()
+    with torch.no_grad():
+        for block in model.blocks:
+            block.attn.fgate.bias.fill_(-2.0)  # ACP evicts
+    torch._dynamo.reset()
+    for prompt in (1500, 2100):
+        ids = torch.randint(0, model.config.vocab_size, (2, prompt), device="cuda",
+                            generator=torch.Generator("cuda").manual_seed(prompt))
+        stores = []
+        for compile, graph in ((False, False), (True, False), (True, True)):
+            store = paged_store_for(model, 2, prompt, 12, policy)
+            tok = prefill(model, ids, store).argmax(-1, keepdim=True)
+            with torch.no_grad():
+                for _ in range(3):
+                    evict(model, store, policy, compile=compile, graph=graph)
+                    store.reserve(4)
+                    for _ in range(4):
+                        tok = model(tok, cache=store)[0][:, -1].argmax(-1, keepdim=True)
+            stores.append(store)
+        eager = stores[0]
+        assert int(eager.lengths[0].max()) < prompt
+        for other in stores[1:]:
+            for i in range(model.config.n_layers):
+                assert torch.equal(eager.lengths[i], other.lengths[i])
+                assert torch.equal(eager.page_table[i], other.page_table[i])
+                a, b = eager.snapshot(i), other.snapshot(i)
+                assert torch.equal(a.positions, b.positions) and torch.equal(a.valid, b.valid)
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize(

@@ -39,7 +39,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from lapse.ops.paging import move_rows, slot_index
+from lapse.ops.paging import move_rows, prefix_count, slot_index
 
 from .base import StoreBase
 from .extras import static_clone, static_zeros
@@ -1072,10 +1072,10 @@ def _compact(
     hole = below & ~keep  # dropped slots that kept ones fill
     moving = keep & ~below  # kept slots past the new length, as many as the holes
     # the slot of the k-th hole at column k (the other slots write the spare column w)
-    rank = torch.where(hole, hole.long().cumsum(-1) - 1, w)
+    rank = torch.where(hole, prefix_count(hole) - 1, w)
     hole_at = torch.zeros(b, h, w + 1, dtype=torch.long, device=keep.device)
     hole_at.scatter_(-1, rank, index.expand(b, h, w))
-    target = hole_at.gather(-1, (moving.long().cumsum(-1) - 1).clamp_min(0))  # [B, H, W]
+    target = hole_at.gather(-1, (prefix_count(moving) - 1).clamp_min(0))  # [B, H, W]
     src = pages * page_size + offsets
     dst = pages.gather(-1, target) * page_size + offsets.gather(-1, target)
     new_len = new_len[..., 0]
@@ -1107,7 +1107,7 @@ def _drop_leading_pages(
     _, _, valid = slots
     b, h, w = keep.shape
     wanted = (keep & valid).view(b, h, w // page_size, page_size).any(-1)  # [B, H, W/S]
-    front = (wanted.long().cumsum(-1) == 0).sum(-1)  # [B, H] leading pages with nothing kept
+    front = (prefix_count(wanted) == 0).sum(-1)  # [B, H] leading pages with nothing kept
     held = t.lengths.long()
     new_len = (held - front * page_size).clamp_min(0)  # the dropped pages were full (not the last)
     front = torch.where(new_len > 0, front, (held + page_size - 1) // page_size)
