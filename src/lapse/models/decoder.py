@@ -125,9 +125,13 @@ class Decoder(nn.Module):
             positions = torch.arange(t, device=input_ids.device)[None]  # [1, T]
         else:
             positions = cache.begin(b, t, input_ids.device, lengths)  # [B, T]
-        if self.cuda_graphs and not torch.compiler.is_compiling():
-            torch.compiler.cudagraph_mark_step_begin()
-            # RoPE tables made inside a graph would be its outputs, freed at the next step
+        if not torch.compiler.is_compiling():
+            if self.cuda_graphs:
+                torch.compiler.cudagraph_mark_step_begin()
+            # The RoPE tables are made here, before the blocks: a table made inside a
+            # compiled block would be an output of its CUDA graph (freed at the next step),
+            # and inside a checkpointed compiled block it would make the forward's graph
+            # differ from the recompute's, which finds the table made.
             self.prepare_rope(t if cache is None else cache.capacity, input_ids.device)
         x = self.embed(input_ids)  # [B, T, C]
         for block in self.blocks:
