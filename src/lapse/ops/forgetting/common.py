@@ -46,17 +46,19 @@ def qk_norm_bound(g_q: Tensor | float, g_k: Tensor | float, d: int, scale: float
 # in float32 for any |scale * q.k| below ~900, the same as the -inf the user meant.
 LOG_GATE_FLOOR = -1000.0
 
-_value_checks = True
+_value_checks = False
 
 
 def set_value_checks(enabled: bool) -> bool:
-    """Turns the check of log-gate values (no NaN, none positive) on or off; returns the
-    previous setting.
+    """Turns the check of log-gate values (no NaN, none positive) on CUDA on or off;
+    returns the previous setting. Off by default.
 
-    On CUDA the check reads a flag back to the host, a synchronisation that stops the CPU
-    from queueing the next kernels while the attention runs. A model whose gates come out
-    of ``logsigmoid`` cannot produce bad values, so training loops and benchmarks turn it
-    off; shapes, dtypes and devices are always checked. On CPU the check always runs.
+    On CUDA the check reads a flag back to the host: a synchronisation that stops the CPU
+    from queueing the next kernels while the GPU works, so a call whose kernels are short
+    (ACP's, or a small batch's) waits for its own launches. Off, a bad gate gives a NaN or
+    a wrong output instead of an error, as any attention op's NaN input does; turn it on
+    to find where a model's gates go wrong. On a CPU the check always runs (it costs no
+    wait there). Shapes, dtypes and devices are always checked.
     """
     global _value_checks
     previous, _value_checks = _value_checks, bool(enabled)
