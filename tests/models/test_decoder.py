@@ -275,3 +275,47 @@ def test_paper_preset_sizes(name, nominal, arch):
     assert total - n == config.vocab_size * config.d_model
     attention = 6 * config.n_layers * config.d_model * 4096
     assert flops_per_token(config, 4096) == 6 * n + attention
+
+
+def test_flops_leave_out_the_pruned_tiles_by_hand():
+    """T = 128 is two ACP blocks of 64: causal pairs 128^2 / 2 = 8192 (the dense count),
+    causal tiles 64 * 64 + 64 * 128 = 12288. The one tile before the second block's diagonal
+    (64 * 64 = 4096 pairs, a third of the tiles) pruned in every layer and head leaves 4096
+    pairs: half the attention FLOPs, 12 * L * H * D * 4096 / T = 12 * 2 * 4 * 16 * 32 a token."""
+    config = preset("tiny", "fox-pro", acp=True)
+    assert (config.n_layers, config.n_heads, config.head_dim) == (2, 4, 16)
+    dense = flops_per_token(config, 128)
+    assert dense - flops_per_token(config, 128, pruned=1 / 3) == 12 * 2 * 4 * 16 * 32
+    assert flops_per_token(config, 128, pruned=0.0) == dense
+    with pytest.raises(ValueError, match="more than ACP can prune"):
+        flops_per_token(config, 128, pruned=0.34)  # the diagonal tiles are always kept
+    with pytest.raises(ValueError, match="without ACP"):
+        flops_per_token(preset("tiny", "transformer-pro"), 128, pruned=0.1)
+
+
+@pytest.mark.parametrize("t", [1, 63, 64, 65, 200, 257, 1024])
+def test_counted_attention_is_within_the_tiles_computed(t):
+    """MFU stays at most 100% by construction: for any boundaries ACP can choose (each query
+    block keeps its diagonal key block), the attention pairs counted from the op's own
+    pruned fraction are at least 0 and at most the area of the tiles a kernel computes
+    (kept tiles whole, the diagonal ones too), and never more than the dense count."""
+    from lapse.ops.forgetting.common import ACP_BLOCK, Problem, pruned_fraction
+
+    config = preset("tiny", "fox-pro", acp=True)
+    dense = flops_per_token(config, t)
+    matmuls = flops_per_token(config, t) - 6 * config.n_layers * config.n_heads * config.head_dim * t
+    per_pair = 12 * config.n_layers * config.n_heads * config.head_dim  # one pair, all layers and heads
+    m_blocks = -(-t // ACP_BLOCK)
+    problem = Problem(batch=1, tq=t, tk=t, hq=1, h=1, d=config.head_dim, scale=1.0, cu_seqlens=None,
+                      seqlens=None)
+    g = torch.Generator().manual_seed(t)
+    m = torch.arange(m_blocks)
+    for block_start in (torch.zeros(m_blocks, dtype=torch.int32), m.int(),
+                        *((torch.rand(m_blocks, generator=g) * (m + 1)).int() for _ in range(5))):
+        fraction = float(pruned_fraction(block_start[None, None], problem))
+        rows = (t - m * ACP_BLOCK).clamp(max=ACP_BLOCK)  # [M]
+        kept_cols = torch.minimum((m + 1) * ACP_BLOCK, torch.tensor(t)) - block_start * ACP_BLOCK  # [M]
+        computed = int((rows * kept_cols).sum())
+        counted = (flops_per_token(config, t, pruned=fraction) - matmuls) * t / per_pair
+        assert 0 < counted <= computed + 1e-6, (block_start.tolist(), counted, computed)
+        assert flops_per_token(config, t, pruned=fraction) <= dense

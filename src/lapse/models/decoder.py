@@ -26,6 +26,7 @@ from torch import Tensor, nn
 
 from lapse.kv import KVCache
 from lapse.layers import RMSNorm, RotaryEmbedding, SwiGLU
+from lapse.ops.forgetting import ACP_BLOCK
 
 from .config import ModelConfig
 from .registry import build_attention
@@ -310,17 +311,51 @@ def optimizer_groups(model: nn.Module, weight_decay: float) -> list[dict]:
     ]
 
 
-def flops_per_token(config: ModelConfig, seq_len: int | None = None) -> float:
-    """Training FLOPs per token (forward + backward) for MFU, attention counted as dense.
+def flops_per_token(config: ModelConfig, seq_len: int | None = None, *, pruned: float = 0.0) -> float:
+    """Training FLOPs per token (forward + backward) for MFU: the work the model does.
 
     ``6 N`` for the matmuls (``N`` = :func:`param_count` with ``non_embedding``) plus the
-    attention scores and values: ``QK^T`` and ``PV`` cost ``2 * 2 * T * H * D`` per token
-    and layer for full attention, half of it causal, times 3 for forward and backward:
-    ``6 * n_layers * H * D * T``. ACP's skipped tiles are counted as done, so MFU compares
-    runs with and without pruning on the same work. ``seq_len`` defaults to ``max_seq_len``.
+    attention scores and values: ``QK^T`` and ``PV`` cost ``2 * 2 * D`` per (query, key)
+    pair and head, times 3 for forward and backward, over the ``T^2 / 2`` pairs of causal
+    attention (FlashAttention's count): ``6 * n_layers * H * D * T`` per token.
+
+    ``pruned``: ACP's pruned fraction, the mean over layers and heads of
+    ``AttentionStats.pruned_fraction`` (pruned tile area / causal tile area; every layer
+    and head has the same ``T`` and ``D``, so the mean weighs them as their FLOPs do). The
+    pruned tiles' pairs are left out of the attention term: the pairs counted are never more
+    than the tiles the kernels compute (their diagonal tiles are whole), so FLOPs counted
+    per second stay below the device's peak. ``pruned=0`` counts attention as dense causal:
+    the dense-equivalent count, the work a run without pruning does. ``seq_len`` defaults
+    to ``max_seq_len``.
     """
     t = config.max_seq_len if seq_len is None else seq_len
+    if not 0.0 <= pruned <= 1.0:
+        raise ValueError(f"pruned must be a fraction in [0, 1], got {pruned!r}")
+    if pruned and not (config.attention == "forgetting" and config.acp):
+        raise ValueError(f"pruned {pruned} given for {config.name} without ACP: nothing of it is pruned")
+    causal_tiles, prunable = _acp_tile_areas(t)
+    pruned_pairs = pruned * causal_tiles
+    if pruned_pairs > prunable * (1 + 1e-6):  # float32 statistics round
+        raise ValueError(
+            f"pruned {pruned} is more than ACP can prune at T={t} ({prunable / causal_tiles:.6f}: "
+            "it keeps every diagonal tile)"
+        )
     with torch.device("meta"):
         n = param_count(Decoder(config), non_embedding=True)
-    attention = 6 * config.n_layers * config.n_heads * config.head_dim * t
+    pairs_per_token = t / 2 - min(pruned_pairs, prunable) / t
+    attention = 12 * config.n_layers * config.n_heads * config.head_dim * pairs_per_token
     return float(6 * n + attention)
+
+
+def _acp_tile_areas(t: int) -> tuple[int, int]:
+    """``(causal, prunable)``: the area of ACP's causal tiles of one ``T x T`` head (what
+    ``pruned_fraction`` divides by: each query block's key blocks up to its diagonal one,
+    whole, clipped at ``T``), and the most of it ACP can prune (every key block before the
+    diagonal one)."""
+    block = ACP_BLOCK
+    causal = prunable = 0
+    for start in range(0, t, block):
+        rows = min(block, t - start)
+        causal += rows * min(start + block, t)
+        prunable += rows * start
+    return causal, prunable
