@@ -140,12 +140,12 @@ class TrainConfig:
     inside each block's graph (``lapse.ops.forgetting.library``). On an H100 it took FoX
     (Pro) 125M at 16k from 14% to 21% MFU (BENCHMARKS.md); the GPU presets set it."""
 
-    cuda_graphs: bool = False
+    cuda_graphs: bool = True
     """With ``compile``: replay each block's compiled graph as a CUDA graph
     (``torch.compile``'s ``reduce-overhead`` mode), which takes the host's kernel launches
-    off the step. One process on CUDA only, without activation checkpointing. On an H200
-    it took 125M FoX (Pro) + ACP at 16k, trained weights, one row a forward, from 265 to
-    291 thousand tokens/s (BENCHMARKS.md, nineteenth session)."""
+    off the step, wherever the run allows it: one process on CUDA, without activation
+    checkpointing. Elsewhere (FSDP or DDP, a CPU, checkpointed blocks) the compiled kernels
+    launch one by one, and the report says which ran. ``--no-cuda-graphs`` turns it off."""
 
     parallel: Literal["auto", "fsdp", "ddp"] = "auto"
     """Data parallelism under ``torchrun``: FSDP2 (``fully_shard``, per block) or DDP.
@@ -234,14 +234,6 @@ class TrainConfig:
             raise ValueError(f"peak_tflops must be positive (one device's TFLOP/s), got {self.peak_tflops}")
         if not 0 <= self.seed < 2**32:  # numpy's generators take these (a negative seed failed mid-setup)
             raise ValueError(f"seed must be in [0, 2**32), got {self.seed}")
-        if self.cuda_graphs and not self.compile:
-            raise ValueError("cuda_graphs needs compile (it replays the compiled blocks); or turn it off")
-        if self.cuda_graphs and self.device == "cpu":
-            raise ValueError("cuda_graphs runs in one process on CUDA; this run's device is cpu")
-        if self.cuda_graphs and self.activation_checkpointing:
-            # torch 2.11 on the H200: CUDA-graph trees fail while recording the recomputed
-            # forward ("graph recording observed an input tensor deallocate")
-            raise ValueError("cuda_graphs does not work with activation_checkpointing; drop one of them")
         if self.seq_len is not None and self.seq_len < 1:
             raise ValueError(f"seq_len must be positive or None, got {self.seq_len}")
         if self.micro_batch_size is not None:

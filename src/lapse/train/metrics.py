@@ -132,6 +132,13 @@ def _plot_sparsity(ax, train: list[dict], val: list[dict]) -> None:
     twin.set_ylabel("alpha (dotted)")
 
 
+_EXECUTION = {
+    "eager": "run eagerly",
+    "compiled": "compiled (kernels launched one by one)",
+    "cuda-graphs": "compiled and replayed as CUDA graphs",
+}
+
+
 def write_report(run_dir: Path, summary: dict) -> Path:
     """``report.md`` (and ``summary.json``): what was trained, on what, how it went."""
     run_dir = Path(run_dir)
@@ -149,7 +156,8 @@ def write_report(run_dir: Path, summary: dict) -> Path:
         f"- data: {s['corpus']}, tokenizer `{s['tokenizer']}` ({s['vocab_size']} ids); "
         f"{s['train_tokens']:,} training tokens available",
         f"- batch: {s['batch_size']} x {s['seq_len']} tokens per step on {s['world_size']} "
-        f"{s['device']} process(es); {s['tokens']:,} tokens seen",
+        f"{s['device']} process(es); {s['tokens']:,} tokens seen"
+        + (f"; blocks {_EXECUTION[s['compile']]}" if s.get("compile") in _EXECUTION else ""),
         f"- time: {s['elapsed_s'] / 60:.1f} min of training, {s['tokens_per_s']:,.0f} tokens/s"
         + (
             f", MFU {100 * s['mfu']:.1f}%"

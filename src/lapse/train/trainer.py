@@ -511,6 +511,25 @@ def _micro_batch_rows(cfg: TrainConfig, world: World) -> int:
     return micro
 
 
+def cuda_graphs_off(cfg: TrainConfig, world: World) -> str | None:
+    """Why the run's compiled blocks are not replayed as CUDA graphs (``None``: they are)."""
+    if not cfg.compile:
+        return "the blocks are not compiled"
+    if not cfg.cuda_graphs:
+        return "--no-cuda-graphs"
+    if world.device.type != "cuda":
+        return f"the run is on {world.device.type}"
+    if world.distributed:  # the graphs would hold FSDP's gathered parameters and DDP's buckets
+        return f"{world.size} processes (FSDP or DDP)"
+    if cfg.activation_checkpointing:  # torch 2.11: recording the recomputed forward fails
+        return "activation checkpointing"
+    return None
+
+
+def graphed(cfg: TrainConfig, world: World) -> bool:
+    return cuda_graphs_off(cfg, world) is None
+
+
 def _model_and_optimizer(
     cfg: TrainConfig, world: World, init: bool = True
 ) -> tuple[Decoder, torch.nn.Module, torch.optim.Optimizer]:
@@ -531,12 +550,7 @@ def _model_and_optimizer(
         trained = {id(p) for layer in layers for p in layer.interaction_parameters()}
         for p in model.parameters():
             p.requires_grad_(id(p) in trained)
-    if cfg.cuda_graphs and (world.distributed or world.device.type != "cuda"):
-        raise ValueError(
-            "cuda_graphs runs in one process on CUDA (the graphs would hold FSDP's gathered "
-            f"parameters and DDP's buckets); this run has {world.size} process(es) on {world.device.type}"
-        )
-    mode = "reduce-overhead" if cfg.cuda_graphs else cfg.compile
+    mode = "reduce-overhead" if graphed(cfg, world) else cfg.compile
     prepare_blocks(model, activation_checkpointing=cfg.activation_checkpointing, compile=mode)
     if world.device.type == "cuda":
         set_value_checks(False)  # the NaN/positive-gate check costs a host sync per layer
@@ -827,6 +841,7 @@ def _summary(run: _Run, status: str) -> dict:
         "seq_len": cfg.context,
         "world_size": world.size,
         "device": world.device.type,
+        "compile": "cuda-graphs" if graphed(cfg, world) else ("compiled" if cfg.compile else "eager"),
         "tokens": state["tokens"],
         "elapsed_s": state["elapsed_s"],
         "tokens_per_s": state["tokens"] / state["elapsed_s"] if state["elapsed_s"] > 0 else 0.0,
