@@ -104,8 +104,9 @@ def _app() -> SubcommandApp:
 
     @bench.command(name="train")
     def bench_train(cfg: Annotated[TrainBenchConfig, tyro.conf.arg(name="")]) -> None:
-        """Training throughput (tokens/s, MFU) of one model with ACP on and off, same
-        weights and batches, one GPU; Markdown + JSON results."""
+        """Training throughput of one model with ACP on and off, same weights and batches,
+        one GPU: tokens/s, speed-ups over dense and the Transformer (tokens/s ratios), MFU of
+        the FLOPs done; Markdown + JSON results."""
         from lapse.bench.training import run
 
         run(cfg)

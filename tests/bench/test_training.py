@@ -68,10 +68,57 @@ def test_bench_train_runs_dcp_against_the_transformer_on_cpu(tmp_path):
         warmup=0, variants=("transformer", "dcp"), dcp_r=4, out_dir=tmp_path,
     )
     rows = {r["variant"]: r for r in run(cfg)["rows"]}
-    assert rows["dcp"]["vs_transformer"] > 0 and rows["transformer"]["vs_transformer"] == 1.0
+    assert rows["dcp"]["speedup_vs_transformer"] > 0 and rows["transformer"]["speedup_vs_transformer"] == 1.0
+    assert rows["dcp"]["transformer_reference"] == "transformer" and rows["dcp"]["speedup_vs_dense"] is None
     # the same softmax weights; at beta init (2) almost every keep probability is 1
     assert abs(rows["dcp"]["loss"] - rows["transformer"]["loss"]) < 1e-3 * rows["transformer"]["loss"]
     assert json.loads((tmp_path / "results.json").read_text())["rows"][1]["variant"] == "dcp"
+
+
+def test_speedups_are_tokens_per_s_ratios_within_a_compile_mode():
+    from lapse.bench.training import _add_speedups
+
+    rows = [{"variant": v, "tokens_per_s": r} for v, r in (
+        ("dense-compile", 100.0), ("acp-compile", 202.0), ("transformer-compile", 50.0), ("acp", 80.0),
+        ("transformer", 40.0))]
+    _add_speedups(rows)
+    got = {r["variant"]: (r["speedup_vs_dense"], r["speedup_vs_transformer"]) for r in rows}
+    assert got == {
+        "dense-compile": (1.0, 2.0), "acp-compile": (2.02, 4.04), "transformer-compile": (0.5, 1.0),
+        "acp": (None, 2.0), "transformer": (None, 1.0),  # no eager dense ran
+    }
+    assert [r["dense_reference"] for r in rows] == ["dense-compile"] * 3 + [None, None]
+
+
+def test_bench_train_counts_the_flops_acp_does(tmp_path):
+    """ACP's rows count its attention without the pruned tiles (TFLOP/s and MFU below the
+    dense-equivalent ones, by the measured pruned share); dense rows count the same both ways;
+    MFU is TFLOP/s over the given peak; the speed-ups are tokens/s ratios."""
+    from lapse.bench.training import TrainBenchConfig, run
+    from lapse.models import flops_per_token, preset
+
+    cfg = TrainBenchConfig(
+        preset="tiny", arch="fox-pro", seq_len=512, batch_size=1, micro_batch_size=1, steps=1, warmup=0,
+        variants=("dense", "acp"), peak_tflops=0.001, out_dir=tmp_path,
+    )
+    result = run(cfg)
+    rows = {r["variant"]: r for r in result["rows"]}
+    dense, acp = rows["dense"], rows["acp"]
+    assert acp["pruned"] > 0.1  # a fresh init's gates prune at this length
+    model = preset("tiny", "fox-pro", acp=True, max_seq_len=512)
+    assert acp["flops_per_token"] == flops_per_token(model, 512, pruned=acp["pruned"])
+    assert acp["flops_per_token"] < acp["dense_flops_per_token"]
+    assert dense["flops_per_token"] == dense["dense_flops_per_token"] == acp["dense_flops_per_token"]
+    for r in (dense, acp):
+        assert r["tflops"] == pytest.approx(r["tokens_per_s"] * r["flops_per_token"] / 1e12)
+        assert r["mfu"] == pytest.approx(r["tflops"] / 0.001)
+        assert r["dense_equivalent_tflops"] >= r["tflops"]
+    assert acp["speedup_vs_dense"] == pytest.approx(acp["tokens_per_s"] / dense["tokens_per_s"])
+    assert dense["speedup_vs_dense"] == 1.0 and acp["speedup_vs_transformer"] is None
+    table = (tmp_path / "results.md").read_text()
+    assert "| vs dense | vs transformer | TFLOP/s | MFU | dense-eq. TFLOP/s |" in table
+    row = f"| acp | {acp['step_s']:.3f} | {acp['tokens_per_s']:,.0f} | {acp['speedup_vs_dense']:.2f}x | - |"
+    assert row in table
 
 
 def test_bench_train_refuses_bad_dcp_settings():

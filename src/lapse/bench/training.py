@@ -5,9 +5,14 @@ Every variant loads the same weights (a trained run's checkpoint, so the gates h
 decayed the way training made them, or a fresh init), feeds the same windows, and runs
 whole optimizer steps (forward, backward, clipping, AdamW) as the trainer takes them
 (:func:`optimizer_step`; the benchmark does not import the trainer). Variants alternate in
-rounds so drift of the GPU clock hits all alike; the median step time is reported with
-tokens/s, MFU (attention counted as dense causal FLOPs, so pruned and dense runs are
-compared on the same work), the pruned fraction and the peak memory.
+rounds so drift of the GPU clock hits all alike. Each row reports the median step time;
+tokens/s; the speed-ups "vs dense" and "vs transformer", its tokens/s over those of the
+``dense`` and the ``transformer`` variant of the same compile mode (above 1: faster; none
+where that variant did not run); TFLOP/s and MFU of the FLOPs done
+(:func:`lapse.models.flops_per_token` of the variant's model, ACP's pruned tiles left out
+as measured per layer and head, so MFU stays below 100%) beside the dense-equivalent
+TFLOP/s (every causal pair counted: what a run without pruning would need for the same
+tokens/s); the pruned fraction and the peak memory.
 
 ``dcp`` times DCP fine-tuning steps (SPEC section 6) as ``lapse train --init-from RUN
 --model.attention dcp`` takes them: the softmax Transformer of the same sizes with DCP
@@ -16,7 +21,7 @@ checkpoint, when that holds a softmax model) and its interaction parameters at t
 init, the alpha-sigmoid mask at a fixed ``dcp_alpha`` (the schedule's middle: the
 bisection's full cost, not the closed forms of alpha = 1 or 2), and the sparsity penalty
 ``dcp_gamma * mean over layers of mean I`` in the loss. Its row reads against the
-``transformer`` row of the same compile mode ("vs transformer": step time ratio).
+``transformer`` row of the same compile mode ("vs transformer": tokens/s ratio).
 """
 
 from __future__ import annotations
@@ -83,14 +88,15 @@ class TrainBenchConfig:
     activation_checkpointing: bool = False
     """Recompute each block's activations in the backward (what ``lapse train
     --activation-checkpointing`` does): less memory (760M at 16k fits), more FLOPs (MFU
-    still counts the model's FLOPs once)."""
+    still counts the model's FLOPs once). Not with ``-cudagraphs`` variants."""
     commit: str | None = None
     """The commit to record; ``None``: ``git rev-parse`` of the working directory (on a
     machine that received a copy of the tree, pass the real one)."""
     lr: float = 1e-4
     """Learning rate of the timed steps (small: the weights barely move while timing)."""
     peak_tflops: float | None = None
-    """For MFU; ``None``: from the device name."""
+    """One device's peak dense bf16 TFLOP/s, for MFU; ``None``: from the device name (no MFU
+    when unknown, e.g. on a CPU: TFLOP/s are still shown)."""
     out_dir: Path = Path("runs/bench/train")
     """Where ``results.json`` and ``results.md`` go."""
 
@@ -170,7 +176,6 @@ def run(cfg: TrainBenchConfig) -> dict:
         ids = torch.randint(0, model_cfg.vocab_size, (cfg.batch_size, cfg.seq_len + 1), generator=g)
         return ids[:, :-1], ids[:, 1:]
 
-    flops = flops_per_token(model_cfg, cfg.seq_len)
     peak = peak_tflops(device, cfg.peak_tflops)
     tokens = cfg.batch_size * cfg.seq_len
     softmax_cfg = replace(model_cfg, attention="softmax", acp=False, castle_window=None)
@@ -251,11 +256,20 @@ def run(cfg: TrainBenchConfig) -> dict:
             pruned = s["regularizer"].dropped[:, None] / max(s["regularizer"].forwards, 1)  # [n_layers, 1]
         t = statistics.median(s["times"])
         tok_s = tokens / t
+        # Each variant's own model (the Transformer has no gates); ACP's pruned tiles left
+        # out of the FLOPs done (DCP's mask skips no computation)
+        dense_flops = flops_per_token(model.config, cfg.seq_len)
+        skipped = float(pruned.mean()) if name.startswith("acp") else 0.0
+        flops = flops_per_token(model.config, cfg.seq_len, pruned=skipped)
         rows.append(
             {
                 "variant": name,
                 "step_s": t,
                 "tokens_per_s": tok_s,
+                "flops_per_token": flops,
+                "dense_flops_per_token": dense_flops,
+                "tflops": tok_s * flops / 1e12,
+                "dense_equivalent_tflops": tok_s * dense_flops / 1e12,
                 "mfu": tok_s * flops / (peak * 1e12) if peak else None,
                 "peak_gib": s["peak_gib"],
                 "loss": statistics.mean(s["losses"]),
@@ -263,13 +277,7 @@ def run(cfg: TrainBenchConfig) -> dict:
                 "pruned_per_layer": None if pruned is None else pruned.mean(1).tolist(),
             }
         )
-    base = next((r for r in rows if r["variant"] == "dense"), None)
-    step_s = {r["variant"]: r["step_s"] for r in rows}
-    for r in rows:
-        r["speedup_vs_dense"] = base["step_s"] / r["step_s"] if base else None
-        peers = (f"transformer{_mode(r['variant'])}", "transformer", "transformer-compile")
-        peer = next((step_s[v] for v in peers if v in step_s), None)
-        r["vs_transformer"] = r["step_s"] / peer if peer else None
+    _add_speedups(rows)
 
     result = {
         "bench": "train",
@@ -282,26 +290,36 @@ def run(cfg: TrainBenchConfig) -> dict:
         "source": source,
         "model": asdict(model_cfg),
         "config": json.loads(json.dumps(asdict(cfg), default=str)),
-        "flops_per_token": flops,
         "peak_tflops": peak,
         "rows": rows,
     }
     lines = [
         f"Training throughput, {model_cfg.name} {cfg.preset if cfg.run is None else cfg.run.name}, "
         f"T={cfg.seq_len}, {cfg.batch_size} rows/step ({cfg.micro_batch_size} per forward), bf16 autocast, "
-        f"{result['device']}; weights: {source}; median of {cfg.steps} steps; MFU with attention counted "
-        f"as dense causal ({flops / 1e9:.2f} GFLOP/token)",
+        f"{result['device']}; weights: {source}; median of {cfg.steps} steps",
         "",
-        "| variant | step s | tokens/s | MFU | vs dense | vs transformer | pruned | peak GiB | loss |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "vs dense, vs transformer: tokens/s over that of the `dense` / `transformer` variant of the same "
+        "compile mode (above 1: faster; -: not run). TFLOP/s and MFU count the FLOPs done: 6 N + attention "
+        "over the causal pairs, ACP's pruned tiles left out"
+        + (f", against {peak:g} TFLOP/s" if peak else ", MFU: peak unknown for this device")
+        + ". Dense-eq. TFLOP/s counts every causal pair (the rate a run without pruning would need for "
+        "these tokens/s). pruned: ACP's pruned share of the attention tiles, DCP's dropped share of the "
+        "context.",
+        "",
+        "| variant | step s | tokens/s | vs dense | vs transformer | TFLOP/s | MFU | dense-eq. TFLOP/s "
+        "| pruned | peak GiB | loss |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         mfu = f"{100 * r['mfu']:.1f}%" if r["mfu"] is not None else "-"
         pruned = f"{100 * r['pruned']:.1f}%" if r["pruned"] is not None else "-"
-        speed = f"{r['speedup_vs_dense']:.2f}x" if r["speedup_vs_dense"] else "-"
-        slower = f"{r['vs_transformer']:.2f}x" if r["vs_transformer"] else "-"
+        vs_dense, vs_transformer = (
+            f"{r[k]:.2f}x" if r[k] is not None else "-"
+            for k in ("speedup_vs_dense", "speedup_vs_transformer")
+        )
         lines.append(
-            f"| {r['variant']} | {r['step_s']:.3f} | {r['tokens_per_s']:,.0f} | {mfu} | {speed} | {slower} | "
+            f"| {r['variant']} | {r['step_s']:.3f} | {r['tokens_per_s']:,.0f} | {vs_dense} | "
+            f"{vs_transformer} | {_tflops(r['tflops'])} | {mfu} | {_tflops(r['dense_equivalent_tflops'])} | "
             f"{pruned} | {r['peak_gib']:.1f} | {r['loss']:.3f} |"
         )
     text = "\n".join(lines)
@@ -378,6 +396,24 @@ def _triton_version() -> str | None:
         return triton.__version__
     except ImportError:
         return None
+
+
+def _add_speedups(rows: list[dict]) -> None:
+    """Gives each row ``speedup_vs_dense`` and ``speedup_vs_transformer``: its tokens/s over
+    those of the ``dense`` / ``transformer`` variant of its compile mode (above 1: faster),
+    named in ``dense_reference`` / ``transformer_reference``; ``None`` where that variant
+    is not among ``rows``."""
+    rates = {r["variant"]: r["tokens_per_s"] for r in rows}
+    for r in rows:
+        for ref in ("dense", "transformer"):
+            of = f"{ref}{_mode(r['variant'])}"
+            r[f"speedup_vs_{ref}"] = r["tokens_per_s"] / rates[of] if of in rates else None
+            r[f"{ref}_reference"] = of if of in rates else None
+
+
+def _tflops(x: float) -> str:
+    """TFLOP/s with three significant digits (a CPU run's are small)."""
+    return f"{x:.3g}"
 
 
 def _mode(variant: str) -> str:
