@@ -100,6 +100,37 @@ def test_acp_statistics_at_the_last_step_too(tmp_path, data_dir):
     run = train(tiny(tmp_path, data_dir, steps=7, acp_stats_every=5, checkpoint_every=0, val_every=0))
     assert [r["step"] for r in kinds(read_metrics(Path(run["run_dir"])), "acp")] == [5, 7]
 
+def test_mfu_of_an_acp_run_counts_the_flops_done(tmp_path, data_dir):
+    """With ACP, MFU leaves the pruned tiles out at the last measured share (none before the
+    first ``acp`` record; the record of a statistics step counts that step's pruning) and the
+    summary's at the mean of the measurements; the dense-equivalent MFU stands beside it.
+    At T = 512 a fresh init prunes, so the two differ."""
+    from lapse.models import flops_per_token
+
+    cfg = tiny(tmp_path, data_dir, seq_len=512, batch_size=2, steps=6, acp_stats_every=3, val_every=0,
+               checkpoint_every=0, peak_tflops=1.0)
+    summary = train(cfg)
+    records = read_metrics(Path(summary["run_dir"]))
+    acp = {r["step"]: r["pruned"] for r in kinds(records, "acp")}
+    assert list(acp) == [3, 6] and min(acp.values()) > 0.1
+    dense = flops_per_token(cfg.model, 512)
+    for r in kinds(records, "train"):
+        assert r["mfu_dense_equivalent"] == pytest.approx(r["tokens_per_s"] * dense / 1e12)
+        if r["step"] < 3:
+            assert r["mfu"] is None
+            continue
+        done = flops_per_token(cfg.model, 512, pruned=acp[3 if r["step"] < 6 else 6])
+        assert r["mfu"] == pytest.approx(r["tokens_per_s"] * done / 1e12)
+        assert r["mfu"] < r["mfu_dense_equivalent"]
+    mean = (acp[3] + acp[6]) / 2
+    assert summary["acp_pruned_mean"] == pytest.approx(mean)
+    assert summary["mfu"] == pytest.approx(
+        summary["tokens_per_s"] * flops_per_token(cfg.model, 512, pruned=mean) / 1e12)
+    assert summary["mfu_dense_equivalent"] == pytest.approx(summary["tokens_per_s"] * dense / 1e12)
+    report = (Path(summary["run_dir"]) / "report.md").read_text()
+    assert f"MFU {100 * summary['mfu']:.1f}% (FLOPs done" in report and "dense-equivalent" in report
+
+
 def test_exact_resume_continues_the_same_curve(tmp_path, data_dir):
     straight = train(tiny(tmp_path / "a", data_dir, steps=16, checkpoint_every=0))
     first = train(tiny(tmp_path / "b", data_dir, steps=16, checkpoint_every=0, stop_at_step=7))

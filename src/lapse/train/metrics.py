@@ -2,7 +2,9 @@
 
 ``metrics.jsonl`` holds one JSON object per line with a ``kind``: ``train`` (step, tokens,
 loss averaged over the logging interval and ``averaged_steps``, how many steps that is:
-fewer than ``log_every`` right after a stop or a resume; lr, gradient norm, tokens/s, MFU), ``val``
+fewer than ``log_every`` right after a stop or a resume; lr, gradient norm, tokens/s, MFU of
+the FLOPs done: with ACP, its pruned tiles left out at the last ``acp`` record's share, none
+before one, and ``mfu_dense_equivalent`` beside it, attention counted dense causal), ``val``
 (validation loss) and ``acp`` (pruned fraction per layer and head). A DCP model's ``train``
 records add ``alpha``, ``sparsity`` and ``sparsity_per_layer`` (the share of earlier tokens
 dropped, under the training mask) and ``sparsity_term`` (the unweighted penalty); its
@@ -139,6 +141,20 @@ _EXECUTION = {
 }
 
 
+def _mfu_text(s: dict) -> str:
+    """The MFU of a summary: of the FLOPs done; with ACP, at the mean of its measured pruned
+    shares, beside the dense-equivalent one (attention counted dense causal)."""
+    dense = s.get("mfu_dense_equivalent")
+    if s.get("mfu") is None and dense is None:
+        return " (MFU: peak unknown for this device)"
+    if dense is None:
+        return f", MFU {100 * s['mfu']:.1f}%"
+    if s.get("mfu") is None:
+        return f", MFU unknown (no ACP statistics taken), dense-equivalent {100 * dense:.1f}%"
+    return (f", MFU {100 * s['mfu']:.1f}% (FLOPs done: ACP's pruned tiles left out at the mean measured "
+            f"share, {100 * s['acp_pruned_mean']:.1f}%), dense-equivalent {100 * dense:.1f}%")
+
+
 def write_report(run_dir: Path, summary: dict) -> Path:
     """``report.md`` (and ``summary.json``): what was trained, on what, how it went."""
     run_dir = Path(run_dir)
@@ -159,11 +175,7 @@ def write_report(run_dir: Path, summary: dict) -> Path:
         f"{s['device']} process(es); {s['tokens']:,} tokens seen"
         + (f"; blocks {_EXECUTION[s['compile']]}" if s.get("compile") in _EXECUTION else ""),
         f"- time: {s['elapsed_s'] / 60:.1f} min of training, {s['tokens_per_s']:,.0f} tokens/s"
-        + (
-            f", MFU {100 * s['mfu']:.1f}%"
-            if s.get("mfu") is not None
-            else " (MFU: peak unknown for this device)"
-        ),
+        + _mfu_text(s),
     ]
     if train:
         first, last = train[0], train[-1]

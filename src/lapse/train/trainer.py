@@ -328,7 +328,9 @@ class _Run:
     last_saved: int  # step of the newest checkpoint; -1: none yet
     interval: _Interval
     session_start: float  # state["elapsed_s"] when this session began
-    flops: float  # per token, for MFU
+    dense_flops: float  # per token, attention counted dense causal (the dense-equivalent count)
+    flops: float | None  # per token, the work done, for MFU; ACP: at the last measured pruned share,
+    # None before one
     peak: float | None  # TFLOP/s of one device; None: unknown, no MFU
     n_params: int
     dcp: DCPTraining | None  # the model has DCP attention: penalty, alpha, dropped share
@@ -493,7 +495,8 @@ def _setup(cfg: TrainConfig, world: World, resuming: bool) -> _Run:
         last_saved=start if resuming else -1,
         interval=_Interval(world.device),
         session_start=state["elapsed_s"],
-        flops=flops_per_token(cfg.model, cfg.context),
+        dense_flops=flops_per_token(cfg.model, cfg.context),
+        flops=_flops_done(cfg, state.get("acp_pruned_last")),
         peak=peak_tflops(world.device, cfg.peak_tflops),
         n_params=param_count(model),
         dcp=dcp,
@@ -672,10 +675,10 @@ def _train(run: _Run, stop: StopFlag) -> str:
         collect = cfg.model.acp and every > 0 and ((run.step + 1) % every == 0 or run.step + 1 == cfg.steps)
         _optimizer_step(run, collect)
         step = run.step
+        if collect:  # first: the train record of this step counts the FLOPs of its pruning
+            _log_acp(run)
         if step % cfg.log_every == 0 or step == cfg.steps:
             _log_train(run)
-        if collect:
-            _log_acp(run)
         if run.val_sampler is not None and cfg.val_every and (step % cfg.val_every == 0 or step == cfg.steps):
             with run.interval.paused():
                 _validate(run)
@@ -722,7 +725,7 @@ def _log_train(run: _Run) -> None:
     seconds = time.perf_counter() - interval.t0
     run.state["elapsed_s"] += seconds
     tok_s = interval.steps * run.tokens_per_step / seconds
-    mfu = tok_s * run.flops / (run.world.size * run.peak * 1e12) if run.peak else None
+    mfu = _mfu(run, tok_s, run.flops)
     dcp = {}
     if run.dcp is not None:
         dropped, term = run.dcp.take()
@@ -744,6 +747,7 @@ def _log_train(run: _Run) -> None:
             "grad_norm": float(grad_norm),
             "tokens_per_s": tok_s,
             "mfu": mfu,
+            **({"mfu_dense_equivalent": _mfu(run, tok_s, run.dense_flops)} if run.cfg.model.acp else {}),
             "elapsed_s": run.state["elapsed_s"],
             **dcp,
         }
@@ -755,15 +759,24 @@ def _log_train(run: _Run) -> None:
 
 
 def _log_acp(run: _Run) -> None:
-    """An ``acp`` record: the pruned fraction per layer and head of the step's last micro-batch."""
+    """An ``acp`` record: the pruned fraction per layer and head of the step's last micro-batch.
+    MFU counts the FLOPs of this pruning from now on, and the run's summary those of the
+    mean over its measurements (kept in the progress state, so a resume continues them)."""
     pruned = unwrap(run.model).pruned_fractions()  # [n_layers, H]
     pruned = all_reduce_mean(pruned.to(run.world.device), run.world).cpu()
+    mean = float(pruned.mean())
+    state = run.state
+    state["acp_pruned_last"] = mean
+    state["acp_pruned_sum"] = state.get("acp_pruned_sum", 0.0) + mean
+    state["acp_measurements"] = state.get("acp_measurements", 0) + 1
+    with run.interval.paused():  # builds the model on the meta device to count its parameters
+        run.flops = _flops_done(run.cfg, mean)
     run.log.write(
         {
             "kind": "acp",
             "step": run.step,
             "tokens": run.state["tokens"],
-            "pruned": float(pruned.mean()),
+            "pruned": mean,
             "pruned_per_layer": pruned.mean(1).tolist(),
             "pruned_per_head": pruned.tolist(),
         }
@@ -856,6 +869,26 @@ def _summary(run: _Run, status: str) -> dict:
             "r": cfg.model.dcp_r,
         },
     }
-    peak_flops = world.size * run.peak * 1e12 if run.peak else None
-    summary["mfu"] = summary["tokens_per_s"] * run.flops / peak_flops if peak_flops else None
+    measured = state.get("acp_measurements", 0)
+    flops = _flops_done(cfg, state["acp_pruned_sum"] / measured if measured else None)
+    summary["mfu"] = _mfu(run, summary["tokens_per_s"], flops)
+    if cfg.model.acp:
+        summary["mfu_dense_equivalent"] = _mfu(run, summary["tokens_per_s"], run.dense_flops)
+        summary["acp_pruned_mean"] = state["acp_pruned_sum"] / measured if measured else None
     return summary
+
+
+def _flops_done(cfg: TrainConfig, pruned: float | None) -> float | None:
+    """Training FLOPs per token of the work done: with ACP, its pruned tiles left out at the
+    measured pruned share ``pruned`` (``None``: not measured, the work is not known)."""
+    if not cfg.model.acp:
+        return flops_per_token(cfg.model, cfg.context)
+    return None if pruned is None else flops_per_token(cfg.model, cfg.context, pruned=pruned)
+
+
+def _mfu(run: _Run, tokens_per_s: float, flops: float | None) -> float | None:
+    """``flops`` a token at ``tokens_per_s`` over the peak of all ranks; ``None`` when either
+    is unknown."""
+    if flops is None or not run.peak:
+        return None
+    return tokens_per_s * flops / (run.world.size * run.peak * 1e12)
