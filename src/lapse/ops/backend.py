@@ -7,6 +7,7 @@ Triton is optional; the PyTorch paths work without it.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 
@@ -108,6 +109,37 @@ def resolve_backend(backend: str, x: Tensor, allowed: tuple[str, ...] = BACKENDS
             raise TypeError("backend='triton' on the CPU interpreter takes float16 or float32 (its bfloat16 "
                             "products are wrong); use backend='torch' for bfloat16 on the CPU")
     return backend
+
+
+def autocast_off(x: Tensor) -> contextlib.AbstractContextManager:
+    """A block in which ``torch.autocast`` is off for ``x``'s device.
+
+    The ops compute in the dtypes of their inputs and accumulate in float32, whatever an
+    enclosing autocast says: under it their internal matmuls would come out in its low
+    dtype (16-bit products written into float32 accumulators, or refused by in-place
+    ops that need one dtype) and outputs would leave in a dtype other than the documented
+    one. A model under autocast still gets its low precision in attention: its autocast
+    projections hand the ops 16-bit ``q, k, v``. The autograd Functions' backwards use it
+    too (:func:`autocast_off_backward`).
+    """
+    if not torch.amp.is_autocast_available(x.device.type):  # e.g. "meta"
+        return contextlib.nullcontext()
+    return torch.autocast(x.device.type, enabled=False)
+
+
+def autocast_off_backward(backward):
+    """An autograd Function's ``backward`` under :func:`autocast_off` for its gradients'
+    device: a backward called inside an autocast block would run under it."""
+
+    @functools.wraps(backward)
+    def run(ctx, *grads):
+        given = [g for g in grads if g is not None]
+        if not given:  # no device to take; on all-zero gradients autocast changes nothing
+            return backward(ctx, *grads)
+        with autocast_off(given[0]):
+            return backward(ctx, *grads)
+
+    return run
 
 
 def tma_ready(*xs) -> bool:

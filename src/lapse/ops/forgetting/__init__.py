@@ -14,7 +14,7 @@ import math
 import torch
 from torch import Tensor
 
-from ..backend import resolve_backend
+from ..backend import autocast_off, resolve_backend
 from .common import (
     ACP_BLOCK,
     LOG_GATE_FLOOR,
@@ -96,35 +96,43 @@ def forgetting_attention(
     Returns:
         ``o`` ``[B, Tq, HQ, D]`` in the dtype of ``q``; with ``return_lse`` and/or
         ``return_stats``, a tuple ``(o, lse)``, ``(o, stats)`` or ``(o, lse, stats)``.
+
+    Under ``torch.autocast`` every backend computes as without it, in the dtypes of its
+    inputs: float32 ``q, k, v`` give a float32 ``o``, 16-bit ones (an autocast
+    projection's) a 16-bit ``o``. Autocast is off inside the forward and inside the torch
+    and Triton backwards; the naive backend's backward is autograd's, which follows an
+    autocast block it is called in.
     """
     p = validate(q, k, v, log_fgate, scale, cu_seqlens, backend)
     backend = resolve_backend(backend, q)
 
-    with torch.no_grad():
-        if backend == "triton":
-            from .pruning import triton_acp_block_start
-            from .triton_ops import triton_gate_cumsum
+    with autocast_off(q):  # each backend in its own precision, under autocast too
+        with torch.no_grad():
+            if backend == "triton":
+                from .pruning import triton_acp_block_start
+                from .triton_ops import triton_gate_cumsum
 
-            c_hi, c_lo = triton_gate_cumsum(log_fgate, p)  # [B, HQ, Tc] float32 each
-            # acp="auto": the norms and the search, two launches and no host copy
-            block_start = None if acp is None else triton_acp_block_start(acp, acp_eps, q, k, c_hi, c_lo, p)
+                c_hi, c_lo = triton_gate_cumsum(log_fgate, p)  # [B, HQ, Tc] float32 each
+                # acp="auto": the norms and the search, two launches and no host copy
+                block_start = (None if acp is None
+                               else triton_acp_block_start(acp, acp_eps, q, k, c_hi, c_lo, p))
+            else:
+                delta = None if acp is None else acp_delta(acp, acp_eps, q, k, p)  # [B, HQ]
+                c = cumulative_log_gates(log_fgate, cu_seqlens)  # [B, Tk, HQ] float64
+                block_start = None if delta is None else acp_block_start(c, delta, p)
+
+        if backend == "naive":
+            o, lse = naive_forgetting_attention(
+                q, k, v, log_fgate, p.scale, cu_seqlens, block_start, ACP_BLOCK
+            )
+        elif backend == "torch":
+            from .chunked import chunked_forgetting_attention
+
+            o, lse = chunked_forgetting_attention(q, k, v, log_fgate, c, p, block_start)
         else:
-            delta = None if acp is None else acp_delta(acp, acp_eps, q, k, p)  # [B, HQ]
-            c = cumulative_log_gates(log_fgate, cu_seqlens)  # [B, Tk, HQ] float64
-            block_start = None if delta is None else acp_block_start(c, delta, p)
+            from .triton_ops import triton_forgetting_attention
 
-    if backend == "naive":
-        o, lse = naive_forgetting_attention(
-            q, k, v, log_fgate, p.scale, cu_seqlens, block_start, ACP_BLOCK
-        )
-    elif backend == "torch":
-        from .chunked import chunked_forgetting_attention
-
-        o, lse = chunked_forgetting_attention(q, k, v, log_fgate, c, p, block_start)
-    else:
-        from .triton_ops import triton_forgetting_attention
-
-        o, lse = triton_forgetting_attention(q, k, v, log_fgate, c_hi, c_lo, p, block_start)
+            o, lse = triton_forgetting_attention(q, k, v, log_fgate, c_hi, c_lo, p, block_start)
 
     if not (return_lse or return_stats):
         return o

@@ -26,6 +26,7 @@ import torch
 from torch import Tensor
 from torch.autograd.function import once_differentiable
 
+from ..backend import autocast_off_backward
 from .common import ACP_BLOCK, Problem, gate_grad_from_dc
 
 # Chunk lengths, multiples of ACP_BLOCK. Measured on a 2-core CPU (torch 2.13, float32,
@@ -318,6 +319,7 @@ class _ChunkedForgettingAttention(torch.autograd.Function):
 
     @staticmethod
     @once_differentiable
+    @autocast_off_backward
     def backward(ctx, do, _dlse):
         q, k, v, o, lse, c, log_fgate, block_start = ctx.saved_tensors
         p = ctx.problem

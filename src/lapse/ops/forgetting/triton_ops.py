@@ -10,7 +10,7 @@ import warnings
 import torch
 from torch import Tensor
 
-from ..backend import LN2
+from ..backend import LN2, autocast_off_backward
 from . import fa4_bwd, fa4_fwd
 from .common import LOG_GATE_FLOOR, Problem
 from .gate_scan import gate_cumsum, gate_grad
@@ -100,6 +100,7 @@ class _TritonForgettingAttention(torch.autograd.Function):
         return o, lse2[..., : q.shape[1]] * LN2
 
     @staticmethod
+    @autocast_off_backward
     def backward(ctx, do, dlse):
         q, k, v, o, lse2, c_hi, c_lo, log_fgate, block_start = ctx.saved_tensors
         p = ctx.p
