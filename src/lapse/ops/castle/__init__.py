@@ -17,7 +17,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from ..backend import resolve_backend
+from ..backend import autocast_off, resolve_backend
 from .common import Problem, validate
 from .decode import castle_attention_decode, castle_decode_fold, castle_decode_step, castle_decode_update
 from .naive import naive_castle_parallel, naive_castle_recurrent
@@ -112,6 +112,11 @@ def castle_attention(
 
     Returns:
         ``o`` ``[B, T, H, D]`` in the dtype of ``q_c``, or ``(o, lse)`` with ``return_lse``.
+
+    Under ``torch.autocast`` every backend computes as without it, in the dtypes of its
+    inputs (autocast is off inside the forward and inside the torch and Triton backwards;
+    the naive backend's backward is autograd's, which follows an autocast block it is
+    called in).
     """
     p = validate(q_c, k_c, v_c, q_u, k_u, v_u, scale, window, cu_seqlens, backend)
     if backend == "triton-parallel":
@@ -127,16 +132,17 @@ def castle_attention(
     else:
         backend = resolve_backend(backend, q_c)
     six = (q_c, k_c, v_c, q_u, k_u, v_u)
-    if p.seqlens is None:
-        o, lse = _one(*six, p, backend)
-    else:
-        bounds = [0]
-        for n in p.seqlens:
-            bounds.append(bounds[-1] + n)
-        parts = [_one(*(x[:, s:e] for x in six), p, backend)
-                 for s, e in zip(bounds, bounds[1:], strict=False) if e > s]
-        o = torch.cat([o for o, _ in parts], dim=1)
-        lse = torch.cat([lse for _, lse in parts], dim=2)
+    with autocast_off(q_c):  # each backend in its own precision, under autocast too
+        if p.seqlens is None:
+            o, lse = _one(*six, p, backend)
+        else:
+            bounds = [0]
+            for n in p.seqlens:
+                bounds.append(bounds[-1] + n)
+            parts = [_one(*(x[:, s:e] for x in six), p, backend)
+                     for s, e in zip(bounds, bounds[1:], strict=False) if e > s]
+            o = torch.cat([o for o, _ in parts], dim=1)
+            lse = torch.cat([lse for _, lse in parts], dim=2)
     return (o, lse.float()) if return_lse else o
 
 

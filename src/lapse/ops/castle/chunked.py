@@ -25,6 +25,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from ..backend import autocast_off_backward
+
 CHUNK = 64
 
 
@@ -75,6 +77,7 @@ class _ChunkedCastle(torch.autograd.Function):
         return o, lse
 
     @staticmethod
+    @autocast_off_backward
     def backward(ctx, do, dlse):
         qc, kc, vc, qu, ku, vu, u_end, lse = ctx.saved_tensors
         scale, window, chunk = ctx.args

@@ -14,7 +14,7 @@ import os
 import torch
 from torch import Tensor
 
-from ..backend import LN2
+from ..backend import LN2, autocast_off_backward
 from .triton_bwd import launch_bwd
 from .triton_fwd import block_config, launch_fwd
 from .triton_parallel import launch_parallel_bwd, launch_parallel_fwd, parallel_config
@@ -63,6 +63,7 @@ class _TritonCastle(torch.autograd.Function):
         return o, lse2 * LN2
 
     @staticmethod
+    @autocast_off_backward
     def backward(ctx, do, dlse):
         qc, kc, vc, qu, ku, vu, o, lse2, u_end = ctx.saved_tensors
         scale, window = ctx.args
@@ -121,6 +122,7 @@ class _TritonParallelCastle(torch.autograd.Function):
         return o, lse2 * LN2
 
     @staticmethod
+    @autocast_off_backward
     def backward(ctx, do, dlse):
         qc, kc, vc, qu, ku, vu, o, lse2, u_end = ctx.saved_tensors
         scale, window = ctx.args

@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from ..backend import check_backend
+from ..backend import autocast_off, check_backend
 from ..forgetting.common import (
     check_devices,
     check_float_dtype,
@@ -127,10 +127,14 @@ def dcp_attention(
             float64 inputs): the oracle.
 
     Returns:
-        ``o`` ``[B, T, HQ, D]`` in the dtype of ``q``.
+        ``o`` ``[B, T, HQ, D]`` in the dtype of ``q``. Under ``torch.autocast`` both
+        backends compute as without it, in the dtype of ``q`` (autocast is off inside the
+        forward; the backward is autograd's, which follows an autocast block it is called
+        in).
     """
     _validate(q, k, v, log_i, backend)
     scale = resolve_scale(scale, q.shape[-1])
-    if backend == "naive":
-        return naive_dcp_attention(q, k, v, log_i, scale)
-    return _sdpa_attention(q, k, v, log_i, scale)
+    with autocast_off(q):  # SDPA under autocast would round float32 inputs to its dtype
+        if backend == "naive":
+            return naive_dcp_attention(q, k, v, log_i, scale)
+        return _sdpa_attention(q, k, v, log_i, scale)
