@@ -36,6 +36,8 @@ def _cfg(tmp_path, **kw) -> DecodeBenchConfig:
         out_dir=tmp_path,
         commit="test",
     )
+    if not kw.get("policies"):
+        del base["every"]  # refused where no policy reads it
     return DecodeBenchConfig(**{**base, **kw})
 
 
@@ -124,6 +126,12 @@ def test_bad_config_is_refused():
         DecodeBenchConfig(workloads=("8-4096",))
     with pytest.raises(ValueError, match="give --run"):
         DecodeBenchConfig(prompts="validation")
+    with pytest.raises(ValueError, match=r"^--window is not used by --policies acp h2o; it sets the recent "
+                       r"positions kept \(--policies window\)$"):
+        DecodeBenchConfig(policies=("acp", "h2o"), window=8)
+    with pytest.raises(ValueError, match="^--budget and --every are not used without --policies; "):
+        DecodeBenchConfig(budget=0.5, every=4)
+    DecodeBenchConfig(policies=("acp", "h2o"), budget=0.5, every=4)
 
 
 def test_castle_fold_every_reaches_the_random_init_models():

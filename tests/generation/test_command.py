@@ -17,6 +17,14 @@ SUMMARY = re.compile(
     r"^(\d+) tokens in [\d.]+ s: [\d.]+ tokens/s; KV held [\d.]+ MiB, ([\d.]+)% of a dense cache "
     r"\((\w+); whole pages(?:: the last ones partly empty)?\)$"
 )
+# the flags each policy reads (the others are refused)
+FLAGS = {
+    "dense": [],
+    "window": ["--window", "8", "--sinks", "2"],
+    "acp": [],
+    "h2o": ["--budget", "0.5", "--recent", "4", "--sinks", "2"],
+    "a2sf": ["--budget", "0.5", "--recent", "4", "--sinks", "2"],
+}
 
 
 @pytest.fixture
@@ -38,14 +46,7 @@ def test_generate_streams_and_ends_with_one_summary_line(run, capsys, policy):
             "64",
             "--policy",
             policy,
-            "--window",
-            "8",
-            "--sinks",
-            "2",
-            "--recent",
-            "4",
-            "--budget",
-            "0.5",
+            *FLAGS[policy],
             "--every",
             "4",
         ]
@@ -109,12 +110,7 @@ def test_prompts_file_batches_ragged_prompts_as_one_at_a_time(run, tmp_path, pol
                 "64",
                 "--policy",
                 policy,
-                "--budget",
-                "4",
-                "--recent",
-                "2",
-                "--sinks",
-                "1",
+                *(["--budget", "4", "--recent", "2", "--sinks", "1"] if policy == "h2o" else []),
             ]
         )
         outs.append([json.loads(line)["completion"] for line in out.read_text().splitlines()])
@@ -269,20 +265,45 @@ def test_the_default_length_fits_the_context(run, capsys):
     assert match and 0 < int(match.group(1)) <= 64 - 9, match
 
 
-def test_policy_flags_a_policy_does_not_take_are_warned_of():
-    """``--budget`` without an h2o/a2sf policy ran without a word; ``--prefix`` without a policy
-    too (lapse eval)."""
+def test_policy_flags_a_policy_does_not_use_are_refused():
+    """``--policy acp --window 8`` ran acp as if --window were not given (a warning at most);
+    ``--prefix`` without a policy too (lapse eval). A flag left at its default is no choice."""
     from lapse.eval.loss import PerTokenLossConfig
     from lapse.generation import PolicyOptions
 
-    with pytest.warns(UserWarning, match="--budget ignored: without --policy does not take it"):
+    with pytest.raises(ValueError, match=r"^--budget is not used without --policy; it sets the tokens kept "
+                       r"per head \(--policy h2o or a2sf\)$"):
         PolicyOptions(budget=0.1)
-    with pytest.warns(UserWarning, match="--budget --alpha ignored: the window policy does not take them"):
+    with pytest.raises(ValueError, match=r"^--budget and --alpha are not used by --policy window; --budget "
+                       r"sets .*; --alpha sets .* \(--policy a2sf\)$"):
         PolicyOptions(policy="window", budget=0.1, alpha=0.5)
-    with pytest.warns(UserWarning, match="--prefix and --chunk set how a policy streams"):
+    with pytest.raises(ValueError, match="^--prefix is not used without --policy; it sets how each window"):
         PerTokenLossConfig(models=("x",), prefix=8)
-    import warnings
+    PolicyOptions(policy="h2o", budget=0.1, recent=4, sinks=0, per="layer", every=2)
+    PolicyOptions(policy="acp", budget=0.2, window=1024)  # the defaults
 
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")
-        PolicyOptions(policy="h2o", budget=0.1, recent=4, sinks=0, per="layer", every=2)
+
+@pytest.mark.parametrize(
+    ("command", "flags", "message"),
+    [
+        (["generate", str(RUN), "--prompt", "x"], ["--policy", "acp", "--window", "8"],
+         "error: --window is not used by --policy acp; it sets the recent positions kept (--policy window)"),
+        (["generate", str(RUN), "--prompt", "x"], ["--policy", "window", "--budget", "0.3"],
+         "error: --budget is not used by --policy window; it sets the tokens kept per head "
+         "(--policy h2o or a2sf)"),
+        (["eval", "niah", "--models", str(RUN)], ["--eps", "0.01"],
+         "error: --eps is not used without --policy; it sets the attention mass a row may lose "
+         "(--policy acp)"),
+        (["eval", "policy-loss", str(RUN)], ["--policy", "h2o", "--window", "8"],
+         "error: --window is not used by --policy h2o; it sets the recent positions kept (--policy window)"),
+        (["bench", "decode", "--device", "cpu"], ["--policies", "acp", "--budget", "0.3"],
+         "error: --budget is not used by --policies acp; it sets the tokens kept per head "
+         "(--policies h2o or a2sf)"),
+    ],
+    ids=["generate-acp-window", "generate-window-budget", "niah-no-policy", "policy-loss", "bench-decode"],
+)
+def test_an_unused_policy_flag_is_one_line_and_status_2(capsys, command, flags, message):
+    with pytest.raises(SystemExit) as e:
+        main([*command, *flags])
+    assert e.value.code == 2
+    assert capsys.readouterr().err.strip().splitlines() == [message]

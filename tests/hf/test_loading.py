@@ -86,14 +86,8 @@ def test_generate_command_with_hf_model(llama_folder, capsys, policy):
             "12",
             "--policy",
             policy,
-            "--budget",
-            "4",
-            "--recent",
-            "2",
-            "--sinks",
-            "1",
-            "--window",
-            "4",
+            *{"dense": [], "window": ["--window", "4", "--sinks", "1"]}.get(
+                policy, ["--budget", "4", "--recent", "2", "--sinks", "1"]),
             "--every",
             "2",
         ]

@@ -38,7 +38,7 @@ import json
 import platform
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 from typing import Literal
 
@@ -55,6 +55,7 @@ from lapse.generation import (
     paged_store_for,
     prefill,
 )
+from lapse.generation.policies.options import unused_flags
 from lapse.kv import DenseStore
 from lapse.models import Decoder, param_count, preset
 from lapse.models.checkpoint import latest_checkpoint, load_weights, read_run
@@ -63,6 +64,9 @@ from lapse.ops.backend import resolve_device
 PROVIDERS = ("lapse", "lapse-compile", "hf-llama-compile", "hf-llama-eager")
 # the attention kind whose state a policy reads (FoX's gates, DCP's drop flags): skipped on others
 POLICY_NEEDS = {"acp": "forgetting", "dcp": "dcp"}
+# the flags each timed policy reads (_policy)
+POLICY_FLAGS = {"dense": (), "window": ("window", "every"), "acp": ("every",), "h2o": ("budget", "every"),
+                "a2sf": ("budget", "every"), "dcp": ("every",)}
 # HBM bandwidth (bytes/s) by device name, for the limit
 HBM_BANDWIDTH = {"H100": 3.35e12, "H200": 4.8e12}
 
@@ -135,6 +139,12 @@ class DecodeBenchConfig:
             raise ValueError("prompts='validation' reads a trained run's validation data: give --run")
         if self.steps < 1 or self.warmup < 0:
             raise ValueError(f"steps must be >= 1 and warmup >= 0, got {self.steps}, {self.warmup}")
+        unused = [f.name for f in fields(DecodeBenchConfig) if f.name in ("budget", "window", "every")
+                  and getattr(self, f.name) != f.default
+                  and not any(f.name in POLICY_FLAGS[p] for p in self.policies)]
+        if unused:  # it would time the policies as if it were not given
+            where = f"by --policies {' '.join(self.policies)}" if self.policies else "without --policies"
+            raise ValueError(unused_flags(unused, where, POLICY_FLAGS, option="--policies"))
 
 
 def _timed_steps(

@@ -29,7 +29,6 @@ from __future__ import annotations
 import json
 import math
 import time
-import warnings
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Annotated, Literal
@@ -149,9 +148,12 @@ class LossEvalConfig(PolicyOptions, HfOptions):
             _check_positive_int("max_tokens", self.max_tokens)
         if self.prefix is not None:
             _check_positive_int("prefix", self.prefix)
-        if self.policy is None and (self.prefix is not None or self.chunk != 1):
-            warnings.warn("--prefix and --chunk set how a policy streams: ignored without --policy",
-                          stacklevel=2)
+        streaming = ["--prefix"] * (self.prefix is not None) + ["--chunk"] * (self.chunk != 1)
+        if self.policy is None and streaming:
+            one = len(streaming) == 1
+            raise ValueError(f"{' and '.join(streaming)} {'is' if one else 'are'} not used without --policy; "
+                             f"{'it sets' if one else 'they set'} how each window streams through the "
+                             "policy's cache")
         if self.max_seconds is not None and not self.max_seconds > 0:
             raise ValueError(f"max_seconds must be positive or None, got {self.max_seconds}")
         if self.dtype not in ("auto", "float32", "bfloat16"):

@@ -5,7 +5,6 @@ flags, their help and the policy they build are written once."""
 from __future__ import annotations
 
 import math
-import warnings
 from dataclasses import dataclass, fields
 from typing import Annotated, Literal
 
@@ -30,7 +29,19 @@ USES = {
     "a2sf": ("budget", "recent", "alpha", "sinks", "per", "every"),
     "dcp": ("every",),
 }
-"""The flags each policy takes (the others are warned of when given)."""
+"""The flags each policy takes (the others are refused when given)."""
+
+SETS = {
+    "budget": "the tokens kept per head",
+    "recent": "the recent positions always kept",
+    "alpha": "the forgetting factor of the accumulated scores",
+    "per": "whether tokens are ranked per kv head or per layer",
+    "sinks": "the first positions always kept",
+    "window": "the recent positions kept",
+    "eps": "the attention mass a row may lose",
+    "every": "the steps between eviction passes",
+}
+"""What each policy flag sets, for the error that refuses it where it does nothing."""
 
 
 @dataclass(kw_only=True)
@@ -71,13 +82,14 @@ class PolicyOptions:
                 f"--budget above 1 counts tokens: give an integer, or a share up to 1, got {self.budget}"
             )
         self.make_policy()  # bad policy fields fail here, before any model loads
-        unused = [f"--{f.name}" for f in fields(PolicyOptions)
+        # a flag the policy does not read would run as if it were not given: `--policy acp
+        # --window 8` keeps what acp keeps. A flag left at its default is no choice to refuse.
+        unused = [f.name for f in fields(PolicyOptions)
                   if f.name != "policy" and f.name not in USES.get(self.policy, ())
                   and getattr(self, f.name) != f.default]
-        if unused:  # a --budget without --policy ran the plain path without a word
-            which = "without --policy" if self.policy is None else f"the {self.policy} policy"
-            warnings.warn(f"{' '.join(unused)} ignored: {which} does not take "
-                          f"{'it' if len(unused) == 1 else 'them'}", stacklevel=2)
+        if unused:
+            raise ValueError(unused_flags(unused, "without --policy" if self.policy is None
+                                          else f"by --policy {self.policy}", USES))
 
     def make_policy(self) -> Policy | None:
         """The policy the flags name (``None`` without ``--policy``)."""
@@ -100,3 +112,20 @@ class PolicyOptions:
             case "dcp":
                 return DCPDrop(**every)
         raise ValueError(f"--policy must be one of dense, window, acp, h2o, a2sf, dcp; got {self.policy!r}")
+
+
+def unused_flags(
+    names: list[str], where: str, uses: dict[str, tuple[str, ...]], option: str = "--policy"
+) -> str:
+    """One line refusing the flags ``names`` that ``where`` (``"by --policy acp"``) does not
+    use, each with what it sets and the policies of ``uses`` that read it (named as values of
+    ``option``)."""
+    def sets(name: str) -> str:
+        readers = [p for p, flags in uses.items() if name in flags]
+        listed = readers[0] if len(readers) == 1 else f"{', '.join(readers[:-1])} or {readers[-1]}"
+        return f"{SETS[name]} ({option} {listed})"
+
+    if len(names) == 1:
+        return f"--{names[0]} is not used {where}; it sets {sets(names[0])}"
+    listed = ", ".join(f"--{n}" for n in names[:-1]) + f" and --{names[-1]}"
+    return f"{listed} are not used {where}; " + "; ".join(f"--{n} sets {sets(n)}" for n in names)
