@@ -27,7 +27,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, fields, replace
 from typing import Literal, get_args
 
-from .registry import ATTENTION_KINDS, BLOCK_KINDS, attention_class
+from .kinds import ATTENTION_TRAITS, BLOCK_KINDS, attention_traits
 
 AttentionKind = Literal["softmax", "forgetting", "dcp", "castle"]
 BlockKindName = Literal["llama", "pro"]
@@ -59,7 +59,7 @@ def default_castle_window(d_model: int) -> int:
     wide) and 512 at M, L and XL (1024 and wider), so 128 below 1024 and 512 from it."""
     return 128 if d_model < 1024 else 512
 
-assert set(get_args(AttentionKind)) == set(ATTENTION_KINDS)
+assert set(get_args(AttentionKind)) == set(ATTENTION_TRAITS)
 assert set(get_args(BlockKindName)) == set(BLOCK_KINDS)
 
 
@@ -185,7 +185,7 @@ class ModelConfig:
                 self.castle_window = default_castle_window(self.d_model)
             self._match_heads()
             self.arch = None
-        kind = attention_class(self.attention)
+        kind = attention_traits(self.attention)
         if self.block not in BLOCK_KINDS:
             raise ValueError(f"block must be one of {tuple(BLOCK_KINDS)}, got {self.block!r}")
         if self.attn_backend not in ATTENTION_BACKENDS:
@@ -266,7 +266,7 @@ class ModelConfig:
         (``matrices_per_head``, 4 for softmax attention) gets ``round(4/m n_heads)`` heads
         (at least 1) of the same head dim, so it has about the parameters of the
         Transformer with ``n_heads``; ``n_kv_heads`` stays as given."""
-        per_head = getattr(attention_class(self.attention), "matrices_per_head", 4)
+        per_head = attention_traits(self.attention).matrices_per_head
         if per_head == 4 or not (_is_count(self.n_heads) and _is_count(self.d_model)):
             return  # (bad sizes: the checks below say so)
         if self.attn_head_dim is None and self.d_model % self.n_heads != 0:

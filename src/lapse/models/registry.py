@@ -2,33 +2,18 @@
 
 A config names its attention kind (``softmax``, ``forgetting``, ``dcp``, ``castle``) and its block kind
 (``llama``, ``pro``) as separate fields; :func:`build_attention` turns the two into a
-layer. A new method adds an entry here (and its layer in ``lapse.layers``); nothing else
+layer. A new method adds an entry here (its layer in ``lapse.layers``, and in
+:mod:`.kinds` what a config checks of it without importing the layer); nothing else
 branches on its name.
 """
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 
 from lapse.layers import Attention, CastleAttention, DCPAttention, ForgettingAttention, SoftmaxAttention
 
-
-@dataclass(frozen=True)
-class BlockKind:
-    """The features a block kind gives every attention layer, and its default MLP size."""
-
-    kv_shift: bool
-    qk_norm: bool
-    output_gate: bool
-    mlp_ratio: float
-    """SwiGLU size as a multiple of ``d_model`` (see ``ModelConfig.mlp_ratio``)."""
-
-
-BLOCK_KINDS: dict[str, BlockKind] = {
-    "llama": BlockKind(kv_shift=False, qk_norm=False, output_gate=False, mlp_ratio=4.0),
-    # the smaller MLP pays for the output gate, so Pro and LLaMA have the same size (SPEC section 2)
-    "pro": BlockKind(kv_shift=True, qk_norm=True, output_gate=True, mlp_ratio=3.5),
-}
+from .kinds import ATTENTION_TRAITS, BLOCK_KINDS
 
 
 def _softmax(config, **common) -> Attention:
@@ -55,6 +40,7 @@ ATTENTION_KINDS: dict[str, type[Attention]] = {
     "castle": CastleAttention,
 }
 _BUILDERS = {"softmax": _softmax, "forgetting": _forgetting, "dcp": _dcp, "castle": _castle}
+assert set(ATTENTION_KINDS) == set(_BUILDERS) == set(ATTENTION_TRAITS)  # a kind is an entry in each
 
 
 def attention_class(kind: str) -> type[Attention]:
