@@ -5,55 +5,19 @@ default), ``lapse.data.tokenizer`` turns them into ids (UTF-8 bytes by default, 
 trained locally with the ``tokenizers`` library), ``lapse.data.shards`` stores the ids as
 memory-mapped shards and samples training windows as a pure function of ``(seed, step)``;
 ``lapse.data.prepare`` builds and caches the shards of a (corpus, tokenizer) pair.
+
+Each name loads with its submodule on first use: :class:`CorpusConfig` (``corpus``) imports
+neither numpy nor torch.
 """
 
-from lapse.data.corpus import (
-    CorpusConfig,
-    Document,
-    hf_documents,
-    in_validation,
-    iter_documents,
-    jsonl_documents,
-    limit_documents,
-    list_python_sources,
-    python_source_documents,
-    text_documents,
-)
-from lapse.data.prepare import DEFAULT_DATA_DIR, PreparedData, cached_with, data_key, prepare_data
-from lapse.data.shards import TokenShards, WindowSampler, token_dtype, write_shards
-from lapse.data.tokenizer import (
-    ByteTokenizer,
-    HFTokenizer,
-    Tokenizer,
-    TransformersTokenizer,
-    load_tokenizer,
-    train_bpe,
-)
+from lapse.lazy import exports
 
-__all__ = [
-    "DEFAULT_DATA_DIR",
-    "ByteTokenizer",
-    "CorpusConfig",
-    "Document",
-    "HFTokenizer",
-    "PreparedData",
-    "TokenShards",
-    "Tokenizer",
-    "TransformersTokenizer",
-    "WindowSampler",
-    "cached_with",
-    "data_key",
-    "hf_documents",
-    "in_validation",
-    "iter_documents",
-    "jsonl_documents",
-    "limit_documents",
-    "list_python_sources",
-    "load_tokenizer",
-    "prepare_data",
-    "python_source_documents",
-    "text_documents",
-    "token_dtype",
-    "train_bpe",
-    "write_shards",
-]
+__all__, __getattr__, __dir__ = exports(__name__, {
+    ".corpus": ("DEFAULT_DATA_DIR", "CorpusConfig", "Document", "hf_documents", "in_validation",
+                "iter_documents", "jsonl_documents", "limit_documents", "list_python_sources",
+                "python_source_documents", "text_documents"),
+    ".prepare": ("PreparedData", "cached_with", "data_key", "prepare_data"),
+    ".shards": ("TokenShards", "WindowSampler", "token_dtype", "write_shards"),
+    ".tokenizer": ("ByteTokenizer", "HFTokenizer", "Tokenizer", "TransformersTokenizer", "load_tokenizer",
+                   "train_bpe"),
+})

@@ -48,6 +48,10 @@ Split = Literal["train", "validation", "all"]
 
 DEFAULT_TEXT_PATTERNS = ("*.txt", "*.md")
 
+DEFAULT_DATA_DIR = Path("runs/data")
+"""Where :func:`lapse.data.prepare_data` caches tokenised corpora unless told otherwise
+(here, beside the corpus settings, so configs that name it import no torch)."""
+
 
 @dataclass(frozen=True, kw_only=True)
 class CorpusConfig:

@@ -20,12 +20,11 @@ from pathlib import Path
 
 import torch.distributed as dist
 
-from lapse.data.corpus import CorpusConfig, corpus_files, iter_documents
+from lapse.data.corpus import DEFAULT_DATA_DIR, CorpusConfig, corpus_files, iter_documents
 from lapse.data.shards import TokenShards, write_shards
 from lapse.data.tokenizer import ByteTokenizer, Tokenizer, load_tokenizer, train_bpe
 from lapse.files import write_json_atomic
 
-DEFAULT_DATA_DIR = Path("runs/data")
 READY_FILE = "ready.json"
 # A BPE is learned from the first this many bytes of the training split: merges settle
 # long before, and the whole corpus of a GPU run would cost minutes.
