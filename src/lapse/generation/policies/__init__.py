@@ -1,28 +1,20 @@
 """Eviction policies: one small frozen dataclass per policy, one module each.
 
 A policy returns which slots each (sequence, kv head) keeps; the paged store frees the
-pages. :data:`POLICIES` maps the command line's names to the classes.
+pages. :data:`POLICIES` maps the command line's names to the classes. Each name loads with
+its submodule on first use: the flags (:mod:`.options`) import no torch.
 """
 
-from .a2sf import A2SF
-from .acp import ACPBoundary
-from .base import Policy
-from .dcp import DCPDrop
-from .dense import Dense
-from .h2o import H2O
-from .options import PolicyName, PolicyOptions
-from .window import SinkWindow
+from lapse.lazy import exports
 
-POLICIES: dict[str, type[Policy]] = {
-    "dense": Dense,
-    "window": SinkWindow,
-    "acp": ACPBoundary,
-    "h2o": H2O,
-    "a2sf": A2SF,
-    "dcp": DCPDrop,
-}
-
-__all__ = [
-    "A2SF", "ACPBoundary", "DCPDrop", "H2O", "POLICIES", "Dense", "Policy", "PolicyName", "PolicyOptions",
-    "SinkWindow",
-]
+__all__, __getattr__, __dir__ = exports(__name__, {
+    ".a2sf": ("A2SF",),
+    ".acp": ("ACPBoundary",),
+    ".base": ("Policy",),
+    ".dcp": ("DCPDrop",),
+    ".dense": ("Dense",),
+    ".h2o": ("H2O",),
+    ".options": ("PolicyName", "PolicyOptions"),
+    ".registry": ("POLICIES",),
+    ".window": ("SinkWindow",),
+})
