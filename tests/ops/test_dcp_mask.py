@@ -27,6 +27,7 @@ from lapse.ops.dcp import (
     interaction_logits,
     naive_interaction_mask,
 )
+from lapse.ops.dcp.mask import causal_log_cumsum
 
 F32_ULP = torch.finfo(torch.float32).eps
 SHAPES = [(2, 63, 16), (1, 130, 64), (3, 1, 4)]
@@ -168,3 +169,27 @@ def test_sparsity_term_and_statistic(alpha):
     assert (stat[:, 0] == 0).all()
     one = log_i[:, :1, :1]
     assert dcp_sparsity_loss(one) == 0 and dcp_sparsity(one).tolist() == [[0.0], [0.0]]
+
+
+def test_the_traced_step_mask_scans_through_prefix_count():
+    """The step mask's cumulative count goes through ``lapse::prefix_count`` (a scan Inductor
+    calls rather than fuses with the broadcast causal mask, which its split-scan code
+    generation fails on: CUDA, long or symbolic T), and equals the float64 cumulative sum of
+    ``LOG_FLOOR`` where ``z <= 0`` bit for bit."""
+    graphs = []
+
+    def backend(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    g = torch.Generator().manual_seed(3)
+    q_int, k_int = torch.randn(2, 90, 8, generator=g), torch.randn(2, 90, 8, generator=g)
+    torch._dynamo.reset()
+    traced = torch.compile(interaction_log_mask_step, backend=backend, fullgraph=True)(q_int, k_int, 0.2)
+    targets = [node.target for gm in graphs for node in gm.graph.nodes]
+    assert torch.ops.lapse.prefix_count.default in targets
+    assert not [t for t in targets if getattr(t, "__name__", str(t)) == "cumsum"]
+    z = interaction_logits(q_int, k_int, 0.2)
+    expected = causal_log_cumsum(torch.where(z > 0, 0.0, LOG_FLOOR))
+    assert torch.equal(interaction_log_mask_step(q_int, k_int, 0.2), expected)
+    assert torch.equal(traced, expected)

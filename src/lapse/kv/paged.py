@@ -39,7 +39,8 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from lapse.ops.paging import move_rows, prefix_count, slot_index
+from lapse.ops.paging import move_rows, slot_index
+from lapse.ops.prefix import prefix_count
 
 from .base import StoreBase
 from .extras import static_clone, static_zeros

@@ -28,24 +28,6 @@ BLOCK = 128  # candidate moves per program (rows of up to ROW_ELEMENTS / BLOCK e
 ROW_ELEMENTS = 16384  # elements one program moves at most
 
 
-@torch.library.custom_op("lapse::prefix_count", mutates_args=())
-def prefix_count(flags: Tensor) -> Tensor:
-    """The inclusive count of true ``flags`` along the last dimension, int64 (``cumsum``).
-
-    An op that ``torch.compile`` calls rather than fuses. On CUDA, Inductor lowers a scan
-    along a long dimension (or one of symbolic length) to its split-scan kernel, whose code
-    generation fails (torch 2.11: ``TypeError: list indices must be integers or slices, not
-    NoneType``) when the scanned values are computed from a tensor broadcast along the scan,
-    such as a per-head length compared with slot indices, as an eviction pass's are. Behind
-    this op the scan reads a realised tensor, whatever produced it."""
-    return flags.long().cumsum(-1)
-
-
-@prefix_count.register_fake
-def _(flags: Tensor) -> Tensor:
-    return flags.new_empty(flags.shape, dtype=torch.long)
-
-
 def slot_index(
     table: Tensor, lengths: Tensor, n_pages: int, width: int, page_size: int
 ) -> tuple[Tensor, Tensor, Tensor]:

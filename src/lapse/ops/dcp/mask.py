@@ -29,6 +29,7 @@ import torch
 from torch import Tensor
 
 from .alpha_sigmoid import LOG_FLOOR, _resolve, check_alpha, check_alpha_tensor, log_alpha_sigmoid
+from ..prefix import prefix_count
 from .mask_triton import TritonLogMask
 
 
@@ -169,7 +170,15 @@ def interaction_log_mask_step(q_int: Tensor, k_int: Tensor, beta: float | Tensor
     check_interaction(q_int, k_int, beta, same_t=True)
     with torch.no_grad():
         z = _logits(q_int, k_int, beta)  # [B, T, T]
-        return causal_log_cumsum(torch.where(z > 0, 0.0, LOG_FLOOR).to(z.dtype))
+        t = z.shape[-1]
+        below = _strictly_lower(t, z.device)
+        # causal_log_cumsum of LOG_FLOOR where z <= 0: LOG_FLOOR times the count of drops
+        # n in (j, k], equal to the float64 sum bit for bit, counted by prefix_count (a
+        # scan the compiler does not fuse with the broadcast mask)
+        drops = prefix_count((~(z > 0) & below).transpose(1, 2)).transpose(1, 2)  # [B, T(k), T(j)]
+        log_i = (drops.double() * LOG_FLOOR).to(z.dtype)
+        causal = below | torch.eye(t, dtype=torch.bool, device=z.device)
+        return torch.where(causal, log_i, -math.inf)
 
 
 def _check_log_i(log_i: Tensor) -> None:
