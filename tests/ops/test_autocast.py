@@ -295,3 +295,26 @@ def test_bench_train_acp_from_a_pruning_fox_run(fox_run, tmp_path):
               "--warmup", "0", "--variants", "acp", "--out-dir", str(tmp_path)])
     (row,) = json.loads((tmp_path / "results.json").read_text())["rows"]
     assert row["variant"] == "acp" and row["pruned"] > 0 and row["loss"] > 0
+
+
+@pytest.mark.parametrize("kind", ["castle", "dcp"])
+def test_the_ops_trace_whole_under_autocast(kind):
+    """Turning autocast off inside the ops costs a compiled layer nothing: Dynamo traces
+    them in one graph (``fullgraph`` raises at a graph break), with autocast on around.
+    (A compiled FoX layer calls the custom ops of ``lapse.ops.forgetting.library`` instead.)"""
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, 70, 2, 16, generator=g) for _ in range(3))
+    if kind == "castle":
+        def call(q, k, v):
+            return castle_attention(q, k, v, q, k, v, backend="naive")
+    else:
+        log_i = interaction_log_mask(torch.randn(1, 70, 4, generator=g), torch.randn(1, 70, 4, generator=g),
+                                     0.3, 2.0)
+        call = functools.partial(dcp_attention, log_i=log_i, backend="torch")
+
+    def fn(q, k, v):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            return call(q, k, v)
+
+    torch._dynamo.reset()
+    torch.testing.assert_close(torch.compile(fn, fullgraph=True, backend="eager")(q, k, v), fn(q, k, v))

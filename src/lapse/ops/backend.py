@@ -111,6 +111,9 @@ def resolve_backend(backend: str, x: Tensor, allowed: tuple[str, ...] = BACKENDS
     return backend
 
 
+AUTOCAST_DEVICES = ("cpu", "cuda", "xpu", "mps", "hpu")
+
+
 def autocast_off(x: Tensor) -> contextlib.AbstractContextManager:
     """A block in which ``torch.autocast`` is off for ``x``'s device.
 
@@ -122,7 +125,9 @@ def autocast_off(x: Tensor) -> contextlib.AbstractContextManager:
     projections hand the ops 16-bit ``q, k, v``. The autograd Functions' backwards use it
     too (:func:`autocast_off_backward`).
     """
-    if not torch.amp.is_autocast_available(x.device.type):  # e.g. "meta"
+    # a fixed list, not torch.amp.is_autocast_available: Dynamo cannot trace that builtin,
+    # and a graph break here would split every compiled layer's graph at its attention
+    if x.device.type not in AUTOCAST_DEVICES:  # e.g. "meta"
         return contextlib.nullcontext()
     return torch.autocast(x.device.type, enabled=False)
 
