@@ -6,15 +6,17 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-import lm_eval
 import pytest
 import torch
-from lm_eval.api.instance import Instance
-from lm_eval.api.registry import get_model, model_registry
 from torch import nn
 
-from lapse.eval.common import load_model
-from lapse.eval.lm_eval import (
+lm_eval = pytest.importorskip("lm_eval")  # the `test` extra has it; a GPU machine may not
+
+from lm_eval.api.instance import Instance  # noqa: E402
+from lm_eval.api.registry import get_model, model_registry  # noqa: E402
+
+from lapse.eval.common import load_model  # noqa: E402
+from lapse.eval.lm_eval import (  # noqa: E402
     TASKS_DIR,
     LapseLM,
     LmEvalConfig,
@@ -249,3 +251,36 @@ def test_missing_model_or_data_is_a_clear_error(tmp_path):
         LmEvalConfig(model=tmp_path, tasks=("lapse_tiny_mc",), batch_size=0)
     with pytest.raises(ValueError, match="include_path"):
         LmEvalConfig(model=tmp_path, tasks=("lapse_tiny_mc",), include_path=Path(tmp_path / "nope"))
+
+
+def test_a_policys_results_have_their_own_folder_and_none_is_overwritten(fox_run, tmp_path, monkeypatch,
+                                                                         capsys):
+    """``--policy h2o`` wrote into the run's plain ``eval/lm-eval`` (its samples beside the old
+    ones) and ``lapse report`` showed it as the model's result; a second plain run replaced
+    the first without a word."""
+    import shutil
+
+    import lm_eval.evaluator
+
+    from lapse.cli import main
+
+    monkeypatch.setattr(lm_eval.evaluator, "add_env_info", lambda results: None)  # see _answer_key_accuracy
+    run = shutil.copytree(fox_run, tmp_path / "run", ignore=shutil.ignore_patterns("eval"))
+    args = ["eval", "lm-eval", "--model", str(run), "--limit", "2", "--device", "cpu", "--no-progress"]
+    main([*args, "--tasks", "lapse_tiny_mc"])
+    main([*args, "--tasks", "lapse_tiny_mc", "--policy", "h2o", "--budget", "4", "--recent", "2",
+          "--sinks", "0"])
+    plain, h2o = run / "eval" / "lm-eval", run / "eval" / "lm-eval-h2o"
+    assert json.loads((plain / "results.json").read_text())["lapse"]["policy"] is None
+    assert json.loads((h2o / "results.json").read_text())["lapse"]["policy"] == "h2o"
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as e:
+        main([*args, "--tasks", "lapse_tiny_ppl"])
+    assert e.value.code == 2
+    assert capsys.readouterr().err.strip().splitlines() == [
+        f"error: {plain} holds an earlier evaluation (results.json): --overwrite replaces it, "
+        "--out-dir writes elsewhere"
+    ]
+    main([*args, "--tasks", "lapse_tiny_ppl", "--overwrite"])  # the earlier task's samples go with it
+    assert sorted(p.name for p in plain.iterdir()) == ["results.json", "samples_lapse_tiny_ppl.jsonl",
+                                                        "summary.md"]
