@@ -151,7 +151,8 @@ def test_bench_train_with_activation_checkpointing_takes_the_same_steps(tmp_path
 
 
 def test_compile_modes_of_the_variants():
-    from lapse.bench.training import MODES, VARIANTS, _mode
+    from lapse.bench.config import VARIANTS
+    from lapse.bench.training import MODES, _mode
 
     assert {"acp-cudagraphs", "transformer-cudagraphs", "dense-compile", "dcp"} <= set(VARIANTS)
     assert [MODES[_mode(v)] for v in ("acp", "acp-compile", "transformer-cudagraphs")] == [

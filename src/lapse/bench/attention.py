@@ -98,48 +98,17 @@ import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Literal
 
 import torch
 from torch import Tensor
 
 from lapse.files import write_text_atomic
 
+from .config import SOFTMAX_BASELINES, AttentionBenchConfig, Provider
 from .workloads import Workload, WorkloadSpec, dense_causal_flops, make_workload
 
-Provider = Literal[
-    "lapse",
-    "lapse-acp",
-    "sdpa-default",
-    "sdpa-flash",
-    "sdpa-efficient",
-    "sdpa-cudnn",
-    "flash-attn-4",
-    "flash-attn-4-acp",
-    "flex",
-    "flex-flash",
-    "fla",
-    "castle-triton",
-    "castle-torch",
-    "castle-naive",
-    "castle-swl-triton",
-    "castle-triton-parallel",
-    "castle-swl-triton-parallel",
-    "lookahead-keys-attention",
-]
-Mode = Literal["fwd", "fwd+bwd"]
-SOFTMAX_BASELINES: tuple[Provider, ...] = (
-    "sdpa-default", "sdpa-flash", "sdpa-efficient", "sdpa-cudnn", "flash-attn-4"
-)
-"""Causal softmax attention without a gate: the ratios are taken against the fastest."""
-PROVIDERS: tuple[Provider, ...] = (
-    "lapse", "lapse-acp", *SOFTMAX_BASELINES, "flash-attn-4-acp", "flex", "fla"
-)
-"""The default providers (forgetting attention and its peers)."""
 PRUNED: dict[Provider, Provider] = {"lapse-acp": "lapse", "flash-attn-4-acp": "flash-attn-4"}
 """Providers that skip ACP's pruned tiles, each with its dense counterpart (their efficiency)."""
-PROVIDER_ALIASES: dict[str, Provider] = {"sdpa": "sdpa-flash"}
-"""Older names still accepted by --providers."""
 CASTLE_PROVIDERS: tuple[Provider, ...] = (
     "castle-triton",
     "castle-torch",
@@ -156,109 +125,6 @@ FLOP_FORMULA = (
     "halved for causality; pruned tiles counted as dense); bwd = 2.5 x fwd; "
     "fwd+bwd = 3.5 x fwd"
 )
-
-
-@dataclass(kw_only=True)
-class AttentionBenchConfig:
-    """Time forgetting attention against its peers on issue 2's benchmark workload."""
-
-    seq_lens: tuple[int, ...] = (4096, 8192, 16384)
-    """Sequence lengths T, one workload each (B = tokens / T). Ignored with --varlen."""
-    tokens: int = 32768
-    """Tokens per batch, B x T."""
-    heads: int = 24
-    """Query heads HQ."""
-    kv_heads: int | None = None
-    """Key/value heads H (grouped-query attention when < heads); None means heads."""
-    head_dim: int = 64
-    """Head dim D."""
-    varlen: bool = False
-    """One packed workload of 8 sequences of mixed lengths summing to --tokens."""
-    providers: tuple[Provider | Literal["sdpa"], ...] = PROVIDERS
-    """Providers to time (fla and flash-attn-4 are reported n/a when not importable); 'sdpa'
-    means 'sdpa-flash'."""
-    modes: tuple[Mode, ...] = ("fwd", "fwd+bwd")
-    """What to time: the forward alone, and/or the forward followed by the backward."""
-    acp_bound: Literal["auto", "qk-norm"] = "auto"
-    """ACP bound U: 'auto' (from the largest query/key norms, measured inside the timed
-    call; what issue 2 asks), or 'qk-norm' (the known U = D * scale of unit-gain QK-norm,
-    times the factor for 16-bit rounding of qk_norm_bound, passed as a float)."""
-    acp_eps: float = math.exp(-10)
-    """ACP's bound on the pruned attention mass per row."""
-    castle_window: int = 512
-    """CASTLE-SWL's lookahead window W (``castle-swl-triton``)."""
-    castle_naive_max_t: int = 2048
-    """``castle-naive`` (O(T^3), T x T buffers) runs only up to this sequence length."""
-    warmup_ms: int = 25
-    """do_bench warmup, in ms."""
-    rep_ms: int = 100
-    """do_bench measuring time, in ms."""
-    graph_times: bool = False
-    """Also time lapse and SDPA replayed from a CUDA graph: their kernels' GPU time, without
-    the host's launches (an eager call whose launches take longer than its kernels measures
-    the host; ACP's forward+backward at 4k comes near that). Opt-in (BENCHMARKS.md,
-    "Twenty-third session": the two timings agreed within 4% but for two cells)."""
-    seed: int = 0
-    """Seed of the workload and of dO."""
-    check: bool = True
-    """Check every gated provider against FlexAttention before timing it."""
-    check_tol: float = 2e-2
-    """Largest relative error (Frobenius) of outputs allowed by the check."""
-    grad_check_tol: float = 5e-2
-    """Largest relative error of gradients (dq, dk, dv, dlog_fgate) allowed by the check."""
-    out_dir: Path | None = None
-    """Where results.json and results.md go; default runs/bench/attention/<workload>.
-    Rewritten after every workload: a run cut off leaves the workloads it finished, in
-    place of any earlier files there."""
-    commit: str | None = None
-    """Commit to record; default `git rev-parse HEAD` when that works."""
-
-    def __post_init__(self) -> None:
-        if not self.providers:
-            raise ValueError("providers must name at least one provider")
-        self.providers = tuple(dict.fromkeys(PROVIDER_ALIASES.get(p, p) for p in self.providers))
-        if not self.modes:
-            raise ValueError("modes must name at least one of 'fwd', 'fwd+bwd'")
-        if not 0 < self.acp_eps < 1:
-            raise ValueError(f"acp_eps must be in (0, 1), got {self.acp_eps}")
-        if self.castle_window < 1:
-            raise ValueError(f"castle_window must be >= 1, got {self.castle_window}")
-        for spec in self.specs():  # validates the shapes early
-            del spec
-
-    def specs(self) -> list[WorkloadSpec]:
-        common = dict(tokens=self.tokens, heads=self.heads, kv_heads=self.kv_heads, head_dim=self.head_dim)
-        if self.varlen:
-            return [WorkloadSpec(varlen=True, **common)]
-        return [WorkloadSpec(seq_len=t, **common) for t in self.seq_lens]
-
-    def command(self) -> str:
-        """The command line that reproduces this configuration."""
-        parts = ["lapse bench attention"]
-        if self.varlen:
-            parts.append("--varlen")
-        else:
-            parts.append("--seq-lens " + " ".join(map(str, self.seq_lens)))
-        parts.append(f"--tokens {self.tokens} --heads {self.heads}")
-        if self.kv_heads is not None:
-            parts.append(f"--kv-heads {self.kv_heads}")
-        parts.append(f"--head-dim {self.head_dim}")
-        parts.append("--providers " + " ".join(self.providers))
-        parts.append("--modes " + " ".join(self.modes))
-        parts.append(f"--acp-bound {self.acp_bound}")
-        if self.acp_eps != math.exp(-10):
-            parts.append(f"--acp-eps {self.acp_eps!r}")
-        if self.castle_window != 512:
-            parts.append(f"--castle-window {self.castle_window}")
-        if self.castle_naive_max_t != 2048:
-            parts.append(f"--castle-naive-max-t {self.castle_naive_max_t}")
-        if (self.warmup_ms, self.rep_ms) != (25, 100):
-            parts.append(f"--warmup-ms {self.warmup_ms} --rep-ms {self.rep_ms}")
-        if self.seed:
-            parts.append(f"--seed {self.seed}")
-        if self.graph_times:
-            parts.append("--graph-times")
-        return " ".join(parts)
 
 
 class NotAvailable(Exception):

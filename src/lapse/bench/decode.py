@@ -38,9 +38,7 @@ import json
 import platform
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, fields
-from pathlib import Path
-from typing import Literal
+from dataclasses import asdict
 
 import torch
 
@@ -55,96 +53,17 @@ from lapse.generation import (
     paged_store_for,
     prefill,
 )
-from lapse.generation.policies.options import unused_flags
 from lapse.kv import DenseStore
 from lapse.models import Decoder, param_count, preset
 from lapse.models.checkpoint import latest_checkpoint, load_weights, read_run
 from lapse.ops.backend import resolve_device
 
-PROVIDERS = ("lapse", "lapse-compile", "hf-llama-compile", "hf-llama-eager")
+from .config import DECODE_PROVIDERS, DecodeBenchConfig
+
 # the attention kind whose state a policy reads (FoX's gates, DCP's drop flags): skipped on others
 POLICY_NEEDS = {"acp": "forgetting", "dcp": "dcp"}
-# the flags each timed policy reads (_policy)
-POLICY_FLAGS = {"dense": (), "window": ("window", "every"), "acp": ("every",), "h2o": ("budget", "every"),
-                "a2sf": ("budget", "every"), "dcp": ("every",)}
 # HBM bandwidth (bytes/s) by device name, for the limit
 HBM_BANDWIDTH = {"H100": 3.35e12, "H200": 4.8e12}
-
-
-@dataclass(kw_only=True)
-class DecodeBenchConfig:
-    """What to time: model shapes, architectures, workloads, providers."""
-
-    preset: str = "125m"
-    """Model preset (random init) whose shapes are timed."""
-    run: Path | None = None
-    """A trained run folder (its newest intact checkpoint) timed instead of random-init
-    presets (``archs`` and ``preset`` are then ignored): eviction policies such as
-    ``acp`` evict what the trained gates forget, ``dcp`` what the trained interaction
-    mask drops (a model fine-tuned with ``--model.attention dcp``)."""
-    prompts: Literal["random", "validation"] = "random"
-    """The prompts: uniform random tokens, or (``validation``, with ``run``) windows of the
-    run's validation data, the text its gates and masks were trained on: what they keep
-    or drop of random tokens says little about text."""
-    archs: tuple[str, ...] = ("fox-pro", "transformer-pro")
-    """Architectures of the lapse providers."""
-    workloads: tuple[str, ...] = ("8x4096", "4x16384", "2x32768")
-    """``BxT``: batch and prompt length."""
-    providers: tuple[str, ...] = PROVIDERS
-    """Any of ``lapse``, ``lapse-compile``, ``hf-llama-compile``, ``hf-llama-eager``."""
-    policies: tuple[str, ...] = ()
-    """Eviction policies timed over the paged store, compiled (``dense``, ``window``,
-    ``acp``, ``h2o``, ``a2sf`` with their defaults below), beside the dense store."""
-    budget: float = 0.2
-    """h2o / a2sf budget (share of the prompt)."""
-    window: int = 1024
-    """window policy: recent positions kept (4 sinks)."""
-    every: int = 16
-    """Evict every this many steps (timed: eviction is part of the cost)."""
-    steps: int = 32
-    """Timed decode steps per measurement."""
-    warmup: int = 4
-    """Untimed steps first (compilation, CUDA-graph recording)."""
-    dtype: Literal["bfloat16", "float16", "float32"] = "bfloat16"
-    """Weights and activations."""
-    device: str = "cuda"
-    """Where to run (``cpu`` works, for a dry run)."""
-    compile_backend: Literal["inductor", "aot_eager"] = "inductor"
-    """Of the compiled steps (``lapse-compile``, ``paged-*``) and eviction passes:
-    ``aot_eager`` traces them (the steps whole, ``fullgraph``) without generating code or
-    CUDA graphs, for a CPU dry run; ``inductor`` compiles the passes on CUDA only."""
-    castle_fold_every: int | None = None
-    """Random-init models: ``ModelConfig.castle_fold_every``, the deferred lookahead update
-    of CASTLE models every this many steps (other architectures ignore it)."""
-    bandwidth: float | None = None
-    """HBM bytes/s for the limit; ``None``: from the device name (H100 3.35e12, H200 4.8e12)."""
-    out_dir: Path = Path("runs/bench/decode")
-    """Where ``results.json`` and ``results.md`` go."""
-    commit: str | None = None
-    """The commit to record; ``None``: ``git rev-parse`` of the working directory (on a
-    machine that received a copy of the tree, pass the real one)."""
-
-    def __post_init__(self) -> None:
-        unknown = sorted(set(self.providers) - set(PROVIDERS))
-        if unknown:
-            raise ValueError(f"unknown providers {unknown}; valid: {PROVIDERS}")
-        unknown = sorted(set(self.policies) - set(POLICIES))
-        if unknown:
-            raise ValueError(f"unknown policies {unknown}; valid: {tuple(POLICIES)}")
-        for w in self.workloads:
-            parts = w.split("x")
-            if len(parts) != 2 or not all(p.isdigit() and int(p) > 0 for p in parts):
-                raise ValueError(f"a workload is BxT with positive integers (e.g. 8x4096), got {w!r}")
-        if self.prompts == "validation" and self.run is None:
-            raise ValueError("prompts='validation' reads a trained run's validation data: give --run")
-        if self.steps < 1 or self.warmup < 0:
-            raise ValueError(f"steps must be >= 1 and warmup >= 0, got {self.steps}, {self.warmup}")
-        unused = [f.name for f in fields(DecodeBenchConfig) if f.name in ("budget", "window", "every")
-                  and getattr(self, f.name) != f.default
-                  and not any(f.name in POLICY_FLAGS[p] for p in self.policies)]
-        if unused:  # it would time the policies as if it were not given
-            where = f"by --policies {' '.join(self.policies)}" if self.policies else "without --policies"
-            raise ValueError(unused_flags(unused, where, POLICY_FLAGS, option="--policies"))
 
 
 def _timed_steps(
@@ -476,7 +395,7 @@ def markdown_table(results: dict) -> str:
     env = results["env"]
     extra = [k for r in results["rows"] for k in r if k.startswith(("paged-", "kv-", "evict-"))]
     cols = (
-        [p for p in PROVIDERS if any(p in r for r in results["rows"])]
+        [p for p in DECODE_PROVIDERS if any(p in r for r in results["rows"])]
         + list(dict.fromkeys(extra))
         + ["limit"]
     )

@@ -28,98 +28,17 @@ from __future__ import annotations
 
 import contextlib
 import json
-import math
 import platform
 import statistics
 import subprocess
 import time
 import warnings
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, replace
-from pathlib import Path
-from typing import Literal
+from dataclasses import asdict, replace
 
 import torch
 
-# "transformer": the same sizes as a Transformer of the same block type (RoPE, SDPA with its
-# default backend: cuDNN on an H100), freshly initialised: the reference for what the rest
-# of the model costs. "dcp": that
-# Transformer under DCP fine-tuning.
-# "-compile": torch.compile per block; "-cudagraphs": its reduce-overhead mode (CUDA graphs)
-MODES = {"": False, "-compile": True, "-cudagraphs": "reduce-overhead"}
-VARIANTS = tuple(f"{v}{c}" for v in ("dense", "acp", "transformer", "dcp") for c in MODES)
-
-
-@dataclass(kw_only=True)
-class TrainBenchConfig:
-    """What to time: a model, its weights and data, the batch, the variants."""
-
-    run: Path | None = None
-    """A training run folder: its model config, last checkpoint and validation data. ``None``:
-    a fresh ``preset`` model on random tokens."""
-    preset: str = "125m"
-    """Model preset when ``run`` is ``None``."""
-    arch: Literal["fox-llama", "fox-pro", "transformer-llama", "transformer-pro"] = "fox-pro"
-    """Architecture when ``run`` is ``None`` (``dense``/``acp`` need a FoX one; ``transformer``
-    and ``dcp`` take its block type with softmax / DCP attention)."""
-    seq_len: int = 16384
-    """T, tokens per row."""
-    batch_size: int = 8
-    """Rows per optimizer step."""
-    micro_batch_size: int = 1
-    """Rows per forward/backward."""
-    steps: int = 6
-    """Timed steps per variant (in rounds: one step of each variant per round)."""
-    warmup: int = 2
-    """Untimed steps per variant first (autotuning, compilation, allocator growth)."""
-    variants: tuple[str, ...] = ("dense", "acp")
-    """Any of ``dense``, ``acp``, ``transformer`` (the same sizes with RoPE and SDPA, its default
-    backend, instead of forgetting attention), ``dcp`` (that Transformer fine-tuned with DCP), each
-    optionally with ``-compile`` (``torch.compile`` per block) or ``-cudagraphs`` (its
-    ``reduce-overhead`` mode: each block's graph replayed as a CUDA graph)."""
-    acp_eps: float | None = None
-    """ACP tolerance; ``None``: the model config's."""
-    dcp_alpha: float = 4.0
-    """The alpha-sigmoid's alpha in the ``dcp`` steps (not 1 or 2: those are closed forms)."""
-    dcp_gamma: float = 0.1
-    """DCP's sparsity weight in the ``dcp`` steps."""
-    dcp_r: int = 64
-    """DCP's interaction dim in the ``dcp`` steps."""
-    activation_checkpointing: bool = False
-    """Recompute each block's activations in the backward (what ``lapse train
-    --activation-checkpointing`` does): less memory (760M at 16k fits), more FLOPs (MFU
-    still counts the model's FLOPs once). Not with ``-cudagraphs`` variants."""
-    commit: str | None = None
-    """The commit to record; ``None``: ``git rev-parse`` of the working directory (on a
-    machine that received a copy of the tree, pass the real one)."""
-    lr: float = 1e-4
-    """Learning rate of the timed steps (small: the weights barely move while timing)."""
-    peak_tflops: float | None = None
-    """One device's peak dense bf16 TFLOP/s, for MFU; ``None``: from the device name (no MFU
-    when unknown, e.g. on a CPU: TFLOP/s are still shown)."""
-    out_dir: Path = Path("runs/bench/train")
-    """Where ``results.json`` and ``results.md`` go."""
-
-    def __post_init__(self) -> None:
-        unknown = sorted(set(self.variants) - set(VARIANTS))
-        if unknown:
-            raise ValueError(f"unknown variants {unknown}; valid: {VARIANTS}")
-        if not math.isfinite(self.dcp_alpha) or self.dcp_alpha < 1:
-            raise ValueError(f"dcp_alpha must be a finite number >= 1, got {self.dcp_alpha!r}")
-        if not math.isfinite(self.dcp_gamma) or self.dcp_gamma < 0:
-            raise ValueError(f"dcp_gamma must be a finite number >= 0, got {self.dcp_gamma!r}")
-        for name in ("seq_len", "batch_size", "micro_batch_size"):  # seq_len was named max_seq_len
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be a positive integer, got {getattr(self, name)}")
-        if self.batch_size % self.micro_batch_size:
-            raise ValueError(
-                f"micro_batch_size {self.micro_batch_size} must divide batch_size {self.batch_size}"
-            )
-        graphed = [v for v in self.variants if v.endswith("-cudagraphs")]
-        if graphed and self.activation_checkpointing:
-            raise ValueError(
-                f"{graphed[0]} does not work with activation_checkpointing (the graphs fail to record)"
-            )
+from .config import MODES, TrainBenchConfig
 
 
 def _commit() -> str:

@@ -1,0 +1,318 @@
+"""The settings of the benchmarks: ``lapse bench attention`` (:mod:`.attention`), ``lapse
+bench decode`` (:mod:`.decode`) and ``lapse bench train`` (:mod:`.training`).
+
+Kept apart from the benchmarks, which import torch: the ``lapse`` command line builds its
+options from this module alone.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, fields
+from pathlib import Path
+from typing import TYPE_CHECKING, Literal
+
+from lapse.generation.policies.options import unused_flags
+
+if TYPE_CHECKING:
+    from .workloads import WorkloadSpec
+
+Provider = Literal[
+    "lapse",
+    "lapse-acp",
+    "sdpa-default",
+    "sdpa-flash",
+    "sdpa-efficient",
+    "sdpa-cudnn",
+    "flash-attn-4",
+    "flash-attn-4-acp",
+    "flex",
+    "flex-flash",
+    "fla",
+    "castle-triton",
+    "castle-torch",
+    "castle-naive",
+    "castle-swl-triton",
+    "castle-triton-parallel",
+    "castle-swl-triton-parallel",
+    "lookahead-keys-attention",
+]
+Mode = Literal["fwd", "fwd+bwd"]
+SOFTMAX_BASELINES: tuple[Provider, ...] = (
+    "sdpa-default", "sdpa-flash", "sdpa-efficient", "sdpa-cudnn", "flash-attn-4"
+)
+"""Causal softmax attention without a gate: the ratios are taken against the fastest."""
+ATTENTION_PROVIDERS: tuple[Provider, ...] = (
+    "lapse", "lapse-acp", *SOFTMAX_BASELINES, "flash-attn-4-acp", "flex", "fla"
+)
+"""The default providers (forgetting attention and its peers)."""
+PROVIDER_ALIASES: dict[str, Provider] = {"sdpa": "sdpa-flash"}
+"""Older names still accepted by --providers."""
+
+
+@dataclass(kw_only=True)
+class AttentionBenchConfig:
+    """Time forgetting attention against its peers on issue 2's benchmark workload."""
+
+    seq_lens: tuple[int, ...] = (4096, 8192, 16384)
+    """Sequence lengths T, one workload each (B = tokens / T). Ignored with --varlen."""
+    tokens: int = 32768
+    """Tokens per batch, B x T."""
+    heads: int = 24
+    """Query heads HQ."""
+    kv_heads: int | None = None
+    """Key/value heads H (grouped-query attention when < heads); None means heads."""
+    head_dim: int = 64
+    """Head dim D."""
+    varlen: bool = False
+    """One packed workload of 8 sequences of mixed lengths summing to --tokens."""
+    providers: tuple[Provider | Literal["sdpa"], ...] = ATTENTION_PROVIDERS
+    """Providers to time (fla and flash-attn-4 are reported n/a when not importable); 'sdpa'
+    means 'sdpa-flash'."""
+    modes: tuple[Mode, ...] = ("fwd", "fwd+bwd")
+    """What to time: the forward alone, and/or the forward followed by the backward."""
+    acp_bound: Literal["auto", "qk-norm"] = "auto"
+    """ACP bound U: 'auto' (from the largest query/key norms, measured inside the timed
+    call; what issue 2 asks), or 'qk-norm' (the known U = D * scale of unit-gain QK-norm,
+    times the factor for 16-bit rounding of qk_norm_bound, passed as a float)."""
+    acp_eps: float = math.exp(-10)
+    """ACP's bound on the pruned attention mass per row."""
+    castle_window: int = 512
+    """CASTLE-SWL's lookahead window W (``castle-swl-triton``)."""
+    castle_naive_max_t: int = 2048
+    """``castle-naive`` (O(T^3), T x T buffers) runs only up to this sequence length."""
+    warmup_ms: int = 25
+    """do_bench warmup, in ms."""
+    rep_ms: int = 100
+    """do_bench measuring time, in ms."""
+    graph_times: bool = False
+    """Also time lapse and SDPA replayed from a CUDA graph: their kernels' GPU time, without
+    the host's launches (an eager call whose launches take longer than its kernels measures
+    the host; ACP's forward+backward at 4k comes near that). Opt-in (BENCHMARKS.md,
+    "Twenty-third session": the two timings agreed within 4% but for two cells)."""
+    seed: int = 0
+    """Seed of the workload and of dO."""
+    check: bool = True
+    """Check every gated provider against FlexAttention before timing it."""
+    check_tol: float = 2e-2
+    """Largest relative error (Frobenius) of outputs allowed by the check."""
+    grad_check_tol: float = 5e-2
+    """Largest relative error of gradients (dq, dk, dv, dlog_fgate) allowed by the check."""
+    out_dir: Path | None = None
+    """Where results.json and results.md go; default runs/bench/attention/<workload>.
+    Rewritten after every workload: a run cut off leaves the workloads it finished, in
+    place of any earlier files there."""
+    commit: str | None = None
+    """Commit to record; default `git rev-parse HEAD` when that works."""
+
+    def __post_init__(self) -> None:
+        if not self.providers:
+            raise ValueError("providers must name at least one provider")
+        self.providers = tuple(dict.fromkeys(PROVIDER_ALIASES.get(p, p) for p in self.providers))
+        if not self.modes:
+            raise ValueError("modes must name at least one of 'fwd', 'fwd+bwd'")
+        if not 0 < self.acp_eps < 1:
+            raise ValueError(f"acp_eps must be in (0, 1), got {self.acp_eps}")
+        if self.castle_window < 1:
+            raise ValueError(f"castle_window must be >= 1, got {self.castle_window}")
+        for spec in self.specs():  # validates the shapes early
+            del spec
+
+    def specs(self) -> list[WorkloadSpec]:
+        from .workloads import WorkloadSpec
+
+        common = dict(tokens=self.tokens, heads=self.heads, kv_heads=self.kv_heads, head_dim=self.head_dim)
+        if self.varlen:
+            return [WorkloadSpec(varlen=True, **common)]
+        return [WorkloadSpec(seq_len=t, **common) for t in self.seq_lens]
+
+    def command(self) -> str:
+        """The command line that reproduces this configuration."""
+        parts = ["lapse bench attention"]
+        if self.varlen:
+            parts.append("--varlen")
+        else:
+            parts.append("--seq-lens " + " ".join(map(str, self.seq_lens)))
+        parts.append(f"--tokens {self.tokens} --heads {self.heads}")
+        if self.kv_heads is not None:
+            parts.append(f"--kv-heads {self.kv_heads}")
+        parts.append(f"--head-dim {self.head_dim}")
+        parts.append("--providers " + " ".join(self.providers))
+        parts.append("--modes " + " ".join(self.modes))
+        parts.append(f"--acp-bound {self.acp_bound}")
+        if self.acp_eps != math.exp(-10):
+            parts.append(f"--acp-eps {self.acp_eps!r}")
+        if self.castle_window != 512:
+            parts.append(f"--castle-window {self.castle_window}")
+        if self.castle_naive_max_t != 2048:
+            parts.append(f"--castle-naive-max-t {self.castle_naive_max_t}")
+        if (self.warmup_ms, self.rep_ms) != (25, 100):
+            parts.append(f"--warmup-ms {self.warmup_ms} --rep-ms {self.rep_ms}")
+        if self.seed:
+            parts.append(f"--seed {self.seed}")
+        if self.graph_times:
+            parts.append("--graph-times")
+        return " ".join(parts)
+
+
+DECODE_PROVIDERS = ("lapse", "lapse-compile", "hf-llama-compile", "hf-llama-eager")
+# the flags each timed policy reads (decode._policy passes them)
+POLICY_FLAGS = {"dense": (), "window": ("window", "every"), "acp": ("every",), "h2o": ("budget", "every"),
+                "a2sf": ("budget", "every"), "dcp": ("every",)}
+
+
+@dataclass(kw_only=True)
+class DecodeBenchConfig:
+    """What to time: model shapes, architectures, workloads, providers."""
+
+    preset: str = "125m"
+    """Model preset (random init) whose shapes are timed."""
+    run: Path | None = None
+    """A trained run folder (its newest intact checkpoint) timed instead of random-init
+    presets (``archs`` and ``preset`` are then ignored): eviction policies such as
+    ``acp`` evict what the trained gates forget, ``dcp`` what the trained interaction
+    mask drops (a model fine-tuned with ``--model.attention dcp``)."""
+    prompts: Literal["random", "validation"] = "random"
+    """The prompts: uniform random tokens, or (``validation``, with ``run``) windows of the
+    run's validation data, the text its gates and masks were trained on: what they keep
+    or drop of random tokens says little about text."""
+    archs: tuple[str, ...] = ("fox-pro", "transformer-pro")
+    """Architectures of the lapse providers."""
+    workloads: tuple[str, ...] = ("8x4096", "4x16384", "2x32768")
+    """``BxT``: batch and prompt length."""
+    providers: tuple[str, ...] = DECODE_PROVIDERS
+    """Any of ``lapse``, ``lapse-compile``, ``hf-llama-compile``, ``hf-llama-eager``."""
+    policies: tuple[str, ...] = ()
+    """Eviction policies timed over the paged store, compiled (``dense``, ``window``,
+    ``acp``, ``h2o``, ``a2sf`` with their defaults below), beside the dense store."""
+    budget: float = 0.2
+    """h2o / a2sf budget (share of the prompt)."""
+    window: int = 1024
+    """window policy: recent positions kept (4 sinks)."""
+    every: int = 16
+    """Evict every this many steps (timed: eviction is part of the cost)."""
+    steps: int = 32
+    """Timed decode steps per measurement."""
+    warmup: int = 4
+    """Untimed steps first (compilation, CUDA-graph recording)."""
+    dtype: Literal["bfloat16", "float16", "float32"] = "bfloat16"
+    """Weights and activations."""
+    device: str = "cuda"
+    """Where to run (``cpu`` works, for a dry run)."""
+    compile_backend: Literal["inductor", "aot_eager"] = "inductor"
+    """Of the compiled steps (``lapse-compile``, ``paged-*``) and eviction passes:
+    ``aot_eager`` traces them (the steps whole, ``fullgraph``) without generating code or
+    CUDA graphs, for a CPU dry run; ``inductor`` compiles the passes on CUDA only."""
+    castle_fold_every: int | None = None
+    """Random-init models: ``ModelConfig.castle_fold_every``, the deferred lookahead update
+    of CASTLE models every this many steps (other architectures ignore it)."""
+    bandwidth: float | None = None
+    """HBM bytes/s for the limit; ``None``: from the device name (H100 3.35e12, H200 4.8e12)."""
+    out_dir: Path = Path("runs/bench/decode")
+    """Where ``results.json`` and ``results.md`` go."""
+    commit: str | None = None
+    """The commit to record; ``None``: ``git rev-parse`` of the working directory (on a
+    machine that received a copy of the tree, pass the real one)."""
+
+    def __post_init__(self) -> None:
+        unknown = sorted(set(self.providers) - set(DECODE_PROVIDERS))
+        if unknown:
+            raise ValueError(f"unknown providers {unknown}; valid: {DECODE_PROVIDERS}")
+        unknown = sorted(set(self.policies) - set(POLICY_FLAGS))
+        if unknown:
+            raise ValueError(f"unknown policies {unknown}; valid: {tuple(POLICY_FLAGS)}")
+        for w in self.workloads:
+            parts = w.split("x")
+            if len(parts) != 2 or not all(p.isdigit() and int(p) > 0 for p in parts):
+                raise ValueError(f"a workload is BxT with positive integers (e.g. 8x4096), got {w!r}")
+        if self.prompts == "validation" and self.run is None:
+            raise ValueError("prompts='validation' reads a trained run's validation data: give --run")
+        if self.steps < 1 or self.warmup < 0:
+            raise ValueError(f"steps must be >= 1 and warmup >= 0, got {self.steps}, {self.warmup}")
+        unused = [f.name for f in fields(DecodeBenchConfig) if f.name in ("budget", "window", "every")
+                  and getattr(self, f.name) != f.default
+                  and not any(f.name in POLICY_FLAGS[p] for p in self.policies)]
+        if unused:  # it would time the policies as if it were not given
+            where = f"by --policies {' '.join(self.policies)}" if self.policies else "without --policies"
+            raise ValueError(unused_flags(unused, where, POLICY_FLAGS, option="--policies"))
+
+
+# "transformer": the same sizes as a Transformer of the same block type (RoPE, SDPA with its
+# default backend: cuDNN on an H100), freshly initialised: the reference for what the rest
+# of the model costs. "dcp": that
+# Transformer under DCP fine-tuning.
+# "-compile": torch.compile per block; "-cudagraphs": its reduce-overhead mode (CUDA graphs)
+MODES = {"": False, "-compile": True, "-cudagraphs": "reduce-overhead"}
+VARIANTS = tuple(f"{v}{c}" for v in ("dense", "acp", "transformer", "dcp") for c in MODES)
+
+
+@dataclass(kw_only=True)
+class TrainBenchConfig:
+    """What to time: a model, its weights and data, the batch, the variants."""
+
+    run: Path | None = None
+    """A training run folder: its model config, last checkpoint and validation data. ``None``:
+    a fresh ``preset`` model on random tokens."""
+    preset: str = "125m"
+    """Model preset when ``run`` is ``None``."""
+    arch: Literal["fox-llama", "fox-pro", "transformer-llama", "transformer-pro"] = "fox-pro"
+    """Architecture when ``run`` is ``None`` (``dense``/``acp`` need a FoX one; ``transformer``
+    and ``dcp`` take its block type with softmax / DCP attention)."""
+    seq_len: int = 16384
+    """T, tokens per row."""
+    batch_size: int = 8
+    """Rows per optimizer step."""
+    micro_batch_size: int = 1
+    """Rows per forward/backward."""
+    steps: int = 6
+    """Timed steps per variant (in rounds: one step of each variant per round)."""
+    warmup: int = 2
+    """Untimed steps per variant first (autotuning, compilation, allocator growth)."""
+    variants: tuple[str, ...] = ("dense", "acp")
+    """Any of ``dense``, ``acp``, ``transformer`` (the same sizes with RoPE and SDPA, its default
+    backend, instead of forgetting attention), ``dcp`` (that Transformer fine-tuned with DCP), each
+    optionally with ``-compile`` (``torch.compile`` per block) or ``-cudagraphs`` (its
+    ``reduce-overhead`` mode: each block's graph replayed as a CUDA graph)."""
+    acp_eps: float | None = None
+    """ACP tolerance; ``None``: the model config's."""
+    dcp_alpha: float = 4.0
+    """The alpha-sigmoid's alpha in the ``dcp`` steps (not 1 or 2: those are closed forms)."""
+    dcp_gamma: float = 0.1
+    """DCP's sparsity weight in the ``dcp`` steps."""
+    dcp_r: int = 64
+    """DCP's interaction dim in the ``dcp`` steps."""
+    activation_checkpointing: bool = False
+    """Recompute each block's activations in the backward (what ``lapse train
+    --activation-checkpointing`` does): less memory (760M at 16k fits), more FLOPs (MFU
+    still counts the model's FLOPs once). Not with ``-cudagraphs`` variants."""
+    commit: str | None = None
+    """The commit to record; ``None``: ``git rev-parse`` of the working directory (on a
+    machine that received a copy of the tree, pass the real one)."""
+    lr: float = 1e-4
+    """Learning rate of the timed steps (small: the weights barely move while timing)."""
+    peak_tflops: float | None = None
+    """One device's peak dense bf16 TFLOP/s, for MFU; ``None``: from the device name (no MFU
+    when unknown, e.g. on a CPU: TFLOP/s are still shown)."""
+    out_dir: Path = Path("runs/bench/train")
+    """Where ``results.json`` and ``results.md`` go."""
+
+    def __post_init__(self) -> None:
+        unknown = sorted(set(self.variants) - set(VARIANTS))
+        if unknown:
+            raise ValueError(f"unknown variants {unknown}; valid: {VARIANTS}")
+        if not math.isfinite(self.dcp_alpha) or self.dcp_alpha < 1:
+            raise ValueError(f"dcp_alpha must be a finite number >= 1, got {self.dcp_alpha!r}")
+        if not math.isfinite(self.dcp_gamma) or self.dcp_gamma < 0:
+            raise ValueError(f"dcp_gamma must be a finite number >= 0, got {self.dcp_gamma!r}")
+        for name in ("seq_len", "batch_size", "micro_batch_size"):  # seq_len was named max_seq_len
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be a positive integer, got {getattr(self, name)}")
+        if self.batch_size % self.micro_batch_size:
+            raise ValueError(
+                f"micro_batch_size {self.micro_batch_size} must divide batch_size {self.batch_size}"
+            )
+        graphed = [v for v in self.variants if v.endswith("-cudagraphs")]
+        if graphed and self.activation_checkpointing:
+            raise ValueError(
+                f"{graphed[0]} does not work with activation_checkpointing (the graphs fail to record)"
+            )
