@@ -1,6 +1,7 @@
 """The import order of docs/architecture.md, held by import-linter (pyproject.toml,
-``[tool.importlinter]``): a lower package never imports a higher one, and train, eval
-and bench never import each other."""
+``[tool.importlinter]``): a lower package never imports a higher one, train, eval and
+bench never import each other, and only lapse.hf imports transformers (but for the two
+lazy imports the contract names)."""
 
 from __future__ import annotations
 
@@ -20,4 +21,4 @@ def test_imports_point_down_the_layers():
         pytest.fail("lint-imports not found: install the test extra (pip install -e '.[test]')")
     done = subprocess.run([exe, "--no-cache"], cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-2000:]
-    assert "Contracts: 1 kept, 0 broken" in done.stdout
+    assert "Contracts: 2 kept, 0 broken" in done.stdout
