@@ -357,7 +357,8 @@ def test_model_and_eps_options_take_either_spelling():
     assert str(acp.model) == "r" and acp.eps == (0.01,)
     assert tyro.cli(EvictionStudyConfig, args=["r", "--acp-eps", "0.01"]).eps == (0.01,)
     for flag in ("--acp-eps", "--eps"):
-        assert tyro.cli(GenerateConfig, args=["r", "--prompt", "x", flag, "0.01"]).eps == 0.01
+        args = ["r", "--prompt", "x", "--policy", "acp", flag, "0.01"]  # acp reads it; others refuse it
+        assert tyro.cli(GenerateConfig, args=args).eps == 0.01
 
 
 HELP_COMMANDS = ["train cpu-tiny", "resume", "eval ppl", "eval per-token-loss", "eval niah", "eval acp",
