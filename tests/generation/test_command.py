@@ -15,7 +15,7 @@ from lapse.cli import main
 RUN = Path(__file__).parents[1] / "fixtures" / "before_restructure" / "run-fox-pro"
 SUMMARY = re.compile(
     r"^(\d+) tokens in [\d.]+ s: [\d.]+ tokens/s; KV held [\d.]+ MiB, ([\d.]+)% of a dense cache "
-    r"\((\w+); whole pages(?:: the last ones partly empty)?\)$"
+    r"\((\w+); both in whole pages of 16 tokens(; the prompt's cut only: .*)?\)$"
 )
 # the flags each policy reads (the others are refused)
 FLAGS = {
@@ -54,10 +54,26 @@ def test_generate_streams_and_ends_with_one_summary_line(run, capsys, policy):
     lines = capsys.readouterr().out.strip().splitlines()
     assert lines[0].startswith("def f(x):")
     match = SUMMARY.match(lines[-1])
-    assert match and match.group(3) == policy, lines[-1]
+    assert match and match.group(3) == policy and match.group(4) is None, lines[-1]
     share = float(match.group(2))
-    assert (share >= 99.0) if policy == "dense" else (share < 100.0)
-    assert lines[-1].endswith("the last ones partly empty)") == (share > 100.0), lines[-1]
+    assert (share == 100.0) if policy == "dense" else (share < 100.0), lines[-1]
+
+
+@pytest.mark.parametrize("policy", ["dense", "window"])
+def test_a_run_that_evicts_nothing_holds_all_of_a_dense_cache(run, capsys, policy):
+    """Both sides in whole pages: the dense policy, and a window run shorter than --every (one
+    pass, the prompt's, which a short prompt survives), hold 100.0% (whole pages against exact
+    tokens read 111.6%); the window run says that only the prompt was cut."""
+    main(["generate", str(run), "--prompt", "def ", "--max-new-tokens", "40", "--max-context", "64",
+          "--policy", policy, *FLAGS[policy]])
+    line = capsys.readouterr().out.strip().splitlines()[-1]
+    match = SUMMARY.match(line)
+    assert match and float(match.group(2)) == 100.0, line
+    if policy == "dense":
+        assert match.group(4) is None, line
+    else:
+        assert match.group(4) == ("; the prompt's cut only: the next pass comes after 64 steps (--every), "
+                                  "this run made 39"), line
 
 
 def test_prompts_file_in_jsonl_out(run, tmp_path, capsys):

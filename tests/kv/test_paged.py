@@ -81,6 +81,22 @@ def test_paged_store_writes_through_the_table_and_compacts_on_eviction():
     assert store.bytes_held() < store.bytes_if_dense()
 
 
+def test_a_store_that_evicted_nothing_holds_all_of_a_dense_one():
+    """bytes_if_dense counts whole pages, as bytes_held does: 41 tokens fill 3 pages a head on
+    both sides (against the 41 tokens alone, keeping everything read 117%); pages reserved for
+    coming steps count until they are given back."""
+    store = PagedStore(1, max_context=200, page_size=16)
+    _fill(store, 2, 40, 0)
+    _fill(store, 2, 1, 40)
+    per_slot = sum(pool[0, 0].numel() * pool.element_size()
+                   for pool in (store.k[0], store.v[0], *store.extras[0].values()))
+    assert store.bytes_if_dense() == store.bytes_held() == per_slot * 2 * 2 * 3 * 16  # B, H, pages, slots
+    store.reserve(30)
+    assert store.bytes_held() > store.bytes_if_dense()
+    store.trim()
+    assert store.bytes_held() == store.bytes_if_dense()
+
+
 def test_freed_pages_are_reused_and_a_full_pool_says_so():
     store = PagedStore(1, max_context=1000, max_tokens=64, pages=6, page_size=16)
     _fill(store, 1, 48, 0)  # 2 heads x 3 pages: the whole pool

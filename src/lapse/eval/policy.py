@@ -88,7 +88,7 @@ class StreamedLoss:
     averaged over heads."""
     kv_share: Tensor
     """``[N]`` float64: ``bytes_held / bytes_if_dense`` of the policy's store, averaged over
-    the steps (after each step; whole pages, the pages reserved for the next steps
+    the steps (after each step; both in whole pages, the pages reserved for the next steps
     included, as ``lapse generate`` reports)."""
     kv_bytes: Tensor
     """``[N]`` float64: ``bytes_held`` averaged over the steps."""

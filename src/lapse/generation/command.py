@@ -74,7 +74,7 @@ def run_generate(cfg: GenerateConfig, loaded: tuple[Decoder, object] | None = No
     rows = [{"prompt": cfg.prompt}] if cfg.prompt is not None else read_prompt_rows(cfg.prompts_file)
     prompts = [row["prompt"] for row in rows]
     generator = torch.Generator(device=device).manual_seed(cfg.seed)
-    completions, tokens, seconds, held, dense = [], 0, 0.0, 0, 0
+    completions, tokens, seconds, held, dense, longest = [], 0, 0.0, 0, 0, 0
     encoded = []
     for prompt in prompts:
         ids = tokenizer.encode(prompt)
@@ -121,16 +121,31 @@ def run_generate(cfg: GenerateConfig, loaded: tuple[Decoder, object] | None = No
                 tokens += len(new)
                 completions.append(tokenizer.decode(new))
             held, dense = held + store.bytes_held(), dense + store.bytes_if_dense()
+            longest = max(longest, out.shape[1] - ids.shape[1])
             progress.update(len(batch))
             if cfg.prompt is not None:
                 print(flush=True)
     progress.close()
-    return print_summary(tokens, seconds, held, dense, cfg.policy, policy)
+    return print_summary(tokens, seconds, held, dense, cfg.policy, policy,
+                         page_size=getattr(store, "page_size", None), new_tokens=longest)
 
 
-def print_summary(tokens: int, seconds: float, held: int, dense: int, name: str, policy: Policy) -> dict:
-    """Prints the closing line (tokens/s, KV bytes held against a dense cache's); returns it
-    as a dict."""
+def print_summary(
+    tokens: int,
+    seconds: float,
+    held: int,
+    dense: int,
+    name: str,
+    policy: Policy,
+    *,
+    page_size: int | None = None,
+    new_tokens: int | None = None,
+) -> dict:
+    """Prints the closing line (tokens/s, KV bytes held against a dense cache's; with
+    ``page_size``, both counted in whole pages of a paged store: ``PagedStore.bytes_held`` and
+    ``bytes_if_dense``); returns it as a dict. ``new_tokens``: the most a prompt generated,
+    to say when the run ended before the policy's first pass after the prompt's cut (its
+    share is then the prompt's cut alone)."""
     summary = {
         "tokens": tokens,
         "seconds": seconds,
@@ -140,11 +155,14 @@ def print_summary(tokens: int, seconds: float, held: int, dense: int, name: str,
         "kv_share": held / max(dense, 1),
         "policy": repr(policy),
     }
-    share = f"{100 * summary['kv_share']:.1f}"
-    pages = "whole pages: the last ones partly empty" if float(share) > 100 else "whole pages"
+    pages = "" if page_size is None else f"; both in whole pages of {page_size} tokens"
+    # the passes run before decode steps 0, every, 2 * every, ... (step 0: the prompt's cut)
+    short = new_tokens is not None and not policy.keeps_all and new_tokens - 1 <= policy.every
+    note = (f"; the prompt's cut only: the next pass comes after {policy.every} steps (--every), "
+            f"this run made {max(new_tokens - 1, 0)}" if short else "")
     print(
         f"{tokens} tokens in {seconds:.2f} s: {summary['tokens_per_s']:.1f} tokens/s; KV held "
-        f"{held / 2**20:.2f} MiB, {share}% of a dense cache ({name}; {pages})"
+        f"{held / 2**20:.2f} MiB, {100 * summary['kv_share']:.1f}% of a dense cache ({name}{pages}{note})"
     )
     return summary
 

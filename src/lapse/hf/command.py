@@ -78,7 +78,7 @@ def run_generate_hf(cfg: GenerateConfig) -> dict:
     size = 1 if cfg.prompt is not None else cfg.batch_size
     batches = [encoded[i : i + size] for i in range(0, len(encoded), size)]
     progress = tqdm(total=len(encoded), unit="prompt", disable=cfg.prompt is not None or len(batches) == 1)
-    completions, tokens, seconds, held, dense = [], 0, 0.0, 0, 0
+    completions, tokens, seconds, held, dense, longest = [], 0, 0.0, 0, 0, 0
     with completions_saved(cfg, rows, completions):  # on Ctrl-C too: the finished ones
         for batch in batches:
             t = max(len(ids) for ids in batch)
@@ -133,6 +133,8 @@ def run_generate_hf(cfg: GenerateConfig) -> dict:
                 tokens += len(new)
                 completions.append(tokenizer.decode(new, skip_special_tokens=True))
             held, dense = held + cache.store.bytes_held(), dense + cache.store.bytes_if_dense()
+            longest = max(longest, out.shape[1] - t)
             progress.update(len(batch))
     progress.close()
-    return print_summary(tokens, seconds, held, dense, cfg.policy, policy)
+    return print_summary(tokens, seconds, held, dense, cfg.policy, policy, page_size=cache.store.page_size,
+                         new_tokens=longest)

@@ -756,7 +756,11 @@ class PagedStore(StoreBase):
 
     def bytes_if_dense(self) -> int:
         """Bytes the same pools would hold keeping every token of every sequence (no
-        eviction, no partly filled pages): what :meth:`bytes_held` is compared with."""
+        eviction) in whole pages, as :meth:`bytes_held` counts them: what it is compared
+        with, so that a store that evicted nothing holds 100% of it, not the rounding of its
+        last, partly filled pages."""
+        pages = -(-self.seqlens.long().cpu() // self.page_size)  # [B] pages a sequence fills
+        slots = int(pages.sum()) * self.page_size
         total = 0
         for i in range(self.n_layers):
             if self.k[i] is None:
@@ -766,7 +770,7 @@ class PagedStore(StoreBase):
                 pool[0, 0].numel() * pool.element_size()
                 for pool in (self.k[i], self.v[i], *self.extras[i].values())
             )
-            total += per_slot * h * int(self.seqlens.sum())
+            total += per_slot * h * slots
         return total
 
     # -- internals -----------------------------------------------------------------------
