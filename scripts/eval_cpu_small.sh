@@ -10,13 +10,16 @@ cd "$(dirname "${BASH_SOURCE[0]}")/.."
 FOX="${FOX:-runs/cpu-small-fox-pro}"
 TR="${TR:-runs/cpu-small-transformer-pro}"
 L="${PYTHON:-python3} -m lapse.cli"
-$L eval per-token-loss --models "$FOX" "$TR" --names fox-pro transformer-pro --seq-len 512 --num-sequences 64
+# --overwrite: a second run of this script replaces the first's evaluations
+$L eval per-token-loss --models "$FOX" "$TR" --names fox-pro transformer-pro --seq-len 512 --num-sequences 64 \
+    --overwrite
 $L eval ppl --models "$FOX" "$TR" --names fox-pro transformer-pro --context-lengths 128 256 512 1024 2048 \
-    --num-sequences 16
-$L eval niah --models "$FOX" "$TR" --context-lengths 256 512 1024 --depths 0 0.25 0.5 0.75 1 --trials 4
-$L eval acp --model "$FOX" --num-sequences 8
+    --num-sequences 16 --overwrite
+$L eval niah --models "$FOX" "$TR" --context-lengths 256 512 1024 --depths 0 0.25 0.5 0.75 1 --trials 4 \
+    --overwrite
+$L eval acp --model "$FOX" --num-sequences 8 --overwrite
 for run in "$FOX" "$TR"; do
-    $L eval lm-eval --model "$run" --tasks lapse_tiny --no-log-samples
+    $L eval lm-eval --model "$run" --tasks lapse_tiny --no-log-samples --overwrite
 done
 # A copy without checkpoints under docs/eval/runs/, and the report over it.
 for run in "$FOX" "$TR"; do

@@ -153,6 +153,21 @@ def test_same_seed_same_results(acp_eval, tmp_path):
     assert strip(again) == strip(r)
 
 
+def test_an_earlier_evaluation_is_replaced_only_with_overwrite(acp_eval, tmp_path):
+    """It was replaced without a word; with ``overwrite`` the maps of heads the new one does not
+    draw go too (the new summary does not show them)."""
+    import shutil
+
+    cfg, r = acp_eval
+    with pytest.raises(ValueError, match=f"^{cfg.out_dir} holds an earlier evaluation \\(results.json\\): "
+                       "--overwrite replaces it"):
+        run_acp(cfg)
+    out = shutil.copytree(cfg.out_dir, tmp_path / "a")
+    (out / "head_L9_H9.png").write_bytes(b"\x89PNG an earlier map")
+    again = run_acp(AcpEvalConfig(**{**cfg.__dict__, "out_dir": out, "overwrite": True}))
+    assert {p.name for p in out.glob("head_*.png")} == {m["file"] for m in again["maps"]}
+
+
 def test_chosen_heads_and_errors(fox_run, tmp_path, monkeypatch):
     import lapse.eval.acp as acp
     from lapse.hf import LapseConfig, LapseForCausalLM

@@ -229,7 +229,7 @@ def test_ctrl_c_keeps_the_finished_windows(fox_run, tmp_path, monkeypatch, pytho
         return per_position
 
     cfg = PerTokenLossConfig(models=(str(fox_run), str(fox_run)), names=("a", "b"), seq_len=32,
-                             num_sequences=6, out_dir=tmp_path, progress=False)
+                             num_sequences=6, out_dir=tmp_path, overwrite=True, progress=False)
     monkeypatch.setattr(loss_mod, "per_position_loss", interrupted_at({3}))  # model a, second batch
     r = run_per_token_loss(cfg)
     assert r["num_sequences"] == 2 and r["stopped_early"] == "SIGINT after 2 of 6 sequences"
@@ -269,10 +269,14 @@ def test_a_policys_results_go_beside_the_dense_ones(fox_run, tmp_path):
     import shutil
 
     run = tmp_path / "run"
-    shutil.copytree(fox_run, run)
+    shutil.copytree(fox_run, run, ignore=shutil.ignore_patterns("eval"))  # other tests evaluate fox_run
     base = dict(models=(str(run),), seq_len=32, num_sequences=1, progress=False)
     run_per_token_loss(PerTokenLossConfig(**base))
     r = run_per_token_loss(PerTokenLossConfig(**base, policy="window", window=8, prefix=8))
     assert r["out_dir"] == str(run / "eval" / "per-token-loss-window")
     assert (run / "eval" / "per-token-loss" / "results.json").exists()
     assert json.loads((run / "eval" / "per-token-loss" / "results.json").read_text())["policy"] is None
+    # a second run replaced the first without a word; now only with overwrite
+    with pytest.raises(ValueError, match="per-token-loss holds an earlier evaluation .*: --overwrite "):
+        run_per_token_loss(PerTokenLossConfig(**base))
+    run_per_token_loss(PerTokenLossConfig(**base, overwrite=True))

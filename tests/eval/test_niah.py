@@ -179,6 +179,7 @@ def test_fox_run_end_to_end(fox_run, tmp_path):
     summary = (tmp_path / "niah" / "summary.md").read_text()
     assert "![needle in a haystack](niah.png)" in summary and "| 50% |" in summary
     assert NiahConfig(models=(fox_run,)).out_dir == fox_run / "eval" / "niah"
+    assert NiahConfig(models=(fox_run,), policy="window").out_dir == fox_run / "eval" / "niah-window"
 
 
 def test_clear_errors(haystack_file, tmp_path, capsys):
@@ -211,3 +212,34 @@ def test_a_needle_off_its_depth_is_flagged(fox_run, tmp_path):
     cells = results["models"][0]["cells"]
     assert [c["needle_depth"] for c in cells] == [0.0, 0.0]
     assert "200 at 50%: 0%" in (tmp_path / "niah" / "summary.md").read_text()
+
+
+def test_a_policys_grid_has_its_own_folder_and_none_is_overwritten(fox_run, tmp_path, capsys):
+    """``--policy window`` wrote over the run's plain ``eval/niah``, which ``lapse report`` then
+    showed as the model's result; a second run replaced the first without a word."""
+    import shutil
+
+    from lapse.cli import main
+    from lapse.eval.report import ReportConfig, build_report
+
+    run = shutil.copytree(fox_run, tmp_path / "run", ignore=shutil.ignore_patterns("eval"))
+    args = ["eval", "niah", "--models", str(run), "--context-lengths", "128", "--depths", "0.5",
+            "--trials", "1", "--number-digits", "3", "--haystack-chars", "50000", "--device", "cpu",
+            "--no-progress"]
+    main(args)
+    main([*args, "--policy", "window", "--window", "16"])
+    plain, window = run / "eval" / "niah", run / "eval" / "niah-window"
+    assert json.loads((plain / "results.json").read_text())["models"][0]["policy"] is None
+    assert json.loads((window / "results.json").read_text())["models"][0]["policy"].startswith("SinkWindow(")
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as e:
+        main([*args, "--policy", "window"])
+    assert e.value.code == 2
+    assert capsys.readouterr().err.strip().splitlines() == [
+        f"error: {window} holds an earlier evaluation (results.json): --overwrite replaces it, "
+        "--out-dir writes elsewhere"
+    ]
+    main([*args, "--policy", "window", "--overwrite"])
+    assert "window=1024" in json.loads((window / "results.json").read_text())["models"][0]["policy"]
+    text = build_report(ReportConfig(runs=(run,))).read_text()
+    assert "\n### niah\n" in text and "\n### niah-window: under the eviction policy `window`\n" in text

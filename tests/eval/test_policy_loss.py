@@ -131,6 +131,25 @@ def _cli(run: Path, tmp_path: Path, *extra: str) -> None:
           "--data-dir", str(tmp_path / "data"), "--out-dir", str(tmp_path / "out"), "--no-progress", *extra])
 
 
+def test_the_default_folder_is_the_policys_and_is_not_overwritten(run, tmp_path, capsys):
+    """``eval/policy-loss-<policy>/``: two policies' runs went to one folder, the second over
+    the first."""
+    args = ["eval", "policy-loss", str(run), "--seq-len", "40", "--prefix", "16", "--num-sequences", "1",
+            "--data-dir", str(tmp_path / "data"), "--no-progress"]
+    main([*args, "--policy", "window", "--window", "8"])
+    main([*args, "--policy", "h2o", "--budget", "8", "--recent", "4"])
+    for policy in ("window", "h2o"):
+        saved = json.loads((run / "eval" / f"policy-loss-{policy}" / "results.json").read_text())
+        assert saved["policy"] == policy
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as e:
+        main([*args, "--policy", "h2o"])
+    assert e.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == [f"error: {run / 'eval' / 'policy-loss-h2o'} holds an earlier evaluation (results.json): "
+                   "--overwrite replaces it, --out-dir writes elsewhere"]
+
+
 def test_cli_round_trip(run, tmp_path, capsys):
     _cli(run, tmp_path, "--policy", "window", "--window", "8", "--sinks", "2", "--every", "4")
     out = tmp_path / "out"

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import re
 import shutil
 from pathlib import Path
@@ -55,3 +56,30 @@ def test_a_run_that_failed_before_its_first_step_shows_its_model(fox_run, tmp_pa
     text = build_report(ReportConfig(runs=(run,), out=tmp_path / "r.md")).read_text()
     row = next(line for line in text.splitlines() if line.startswith("| failed |"))
     assert row.startswith("| failed | fox-pro | - | on |"), row
+
+
+def test_an_evaluation_under_a_policy_is_headed_as_such(fox_run, tmp_path):
+    """Its folder's results.json names the policy (``config.policy``; lm-eval's ``lapse.policy``),
+    also in a folder named as the plain one by an older lapse: it showed as the model's result."""
+    run = tmp_path / "run"
+    shutil.copytree(fox_run, run, ignore=shutil.ignore_patterns("eval"))
+    pages = {
+        "ppl": {"config": {"policy": None}},
+        "ppl-h2o": {"config": {"policy": "h2o"}, "policy": "H2O(budget=0.2)"},
+        "niah": {"config": {"policy": "window"}},  # written under a policy before the folders split
+        "lm-eval-acp": {"config": {"policy": "ACPBoundary(eps=4.5e-05)"}, "lapse": {"policy": "acp"}},
+        "acp": {"config": {"eps": [0.1]}},
+    }
+    for name, results in pages.items():
+        (run / "eval" / name).mkdir(parents=True)
+        (run / "eval" / name / "results.json").write_text(json.dumps(results))
+        (run / "eval" / name / "summary.md").write_text(f"# {name}\n")
+    text = build_report(ReportConfig(runs=(run,))).read_text()
+    headings = [line for line in text.splitlines() if line.startswith("### ")]
+    assert headings == [
+        "### acp",
+        "### lm-eval-acp: under the eviction policy `acp`",
+        "### niah: under the eviction policy `window`",
+        "### ppl",
+        "### ppl-h2o: under the eviction policy `h2o`",
+    ]

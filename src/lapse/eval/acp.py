@@ -52,7 +52,7 @@ from torch import Tensor
 from tqdm.auto import tqdm
 
 from lapse.data import CorpusConfig
-from lapse.eval.common import LoadedModel, default_eval_dir, eval_windows, load_model
+from lapse.eval.common import LoadedModel, check_out_dir, default_eval_dir, eval_windows, load_model
 from lapse.files import save_figure, write_text_atomic
 from lapse.models import Decoder, attention_class
 from lapse.ops.backend import resolve_device
@@ -124,6 +124,10 @@ class AcpEvalConfig:
 
     out_dir: Path | None = None
     """Output folder; ``None``: ``<model>/eval/acp/``."""
+
+    overwrite: bool = False
+    """Replace an earlier evaluation in the output folder (without it, one there is refused
+    before anything runs)."""
 
     device: str = "auto"
     """Torch device; ``"auto"``: CUDA when available, else CPU. The model runs in float32."""
@@ -433,6 +437,7 @@ def run_acp(cfg: AcpEvalConfig) -> dict:
     gate, a missing path or a head that does not exist."""
     t0 = time.perf_counter()
     device = resolve_device(cfg.device)
+    out_dir = check_out_dir(cfg.out_dir or default_eval_dir(cfg.model, "acp"), cfg.overwrite)
     dense = _load(cfg, device, acp=False)
     mc = dense.config
     bound_from_gains = dense.model.blocks[0].attn.logit_bound() is not None  # QK-norm gains
@@ -451,7 +456,6 @@ def run_acp(cfg: AcpEvalConfig) -> dict:
                     f"head ({layer}, {head}) does not exist: the model has {n_layers} layers of "
                     f"{n_heads} heads (both counted from 0)"
                 )
-    out_dir = cfg.out_dir if cfg.out_dir is not None else default_eval_dir(cfg.model, "acp")
     windows = eval_windows(
         dense, t, cfg.num_sequences, seed=cfg.seed, corpus=cfg.corpus, data_dir=cfg.data_dir
     )  # [N, T + 1]
@@ -544,6 +548,9 @@ def run_acp(cfg: AcpEvalConfig) -> dict:
     }
     out_dir.mkdir(parents=True, exist_ok=True)
     files = _write_plots(results, maps, out_dir)
+    for stale in out_dir.glob("head_L*_H*.png"):  # an earlier evaluation's maps of other heads
+        if stale.name not in files.values():
+            stale.unlink()
     results["files"] = files
     results["elapsed_s"] = time.perf_counter() - t0
     write_text_atomic(out_dir / "results.json", json.dumps(results, indent=2))

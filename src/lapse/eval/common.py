@@ -170,6 +170,27 @@ def default_eval_dir(model: str | Path | None, name: str) -> Path:
     return model / "eval" / name
 
 
+def eval_name(name: str, policy: str | None) -> str:
+    """The folder name of evaluation ``name``, ``<name>-<policy>`` under ``--policy``
+    (``ppl-h2o``): results under a policy never replace the model's own, and ``lapse
+    report`` shows them apart."""
+    return name if policy is None else f"{name}-{policy}"
+
+
+def check_out_dir(out_dir: str | Path, overwrite: bool) -> Path:
+    """``out_dir`` as a path, checked before an evaluation runs: a folder (or nothing yet)
+    that holds no earlier evaluation (its ``results.json`` or ``summary.md``), unless
+    ``overwrite``. Raises ``ValueError`` naming the folder and ``--overwrite``."""
+    out_dir = Path(out_dir)
+    if out_dir.exists() and not out_dir.is_dir():
+        raise ValueError(f"{out_dir} is a file: the output folder must be a folder")
+    earlier = [name for name in ("results.json", "summary.md") if (out_dir / name).exists()]
+    if earlier and not overwrite:
+        raise ValueError(f"{out_dir} holds an earlier evaluation ({earlier[0]}): --overwrite replaces it, "
+                         "--out-dir writes elsewhere")
+    return out_dir
+
+
 def export_hf(path: str | Path, out_dir: str | Path, *, overwrite: bool = False) -> Path:
     """Write the model at ``path`` (a run or checkpoint folder) as a Hugging Face folder:
     ``save_pretrained`` (``config.json``, ``model.safetensors``) plus ``tokenizer/``.

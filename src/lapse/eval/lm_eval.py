@@ -66,7 +66,7 @@ except ImportError as e:  # pragma: no cover - depends on the environment
     ) from e
 from tqdm import tqdm
 
-from lapse.eval.common import LoadedModel, load_model
+from lapse.eval.common import LoadedModel, check_out_dir, load_model
 from lapse.eval.lm import as_causal_lm, load_lm
 from lapse.eval.lm_eval_config import _DTYPES, LmEvalConfig, _positive_int
 from lapse.eval.policy import greedy_continuation, next_logits, streamed_loss
@@ -370,7 +370,7 @@ def run_lm_eval(cfg: LmEvalConfig) -> dict:
     ``results.json`` holds."""
     import lm_eval
 
-    out_dir = cfg.resolved_out_dir
+    out_dir = check_out_dir(cfg.resolved_out_dir, cfg.overwrite)
     manager = task_manager(cfg.tasks, cfg.include_path)
     model_args = {"pretrained": None if cfg.model is None else str(cfg.model), "dtype": cfg.dtype,
                   "hf": cfg.hf, "gguf_file": cfg.gguf_file, "policy": cfg.make_policy(),
@@ -395,10 +395,14 @@ def run_lm_eval(cfg: LmEvalConfig) -> dict:
     )
     seconds = time.perf_counter() - start
     samples = results.pop("samples", {}) or {}
-    results["lapse"] = {"lm_eval_version": lm_eval.__version__, "seconds": seconds}
+    results["lapse"] = {"lm_eval_version": lm_eval.__version__, "seconds": seconds, "policy": cfg.policy}
     out_dir.mkdir(parents=True, exist_ok=True)
     text = json.dumps(results, indent=2, default=lm_utils.handle_non_serializable)
     write_text_atomic(out_dir / "results.json", text)
+    written = {f"samples_{task}.jsonl" for task in samples}
+    for stale in out_dir.glob("samples_*.jsonl"):  # an earlier evaluation's, of other tasks
+        if stale.name not in written:
+            stale.unlink()
     for task, rows in samples.items():
         lines = (json.dumps(row, default=lm_utils.handle_non_serializable) for row in rows)
         write_text_atomic(out_dir / f"samples_{task}.jsonl", "".join(line + "\n" for line in lines))

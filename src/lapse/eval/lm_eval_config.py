@@ -13,7 +13,7 @@ from typing import Annotated, Literal
 import torch
 import tyro
 
-from lapse.eval.common import default_eval_dir
+from lapse.eval.common import default_eval_dir, eval_name
 from lapse.eval.lm import HfOptions
 from lapse.generation import PolicyOptions
 
@@ -59,7 +59,10 @@ class LmEvalConfig(PolicyOptions, HfOptions):
     """Weights and activations of the model."""
     out_dir: Path | None = None
     """Where ``results.json``, ``summary.md`` and ``samples_<task>.jsonl`` go; ``None``:
-    ``<model>/eval/lm-eval/``."""
+    ``<model>/eval/lm-eval/`` (``lm-eval-<policy>/`` under ``--policy``)."""
+    overwrite: bool = False
+    """Replace an earlier evaluation in the output folder, its samples included (without it,
+    one there is refused before anything runs)."""
     seed: int = 0
     """Seed of Python, NumPy, torch and the few-shot sampler."""
     log_samples: bool = True
@@ -98,4 +101,4 @@ class LmEvalConfig(PolicyOptions, HfOptions):
 
     @property
     def resolved_out_dir(self) -> Path:
-        return self.out_dir if self.out_dir is not None else default_eval_dir(self.model, "lm-eval")
+        return self.out_dir or default_eval_dir(self.model, eval_name("lm-eval", self.policy))

@@ -42,7 +42,14 @@ from tqdm.auto import tqdm
 
 from lapse.data import CorpusConfig
 from lapse.data.tokenizer import tokenizer_info
-from lapse.eval.common import LoadedModel, default_eval_dir, eval_windows, load_model
+from lapse.eval.common import (
+    LoadedModel,
+    check_out_dir,
+    default_eval_dir,
+    eval_name,
+    eval_windows,
+    load_model,
+)
 from lapse.eval.lm import HfOptions, as_causal_lm, load_lm, text_windows
 from lapse.eval.policy import streamed_loss
 from lapse.files import save_figure, write_text_atomic
@@ -86,7 +93,12 @@ class LossEvalConfig(PolicyOptions, HfOptions):
     """Token-shard cache folder; ``None``: the first model's run data folder."""
 
     out_dir: Path | None = None
-    """Output folder; ``None``: ``<first model>/eval/<evaluation name>/``."""
+    """Output folder; ``None``: ``<first model>/eval/<evaluation name>/``
+    (``<evaluation name>-<policy>/`` under ``--policy``)."""
+
+    overwrite: bool = False
+    """Replace an earlier evaluation in the output folder (without it, one there is refused
+    before anything runs)."""
 
     device: str = "auto"
     """Torch device; ``"auto"``: CUDA when available, else CPU."""
@@ -355,11 +367,13 @@ def _evaluate(
     )
 
 
-def _load_models(cfg: LossEvalConfig) -> list[LoadedModel]:
-    """Load every model (all paths checked first), with unique labels and one tokenizer."""
+def _load_models(cfg: LossEvalConfig, evaluation: str) -> list[LoadedModel]:
+    """Load every model (all paths checked first, then the output folder), with unique labels
+    and one tokenizer."""
     for path in cfg.models:
         if not Path(path).exists():
             raise ValueError(f"model path does not exist: {path}")
+    check_out_dir(_out_dir(cfg, evaluation), cfg.overwrite)
     device = resolve_device(cfg.device)
     dtype = {
         "auto": torch.bfloat16 if device.type == "cuda" else torch.float32,
@@ -451,7 +465,7 @@ def run_per_token_loss(cfg: PerTokenLossConfig) -> dict:
     :func:`curve_summary`), ``per_token_loss.png`` (smoothed ``L(i)``, models overlaid) and
     ``summary.md`` (a table and the plot).
     """
-    models = _load_models(cfg)
+    models = _load_models(cfg, "per-token-loss")
     seq_len = cfg.seq_len if cfg.seq_len is not None else _context(models[0])
     windows = _windows(cfg, models[0], seq_len)
     curves = _evaluate(models, windows, cfg, "per-token loss")
@@ -476,7 +490,7 @@ def run_ppl(cfg: PplConfig) -> dict:
     return value), ``ppl.png`` (loss against context length; smoothed ``L(i)`` at the
     longest length) and ``summary.md``.
     """
-    models = _load_models(cfg)
+    models = _load_models(cfg, "ppl")
     lengths = cfg.context_lengths
     if not lengths:
         t = _context(models[0])
@@ -521,13 +535,18 @@ def _results(cfg: LossEvalConfig, name: str, models: list[LoadedModel], curves, 
     }
 
 
-def _write(cfg: LossEvalConfig, results: dict, plot, png: str, summary) -> dict:
-    """Plot, summary and results into ``cfg.out_dir`` (default
-    ``<first model>/eval/<evaluation>[-<policy>]/``); the results with ``out_dir`` added."""
+def _out_dir(cfg: LossEvalConfig, evaluation: str) -> Path:
+    """``cfg.out_dir``, by default ``<first model>/eval/<evaluation>[-<policy>]/`` (a policy's
+    results beside the model's own)."""
+    if cfg.out_dir is not None:
+        return cfg.out_dir
     first = cfg.models[0] if cfg.models else None  # --hf alone: ./eval/<evaluation>/
-    name = results["evaluation"] if cfg.policy is None else f"{results['evaluation']}-{cfg.policy}"
-    out_dir = cfg.out_dir if cfg.out_dir is not None else default_eval_dir(first, name)  # a policy's
-    # results beside the dense ones (they replaced them)
+    return default_eval_dir(first, eval_name(evaluation, cfg.policy))
+
+
+def _write(cfg: LossEvalConfig, results: dict, plot, png: str, summary) -> dict:
+    """Plot, summary and results into :func:`_out_dir`; the results with ``out_dir`` added."""
+    out_dir = _out_dir(cfg, results["evaluation"])
     out_dir.mkdir(parents=True, exist_ok=True)
     plot(results, out_dir / png)
     write_text_atomic(out_dir / "summary.md", summary(results))

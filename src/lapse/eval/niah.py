@@ -47,7 +47,7 @@ import torch.nn.functional as F
 import tyro
 
 from lapse.data import Tokenizer, python_source_documents, text_documents
-from lapse.eval.common import LoadedModel, default_eval_dir
+from lapse.eval.common import LoadedModel, check_out_dir, default_eval_dir, eval_name
 from lapse.eval.lm import HfOptions, load_lm
 from lapse.eval.policy import greedy_continuation, streamed_loss
 from lapse.files import save_figure, write_text_atomic
@@ -114,7 +114,10 @@ class NiahConfig(PolicyOptions, HfOptions):
     """Weights and activations of the models."""
     out_dir: Path | None = None
     """Where ``results.json``, ``niah.png`` and ``summary.md`` go; ``None``:
-    ``<first model>/eval/niah/``."""
+    ``<first model>/eval/niah/`` (``niah-<policy>/`` under ``--policy``)."""
+    overwrite: bool = False
+    """Replace an earlier evaluation in ``out_dir`` (without it, one there is refused before
+    anything runs)."""
     time_limit_minutes: float | None = None
     """Stop starting new cells after this long; cells not run are left out of the results
     (blank in the plot). ``None``: no limit."""
@@ -164,7 +167,8 @@ class NiahConfig(PolicyOptions, HfOptions):
             if not self.haystack.exists():
                 raise ValueError(f"haystack path does not exist: {self.haystack}")
         if self.out_dir is None:
-            self.out_dir = default_eval_dir(self.models[0] if self.models else None, "niah")
+            first = self.models[0] if self.models else None
+            self.out_dir = default_eval_dir(first, eval_name("niah", self.policy))
         self.out_dir = Path(self.out_dir)
 
     def needle_text(self, number: int) -> str:
@@ -484,6 +488,7 @@ def run_niah(cfg: NiahConfig) -> dict:
     for path in cfg.models:  # before the bar: a mistyped path is one line, not a bar and a line
         if not Path(path).exists():
             raise ValueError(f"model path does not exist: {path}")
+    check_out_dir(cfg.out_dir, cfg.overwrite)
     haystack = load_haystack(cfg)
     deadline = None if cfg.time_limit_minutes is None else time.monotonic() + 60 * cfg.time_limit_minutes
     cells = len(cfg.context_lengths) * len(cfg.depths)

@@ -49,7 +49,7 @@ from torch import Tensor, nn
 from tqdm.auto import tqdm
 
 from lapse.data import CorpusConfig
-from lapse.eval.common import default_eval_dir, eval_windows
+from lapse.eval.common import check_out_dir, default_eval_dir, eval_name, eval_windows
 from lapse.eval.lm import EvalLM, HfOptions, as_causal_lm, load_lm, text_windows
 from lapse.files import save_figure, write_text_atomic
 from lapse.generation import Dense, Policy, PolicyName, PolicyOptions
@@ -316,7 +316,11 @@ class PolicyLossConfig(PolicyOptions, HfOptions):
     data_dir: Path | None = None
     """Token-shard cache folder; ``None``: the run's data folder."""
     out_dir: Path | None = None
-    """Output folder; ``None``: ``<model>/eval/policy-loss/`` (``--hf``: ``eval/policy-loss/``)."""
+    """Output folder; ``None``: ``<model>/eval/policy-loss-<policy>/`` (``--hf``:
+    ``eval/policy-loss-<policy>/``)."""
+    overwrite: bool = False
+    """Replace an earlier evaluation in the output folder (without it, one there is refused
+    before anything runs)."""
     device: str = "auto"
     """Torch device; ``"auto"``: CUDA when available, else CPU. Always float32."""
     progress: bool = True
@@ -352,9 +356,11 @@ def model_windows(
 def run_policy_loss(cfg: PolicyLossConfig) -> dict:
     """Loads the model, picks the windows, runs :func:`streamed_loss`, writes
     ``results.json`` (this return value), ``summary.md`` and ``policy_loss.png`` into
-    ``cfg.out_dir`` (default ``<model>/eval/policy-loss/``)."""
+    ``cfg.out_dir`` (default ``<model>/eval/policy-loss-<policy>/``)."""
     if cfg.model is not None and not Path(cfg.model).exists():
         raise ValueError(f"model path does not exist: {cfg.model}")
+    out_dir = cfg.out_dir or default_eval_dir(cfg.model, eval_name("policy-loss", cfg.policy))
+    check_out_dir(out_dir, cfg.overwrite)
     loaded = load_lm(cfg.model, cfg.hf, cfg.gguf_file, device=cfg.device)
     seq_len = cfg.seq_len if cfg.seq_len is not None else loaded.context
     prefix = cfg.prefix if cfg.prefix is not None else seq_len // 2
@@ -395,7 +401,6 @@ def run_policy_loss(cfg: PolicyLossConfig) -> dict:
         "sequence_losses": r.loss.double().mean(1).tolist(),
         "sequence_dense_losses": r.dense_loss.double().mean(1).tolist(),
     }
-    out_dir = cfg.out_dir if cfg.out_dir is not None else default_eval_dir(cfg.model, "policy-loss")
     out_dir.mkdir(parents=True, exist_ok=True)
     _plot(results, out_dir / "policy_loss.png")
     write_text_atomic(out_dir / "summary.md", _summary(results))

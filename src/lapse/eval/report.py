@@ -2,10 +2,10 @@
 
 For each run folder it takes the training summary (``summary.json``, ``loss.png``) and
 every evaluation written under ``RUN/eval/<name>/`` (its ``summary.md`` and the images
-that page links to). With several runs it starts with a side-by-side table, so comparing
-models is one command. Image links are rewritten relative to the report's folder, and
-headings of the gathered pages are pushed down three levels, under the evaluation's own
-heading.
+that page links to), one made under an eviction policy headed as such. With several
+runs it starts with a side-by-side table, so comparing models is one command. Image
+links are rewritten relative to the report's folder, and headings of the gathered pages
+are pushed down three levels, under the evaluation's own heading.
 """
 
 from __future__ import annotations
@@ -73,6 +73,21 @@ def _relink(markdown: str, source_dir: Path, report_dir: Path) -> str:
         return m.group(1) + os.path.relpath(source_dir / target, report_dir) + m.group(3)
 
     return _IMAGE.sub(fix, markdown)
+
+
+def _policy(folder: Path) -> str | None:
+    """The eviction policy an evaluation ran under (its name, or how an older lm-eval result
+    wrote it), from its ``results.json``; ``None`` for the model's own results."""
+    try:
+        results = json.loads((folder / "results.json").read_text())
+    except (OSError, ValueError):
+        return None
+    if not isinstance(results, dict):
+        return None
+    for where in (results.get("lapse"), results.get("config"), results):  # lm-eval, the others
+        if isinstance(where, dict) and where.get("policy"):
+            return str(where["policy"])
+    return None
 
 
 def _demote(markdown: str, levels: int = 3) -> str:
@@ -144,8 +159,10 @@ def build_report(cfg: ReportConfig) -> Path:
             lines += ["No evaluations yet (`lapse eval ... ` writes them under `eval/`).", ""]
         for page in evals:
             text = page.read_text()
+            policy = _policy(page.parent)  # a policy's results are not the model's own
+            under = "" if policy is None else f": under the eviction policy `{policy}`"
             lines += [
-                f"### {page.parent.name}",
+                f"### {page.parent.name}{under}",
                 "",
                 _demote(_relink(text, page.parent.resolve(), report_dir)),
                 "",
