@@ -284,3 +284,17 @@ def test_a_policys_results_have_their_own_folder_and_none_is_overwritten(fox_run
     main([*args, "--tasks", "lapse_tiny_ppl", "--overwrite"])  # the earlier task's samples go with it
     assert sorted(p.name for p in plain.iterdir()) == ["results.json", "samples_lapse_tiny_ppl.jsonl",
                                                         "summary.md"]
+
+
+def test_outside_a_git_folder_the_commit_is_unknown_without_a_word(fox_run, tmp_path, monkeypatch, capfd):
+    """lm-eval's ``git describe`` wrote ``fatal: not a git repository`` to the terminal."""
+    import lm_eval.evaluator
+
+    monkeypatch.setattr(lm_eval.evaluator, "add_env_info", lambda results: None)  # see _answer_key_accuracy
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("GIT_CEILING_DIRECTORIES", str(tmp_path.parent))  # git looks no higher
+    results = run_lm_eval(LmEvalConfig(model=fox_run, tasks=("lapse_tiny_mc",), limit=2, device="cpu",
+                                       out_dir=tmp_path / "out", progress=False))
+    assert results["git_hash"] == "unknown"
+    assert "fatal" not in capfd.readouterr().err
+    assert lm_eval.evaluator.get_git_commit_hash.__module__ == "lm_eval.loggers.utils"  # put back

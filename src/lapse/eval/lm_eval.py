@@ -45,8 +45,10 @@ downloaded, and the folder works from anywhere. The harness's own tasks
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
+import subprocess
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -378,21 +380,22 @@ def run_lm_eval(cfg: LmEvalConfig) -> dict:
     if cfg.max_length is not None:
         model_args["max_length"] = cfg.max_length
     start = time.perf_counter()
-    results = lm_eval.simple_evaluate(
-        model="lapse",
-        model_args=model_args,
-        tasks=list(cfg.tasks),
-        num_fewshot=cfg.num_fewshot,
-        batch_size=cfg.batch_size,
-        device=cfg.device,
-        limit=cfg.limit,
-        task_manager=manager,
-        log_samples=cfg.log_samples,
-        random_seed=cfg.seed,
-        numpy_random_seed=cfg.seed,
-        torch_random_seed=cfg.seed,
-        fewshot_random_seed=cfg.seed,
-    )
+    with _quiet_git_hash():
+        results = lm_eval.simple_evaluate(
+            model="lapse",
+            model_args=model_args,
+            tasks=list(cfg.tasks),
+            num_fewshot=cfg.num_fewshot,
+            batch_size=cfg.batch_size,
+            device=cfg.device,
+            limit=cfg.limit,
+            task_manager=manager,
+            log_samples=cfg.log_samples,
+            random_seed=cfg.seed,
+            numpy_random_seed=cfg.seed,
+            torch_random_seed=cfg.seed,
+            fewshot_random_seed=cfg.seed,
+        )
     seconds = time.perf_counter() - start
     samples = results.pop("samples", {}) or {}
     results["lapse"] = {"lm_eval_version": lm_eval.__version__, "seconds": seconds, "policy": cfg.policy}
@@ -408,6 +411,34 @@ def run_lm_eval(cfg: LmEvalConfig) -> dict:
         write_text_atomic(out_dir / f"samples_{task}.jsonl", "".join(line + "\n" for line in lines))
     write_text_atomic(out_dir / "summary.md", _summary(cfg, results, seconds))
     return json.loads(text)
+
+
+@contextlib.contextmanager
+def _quiet_git_hash():
+    """Inside, lm-eval records the working directory's commit (``results["git_hash"]``) through
+    :func:`_git_hash`: its own runs ``git describe`` with git's stderr on the terminal, so
+    outside a git folder every evaluation printed ``fatal: not a git repository``."""
+    import lm_eval.evaluator
+
+    own = getattr(lm_eval.evaluator, "get_git_commit_hash", None)
+    if own is None:  # a harness that records no commit this way
+        yield
+        return
+    lm_eval.evaluator.get_git_commit_hash = _git_hash
+    try:
+        yield
+    finally:
+        lm_eval.evaluator.get_git_commit_hash = own
+
+
+def _git_hash() -> str:
+    """``git describe --always`` of the working directory, as lm-eval records it, with git's
+    output captured; ``"unknown"`` outside a git folder or without git."""
+    try:
+        done = subprocess.run(["git", "describe", "--always"], capture_output=True, text=True, timeout=10)
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+    return done.stdout.strip() if done.returncode == 0 and done.stdout.strip() else "unknown"
 
 
 def _summary(cfg: LmEvalConfig, results: dict, seconds: float) -> str:
