@@ -1,4 +1,4 @@
-"""kvpress side by side with lapse's policies (issue 15, item 4): the same model, the same
+"""kvpress side by side with lapse's policies: the same model, the same
 token windows and budgets, one Markdown table.
 
 kvpress 0.5.5 needs transformers < 5.3 and lapse needs 5.x, so the two sides run in two

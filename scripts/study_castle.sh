@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The CASTLE study (issue 13): CASTLE, CASTLE-SWL and the Transformer (LLaMA) at matched
+# The CASTLE study: CASTLE, CASTLE-SWL and the Transformer (LLaMA) at matched
 # parameters, the same data, steps and recipe, two seeds each, trained concurrently on
 # one GPU; then per-token loss over validation windows and one report.
 #
@@ -8,7 +8,7 @@
 #   tokens (vocabulary 512), context SEQ = 2048 (the paper's), BATCH x SEQ tokens per
 #   step, STEPS steps (lr 2e-3, 10% warm-up, cosine), the Python sources of the machine.
 #
-# Usage, from the repo root on the lent GPU (one call, under 10 minutes):
+# Usage, from the repo root on one GPU (under 10 minutes):
 #   bash scripts/gpu.sh bash scripts/study_castle.sh
 # It leaves $OUT/study.tar.gz: the run folders without checkpoints, the evaluations and
 # report.md (unpacked into docs/study/castle/). A CPU dry run of the pipeline:

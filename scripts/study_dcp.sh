@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The DCP study (issue 14, item 6): one dense Transformer (LLaMA) pretrained, then fine-tuned
+# The DCP study: one dense Transformer (LLaMA) pretrained, then fine-tuned
 # into Dynamic Context Pruning four times, concurrently on one GPU, one per sparsity weight
 # gamma, the same steps, data and seed; then `lapse eval dcp`: perplexity against the share of
 # context dropped (step mask), per layer, and which tokens get dropped in validation snippets.
@@ -12,7 +12,7 @@
 #              paper's setting), alpha a cosine 1 -> 8 over FT_STEPS steps of FT_BATCH x SEQ,
 #              lr FT_LR, gamma in GAMMAS, FT_MINUTES at most each (the four share the GPU).
 #
-# Usage, from the repo root on the lent GPU (one call; a guess of 7-7.5 minutes: data ~30 s, base
+# Usage, from the repo root on one GPU (about 7-7.5 minutes: data ~30 s, base
 # <= 2.5 min of training + ~20 s start, fine-tunes <= 3 min + ~25 s start, report ~30 s):
 #   bash scripts/gpu.sh bash scripts/study_dcp.sh
 # It leaves in $OUT: study.tar.gz (the run folders without checkpoints and the report),

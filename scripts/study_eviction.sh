@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The eviction study (issue 15, item 5): quality against budget of lapse's eviction policies on
+# The eviction study: quality against budget of lapse's eviction policies on
 # one model, two prompt sets, one `lapse eval eviction` process per set (run side by side, one
 # thread each), then one report over both. Per set and (policy, budget): streamed loss and
 # perplexity beside the dense model's, KL from the dense model, attention-mass recall of the

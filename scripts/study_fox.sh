@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The FoX / ACP study (issue 5): four small models trained on the same data and token
+# The FoX / ACP study: four small models trained on the same data and token
 # budget, concurrently on one GPU, then every evaluation and one report.
 #
 #   FoX (Pro), FoX (Pro) + ACP, Transformer (Pro), Transformer (LLaMA): the gpu-20m preset
@@ -8,7 +8,7 @@
 #   tokens (vocabulary 512), context SEQ = 4096, BATCH x SEQ tokens per step, STEPS steps
 #   (lr 2e-3, 10% warm-up, cosine), the Python sources of the machine's installation.
 #
-# Usage, from the repo root on the lent GPU (one call, under 10 minutes):
+# Usage, from the repo root on one GPU (under 10 minutes):
 #   bash scripts/gpu.sh bash scripts/study_fox.sh
 # It leaves $OUT/study.tar.gz: the run folders without checkpoints, their evaluations and
 # report.md (unpacked into docs/study/). Every knob below is an environment variable; a

@@ -1,7 +1,7 @@
-# What the study scripts share (sourced by scripts/study_*.sh and gpu_issue14.sh, which set
+# What the study scripts share (sourced by scripts/study_*.sh, which set
 # BUDGET, OUT, RUNS and DATA first): the time left of the budget, packing the run folders
 # without checkpoints, building the byte-level data once before concurrent runs read it, and
-# the DCP scripts' trainings.
+# the DCP trainings.
 L="python3 -m lapse.cli"
 T0=$(date +%s)
 left() { echo $(( BUDGET - ($(date +%s) - T0) > 5 ? BUDGET - ($(date +%s) - T0) : 5 )); }
@@ -25,11 +25,11 @@ PY
 # phase NAME: a heading with the seconds since the start
 phase() { echo "== $1 (t = $(( $(date +%s) - T0 )) s)"; }
 
-# dcp_trainings: what the DCP scripts (study_dcp.sh, gpu_issue14.sh) train, from their PRESET,
-# MODEL, SEQ, BYTES, DATA, RUNS, OUT, GAMMAS, PRE_* and FT_* settings: the byte-level data; a
-# dense transformer-llama base ($RUNS/base: PRE_STEPS, PRE_MINUTES at most); then the base
-# fine-tuned into DCP once per gamma in GAMMAS, concurrently ($RUNS/dcp-g<gamma>: the whole
-# model, alpha a cosine 1 -> 8 over FT_STEPS, FT_MINUTES at most). Logs: $OUT/train-*.log.
+# dcp_trainings: what study_dcp.sh trains, from its PRESET, MODEL, SEQ, BYTES, DATA, RUNS,
+# OUT, GAMMAS, PRE_* and FT_* settings: the byte-level data; a dense transformer-llama base
+# ($RUNS/base: PRE_STEPS, PRE_MINUTES at most); then the base fine-tuned into DCP once per
+# gamma in GAMMAS, concurrently ($RUNS/dcp-g<gamma>: the whole model, alpha a cosine 1 -> 8
+# over FT_STEPS, FT_MINUTES at most). Logs: $OUT/train-*.log.
 # Sets DCP_RUNS (the fine-tunes' folders, in the order of GAMMAS); exits when a training fails.
 dcp_trainings() {
     phase "data (built once, before the runs read it)"
