@@ -585,3 +585,28 @@ def test_a_castle_window_as_long_as_the_context_is_warned_of(tmp_path, data_dir)
     model = preset("tiny", "castle-swl", vocab_size=320, max_seq_len=64)
     with pytest.warns(UserWarning, match="castle_window 128 spans the context 64"):
         train(tiny(tmp_path, data_dir, model=model, steps=1, val_every=0, acp_stats_every=0))
+
+
+def test_a_gpu_preset_on_a_cpu_says_so_before_it_starts(tmp_path, monkeypatch):
+    """``lapse train gpu-20m`` on a machine without a GPU started without a word and took 106 s
+    a step: one warning, before the corpus is read, names the CPU presets; cpu-tiny has none."""
+    import warnings
+
+    import lapse.train.trainer as trainer
+
+    def set_up(*args, **kwargs):
+        raise RuntimeError("set-up reached")
+
+    monkeypatch.setattr(trainer, "_setup", set_up)
+    with pytest.warns(UserWarning, match="^gpu-20m is made for a GPU and this run is on the CPU, where a "
+                      "step takes minutes: on a CPU train cpu-small .* or cpu-tiny") as seen:
+        with pytest.raises(RuntimeError, match="set-up reached"):
+            train(train_preset("gpu-20m", run_dir=tmp_path / "gpu", device="cpu"))
+    assert len(seen) == 1
+    if not torch.cuda.is_available():  # asked for, a missing GPU is an error
+        with pytest.raises(ValueError, match="no CUDA GPU is visible"):
+            train(train_preset("gpu-20m", run_dir=tmp_path / "cuda", device="cuda"))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with pytest.raises(RuntimeError, match="set-up reached"):
+            train(train_preset("cpu-tiny", run_dir=tmp_path / "cpu", device="cpu"))

@@ -466,6 +466,10 @@ TRAIN_PRESETS: dict[str, tuple[str, Callable[[], TrainConfig]]] = {
 }
 
 
+GPU_PRESETS = ("gpu-20m", "125m-16k")
+"""Presets sized for a GPU: on a CPU a step of theirs takes minutes (a warning says so)."""
+
+
 def train_preset(name: str, **overrides) -> TrainConfig:
     """The run preset ``name`` with top-level fields replaced by ``overrides``."""
     if name not in TRAIN_PRESETS:

@@ -63,7 +63,7 @@ from lapse.models.mfu import peak_tflops
 from lapse.ops.forgetting import set_value_checks
 
 from .checkpoint import load_checkpoint, remove_stale_temporaries, save_checkpoint, set_aside
-from .config import RESUME_FIELDS, TRAIN_PRESETS, DCPTrainConfig, TrainConfig
+from .config import GPU_PRESETS, RESUME_FIELDS, TRAIN_PRESETS, DCPTrainConfig, TrainConfig
 from .data import prepare_data, with_run_tokenizer
 from .dcp import DCPTraining, dcp_layers
 from .distributed import (
@@ -349,6 +349,12 @@ def _run(cfg: TrainConfig, *, resuming: bool) -> dict:
         cfg = _absolute_paths(cfg)
         _check_new_run_dir(cfg.run_dir)
     world = init_world(cfg.device)
+    if world.main and world.device.type != "cuda" and cfg.preset_name in GPU_PRESETS:
+        # before the corpus and the model are prepared: the user can stop here, not minutes later
+        where = world.device.type.upper()
+        warnings.warn(f"{cfg.preset_name} is made for a GPU and this run is on the {where}, where a step "
+                      "takes minutes: on a CPU train cpu-small (minutes in all) or cpu-tiny (seconds)",
+                      stacklevel=3)
     ended = False  # the run ended normally (finished or stopped): the ranks leave together
     try:
         run_dir = cfg.run_dir if resuming else _new_run_dir(cfg, world)
