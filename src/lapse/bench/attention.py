@@ -80,10 +80,17 @@ memory (on CUDA): ``torch.cuda.max_memory_allocated`` during one more call of ea
 less what was allocated before it (the call's outputs, gradients and work buffers; an
 ``L x L`` buffer at T = 16k shows as gigabytes).
 Failures are caught and reported as ``n/a: reason``; nothing is skipped silently.
+
+Diagnostics. ``--profile`` runs each timed call a few more times under ``torch.profiler``
+and writes profile.md beside results.md: its kernels by GPU time, their sum against the timed
+ms, and the host's time to issue the call (:func:`profile_markdown`). ``--sweep fwd bwd``
+times the FoX Triton kernels' tile options against their tables after the providers
+(:mod:`lapse.bench.sweep`, sweep.md).
 """
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import dataclasses
 import datetime
@@ -93,6 +100,7 @@ import json
 import math
 import platform
 import subprocess
+import time
 import traceback
 import warnings
 from collections.abc import Callable
@@ -780,6 +788,81 @@ def _peak_mib(fn: Callable[[], object]) -> float | None:
     return (torch.cuda.max_memory_allocated() - before) / 2**20
 
 
+PROFILED_CALLS = 5
+"""Calls of each timed call run under the profiler (``--profile``), after one untimed."""
+PROFILE_ROWS = 15
+"""Kernels profile.md lists per call, longest first (results.json has them all)."""
+
+
+def _host_ms(fn: Callable[[], object], calls: int = 20) -> float:
+    """Wall ms the host takes to issue one call of ``fn`` while the GPU is busy: a queue of
+    matmuls (tens of ms) goes first, so no call waits for the GPU unless it reads a value back
+    (then its GPU time shows here too)."""
+    busy = torch.randn(8192, 8192, device="cuda")
+    fn()
+    torch.cuda.synchronize()
+    for _ in range(3):
+        busy @ busy
+    t0 = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    ms = (time.perf_counter() - t0) / calls * 1e3
+    torch.cuda.synchronize()
+    return ms
+
+
+def _profile(fn: Callable[[], object]) -> dict:
+    """What one call of ``fn`` spends, from ``torch.profiler`` over :data:`PROFILED_CALLS` calls
+    after an untimed one: ``kernels``, name to ms per call, longest first (on CUDA each kernel's
+    GPU time; on a CPU each operator's own CPU time, its children's left out), ``kernel_ms``
+    their sum and, on CUDA, ``host_ms`` (:func:`_host_ms`). A timed ms above ``kernel_ms`` is
+    time the GPU waited; one near ``host_ms``, a call bound by the host's launches."""
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    cuda = torch.cuda.is_available()
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
+    fn()
+    sync()
+    with profile(activities=[ProfilerActivity.CUDA if cuda else ProfilerActivity.CPU]) as prof:
+        for _ in range(PROFILED_CALLS):
+            fn()
+        sync()
+    times: dict[str, float] = collections.defaultdict(float)
+    for ev in prof.events():
+        if ev.device_type == (DeviceType.CUDA if cuda else DeviceType.CPU):
+            times[ev.name] += (ev.device_time if cuda else ev.self_cpu_time_total) / 1e3 / PROFILED_CALLS
+    kernels = dict(sorted(((n, t) for n, t in times.items() if t > 0), key=lambda kv: -kv[1]))
+    out = {"calls": PROFILED_CALLS, "kernels": kernels, "kernel_ms": sum(kernels.values())}
+    if cuda:
+        out["host_ms"] = _host_ms(fn)
+    return out
+
+
+def profile_markdown(result: dict, modes) -> str:
+    """``--profile``'s page for one workload: per provider and mode, the timed ms against the
+    kernels' sum and the host's time, then the longest kernels."""
+    out = []
+    for name, row in result["providers"].items():
+        for mode in modes:
+            prof = row.get(mode, {}).get("profile")
+            if prof is None:
+                continue
+            ms, kernel_ms = row[mode]["ms"], prof["kernel_ms"]
+            host = f"; host {prof['host_ms']:.3f} ms to issue it" if "host_ms" in prof else ""
+            out += [f"### {name}, {mode}: timed {ms:.3f} ms; kernels {kernel_ms:.3f} ms a call "
+                    f"({kernel_ms / ms:.0%} of it){host}", "",
+                    "| ms a call | share of the kernels | kernel |", "| --- | --- | --- |"]
+            kernels = list(prof["kernels"].items())
+            for kernel, t in kernels[:PROFILE_ROWS]:
+                out.append(f"| {t:.4f} | {t / kernel_ms:.1%} | `{kernel[:100]}` |")
+            if len(kernels) > PROFILE_ROWS:
+                rest = sum(t for _, t in kernels[PROFILE_ROWS:])
+                out.append(f"| {rest:.4f} | {rest / kernel_ms:.1%} | {len(kernels) - PROFILE_ROWS} more |")
+            out.append("")
+    return "\n".join(out)
+
+
 GRAPH_TIMED = ("lapse", "lapse-acp", *SOFTMAX_BASELINES, "flash-attn-4-acp")
 
 
@@ -861,11 +944,14 @@ def _bench_provider(
 
     for mode in cfg.modes:
         try:
+            profiled = None
             with r.context():
                 if mode == "fwd":
                     with torch.no_grad():
                         ms = _time(r.forward, cfg)
                         peak = _peak_mib(r.forward)
+                        if cfg.profile:
+                            profiled = _profile(r.forward)
                 else:
                     d = r.from_bthd(d_out).contiguous()
 
@@ -874,7 +960,11 @@ def _bench_provider(
 
                     ms = _time(call, cfg)
                     peak = _peak_mib(call)
+                    if cfg.profile:
+                        profiled = _profile(call)
             row[mode] = {"ms": ms, "tflops": result_flops(result, mode) / ms / 1e9, "peak_mib": peak}
+            if profiled is not None:
+                row[mode]["profile"] = profiled
             if cfg.graph_times and name in GRAPH_TIMED and torch.cuda.is_available():
                 if name.startswith("lapse") and wl.cu_seqlens is not None:  # validate reads the lengths
                     row[mode]["graph_error"] = "not captured: packed sequences' lengths are read on the host"
@@ -952,6 +1042,17 @@ def bench_workload(spec: WorkloadSpec, cfg: AttentionBenchConfig, progress, devi
         _free()
         progress.update(1)
 
+    if cfg.sweep:
+        from .sweep import sweep
+
+        progress.set_postfix_str(f"{spec.label} sweep {' '.join(cfg.sweep)}")
+        acps = [None] if "lapse" in cfg.providers else []
+        acps += [_acp_argument(cfg, spec)] if "lapse-acp" in cfg.providers else []
+        try:
+            result["sweep"] = sweep(wl, d_out, cfg.sweep, acps, cfg.acp_eps, lambda fn: _time(fn, cfg))
+        except Exception as e:
+            result["sweep_error"] = _short(e)
+        _free()
     _derive(result)
     return result
 
@@ -1248,6 +1349,10 @@ def run(cfg: AttentionBenchConfig) -> dict:
         "efficiency = t_dense * (1 - pruned) / t_acp.",
     ]
     out_dir.mkdir(parents=True, exist_ok=True)
+    # beside results.md, under the same device line and command: the kernels of each call
+    # (--profile), the FoX kernels' tile options (--sweep)
+    pages = {f"{page}.md": [f"# lapse bench attention --{page}: {label}", *md[1:5]]
+             for page, wanted in (("profile", cfg.profile), ("sweep", cfg.sweep)) if wanted}
     with tqdm(total=len(specs) * len(cfg.providers), desc="bench attention") as progress:
         for spec in specs:
             res = bench_workload(spec, cfg, progress)
@@ -1259,9 +1364,18 @@ def run(cfg: AttentionBenchConfig) -> dict:
             table = markdown_table(res, cfg.modes)
             md += ["", f"## {title}", "", table]
             tqdm.write(f"\n## {spec.label}\n\n{table}\n")
+            if "profile.md" in pages:
+                pages["profile.md"] += ["", f"## {title}", "", profile_markdown(res, cfg.modes)]
+            if "sweep.md" in pages:
+                from .sweep import sweep_markdown
+
+                swept = sweep_markdown(res["sweep"]) if "sweep" in res else f"n/a: {res.get('sweep_error')}"
+                pages["sweep.md"] += ["", f"## {title}", "", swept]
             # after every workload: a run cut off (a time limit, a crash) keeps what it measured
             write_text_atomic(out_dir / "results.json", json.dumps(_jsonable(report), indent=2) + "\n")
             write_text_atomic(out_dir / "results.md", "\n".join(md) + "\n")
+            for page, lines in pages.items():
+                write_text_atomic(out_dir / page, "\n".join(lines) + "\n")
             _free()
-    print(f"wrote {out_dir / 'results.json'} and {out_dir / 'results.md'}")
+    print(f"wrote {', '.join(str(out_dir / f) for f in ['results.json', 'results.md', *pages])}")
     return report

@@ -88,8 +88,20 @@ class AttentionBenchConfig:
     graph_times: bool = False
     """Also time lapse and SDPA replayed from a CUDA graph: their kernels' GPU time, without
     the host's launches (an eager call whose launches take longer than its kernels measures
-    the host; ACP's forward+backward at 4k comes near that). Opt-in (BENCHMARKS.md,
-    "Twenty-third session": the two timings agreed within 4% but for two cells)."""
+    the host; ACP's forward+backward at 4k comes near that). Opt-in: on an H200 the two
+    timings agreed within 4% in all but two cells of the base workload."""
+    profile: bool = False
+    """Also run each timed call a few more times under ``torch.profiler`` and write
+    profile.md beside results.md: per workload, provider and mode, every kernel's GPU time per
+    call (on a CPU, every operator's own CPU time), their sum against the timed ms (the rest is
+    time the GPU waited), and on CUDA the host's time to issue one call. Shows what a call
+    spends outside its main kernels: small launches, passes ACP does not shrink, host gaps."""
+    sweep: tuple[Literal["fwd", "bwd"], ...] = ()
+    """Also time the FoX Triton kernels' tile options on each workload and write sweep.md
+    beside results.md: ``fwd`` the forward kernel, ``bwd`` the dK/dV and the dQ kernel; dense
+    where ``lapse`` is timed, with ACP where ``lapse-acp`` is; each option against its table's
+    config (``triton_fwd.fwd_config``, ``triton_bwd.bwd_config``), its outputs checked against
+    the table's first (``lapse.bench.sweep``). Minutes a workload: every option compiles."""
     seed: int = 0
     """Seed of the workload and of dO."""
     check: bool = True
@@ -115,6 +127,10 @@ class AttentionBenchConfig:
             raise ValueError(f"acp_eps must be in (0, 1), got {self.acp_eps}")
         if self.castle_window < 1:
             raise ValueError(f"castle_window must be >= 1, got {self.castle_window}")
+        self.sweep = tuple(dict.fromkeys(self.sweep))
+        if self.sweep and not {"lapse", "lapse-acp"} & set(self.providers):
+            raise ValueError("sweep times the FoX kernels dense where 'lapse' is timed and with ACP where "
+                             "'lapse-acp' is: name one of them in providers")
         for spec in self.specs():  # validates the shapes early
             del spec
 
@@ -152,6 +168,10 @@ class AttentionBenchConfig:
             parts.append(f"--seed {self.seed}")
         if self.graph_times:
             parts.append("--graph-times")
+        if self.profile:
+            parts.append("--profile")
+        if self.sweep:
+            parts.append("--sweep " + " ".join(self.sweep))
         return " ".join(parts)
 
 
