@@ -4,6 +4,7 @@ tests/fixtures/before_restructure: cpu-tiny FoX (Pro), two steps)."""
 from __future__ import annotations
 
 import json
+import math
 import re
 import shutil
 from pathlib import Path
@@ -296,7 +297,10 @@ def test_policy_flags_a_policy_does_not_use_are_refused():
     with pytest.raises(ValueError, match="^--prefix is not used without --policy; it sets how each window"):
         PerTokenLossConfig(models=("x",), prefix=8)
     PolicyOptions(policy="h2o", budget=0.1, recent=4, sinks=0, per="layer", every=2)
-    PolicyOptions(policy="acp", budget=0.2, window=1024)  # the defaults
+    left_out, given = PolicyOptions(policy="acp"), PolicyOptions(policy="acp", eps=math.exp(-10))
+    assert left_out.make_policy() == given.make_policy()
+    with pytest.raises(ValueError, match="^--window is not used by --policy acp"):  # typed at its default
+        PolicyOptions(policy="acp", window=1024)
 
 
 @pytest.mark.parametrize(
@@ -304,7 +308,7 @@ def test_policy_flags_a_policy_does_not_use_are_refused():
     [
         (["generate", str(RUN), "--prompt", "x"], ["--policy", "acp", "--window", "8"],
          "error: --window is not used by --policy acp; it sets the recent positions kept (--policy window)"),
-        (["generate", str(RUN), "--prompt", "x"], ["--policy", "window", "--budget", "0.3"],
+        (["generate", str(RUN), "--prompt", "x"], ["--policy", "window", "--budget", "0.2"],
          "error: --budget is not used by --policy window; it sets the tokens kept per head "
          "(--policy h2o or a2sf)"),
         (["eval", "niah", "--models", str(RUN)], ["--eps", "0.01"],

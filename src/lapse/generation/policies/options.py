@@ -38,6 +38,16 @@ SETS = {
 }
 """What each policy flag sets, for the error that refuses it where it does nothing."""
 
+DEFAULTS = {"budget": 0.2, "recent": 32, "alpha": 0.9, "per": "head", "sinks": 4, "window": 1024,
+            "eps": math.exp(-10)}
+"""The policy flags' values where they are not given (``every``: the policy's own)."""
+
+
+def _given(metavar: str, default: str, **kwargs):
+    """A policy field's flag: ``None`` until given (so that one given to a policy that does not
+    read it is refused), its help naming the value it stands for (:data:`DEFAULTS`)."""
+    return tyro.conf.arg(metavar=metavar, help_behavior_hint=f"(default: {default})", **kwargs)
+
 
 @dataclass(kw_only=True)
 class PolicyOptions:
@@ -47,50 +57,56 @@ class PolicyOptions:
     """Eviction policy: keep everything; sinks + window; ACP boundary (FoX Pro); H2O; A2SF;
     DCP (free what a DCP model's interaction mask dropped). ``None``: no policy (the
     command's plain path)."""
-    budget: float = 0.2
+    budget: Annotated[float | None, _given("FLOAT", "0.2")] = None
     """h2o / a2sf: tokens kept per head, a share of the prompt if <= 1, else a count."""
-    recent: int = 32
+    recent: Annotated[int | None, _given("INT", "32")] = None
     """h2o / a2sf: recent positions always kept."""
-    alpha: float = 0.9
+    alpha: Annotated[float | None, _given("FLOAT", "0.9")] = None
     """a2sf: forgetting factor of the accumulated scores."""
-    per: Literal["head", "layer"] = "head"
+    per: Annotated[Literal["head", "layer"] | None, _given("{head,layer}", "head")] = None
     """h2o / a2sf: rank tokens per kv head, or once per layer (every head the same tokens:
     what DCP models need)."""
-    sinks: int = 4
+    sinks: Annotated[int | None, _given("INT", "4")] = None
     """window / h2o / a2sf: first positions always kept (attention sinks). 4 for every policy
     here; the ``H2O`` and ``A2SF`` classes default to 0, as their papers keep none."""
-    window: int = 1024
+    window: Annotated[int | None, _given("INT", "1024")] = None
     """window: recent positions kept."""
-    eps: Annotated[float, tyro.conf.arg(aliases=("--acp-eps",))] = math.exp(-10)
+    eps: Annotated[float | None, _given("FLOAT", "e^-10", aliases=("--acp-eps",))] = None
     """acp: attention mass a row may lose to eviction."""
     every: int | None = None
     """Evict every this many steps (outside the decode step); default: the policy's own
     (window, acp: 64; h2o, a2sf: 1; dcp: 128)."""
 
     def __post_init__(self) -> None:
-        if not self.budget > 0:
-            raise ValueError(
-                f"--budget must be positive (a share of the prompt or a count), got {self.budget}"
-            )
-        if self.budget > 1 and self.budget != int(self.budget):  # it was cut to the integer below
-            raise ValueError(
-                f"--budget above 1 counts tokens: give an integer, or a share up to 1, got {self.budget}"
-            )
-        self.make_policy()  # bad policy fields fail here, before any model loads
         # a flag the policy does not read would run as if it were not given: `--policy acp
-        # --window 8` keeps what acp keeps. A flag left at its default is no choice to refuse.
+        # --window 8` keeps what acp keeps. The fields are None unless given, so a flag typed
+        # at its default value is refused too, and one left out never is.
         unused = [f.name for f in fields(PolicyOptions)
                   if f.name != "policy" and f.name not in USES.get(self.policy, ())
-                  and getattr(self, f.name) != f.default]
+                  and getattr(self, f.name) is not None]
         if unused:
             raise ValueError(unused_flags(unused, "without --policy" if self.policy is None
                                           else f"by --policy {self.policy}", USES))
+        budget = self.value("budget")
+        if not budget > 0:
+            raise ValueError(f"--budget must be positive (a share of the prompt or a count), got {budget}")
+        if budget > 1 and budget != int(budget):  # it was cut to the integer below
+            raise ValueError(
+                f"--budget above 1 counts tokens: give an integer, or a share up to 1, got {budget}"
+            )
+        self.make_policy()  # bad policy fields fail here, before any model loads
+
+    def value(self, name: str):
+        """Field ``name`` as given, else its default (:data:`DEFAULTS`)."""
+        given = getattr(self, name)
+        return DEFAULTS[name] if given is None else given
 
     def make_policy(self) -> Policy | None:
         """The policy the flags name (``None`` without ``--policy``)."""
         from .registry import A2SF, H2O, ACPBoundary, DCPDrop, Dense, SinkWindow
 
-        budget = int(self.budget) if self.budget > 1 else float(self.budget)
+        v = self.value
+        budget = int(v("budget")) if v("budget") > 1 else float(v("budget"))
         every = {} if self.every is None else {"every": self.every}
         match self.policy:
             case None:
@@ -98,14 +114,14 @@ class PolicyOptions:
             case "dense":
                 return Dense(**every)
             case "window":
-                return SinkWindow(sinks=self.sinks, window=self.window, **every)
+                return SinkWindow(sinks=v("sinks"), window=v("window"), **every)
             case "acp":
-                return ACPBoundary(eps=self.eps, **every)
+                return ACPBoundary(eps=v("eps"), **every)
             case "h2o":
-                return H2O(budget=budget, recent=self.recent, sinks=self.sinks, per=self.per, **every)
+                return H2O(budget=budget, recent=v("recent"), sinks=v("sinks"), per=v("per"), **every)
             case "a2sf":
-                return A2SF(budget=budget, recent=self.recent, alpha=self.alpha, sinks=self.sinks,
-                            per=self.per, **every)
+                return A2SF(budget=budget, recent=v("recent"), alpha=v("alpha"), sinks=v("sinks"),
+                            per=v("per"), **every)
             case "dcp":
                 return DCPDrop(**every)
         raise ValueError(f"--policy must be one of dense, window, acp, h2o, a2sf, dcp; got {self.policy!r}")
