@@ -132,6 +132,8 @@ def test_bad_config_is_refused():
     with pytest.raises(ValueError, match="^--budget and --every are not used without --policies; "):
         DecodeBenchConfig(budget=0.5, every=4)
     DecodeBenchConfig(policies=("acp", "h2o"), budget=0.5, every=4)
+    with pytest.raises(ValueError, match="^--window is not used by --policies acp"):  # typed at its default
+        DecodeBenchConfig(policies=("acp",), window=1024)
 
 
 def test_castle_fold_every_reaches_the_random_init_models():

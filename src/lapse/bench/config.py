@@ -8,9 +8,11 @@ options from this module alone.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Literal
+from typing import TYPE_CHECKING, Annotated, Literal
+
+import tyro
 
 from lapse.generation.policies.options import unused_flags
 
@@ -176,9 +178,15 @@ class AttentionBenchConfig:
 
 
 DECODE_PROVIDERS = ("lapse", "lapse-compile", "hf-llama-compile", "hf-llama-eager")
-# the flags each timed policy reads (decode._policy passes them)
+# the flags each timed policy reads (decode._policy passes them), and their values where not given
 POLICY_FLAGS = {"dense": (), "window": ("window", "every"), "acp": ("every",), "h2o": ("budget", "every"),
                 "a2sf": ("budget", "every"), "dcp": ("every",)}
+POLICY_DEFAULTS = {"budget": 0.2, "window": 1024, "every": 16}
+
+
+def _given(metavar: str, default) -> object:
+    """A policy field's flag, ``None`` until given; its help names the value it stands for."""
+    return tyro.conf.arg(metavar=metavar, help_behavior_hint=f"(default: {default})")
 
 
 @dataclass(kw_only=True)
@@ -205,11 +213,11 @@ class DecodeBenchConfig:
     policies: tuple[str, ...] = ()
     """Eviction policies timed over the paged store, compiled (``dense``, ``window``,
     ``acp``, ``h2o``, ``a2sf`` with their defaults below), beside the dense store."""
-    budget: float = 0.2
+    budget: Annotated[float | None, _given("FLOAT", POLICY_DEFAULTS["budget"])] = None
     """h2o / a2sf budget (share of the prompt)."""
-    window: int = 1024
+    window: Annotated[int | None, _given("INT", POLICY_DEFAULTS["window"])] = None
     """window policy: recent positions kept (4 sinks)."""
-    every: int = 16
+    every: Annotated[int | None, _given("INT", POLICY_DEFAULTS["every"])] = None
     """Evict every this many steps (timed: eviction is part of the cost)."""
     steps: int = 32
     """Timed decode steps per measurement."""
@@ -249,12 +257,18 @@ class DecodeBenchConfig:
             raise ValueError("prompts='validation' reads a trained run's validation data: give --run")
         if self.steps < 1 or self.warmup < 0:
             raise ValueError(f"steps must be >= 1 and warmup >= 0, got {self.steps}, {self.warmup}")
-        unused = [f.name for f in fields(DecodeBenchConfig) if f.name in ("budget", "window", "every")
-                  and getattr(self, f.name) != f.default
-                  and not any(f.name in POLICY_FLAGS[p] for p in self.policies)]
-        if unused:  # it would time the policies as if it were not given
+        # None until given, so that one typed at its default value is refused too where no policy
+        # reads it: it would time the policies as if it were not given
+        unused = [name for name in POLICY_DEFAULTS if getattr(self, name) is not None
+                  and not any(name in POLICY_FLAGS[p] for p in self.policies)]
+        if unused:
             where = f"by --policies {' '.join(self.policies)}" if self.policies else "without --policies"
             raise ValueError(unused_flags(unused, where, POLICY_FLAGS, option="--policies"))
+
+    def value(self, name: str):
+        """Policy field ``name`` (``budget``, ``window``, ``every``) as given, else its default."""
+        given = getattr(self, name)
+        return POLICY_DEFAULTS[name] if given is None else given
 
 
 # "transformer": the same sizes as a Transformer of the same block type (RoPE, SDPA with its

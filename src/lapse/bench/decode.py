@@ -58,7 +58,7 @@ from lapse.models import Decoder, param_count, preset
 from lapse.models.checkpoint import latest_checkpoint, load_weights, read_run
 from lapse.ops.backend import resolve_device
 
-from .config import DECODE_PROVIDERS, DecodeBenchConfig
+from .config import DECODE_PROVIDERS, POLICY_DEFAULTS, DecodeBenchConfig
 
 # the attention kind whose state a policy reads (FoX's gates, DCP's drop flags): skipped on others
 POLICY_NEEDS = {"acp": "forgetting", "dcp": "dcp"}
@@ -110,11 +110,11 @@ def _compiled_step(cfg: DecodeBenchConfig) -> Callable[[Decoder, torch.Tensor, o
 
 
 def _policy(name: str, cfg: DecodeBenchConfig):
-    kwargs = {"every": cfg.every}
+    kwargs = {"every": cfg.value("every")}
     if name in ("h2o", "a2sf"):
-        kwargs.update(budget=cfg.budget)
+        kwargs.update(budget=cfg.value("budget"))
     if name == "window":
-        kwargs.update(window=cfg.window)
+        kwargs.update(window=cfg.value("window"))
     return POLICIES[name](**({} if name == "dense" else kwargs))
 
 
@@ -381,7 +381,8 @@ def _run(cfg: DecodeBenchConfig) -> dict:
         "warmup": cfg.warmup,
         "bandwidth": bandwidth,
     }
-    results = {"env": env, "config": {k: str(v) for k, v in asdict(cfg).items()}, "rows": rows}
+    config = {**asdict(cfg), **{k: cfg.value(k) for k in POLICY_DEFAULTS}}  # the values timed
+    results = {"env": env, "config": {k: str(v) for k, v in config.items()}, "rows": rows}
     cfg.out_dir.mkdir(parents=True, exist_ok=True)
     write_text_atomic(cfg.out_dir / "results.json", json.dumps(results, indent=2))
     table = markdown_table(results)
