@@ -13,7 +13,7 @@ Providers (``--providers``):
   the device is reported n/a with SDPA's reason. Inputs are transposed to ``[B, H, T, D]``
   outside the timed region; varlen uses ``torch.nn.attention.varlen.varlen_attn``, which
   has no backend choice, so only ``sdpa-default`` and ``sdpa-flash`` run there. ``sdpa``
-  is an alias of ``sdpa-flash`` (the name before issue 16).
+  is an alias of ``sdpa-flash`` (its older name).
 - ``flash-attn-4``: FlashAttention-4's CuTe DSL kernels (``flash_attn.cute`` of the
   ``flash-attn-4`` package, Hopper and Blackwell), causal, *no gate*, in lapse's own ``[B, T,
   H, D]`` layout, grouped K/V natively, packed sequences through its varlen entry; reported
@@ -1065,7 +1065,7 @@ def _derive(result: dict) -> None:
     """From the timings: the fastest softmax baseline of each mode
     (``result["fastest_softmax"][mode] = {"provider", "ms"}``), every provider's ratio to it
     (``vs_fastest``) and to SDPA FlashAttention-2 (``vs_sdpa_flash``, comparable with the
-    tables recorded before issue 16), the same for the CUDA-graph times against the fastest
+    older tables, whose baseline it was), the same for the CUDA-graph times against the fastest
     baseline's graph time (``fastest_softmax_graph``, ``graph_vs_fastest``), ACP efficiency
     and the boundary-search share."""
     rows = result["providers"]

@@ -54,7 +54,8 @@ PROVIDER_ALIASES: dict[str, Provider] = {"sdpa": "sdpa-flash"}
 
 @dataclass(kw_only=True)
 class AttentionBenchConfig:
-    """Time forgetting attention against its peers on issue 2's benchmark workload."""
+    """Time forgetting attention against its peers on the benchmark workload
+    (``lapse.bench.workloads``)."""
 
     seq_lens: tuple[int, ...] = (4096, 8192, 16384)
     """Sequence lengths T, one workload each (B = tokens / T). Ignored with --varlen."""
@@ -75,8 +76,9 @@ class AttentionBenchConfig:
     """What to time: the forward alone, and/or the forward followed by the backward."""
     acp_bound: Literal["auto", "qk-norm"] = "auto"
     """ACP bound U: 'auto' (from the largest query/key norms, measured inside the timed
-    call; what issue 2 asks), or 'qk-norm' (the known U = D * scale of unit-gain QK-norm,
-    times the factor for 16-bit rounding of qk_norm_bound, passed as a float)."""
+    call: what a layer without a known bound pays), or 'qk-norm' (the known U = D * scale
+    of unit-gain QK-norm, times the factor for 16-bit rounding of qk_norm_bound, passed as
+    a float)."""
     acp_eps: float = math.exp(-10)
     """ACP's bound on the pruned attention mass per row."""
     castle_window: int = 512

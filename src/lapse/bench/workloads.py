@@ -1,4 +1,4 @@
-"""The benchmark workload of issue 2, so numbers compare across runs and machines.
+"""The attention benchmark's workload, so numbers compare across runs and machines.
 
 bf16, ``HQ`` query heads over ``H`` key/value heads, head dim ``D``, ``B x T`` tokens
 (32768 by default). ``q`` and ``k`` are RMS-normalised per head with unit gain (what a
@@ -19,7 +19,7 @@ device, directly in place (no host-to-device copies): the same seed gives the sa
 tensors on the same kind of device. CPU and CUDA generators differ, so a CPU workload
 is not the GPU one, only its small-scale twin for tests.
 
-Variants (issue 2, "Targets"): head dim 128 with 12 heads, GQA (24 query heads over 6
+Variants: head dim 128 with 12 heads, GQA (24 query heads over 6
 key/value heads), and varlen: 8 packed sequences of mixed lengths summing to the token
 count (:data:`VARLEN_FRACTIONS`), with int32 ``cu_seqlens``.
 
@@ -50,7 +50,8 @@ VARLEN_FRACTIONS = (0.25, 0.19, 0.155, 0.125, 0.095, 0.08, 0.06, 0.045)
 
 @dataclass(frozen=True, kw_only=True)
 class WorkloadSpec:
-    """Shape of one benchmark workload; the defaults are issue 2's 760M configuration."""
+    """Shape of one benchmark workload; the defaults are the 760M model's attention (24 heads
+    of 64)."""
 
     seq_len: int = 4096
     """T, the length of each sequence (ignored with ``varlen``: then B = 1, T = tokens)."""

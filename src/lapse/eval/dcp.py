@@ -1,6 +1,6 @@
 """``lapse eval dcp``: a gamma sweep of DCP fine-tunes, read as the DCP paper reads one.
 
-SPEC section 6; issue 14, item 6. The input is a set of runs fine-tuned from one dense
+SPEC section 6. The input is a set of runs fine-tuned from one dense
 Transformer with ``lapse train --init-from BASE --model.attention dcp --dcp.gamma G``
 (``scripts/study_dcp.sh`` makes them), and optionally that base. Every model runs in eval
 mode, so DCP drops with the step mask of inference ``1[z > 0]``, over the same validation

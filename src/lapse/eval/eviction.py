@@ -1,4 +1,4 @@
-"""The eviction study (issue 15, item 5): quality against budget for every policy, on one
+"""The eviction study: quality against budget for every policy, on one
 model and one prompt set per call, with one report over every set run.
 
 One call of :func:`run_eviction` loads the model once and, for each policy variant and

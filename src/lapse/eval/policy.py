@@ -1,5 +1,5 @@
 """Loss under an eviction policy, streamed through the cache as the policy leaves it, and
-two label-free measures (issue 15, item 3), for lapse and Hugging Face models alike.
+two label-free measures, for lapse and Hugging Face models alike.
 
 :func:`streamed_loss` feeds each window the way :func:`lapse.generation.generate` decodes,
 through an :class:`~lapse.hf.EvictingCache` (a lapse model in its Hugging Face adapter, or

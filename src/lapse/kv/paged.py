@@ -249,7 +249,7 @@ class PagedStore(StoreBase):
         order (:meth:`_grant_prompt`): head ``j`` of ``B x H`` holds rows
         ``j n S .. j n S + T - 1`` of the pool seen as ``[P * S, ...]``, so the prompt goes
         in with one copy per buffer and no slot indices (the host's work per layer of a
-        prefill; on the lent H100 the prefill was host-bound). ``cloned``: the positions and
+        prefill; on an H100 the paged prefill is bound by the host). ``cloned``: the positions and
         lengths came with the allocation (an earlier layer's, :meth:`_allocate`)."""
         b, t, h, _ = k.shape
         rows = self._prompt_pages[layer_idx] * self.page_size
@@ -592,7 +592,7 @@ class PagedStore(StoreBase):
         function of the layer's tensors; with ``compile``, that function compiled by
         ``torch.compile`` (dynamic shapes: one compilation per policy, whatever the widths),
         which fuses the ~80 small kernels of a pass into a few (the pass is bound by their
-        launches, ``scripts/profile_evict.py``); a string names the ``torch.compile`` backend
+        launches: 125M shapes, 4 x 32768, on an H100); a string names the ``torch.compile`` backend
         (``"aot_eager"``: the trace without code generation, for tests on CPU).
         ``whole_pages`` as in :meth:`evict`; ``extras``: the per-slot pools ``keep_fn`` reads
         from the snapshot's ``extras`` (a policy's ``snapshot_extras``; ``None``: all)."""

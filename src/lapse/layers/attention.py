@@ -150,7 +150,7 @@ class Attention(nn.Module):
 
         The decode step's small GEMMs are bound by kernel latency: on an H100 four
         ``[8, 768] x [768, 768]`` products take 12.7 us and their fused ``768 -> 3072``
-        one 3.3 us (``scripts/tune_decode.py``). A copy, not a view, written into the
+        one 3.3 us (bf16). A copy, not a view, written into the
         matrix made before when the shapes agree, so a captured CUDA graph keeps reading
         the same memory. Skipped (the separate projections run) for sharded weights
         (DTensors: FSDP2, tensor parallelism)."""

@@ -163,8 +163,8 @@ class ModelConfig:
     """CASTLE decoding: ``None`` (each step adds the new token into every held ``u_s``) or
     ``M >= 1``, the deferred update that writes ``u`` back every ``M`` steps
     (``lapse.layers.CastleAttention``'s ``fold_every``; same outputs up to float32
-    summation order). Slower on an H100 (BENCHMARKS.md, fifth session: 197-324 against 112
-    us per layer at 8 x 4096, M = 4-16), so off by default."""
+    summation order). Slower on an H100 (197-324 against 112 us per layer at 8 x 4096,
+    M = 4-16, ``ops/castle/README.md``), so off by default."""
 
     init_std: float = 0.02
     """Standard deviation of the normal init of every Linear and embedding weight."""

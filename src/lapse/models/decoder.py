@@ -165,7 +165,7 @@ class Decoder(nn.Module):
         """Inside, one-token steps without autograd (decoding) multiply each layer's input
         once with its q, k, v (and output gate) weights concatenated, and once with
         ``[W_gate; W_up]``: a snapshot of the weights taken at entry (the decode step's
-        small GEMMs are bound by kernel latency, ``scripts/tune_decode.py``). Prefill,
+        small GEMMs are bound by kernel latency, :meth:`lapse.layers.Attention.fuse_projections`). Prefill,
         training and everything outside use the separate projections. The snapshot (one
         more copy of those weights) is freed on exit, or with ``keep`` kept for the next
         entry to write into, so a captured CUDA graph finds it at the same address

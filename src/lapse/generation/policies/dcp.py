@@ -20,7 +20,7 @@ class DCPDrop(Policy):
     soon the memory comes back (a head holds at most ``every`` flagged tokens more than
     it keeps): the outputs are the same for any value. Its default, 128, because a pass
     costs milliseconds of host time (compaction, the host's page lists) against a decode
-    step's fraction of one (H100, 5 layers, 64 x 1536: BENCHMARKS.md, "Eighth session").
+    step's fraction of one (H100, 5 layers, 64 x 1536).
     """
 
     every: int = 128

@@ -260,16 +260,14 @@ def _launch_options(q_c: Tensor, u_cache: Tensor, k_c_cache: Tensor, qu_cache: T
     b, _, d = q_c.shape
     if config is None and b == 1 and triton.next_power_of_2(group) * 128 * d <= 4 * _TILE_ELEMENTS:
         # one sequence: few programs, each streaming long tiles, no loop pipeline. On an
-        # H100 at 7 heads of 64 and 4096 slots, 13.5 against 19.5 us before the pipeline
-        # existed (docs/bench/castle/h100-tune-decode.json) and 13.5 against 14.5 us with
-        # two stages (h100-castle-decode-pipeline.json)
+        # H100 at 7 heads of 64 and 4096 slots, 13.5 against 19.5 us for the defaults below
+        # without the loop pipeline and 13.5 against 14.5 us with two stages
         config = dict(BN=128, num_warps=8, num_stages=2, loop_stages=1)
     elif config is None and window is None and group == 1 and d <= 64:
         # full CASTLE, every held u rewritten: 64-slot tiles over 8 warps, 3 stages where
         # they fit. At B 8 x 4096 slots, 7 heads of 64, on an H100: 81 against 89 us for
         # the defaults below (112 without the loop pipeline); under SWL, where most u are
         # only read, the defaults stay the best (57 us against 76)
-        # (docs/bench/castle/h100-castle-decode-pipeline.json)
         config = dict(BN=64, num_warps=8)
     config = config or {}
     s, hc = k_c_cache.shape[1], k_c_cache.shape[2]

@@ -269,12 +269,11 @@ def _bwd_kernel(
 
 
 def parallel_config(d: int, interpret: bool, backward: bool = False, window: int | None = None) -> dict:
-    """Block size, warps and stages by head dim, measured on an H100
-    (``scripts/tune_castle_parallel.py``, T 4096, B x T = 16k, 8 heads, bf16; raw
-    ``docs/bench/castle/h100-tune-parallel.log``): backward at D 64 with 32-position
+    """Block size, warps and stages by head dim, measured on an H100 (T 4096, B x T = 16k,
+    8 heads, bf16): backward at D 64 with 32-position
     blocks, 4 warps, 2 stages 5.1 ms against 16.6 ms for the first guess (64, 8 warps, 1
     stage), 2.9 against 5.9 ms under SWL 512; forward at D 128 with 4 warps, 1 stage 2.66
-    against 3.51 ms. Backward at D 128 (2026-11-26, ``docs/bench/castle/h100-tune-bwd-*.json``):
+    against 3.51 ms. Backward at D 128:
     without a window 16-position blocks, 4 warps, 2 stages take 7.3 / 14.7 / 28.5 ms at
     T 2k / 4k / 8k against 9.2 / 18.6 / 37.2 for 32-position blocks; under SWL 512 the
     32-position blocks with 4 warps, 1 stage are the faster at 4k and 8k (7.27 against 9.11

@@ -8,7 +8,7 @@ hundred numbers per head: the forget gate ``log f_t = logsigmoid(w_f . x_t + b_f
 shift ``(1 - a) k_t + a k_{t-1}``, the QK-norm of ``q_t`` and of the shifted key, and the
 writes of ``k``, ``v`` and ``c_t`` into the cache. Each of these is a kernel of its own in
 a compiled step (four per layer for FoX Pro, about 8 us of a 125M model's ~80 us layer
-at 8 x 4k on an H100, ``scripts/profile_decode.py --sequence``); here they are one.
+at 8 x 4k on an H100, under torch.profiler); here they are one.
 
 :func:`forgetting_decode_input` is the public function; :func:`_decode_input_torch` the
 plain reference (the same operations as the unfused layer code, in the same precision).

@@ -32,7 +32,7 @@ _PIPELINE_STAGES = 3
 # Launch options of the dense split kernel at D <= 64, by whether a [BG, BN] tile of the FoX
 # bias is computed (bias with GQA; without GQA the bias is a [BN] vector): the best on average
 # over B x prompt in {1, 8, 32} x 4k, 4 x 16k and 2 x 32k of tiles x warps x stages, on an H100
-# (scripts/tune_decode.py; docs/bench/decode/h100-tune-decode-*.json). The [BG, BN] bias tile's
+# (the kernel alone, replayed from a CUDA graph, 12 heads of 64, bf16). The [BG, BN] bias tile's
 # float64 work favours small tiles; plain softmax and the vector bias stream best in large
 # ones (bias, 8 x 4k: 37.9 us per layer, against 44.2 us when it was a padded [16, BN] tile).
 _DENSE_TUNED = {
@@ -331,7 +331,7 @@ def _split_launch(
     query heads each, at most ``keys`` keys per head: ``num_splits`` chosen when None, and
     the launch options both split kernels share (tiles ``BG``, ``BN``, ``BD``, dot
     precision, ``IS_SINGLE_SPLIT``, warps and stages). ``config`` overrides ``BN``,
-    ``num_warps`` and ``num_stages`` (``scripts/tune_decode.py`` measures them)."""
+    ``num_warps`` and ``num_stages`` (to time other options than ``_DENSE_TUNED``)."""
     config = config or {}
     block_d = max(16, triton.next_power_of_2(q.shape[-1]))
     # tl.dot needs 16 rows: small groups are padded. A multiply-and-sum over an unpadded

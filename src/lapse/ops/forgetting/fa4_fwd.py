@@ -1,4 +1,4 @@
-"""FoX's forward on FlashAttention-4's Hopper kernel, where ``flash-attn-4`` is installed (issue 16).
+"""FoX's forward on FlashAttention-4's Hopper kernel, where ``flash-attn-4`` is installed.
 
 ``FlashAttentionForwardSm90`` (a producer warp brings K and V by TMA; two consumer warpgroups of
 64 query rows at D 128, three at D 64, each overlapping one key tile's softmax with the next
@@ -11,21 +11,21 @@ the FoX bias the way the backward's does (fa4_bwd.py):
   c_j`` (``kref`` the key tile's last key), and a score costs one multiply-add;
 - a thread holds 32 of a tile's 128 key columns (pairs eight apart), so ``d`` is stored with each
   thread's columns side by side (:func:`permute_columns`) and a thread loads its 32 in eight
-  128-bit loads. The twenty-ninth session's version, one scalar load a column, took 1.25x
-  FlashAttention-4's time at D 128 (this forward without the loads: 1.10x).
+  128-bit loads. With one scalar load a column it took 1.25x FlashAttention-4's time at D 128
+  (this forward without the loads: 1.10x).
 
 **ACP** (``block_start``): the kernel's block sparsity lists, for each query tile, the key tiles
 from its first kept key to the diagonal (:func:`acp_key_tiles`); in a listed tile the hook masks
 the keys a thread's 64-row block prunes (a warp's rows lie in one such block). So it computes
 exactly the Triton forward's pruned sum, and the backward (either) differentiates it.
 
-**Slower than the Triton forward, so off by default** (thirty-first session, H200, BENCHMARKS.md):
+**Slower than the Triton forward, so off by default** (H200, bf16, B x T = 32k, 24 heads):
 1.31-1.35x FlashAttention-4's forward at D 128 and 1.69-1.81x at D 64 with the column terms loaded
 in the hook, 1.35x and 1.45-1.64x with them staged through shared memory (``STAGED``, below),
 where Triton's takes 1.18-1.27x and 1.18-1.25x; with ACP forward+backward equal at D 128 and
 slower at D 64. The loads' latency is not what costs (staging them did not help at D 128); the
 per-column add before the row max, which puts the scores' multiply-adds behind the terms, and
-19-28% more instructions on the softmax are what is left (BENCHMARKS.md, thirty-first session).
+19-28% more instructions on the softmax are what is left.
 
 ``STAGED`` (``LAPSE_FA4_FWD_STAGED``, on): each hook call starts a ``cp.async`` (16 bytes a lane)
 of the next key tile's terms into its warp's half of two stages in shared memory, which the

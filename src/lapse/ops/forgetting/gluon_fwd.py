@@ -1,5 +1,5 @@
 """The FoX forward on Hopper in Gluon, with the next tile's ``Q K^T`` in flight during this
-tile's softmax (issue 16): dense (:func:`launch`, below), and with ACP as a persistent kernel
+tile's softmax: dense (:func:`launch`, below), and with ACP as a persistent kernel
 (:func:`launch_acp`, at the end of the file).
 
 Triton's own compiler waits on every ``Q K^T`` product right after issuing it: in
@@ -23,7 +23,7 @@ past the end (the last tile again: its result is dropped) so every step has the 
 shape. ``SPLIT`` runs two compute partitions of 4 warps, each with half the query rows,
 against one of ``num_warps``.
 
-Status (issue 16, ``BENCHMARKS.md``, "Fourteenth session"): correct (its GPU tests hold
+Status: correct (its GPU tests hold
 it to the float64 oracle) but not yet faster than the Triton kernel. On an H200 (bf16,
 B x T = 32k, T 4k / 16k) its best options (4 warps, 64-row tiles, two programs a
 multiprocessor) take 1.69 / 6.12 ms at D 64 and 1.18 / 4.37 ms at D 128 against the
@@ -70,7 +70,7 @@ def _softmax_step(b_s, m_i, l_i, b_ck, o_m, o_n, masked, qk_scale, BIAS: gl.cons
     pair for the scale and the bias."""
     if BIAS:
         b_s = b_s * qk_scale - b_ck[None, :]
-    else:  # plain causal softmax attention: a timing diagnostic only (issue 16)
+    else:  # plain causal softmax attention: a timing diagnostic only (BIAS=False)
         b_s = b_s * qk_scale
     if masked:  # the tiles that reach the diagonal: causal mask
         b_s = gl.where(o_n[None, :] <= o_m[:, None], b_s, float("-inf"))
@@ -232,12 +232,11 @@ def _fwd_kernel(q_desc, k_desc, v_desc, CHI, CLO, O, LSE, qk_scale, T, TC, HQ, G
 
 
 def gluon_config(d: int) -> dict:
-    """Tiles, warps and buffers by head dim: the fastest of ``scripts/tune_fox_fwd.py
-    --only-gluon`` on an H200 (``docs/bench/session14/h200-gluon-fwd-v4-fastbias.json``):
-    one 4-warp compute partition on 64-row tiles with 128 registers per thread at launch
-    (``maxnreg``), so that two programs share a multiprocessor. ``SPLIT``: two compute
-    partitions of 4 warps instead of one of ``num_warps``; ``COMPUTE_REGS`` the second
-    one's registers per thread."""
+    """Tiles, warps and buffers by head dim: the fastest of a sweep of its options on an H200
+    (bf16, B x T = 32k, T 4k / 16k): one 4-warp compute partition on 64-row tiles with 128
+    registers per thread at launch (``maxnreg``), so that two programs share a
+    multiprocessor. ``SPLIT``: two compute partitions of 4 warps instead of one of
+    ``num_warps``; ``COMPUTE_REGS`` the second one's registers per thread."""
     return dict(BM=64, BN=64, num_warps=4, STAGES=3 if d <= 64 else 2, SPLIT=False, COMPUTE_REGS=0,
                 maxnreg=128)
 
@@ -283,7 +282,7 @@ def launch(q, k, v, c_hi, c_lo, p, o, lse2, config=None) -> None:
                       hq // h, D=d, BM=bm, BN=bn, **cfg)
 
 
-# --- ACP's forward as a persistent kernel (issue 16, twenty-fifth session; opt-in) ---------
+# --- ACP's forward as a persistent kernel (opt-in) -----------------------------------------
 #
 # With ACP the local heads' query tiles keep 1-14 key tiles each, so a program a tile spends
 # most of its time starting and ending (the Q load, the first K/V loads, the O store). Here a
@@ -292,7 +291,7 @@ def launch(q, k, v, c_hi, c_lo, p, o, lse2, config=None) -> None:
 # partition still finishes this one, so one tile's end overlaps the next one's start. The
 # ring buffers' phases count key tiles across the whole loop.
 #
-# Status (BENCHMARKS.md, "Twenty-fifth session"): correct (its GPU tests hold it to the
+# Status: correct (its GPU tests hold it to the
 # float64 oracle). On an H200, as the routed launch of the bench workload's local heads, it is
 # 10-26% faster than the Triton kernel at D 128 (0.219-0.226 ms against 0.244-0.305 at T 4k-16k)
 # and 29-32% slower at D 64 (0.263-0.275 against 0.204-0.209): Gluon pads the one-warp load
@@ -306,9 +305,10 @@ def launch(q, k, v, c_hi, c_lo, p, o, lse2, config=None) -> None:
 @gluon.jit
 def _acp_item(w, n_tiles, BH, HQ, BSTART, MB, T, BM: gl.constexpr, BN: gl.constexpr,
               SKIP_FULL: gl.constexpr):
-    """Work item ``w``: its query tile, sequence and head, first kept key tile, number of key
-    tiles, and whether it is skipped (``SKIP_FULL``: a (sequence, head) that ACP prunes nowhere,
-    which another launch serves). Heads first and the longest tiles first."""
+    """Item ``w`` of the persistent loop: its query tile, sequence and head, first kept key
+    tile, number of key tiles, and whether it is skipped (``SKIP_FULL``: a (sequence, head)
+    that ACP prunes nowhere, which another launch serves). Heads first and the longest tiles
+    first."""
     i_bh = w % BH
     i_m = n_tiles - 1 - w // BH
     p_bs = BSTART + i_bh * MB
@@ -323,7 +323,7 @@ def _acp_item(w, n_tiles, BH, HQ, BSTART, MB, T, BM: gl.constexpr, BN: gl.conste
 
 @gluon.jit
 def _acp_items(n_items, C: gl.constexpr, NC: gl.constexpr):
-    """The run of consecutive work items that consumer ``C`` of this program serves: runs of
+    """The run of consecutive items that consumer ``C`` of this program serves: runs of
     consecutive items take every head in turn, so the consumers get about equal work (a stride
     of programs would give each one the same few heads, and a head's window sets its work)."""
     per = gl.cdiv(n_items, gl.num_programs(0) * NC)
@@ -530,8 +530,8 @@ def acp_config(d: int) -> dict:
     """The persistent ACP forward's options by head dim: 64-row tiles (one ACP block), ``NC``
     consumers a program (each a 4-warp compute partition with ``COMPUTE_REGS`` registers a
     thread and a load warp; the load warps take one 4-warp group's registers), ``PROGRAMS`` a
-    multiprocessor, ``maxnreg`` registers a thread at launch. The fastest of
-    ``scripts/diag_gluon_acp.py`` on an H200 (``docs/bench/session25/``): at D 64 four programs
+    multiprocessor, ``maxnreg`` registers a thread at launch. The fastest of a sweep of these
+    options on an H200 (the bench's workload, the routed launch's heads): at D 64 four programs
     a multiprocessor (two resident: a program is 8 warps), at D 128 two (its shared memory)."""
     return dict(BM=64, BN=64, num_warps=4, STAGES=3 if d <= 64 else 2, NC=1, PROGRAMS=4 if d <= 64 else 2,
                 maxnreg=128)

@@ -43,8 +43,7 @@ _BLOCK_PROBS = 256
 # Launch options of the paged split kernel at D <= 64 in 16 bits, unless a [BG, BN] tile of
 # the FoX bias is computed (bias with GQA): measured on an H100 over BN {32, 64, 128} x
 # warps {2, 4, 8} x stages {2, 3, 4} at 8 x 4k, 4 x 16k and 1 x 4k, 12 heads of 64, pages
-# of 16 scattered (scripts/bench_paged_decode.py --configs; docs/bench/decode/
-# h100-paged-configs.json). The best everywhere with the bias, 1.26-1.44x faster than the
+# of 16 scattered. The best everywhere with the bias, 1.26-1.44x faster than the
 # launcher's default (BN 64, 4 warps, 3 stages): 8 x 4k 42.6 against 61.3 us, 4 x 16k 77.4
 # against 109.5 us; within 1-6% of the best without it.
 _PAGED_TUNED = dict(BN=128, num_warps=4, num_stages=2)
@@ -208,7 +207,7 @@ def launch_paged_decode(
     ``key_probs`` [B, H, L] float32 in place (``o`` and ``key_probs`` contiguous).
 
     ``config``: launch options (``BN``, ``num_warps``, ``num_stages``) for the split
-    kernel (``scripts/bench_paged_decode.py --configs`` measures them); by default the
+    kernel (to time other options); by default the
     measured ``_PAGED_TUNED`` where it applies.
 
     ``workspace`` (``acc [B, HQ, splits, D]``, ``m`` and ``l`` ``[B, HQ, splits]``,

@@ -7,17 +7,17 @@ tile, ``FUSE_DQ="ds"`` below):
   per query head.
 - ``_bwd_dq_kernel``: one program per (query tile, batch x query head); loops over key
   tiles; writes dQ and the row sums of dS.
-Or one kernel (``FUSE_DQ`` in the dK/dV config, issue 16's measurement): the dK/dV kernel
+Or one kernel (``FUSE_DQ`` in the dK/dV config, a measured option): the dK/dV kernel
 also adds each tile's ``dS K`` and row sums of dS into float32 buffers with atomics, so
 S and dP are computed once per tile instead of twice (5 matrix products per tile, not 7);
 dQ is then that buffer times the scale. Its sums' order varies from run to run.
 ``FUSE_DQ="tma"`` adds each tile's dQ with one bulk operation of the tensor-memory engine
-instead of an atomic add a thread an element; still slower than two kernels (BENCHMARKS.md,
-"Seventeenth session"). ``FUSE_DQ="ds"`` (D 128's table) keeps dS instead: the dK/dV kernel
+instead of an atomic add a thread an element; both are slower than two kernels on an H100
+and an H200 at D 64 and 128. ``FUSE_DQ="ds"`` (D 128's table) keeps dS instead: the dK/dV kernel
 stores it in 16 bits through a tensor descriptor and sums it by key as stored, and
 ``_dq_from_ds_kernel`` makes dQ with one product a tile and sums it by query (so the gate's two
 sums add the same numbers); at D 128, 10-13% less backward time dense and 5-11% with ACP
-(BENCHMARKS.md, "Twentieth session"), where dS fits its budget. ``ROW_BIAS`` (16-bit inputs)
+on an H200 (:func:`bwd_config`), where dS fits its budget. ``ROW_BIAS`` (16-bit inputs)
 subtracts the query's ``c_i`` from its lse once a row instead of adding it to every pair.
 The gate gradient is ``dc_i = rowsum_i(dS) - colsum_i(dS)`` then a reverse cumulative sum
 (``gate_scan.py``, float64). Both kernels skip exactly the tiles the forward skipped: for a key
@@ -30,7 +30,7 @@ launch of their own before the others. Each small vector load a loop pipelines c
 shared-memory buffer, a copy and a wait per step, so the dK/dV loop reads a query's
 ``(lse - c_lo log2 e, delta, c_hi, 0)`` in one 16-byte load (``ROWS4``), and the dQ kernel
 may read each key's ``(c_hi, c_lo)`` in one 8-byte load (``PAIRS``,
-:func:`triton_fwd.key_bias`): BENCHMARKS.md, "Fourteenth session".
+:func:`triton_fwd.key_bias`); :func:`bwd_config` has the measurements.
 """
 
 from __future__ import annotations
@@ -145,7 +145,7 @@ def _dkdv_inner(
         # the query's c_lo is in its lse (_query_rows): one load a step less
         if BIAS == 1 or BIAS == 3:  # the bias (3: without the gate sums)
             b_cq = (b_chi - c_ref) * LOG2E_TL
-        else:  # plain causal softmax attention: a timing diagnostic only (issue 16)
+        else:  # no bias, as plain causal softmax attention: a timing diagnostic only (BIAS 0, 2)
             b_cq = tl.zeros([BM], dtype=tl.float32)
         if ROW_BIAS:  # the query's c_i joins its lse: one multiply-add and one add a pair
             b_lse = b_lse - b_cq
@@ -270,7 +270,6 @@ def _bwd_dkdv_kernel(
     # GROUP is a compile-time constant: with a run-time trip count the loop kept its state
     # live around the three inner loops, and the kernel spilled 604 B per thread at D 64
     # (1612 at D 128) compiled for sm_90; with GROUP = 1 known, none (196 B at D 128)
-    # (scripts/kernel_resources.py)
     for g in range(0, GROUP):
         i_h = i_hk * GROUP + g
         if USE_ACP:
@@ -437,7 +436,7 @@ def _dq_inner(
         elif BIAS == 1 or BIAS == 3:  # the bias (3: without the gate sums)
             b_ck = key_bias(p_chi, p_clo, o_n, m_n, c_ref, PAIRS)
             b_s = tl.dot(b_q, b_kt, input_precision=DOT_PREC) * qk_scale + (b_cq[:, None] - b_ck[None, :])
-        else:  # plain causal softmax attention: a timing diagnostic only (issue 16)
+        else:  # no bias, as plain causal softmax attention: a timing diagnostic only (BIAS 0, 2)
             b_s = tl.dot(b_q, b_kt, input_precision=DOT_PREC) * qk_scale
         if MASKED:
             keep = (o_n[None, :] <= o_abs[:, None]) & (o_n[None, :] >= b_kstart[:, None])
@@ -566,102 +565,94 @@ def bwd_config(d: int, group: int = 1, acp: bool = False, tk: int = 0) -> tuple[
     """(dK/dV config, dQ config). dK/dV: BM divides ACP_BLOCK; dQ: BN divides it; ``tk`` the
     key length (D 128 with ACP: ``ROUTE`` from ``LONG_ACP_KEYS`` keys on).
 
-    Chosen by scripts/gpu_fox_dev.py --tune on an H100 (T = 16384, bf16), dense and ACP.
-    With grouped-query heads (the dK/dV kernel loops over the group) 128-key tiles were
-    4% faster dense (--tune-gqa, 24 query heads over 6; fwd+bwd 1.22x -> 1.18x SDPA) but
-    with ACP the coarser tiles skip less (efficiency 0.86 -> 0.80), so ACP keeps 64.
+    The figures below are the backward kernels on the benchmark's shapes (bf16, B x T = 32k, 24
+    heads at D 64, 12 at D 128, the tuning workload or the bench's own as the text says), ms at
+    T 4k / 16k unless it says otherwise, against the option it replaced. ``lapse bench
+    attention --sweep bwd`` times the tile options against this table.
 
-    ``ROWS4`` (the dK/dV kernel's per-row inputs in one load) on an H200
-    (``docs/bench/session14/h200-bwd-rows4.json``): the backward at T 4k / 16k, D 64, 4.621 /
-    16.851 ms against 4.974 / 17.966 for three loads (D 128: 3.645 / 13.148 against 3.727 /
-    13.470). ``PAIRS`` in the dQ kernel (``h200-bwd-pairs.json``): D 64 4.425 / 16.243
-    against 4.589 / 16.669; at D 128 it loses (3.655 / 13.494 against 3.612 / 13.112).
+    The tiles come from a sweep on an H100 at T 16384, dense and ACP. With grouped-query heads
+    (the dK/dV kernel loops over the group) 128-key tiles were 4% faster dense (24 query heads
+    over 6; forward+backward 1.22x -> 1.18x SDPA FlashAttention-2) but with ACP the coarser
+    tiles skip less (efficiency 0.86 -> 0.80), so ACP keeps 64.
+
+    ``ROWS4`` (the dK/dV kernel's per-row inputs in one load) on an H200: the backward at D 64,
+    4.621 / 16.851 ms against 4.974 / 17.966 for three loads (D 128: 3.645 / 13.148 against
+    3.727 / 13.470). ``PAIRS`` in the dQ kernel: D 64 4.425 / 16.243 against 4.589 / 16.669;
+    at D 128 it loses (3.655 / 13.494 against 3.612 / 13.112).
 
     ``MAKE_ROWS`` (the dQ kernel runs first and makes each query's delta and lse, instead of
-    a launch of their own; ``docs/bench/session15/h200-bwd-make-rows.json``, H200, ms at
-    T 4k / 16k): D 64 dense 4.375 / 16.071 against 4.423 / 16.112, ACP 2.068 / 5.841 against
-    2.122 / 5.901; D 128 dense 3.606 / 13.204 against 3.693 / 13.227, ACP 1.860 / 5.269
-    against 1.915 / 5.789.
+    a launch of their own; H200): D 64 dense 4.375 / 16.071 against 4.423 / 16.112, ACP 2.068
+    / 5.841 against 2.122 / 5.901; D 128 dense 3.606 / 13.204 against 3.693 / 13.227, ACP 1.860
+    / 5.269 against 1.915 / 5.789.
 
     ``maxnreg=168`` for the dK/dV kernel at D 64 (it needs 196 registers a thread, so two
     programs of 4 warps share a multiprocessor; capped, three do): the backward at T 4k,
     D 64, 4.175 ms against 4.407 dense, and with ACP 0.665 / 0.971 / 2.114 against 0.722 /
-    1.054 / 2.296 at kept windows of 1, 4 and 16 blocks (``scripts/diag_acp_window.py``,
-    ``docs/bench/session15/h200-acp-window-variants.json``). At D 128 the cap spills: 6.505
-    against 3.631 ms.
+    1.054 / 2.296 where every head's constant gate keeps a band of 1, 4 and 16 blocks a row
+    (H200). At D 128 the cap spills: 6.505 against 3.631 ms.
 
-    ``LOOPS=1`` (a loop with no step not entered) with ACP at D 64
-    (``h200-acp-window-loops.json``): 0.634 / 0.945 / 2.134 against 0.662 / 0.967 / 2.160 ms
-    at T 4k and kept windows of 1, 4 and 16 blocks; dense it loses (4.244 against 4.199).
+    ``LOOPS=1`` (a loop with no step not entered) with ACP at D 64: 0.634 / 0.945 / 2.134
+    against 0.662 / 0.967 / 2.160 ms at T 4k and bands of 1, 4 and 16 blocks; dense it loses
+    (4.244 against 4.199).
 
     ``ROW_BIAS`` (16-bit inputs, dropped for float32 by :func:`launch_bwd`: the query's c_i
-    joins its lse, so a pair's logit is one multiply-add and one add), seventeenth session on
-    an H200, two runs each (``docs/bench/session17/h200-bwd-rowbias-{1,2}.json``), backward ms
-    at T 4k / 16k: dense in both kernels, D 64 3.983 / 14.775 and 4.017 / 14.676 against
-    4.118 / 15.213 and 4.147 / 15.223, D 128 3.512 / 12.789 and 3.533 / 12.862 against 3.571
-    / 13.089 and 3.602 / 13.079 (in one kernel alone it gained less or lost: 15.4-15.5 at D 64,
-    16k, dK/dV only); with ACP in the dK/dV kernel only, D 64 1.838 / 5.288 and 1.844 / 5.314
-    against 1.868 / 5.420 and 1.912 / 5.334, D 128 1.774 / 5.024 and 1.768 / 4.943 against
-    1.836 / 5.115 and 1.842 / 5.116 (in both kernels D 64 16k lost: 5.443, 5.467). Not
-    measured with grouped-query heads then (see below).
+    joins its lse, so a pair's logit is one multiply-add and one add), on an H200, two runs
+    each: dense in both kernels, D 64 3.983 / 14.775 and 4.017 / 14.676 against 4.118 / 15.213
+    and 4.147 / 15.223, D 128 3.512 / 12.789 and 3.533 / 12.862 against 3.571 / 13.089 and
+    3.602 / 13.079 (in one kernel alone it gained less or lost: 15.4-15.5 at D 64, 16k, dK/dV
+    only); with ACP in the dK/dV kernel only, D 64 1.838 / 5.288 and 1.844 / 5.314 against
+    1.868 / 5.420 and 1.912 / 5.334, D 128 1.774 / 5.024 and 1.768 / 4.943 against 1.836 /
+    5.115 and 1.842 / 5.116 (in both kernels D 64 16k lost: 5.443, 5.467). Grouped-query
+    heads: below.
 
     ``TMA="host"`` (the loops' tiles through tensor descriptors made on the host) in both
-    kernels, eighteenth session on an H200, two runs each
-    (``docs/bench/session18/h200-bwd-tma-{1,2}.json``), backward ms at T 4k / 16k against
-    the tables above: D 64, with the dQ kernel capped at 168 registers (it needs 176 with
-    descriptors, 234 without: three programs a multiprocessor), dense 3.567 / 13.693 and
-    3.619 / 13.635 against 4.011 / 14.808 and 4.047 / 14.826, ACP 1.643 / 4.849 and 1.678 /
-    4.761 against 1.836 / 5.330 and 1.842 / 5.311 (without the cap 0.93-0.95 of the default);
-    D 128 dense 3.170 / 11.701 and 3.253 / 11.891 against 3.518 / 12.796 and 3.530 / 12.775,
-    ACP 1.663 / 4.613 and 1.678 / 4.620 against 1.764 / 4.940 and 1.769 / 4.922 (with the
-    cap it loses: 2.18 / 5.76 with ACP).
+    kernels, on an H200, two runs each, against the tables above: D 64, with the dQ kernel
+    capped at 168 registers (it needs 176 with descriptors, 234 without: three programs a
+    multiprocessor), dense 3.567 / 13.693 and 3.619 / 13.635 against 4.011 / 14.808 and 4.047
+    / 14.826, ACP 1.643 / 4.849 and 1.678 / 4.761 against 1.836 / 5.330 and 1.842 / 5.311
+    (without the cap 0.93-0.95 of the default); D 128 dense 3.170 / 11.701 and 3.253 / 11.891
+    against 3.518 / 12.796 and 3.530 / 12.775, ACP 1.663 / 4.613 and 1.678 / 4.620 against
+    1.764 / 4.940 and 1.769 / 4.922 (with the cap it loses: 2.18 / 5.76 with ACP).
 
-    With grouped-query heads (``scripts/tune_fox_bwd.py --group 4``: 24 query heads over 6 at
-    D 64, 12 over 3 at D 128; ``docs/bench/session18/h200-bwd-gqa.json``), descriptors and
-    ``ROW_BIAS`` in both kernels, dense and ACP, ms at T 4k / 16k: D 64 dense 4.067 / 14.652
+    With grouped-query heads (24 query heads over 6 at D 64, 12 over 3 at D 128; H200),
+    descriptors and ``ROW_BIAS`` in both kernels, dense and ACP: D 64 dense 4.067 / 14.652
     against 4.566 / 16.458, ACP 1.934 / 5.319 against 2.150 / 5.879 (descriptors with the dQ
     kernel capped instead: 4.078 / 14.752, 1.908 / 5.368); D 128 dense 3.292 / 11.726 against
     3.947 / 13.630, ACP 1.812 / 4.820 against 2.127 / 5.655.
 
-    With the descriptors, ``PAIRS`` in the dQ kernel at D 128 pays with ACP (two runs,
-    ``h200-bwd-order-{1,2}.json``): 0.932 / 0.987 and 0.971 / 0.984 of the backward's time at
-    T 4k / 16k; dense it does not (0.983 / 1.002 and 1.068 / 1.012). ``HEADS_FIRST`` (every
-    head's first tile before any head's second) loses in both kernels: 1.01-1.13x the
-    backward's time, but D 64 ACP at 16k 0.986 and 0.998 (a tie).
+    With the descriptors, ``PAIRS`` in the dQ kernel at D 128 pays with ACP (two runs): 0.932 /
+    0.987 and 0.971 / 0.984 of the backward's time; dense it does not (0.983 / 1.002 and 1.068
+    / 1.012). ``HEADS_FIRST`` (every head's first tile before any head's second) loses in both
+    kernels: 1.01-1.13x the backward's time, but D 64 ACP at 16k 0.986 and 0.998 (a tie).
 
     At D 128 the dK/dV kernel keeps dS for a dQ kernel of one product a tile
-    (``FUSE_DQ="ds"``, twentieth session, ``docs/bench/session20/h200-bwd-ds-chunks-g*.json``:
-    dS of all heads at once), backward ms at T 4k / 16k against the two kernels: dense 2.801 /
+    (``FUSE_DQ="ds"``; dS of all heads at once; H200), against the two kernels: dense 2.801 /
     10.250 against 3.169 / 11.634, ACP 1.474 / 4.173 against 1.616 / 4.437; grouped-query
-    (12 query heads over 3) dense 2.973 / 10.260 against 3.301 / 11.516, ACP
-    1.736 / 4.501 against 1.818 / 4.734. At D 64 it does not pay (dense 3.686 / 13.539
-    against 3.577 / 13.357; ACP a tie). A few heads at a time (2 GiB chunks) it lost at 16k
-    with ACP (4.734) and with grouped heads (16.391; dense without them 11.306, a 3% gain), so
-    where dS would pass its budget the two kernels run. Measured at D 128 only: other head
-    dims up to 128 keep the two kernels.
+    (12 query heads over 3) dense 2.973 / 10.260 against 3.301 / 11.516, ACP 1.736 / 4.501
+    against 1.818 / 4.734. At D 64 it does not pay (dense 3.686 / 13.539 against 3.577 /
+    13.357; ACP a tie). A few heads at a time (2 GiB chunks) it lost at 16k with ACP (4.734)
+    and with grouped heads (16.391; dense without them 11.306, a 3% gain), so where dS would
+    pass its budget the two kernels run. Measured at D 128 only: other head dims up to 128
+    keep the two kernels.
 
-    ``LOOPS=1`` in both D 128 ACP kernels (twenty-seventh session, H100, the bench's workload,
-    ``tune_fox_bwd.py --variants``, ``docs/bench/session27/h100-bwd-loops-d128-{1,2}.json``), the
-    backward kernels, ms, two calls: T 4k 2.721 against 2.920 and 2.862 against 2.872, 8k 4.372
-    against 4.465 and 4.553 against 5.053, 16k 7.646 against 7.877; gradients equal bit for bit.
-    Every comparison favours it, by 0.3-10%, in timings whose default moved 13% between the
-    calls (8k), so the size of the gain is not pinned down.
+    ``LOOPS=1`` in both D 128 ACP kernels (H100, the bench's workload, two runs), the backward
+    kernels, ms: T 4k 2.721 against 2.920 and 2.862 against 2.872, 8k 4.372 against 4.465 and
+    4.553 against 5.053, 16k 7.646 against 7.877; gradients equal bit for bit. Every
+    comparison favours it, by 0.3-10%, in timings whose default moved 13% between the runs
+    (8k), so the size of the gain is not pinned down.
 
     ``ROUTE`` in the dK/dV config (:func:`launch_bwd`: the key heads whose query heads ACP
     prunes nowhere through the dense tables' tiles without ACP, the query heads likewise in
-    the dQ kernel), twenty-first session on an H200, bf16, the bench's workload (30% of the
-    heads global; ``docs/bench/session21/h200-acp-route-bwd.json``), the backward kernels, ms
-    at T 4k / 8k / 16k against one launch each: D 128 2.749 / 4.265 / 7.215 against 2.711 /
-    4.338 / 7.596; D 64 1.749 / 2.873 / 4.907 against 1.688 / 2.813 / 4.935. So D 128 from
-    ``LONG_ACP_KEYS`` keys on, without grouped heads (not measured with them: a key head goes
-    dense only where all its query heads would).
+    the dQ kernel), on an H200, the bench's workload (30% of the heads global), the backward
+    kernels, ms at T 4k / 8k / 16k against one launch each: D 128 2.749 / 4.265 / 7.215
+    against 2.711 / 4.338 / 7.596; D 64 1.749 / 2.873 / 4.907 against 1.688 / 2.813 / 4.935.
+    So D 128 from ``LONG_ACP_KEYS`` keys on, without grouped heads (not measured with them: a
+    key head goes dense only where all its query heads would).
 
-    The D 64 dK/dV kernel takes 64 queries a step (twenty-fourth session, H100,
-    ``docs/bench/session24/h100-bwd-dkdv-bm64.json``; it was 32 since the eleventh session's
-    tuning, and no later sweep tried 64 under the 168-register cap). Capped it spills 588 B a
-    thread on the sm_90 compile and is still the fastest option; its gradients equal the
-    32-query steps' bit for bit. The backward, ms at T 4k / 8k / 16k, against the 32-query
-    table timed first and last: dense 3.255 / 6.178 / 12.007 against 3.572-3.619 / 6.860-6.958
+    The D 64 dK/dV kernel takes 64 queries a step (H100). Capped at 168 registers it spills
+    588 B a thread on the sm_90 compile and is still the fastest option; its gradients equal
+    the 32-query steps' bit for bit. The backward, ms at T 4k / 8k / 16k, against 32 queries a
+    step timed first and last: dense 3.255 / 6.178 / 12.007 against 3.572-3.619 / 6.860-6.958
     / 13.162-13.484; ACP 1.514 / 2.584 / 4.374 against 1.667-1.693 / 2.684-2.749 /
     4.749-5.066. Without the cap (254 registers, no spills) 3.344 / 6.177 / 13.857 and 1.600 /
     2.671 / 4.512; 8 warps 1.6-1.7x slower.
@@ -682,7 +673,7 @@ def bwd_config(d: int, group: int = 1, acp: bool = False, tk: int = 0) -> tuple[
         return kv, q
     if d <= 128:  # D 128: dS kept where it fits (FUSE_DQ="ds"; else the dQ kernel below)
         route = {"ROUTE": 1} if acp and d == 128 and group == 1 and tk >= triton_fwd.LONG_ACP_KEYS else {}
-        loops = {"LOOPS": 1} if acp else {}  # empty loops not entered (twenty-seventh session)
+        loops = {"LOOPS": 1} if acp else {}  # empty loops not entered
         return (dict(BM=32, BN=64, num_warps=4, num_stages=3, ROWS4=True, TMA="host", ROW_BIAS=True,
                      FUSE_DQ="ds" if d == 128 else False, **route, **loops),
                 dict(BM=64, BN=64, num_warps=4, num_stages=2, PAIRS=acp and group == 1, MAKE_ROWS=True,
@@ -713,7 +704,7 @@ def launch_bwd(q, k, v, o, do, lse2, dlse, c_hi, c_lo, block_start, block_end, c
     ``TMA="host"`` in either config: the loop's tiles (queries and output gradients for the
     dK/dV kernel, keys and values for the dQ kernel) through tensor descriptors made here over
     ``[B * T, H * D]`` views, where :func:`_host_tma` holds (else pointer loads).
-    ``BIAS`` in either config is a timing diagnostic (``tune_fox_bwd.py --bias-off``), never
+    ``BIAS`` in either config is a timing diagnostic (what the gate costs), never
     for results: 1 (default) the FoX backward, 0 plain softmax attention's (no bias, no
     gate sums), 2 the gate sums without the bias, 3 the bias without the gate sums.
     ``poison``: scratch buffers NaN-filled (the tests' poisoned outputs)."""
@@ -845,12 +836,12 @@ def _host_tma(q, k, v, do, p) -> bool:
     return tma_mode("host", q, k, v, p) == 2 and do.is_contiguous() and tma_ready(do)
 
 
-# FUSE_DQ="ds": kept dS at most this share of the GPU's memory (1/8 until the twenty-second
-# session: the bench's D 128, T 16k dS, 12.9 GB, then missed an 80 GB H100's budget and its
-# backward took the two kernels, 28.50 against 26.35 ms forward+backward; ``docs/bench/
-# session22/ab``), and at most this share of what is free at the call (the driver's free memory
-# and the allocator's cache); while a CUDA graph is captured, which cannot ask what is free and
-# whose pool keeps the scratch for the graph's life, at most DS_MAX_CAPTURED of the GPU's memory
+# FUSE_DQ="ds": kept dS at most this share of the GPU's memory (at 1/8 the bench's D 128, T 16k
+# dS, 12.9 GB, missed an 80 GB H100's budget and its backward took the two kernels, 28.50
+# against 26.35 ms forward+backward), and at most this share of what is free at the call (the
+# driver's free memory and the allocator's cache); while a CUDA graph is captured, which cannot
+# ask what is free and whose pool keeps the scratch for the graph's life, at most
+# DS_MAX_CAPTURED of the GPU's memory
 DS_MAX_FRACTION = 1 / 4
 DS_MAX_FREE = 1 / 2
 DS_MAX_CAPTURED = 1 / 8
@@ -860,7 +851,7 @@ def _ds_budget(device) -> int:
     """The most bytes of kept dS a backward may take: ``DS_MAX_FRACTION`` of the GPU's memory
     and ``DS_MAX_FREE`` of what is free now, so a run near its memory limit takes the two
     kernels (dS for all heads at once: taken a few heads at a time, the launches' tails made
-    it slower than the two kernels at 16k; BENCHMARKS.md, "Twentieth session"). While a CUDA
+    it slower than the two kernels at 16k, :func:`bwd_config`). While a CUDA
     graph is captured, ``DS_MAX_CAPTURED`` of the GPU's memory and no more."""
     if device.type != "cuda":
         return 2**40

@@ -135,7 +135,7 @@ def _fwd_inner(
         elif BIAS:  # (ROW_BIAS: b_cq is 0 here, so the row's term is its ACP mask alone)
             b_ck = key_bias(p_chi, p_clo, o_n, m_n, c_ref, PAIRS)
             b_s = tl.dot(b_q, b_kt, input_precision=DOT_PREC) * qk_scale + (b_row[:, None] - b_ck[None, :])
-        else:  # plain causal softmax attention: a timing diagnostic only (issue 16)
+        else:  # plain causal softmax attention: a timing diagnostic only (BIAS=False)
             b_s = tl.dot(b_q, b_kt, input_precision=DOT_PREC) * qk_scale
             if MASKED and b_kstart is not None:
                 b_s += (b_row - b_cq)[:, None]
@@ -257,7 +257,7 @@ def _fwd_kernel(
     acc = tl.zeros([BM, BD], dtype=tl.float32)
     l_i = tl.zeros([BM], dtype=tl.float32)
     m_i = tl.full([BM], float("-inf"), dtype=tl.float32)
-    # LOOPS (issue 16's measurement): 1, a loop with no step is not entered (a pipelined loop
+    # LOOPS: 1, a loop with no step is not entered (a pipelined loop
     # runs its peeled last steps, predicated off, even then); 2, the masked loops (a step or
     # two) not pipelined; 3, both
     ns_m: tl.constexpr = 1 if LOOPS >= 2 else None
@@ -339,125 +339,114 @@ def fwd_config(d: int, dtype_bytes: int, acp: bool = False, tk: int = 0) -> dict
     """Tile sizes and launch options by head dim, ACP (BN must divide ACP_BLOCK with ACP) and,
     at D 128 with ACP, the key length ``tk``.
 
-    ``TMA``: keys and values through tensor descriptors (taken on Hopper and later only,
-    :func:`launch_fwd`). Chosen by ``scripts/tune_fox_fwd.py`` on an H100 (bf16, 24 heads,
-    B x T = 32k; ``docs/bench/session11/h100-issue16-fwd-fox-fwd.json``), ms at T 4k / 16k:
+    The figures below are the forward on the benchmark's shapes (bf16, B x T = 32k, 24 heads;
+    a tuning workload with a fixed 70% of the heads local, or ``lapse bench attention``'s own,
+    which draws them: where it matters the text says which), ms at T 4k / 16k unless it says
+    otherwise, against the option it replaced. ``lapse bench attention --sweep fwd`` times the
+    tile options against this table.
 
-    - D 64 dense: 128 x 64, 4 warps, 2 stages, TMA: 1.427 / 4.930 (pointer loads, 3 stages,
-      the previous choice: 1.439 / 5.118; TMA with 3 stages 1.362 / 5.464);
+    ``TMA``: keys and values through tensor descriptors (taken on Hopper and later only,
+    :func:`launch_fwd`). The tiles, on an H100:
+
+    - D 64 dense: 128 x 64, 4 warps, 2 stages, TMA: 1.427 / 4.930 (pointer loads, 3 stages:
+      1.439 / 5.118; TMA with 3 stages 1.362 / 5.464);
     - D 64 ACP: 128 x 64, 4 warps, 3 stages, TMA: 0.757 / 1.918 (pointer loads 0.836 / 2.028);
     - D 128 dense: 128 x 128, 8 warps, 3 stages, TMA: 1.229 / 3.990 (64 x 64, 4 warps,
       pointer loads: 1.264 / 4.483);
     - D 128 ACP: 64 x 64, 4 warps, 3 stages, pointer loads: 0.672 / 1.888 (the 128-row
       tiles, with or without TMA, 0.81 / 2.04 or slower).
 
-    ``PAIRS`` (the keys' ``c_hi, c_lo`` in one load, :func:`key_bias`), measured on an H200
-    (``docs/bench/session14/h200-fwd-pairs.json``), ms at T 4k / 16k with / without: D 128
-    dense 1.126 / 3.680 against 1.238 / 4.061; D 64 ACP 0.754 / 1.859 against 0.763 / 1.927;
-    it loses at D 64 dense (1.477 / 5.216 against 1.455 / 5.107) and D 128 ACP (0.776 /
-    1.948 against 0.660 / 1.780).
+    ``PAIRS`` (the keys' ``c_hi, c_lo`` in one load, :func:`key_bias`), on an H200, with /
+    without: D 128 dense 1.126 / 3.680 against 1.238 / 4.061; D 64 ACP 0.754 / 1.859 against
+    0.763 / 1.927; it loses at D 64 dense (1.477 / 5.216 against 1.455 / 5.107) and D 128 ACP
+    (0.776 / 1.948 against 0.660 / 1.780).
 
     ``TMA="host"`` (descriptors made on the host: each program's own, written and fenced,
     cost it about 10% of a short program's time in Nsight Compute) and ``LOOPS=3`` (empty
-    loops not entered, the masked ones not pipelined), measured on an H200 with
-    ``scripts/diag_acp_window.py`` (``docs/bench/session15/h200-acp-window-host.json``,
-    ``h200-acp-window-loops.json``; ``t = fixed + slope x kept`` at T 4k): D 64 ACP with
-    host descriptors 0.224 + 1.108 x kept ms against 0.289 + 1.089 (16k: 0.213 + 4.499
-    against 0.282 + 4.429); D 128 dense 1.051 against 1.111 ms; D 128 ACP with ``LOOPS=3``
-    0.110 + 1.128 against 0.154 + 1.085 (host descriptors lose there, 0.245 + 1.399). D 64
-    dense with host descriptors: 1.463 / 5.235 against 1.462 / 5.102 ms at 4k / 16k, so it
-    keeps the program's own (``TMA=True``).
+    loops not entered, the masked ones not pipelined), on an H200 with every head's gate
+    constant so that each row keeps a band of ``kept`` 64-key blocks (``t = fixed + slope x
+    kept`` at T 4k): D 64 ACP with host descriptors 0.224 + 1.108 x kept ms against 0.289 +
+    1.089 (16k: 0.213 + 4.499 against 0.282 + 4.429); D 128 dense 1.051 against 1.111 ms;
+    D 128 ACP with ``LOOPS=3`` 0.110 + 1.128 against 0.154 + 1.085 (host descriptors lose
+    there, 0.245 + 1.399). D 64 dense with host descriptors: 1.463 / 5.235 against 1.462 /
+    5.102 ms, so it keeps the program's own (``TMA=True``).
 
-    D 64 dense takes 3 stages since its diagonal loop lost its 64-bit compares and the dense
-    kernel its edge loop (sixteenth session; ``docs/bench/session16/h200-fwd-bm64.json``,
-    ``h100-fwd-d64.json``), ms at T 4k / 16k against 2 stages: H200 1.351 / 4.847 against
-    1.447 / 5.194; H100 1.339 / 5.034 against 1.428 / 5.073. Host descriptors were faster on
-    the H100 at 4k (1.286) and not at 16k (5.424), within that run's noise (the same config
-    timed twice there differed by 6% at 16k): not taken. D 64 ACP takes 64-row tiles (one
-    ACP block: every row of a tile keeps the same keys, so no edge loop runs; H200,
-    ``h200-acp-fwd-d64.json``): 0.612 / 1.724 ms against 0.652 / 1.797 with 128 rows.
+    D 64 dense takes 3 stages, its diagonal loop without 64-bit compares and without an edge
+    loop, against 2 stages: H200 1.351 / 4.847 against 1.447 / 5.194; H100 1.339 / 5.034
+    against 1.428 / 5.073. Host descriptors were faster on the H100 at 4k (1.286) and not at
+    16k (5.424), within that run's noise (the same config timed twice differed by 6% at 16k):
+    not taken. D 64 ACP takes 64-row tiles (one ACP block: every row of a tile keeps the same
+    keys, so no edge loop runs; H200): 0.612 / 1.724 ms against 0.652 / 1.797 with 128 rows.
 
     ``ROW_BIAS`` (16-bit inputs: the loops' logits leave out the query's own ``c_i``, one
     multiply-add a pair for scale and bias, and the lse adds it back; float32 keeps the
     exact order), with ``PAIRS`` (without it the key loads lose their width and the kernel
-    gets slower, which is what the tenth session's ``FAST_BIAS`` measured), seventeenth
-    session on an H200 (``docs/bench/session17/h200-fwd-rowbias-{1,2}.json``, two runs),
-    ms at T 4k / 16k: D 64 dense 1.265 / 4.562 and 1.267 / 4.546 against 1.351 / 4.875 and
-    1.352 / 4.886; D 64 ACP 0.599 / 1.714 and 0.600 / 1.689 against 0.608 / 1.774 and 0.619
-    / 1.827; D 128 dense 1.019 / 3.596 and 1.023 / 3.583 against 1.045 / 3.696 and 1.057 /
-    3.719. At D 128 ACP it loses (1.853 against 1.796 at 16k; with ``PAIRS`` 2.002): not
-    taken there.
+    gets slower), on an H200, two runs: D 64 dense 1.265 / 4.562 and 1.267 / 4.546 against
+    1.351 / 4.875 and 1.352 / 4.886; D 64 ACP 0.599 / 1.714 and 0.600 / 1.689 against 0.608 /
+    1.774 and 0.619 / 1.827; D 128 dense 1.019 / 3.596 and 1.023 / 3.583 against 1.045 / 3.696
+    and 1.057 / 3.719. At D 128 ACP it loses (1.853 against 1.796 at 16k; with ``PAIRS``
+    2.002): not taken there.
 
     ``FIXED_MAX`` (16-bit inputs; :func:`launch_fwd` drops it for float16, whose range the
     weights can leave: the diagonal keys first, and their maximum the reference of every other
     key, so the interior loop has no row maximum, no rescaling of the accumulator and no
-    shuffles: 457 instructions a step at D 64 dense against 612), seventeenth session on an
-    H200 (``docs/bench/session17/h200-fwd-fixed-max.json``), ms at T 4k / 16k against the
+    shuffles: 457 instructions a step at D 64 dense against 612), on an H200, against the
     tables with ``ROW_BIAS``: D 64 dense 1.141 / 3.970 against 1.264 / 4.439; D 64 ACP, capped
     at 168 registers (180 without the cap: two programs a multiprocessor instead of three,
     0.703 / 1.835), 0.558 / 1.481 against 0.603 / 1.675; D 128 dense 0.929 / 3.071 against
     1.010 / 3.496; D 128 ACP 0.600 / 1.616 against 0.631 / 1.740 (the cap loses at D 128).
 
     D 128 with ACP from ``LONG_ACP_KEYS`` keys on: 128 x 64 tiles, 8 warps, host descriptors,
-    ``ROW_BIAS`` and ``PAIRS`` (twentieth session, ``docs/bench/session20/h200-fwd-acp-d128.json``),
-    ms at T 4k / 16k against the 64-row table: 0.643 / 1.482 against 0.598 / 1.649. Where the
-    rows keep few keys (4k) the 64-row tiles stay ahead.
+    ``ROW_BIAS`` and ``PAIRS`` (H200): 0.643 / 1.482 against 0.598 / 1.649 with the 64-row
+    table. Where the rows keep few keys (4k) the 64-row tiles stay ahead.
 
     ``ROUTE`` (16-bit inputs with ACP at D 128, and at D 64 from ``ROUTE_D64_KEYS`` keys on;
     :func:`launch_fwd`): the (sequence, head)s that ACP prunes nowhere go through a launch
     with the dense table's tiles, the others through this table's, so that heads which keep
-    every key do not run on tiles chosen for short rows. Twenty-first session on an H200
-    (``docs/bench/session21/h200-acp-route.json``, the bench's workload: 30% of the heads
-    global), the forward kernels alone, ms at T 4k / 16k against one launch: D 128 1.035 /
-    2.412 against 1.124 / 2.683, at 8k 1.594 against 1.673 (``h200-acp-route-8k.json``); D 64
-    0.612 / 1.528 against 0.572 / 1.614, at 8k 0.925 against 0.888 (at D 64 and T below 16k
-    the two launches' tails cost more than the dense tiles gain).
+    every key do not run on tiles chosen for short rows. On an H200 (30% of the heads
+    global), the forward kernels alone, against one launch: D 128 1.035 / 2.412 against 1.124
+    / 2.683, at 8k 1.594 against 1.673; D 64 0.612 / 1.528 against 0.572 / 1.614, at 8k 0.925
+    against 0.888 (at D 64 and T below 16k the two launches' tails cost more than the dense
+    tiles gain).
 
-    Four programs a multiprocessor at D 64 (16-bit inputs; twenty-fourth session on an H200,
-    ``docs/bench/session24/``): capped at 128 registers with 2 stages, the ACP forward's 64 x
-    64 tiles spill 24 B a thread on the sm_90 compile and fit four programs of 4 warps (42 KB
-    of shared memory each) where the 168-register cap fit three. The kernels alone, ms at T
-    4k / 8k / 16k against the 168-register, 3-stage table: 0.523 / 0.844 / 1.444 against 0.553
-    / 0.901 / 1.472 (``h200-fwd-acp.json``; in the first call, all heads / the local heads at
-    4k: 0.528 / 0.195 against 0.564 / 0.221, ``h200-acp-heads-d64.json``). The dense forward
-    takes the same 64-row tiles at 128 registers and 2 stages (no spills) below
-    ``SHORT_DENSE_KEYS`` keys: 1.097 and 1.102 ms against 1.133 and 1.148 at 4k in two calls,
-    but 2.373 against 2.349 at 8k and 4.583 against 4.409 at 16k (``h200-fwd-dense.json``).
+    Four programs a multiprocessor at D 64 (16-bit inputs, H200): capped at 128 registers with
+    2 stages, the ACP forward's 64 x 64 tiles spill 24 B a thread on the sm_90 compile and fit
+    four programs of 4 warps (42 KB of shared memory each) where the 168-register cap fit
+    three. The kernels alone, ms at T 4k / 8k / 16k against the 168-register, 3-stage table:
+    0.523 / 0.844 / 1.444 against 0.553 / 0.901 / 1.472 (all heads / the local heads at 4k in
+    another run: 0.528 / 0.195 against 0.564 / 0.221). The dense forward takes the same
+    64-row tiles at 128 registers and 2 stages (no spills) below ``SHORT_DENSE_KEYS`` keys:
+    1.097 and 1.102 ms against 1.133 and 1.148 at 4k in two runs, but 2.373 against 2.349 at
+    8k and 4.583 against 4.409 at 16k.
 
     ``LOOPS=1`` in the D 64 ACP table (a loop with no step not entered: with one ACP block a
-    tile the edge loop never has one, and a local head's rows rarely reach the interior;
-    twenty-seventh session on an H100, the bench's workload, ``docs/bench/session27/``): the
-    kernels alone 0.526 / 0.849 / 1.460 ms at T 4k / 8k / 16k against 0.540 / 0.865 / 1.461
-    (``LOOPS=3`` 0.526 / 0.854 / 1.449, ``h100-acp-d64-loops.json``); through the op, best of
-    three CUDA-graph replays, forward 0.625 / 0.944 / 1.567 against 0.631 / 0.957 / 1.565 and
-    forward+backward 2.245 / 3.553 / 6.057 against 2.253 / 3.565 / 6.045
-    (``h100-ab-loops-d64.json``), outputs and gradients equal bit for bit. The fifteenth
-    session's H200 measurement had found no change in the forward's fixed part.
+    tile the edge loop never has one, and a local head's rows rarely reach the interior; on an
+    H100): the kernels alone 0.526 / 0.849 / 1.460 ms at T 4k / 8k / 16k against 0.540 / 0.865
+    / 1.461 (``LOOPS=3`` 0.526 / 0.854 / 1.449); through the op, best of three CUDA-graph
+    replays, forward 0.625 / 0.944 / 1.567 against 0.631 / 0.957 / 1.565 and forward+backward
+    2.245 / 3.553 / 6.057 against 2.253 / 3.565 / 6.045, outputs and gradients equal bit for
+    bit. On an H200 it made no change to the forward's fixed part that the timing could show.
 
     ``HEADS_FIRST`` in the D 128 ACP table below ``LONG_ACP_KEYS`` keys (16-bit inputs: every
-    head's longest query tile first, then every head's next, so a global head's long tiles do not
-    come last; thirty-second session on an H200, ``BENCH_WORKLOAD=1 scripts/tune_fox_fwd.py --shapes
-    4096x128x24 --modes acp --variants '{"HEADS_FIRST": true}' '{"HEADS_FIRST": false}'``, two calls,
-    ``docs/bench/session32/tune-d128-var.json``, ``tune-heads-first.json``): 1.001 and 1.002 ms
-    against 1.019 and 1.022 at T 4k. At D 64 it lost at 4k and 8k (0.643 / 0.920 against 0.536 /
-    0.866) and won 1% at 16k, within two runs' spread: not taken there.
+    head's longest query tile first, then every head's next, so a global head's long tiles do
+    not come last; H200, two runs): 1.001 and 1.002 ms against 1.019 and 1.022 at T 4k. At D 64
+    it lost at 4k and 8k (0.643 / 0.920 against 0.536 / 0.866) and won 1% at 16k, within two
+    runs' spread: not taken there.
 
-    ``GLUON_ACP="routed"`` (D 128 with ACP, 16-bit inputs; twenty-fifth session): where ``ROUTE``
-    splits the heads, the second launch (the heads ACP prunes) runs ``gluon_fwd.py``'s persistent
-    kernel on Hopper. On an H200 that launch took 0.219-0.221 / 0.225-0.226 ms at T 4k / 16k
-    against the Triton kernel's 0.244-0.245 / 0.303-0.305 (``docs/bench/session25/``); at D 64 it
-    loses (0.263-0.275 against 0.204-0.209), so D 64 keeps the Triton kernel. The op on an H100
-    (``scripts/ab_gluon_acp.py``, ``h100-ab-gluon-acp.json``, replayed from CUDA graphs, best of
-    three), ms at T 4k / 8k / 16k: forward 0.625 / 0.896 / 1.382 against 0.639 / 0.955 / 1.430;
-    forward+backward 2.216 / 3.397 / 5.679 against 2.224 / 3.458 / 5.688. Taken with Triton 3.6
-    only (``GLUON_ACP_TRITON``), and (twenty-sixth session) only from ``LONG_ACP_KEYS`` keys on: on
-    ``lapse bench attention``'s own workload (24 heads of 128, its random choice of local heads;
-    ``BENCH_WORKLOAD=1 scripts/ab_gluon_acp.py``, ``docs/bench/session26/``) the Gluon launch
-    lost at T 4k on an H200, forward 1.187 against 1.121 ms and forward+backward 3.953 against
-    3.895 (graph times), and the bench on an H100 put the ACP forward at 1.366 ms against the
-    twenty-third session's 1.184 with the Triton kernel. From 8k on it wins: 1.580 against 1.667
-    (the tuning workload, 24 heads), and on the bench's workload 1.636 / 2.493 against 1.683 /
-    2.560 at 8k / 16k (``h200-ab-gluon-acp-benchwl-long.json``).
+    ``GLUON_ACP="routed"`` (D 128 with ACP, 16-bit inputs): where ``ROUTE`` splits the heads,
+    the second launch (the heads ACP prunes) runs ``gluon_fwd.py``'s persistent kernel on
+    Hopper. On an H200 that launch took 0.219-0.221 / 0.225-0.226 ms at T 4k / 16k against the
+    Triton kernel's 0.244-0.245 / 0.303-0.305; at D 64 it loses (0.263-0.275 against
+    0.204-0.209), so D 64 keeps the Triton kernel. The op on an H100 (the tuning workload,
+    replayed from CUDA graphs, best of three), ms at T 4k / 8k / 16k:
+    forward 0.625 / 0.896 / 1.382 against 0.639 / 0.955 / 1.430; forward+backward 2.216 /
+    3.397 / 5.679 against 2.224 / 3.458 / 5.688. Taken with Triton 3.6 only
+    (``GLUON_ACP_TRITON``), and only from ``LONG_ACP_KEYS`` keys on: on the bench's own
+    workload (its random choice of local heads) the Gluon launch lost at T 4k on an H200,
+    forward 1.187 against 1.121 ms and forward+backward 3.953 against 3.895 (graph times), and
+    the bench on an H100 put the ACP forward at 1.366 ms against 1.184 with the Triton kernel.
+    From 8k on it wins: 1.580 against 1.667 (the tuning workload), and on the bench's workload
+    1.636 / 2.493 against 1.683 / 2.560 at 8k / 16k.
     """
     rb = dtype_bytes < 4
     if d <= 64:
@@ -584,7 +573,7 @@ def tma_mode(tma, q, k, v, p) -> int:
     :func:`_host_tma_ready` holds). Descriptors need :func:`tma_ready` inputs on Hopper or
     later, and two or more queries or keys: with one of each (Triton then compiles
     ``T_q = T_k = 1`` in) ptxas 12.8 of Triton 3.6 crashes on the descriptor kernel for
-    sm_90 (``scripts/kernel_resources.py`` shows it on the CPU); one key needs no
+    sm_90 (compiling the kernel for sm_90 on a CPU shows it); one key needs no
     tensor-memory engine anyway."""
     if not (tma and max(p.tq, p.tk) > 1 and tma_ready(k, v) and tma_device(q)):
         return 0
