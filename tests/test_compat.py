@@ -1,4 +1,4 @@
-"""What lapse wrote before the architecture restructure (issue 10) still loads and computes
+"""What lapse wrote before the architecture restructure still loads and computes
 the same function: Hugging Face exports whose config names an ``arch`` (no attention or
 block kind), and a training run folder. The fixtures were written by commit 16874c5
 (tests/fixtures/before_restructure/README.md)."""

@@ -1,4 +1,4 @@
-"""``lapse bench attention``'s softmax baselines and ratios (issue 16, "honest baselines"):
+"""``lapse bench attention``'s softmax baselines and ratios:
 the ratios are taken against the fastest softmax baseline that ran, per mode, and the
 header names it; the SDPA providers run on CPU where SDPA has a CPU kernel (default,
 flash) and are reported n/a with SDPA's reason where it has none (efficient, cuDNN)."""

@@ -77,7 +77,7 @@ def test_a_trained_run_replaces_the_preset(tmp_path):
 @pytest.fixture(scope="module")
 def dcp_run(tmp_path_factory) -> Path:
     """A 2-step Transformer (LLaMA) run fine-tuned 2 steps into DCP (beta -0.3: the step
-    mask drops a good share), as scripts/gpu_issue14.sh makes one on a GPU."""
+    mask drops a good share), as scripts/study_dcp.sh makes them on a GPU."""
     root = tmp_path_factory.mktemp("dcp-bench")
     model = preset("tiny", "transformer-llama", vocab_size=320, max_seq_len=64)
     common = dict(data_dir=root / "data", val_every=0, acp_stats_every=0)

@@ -1,4 +1,4 @@
-"""The benchmark workload of issue 2, at small scale on CPU."""
+"""The attention benchmark's workload, at small scale on CPU."""
 
 import math
 

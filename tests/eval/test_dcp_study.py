@@ -91,8 +91,8 @@ def test_bad_input(runs, tmp_path):
 
 
 def test_snippets_fit_the_window_and_a_foreign_base_is_warned_of(runs, tmp_path, capsys):
-    """The snippets take the window's length by default (480 tokens ran past a context of 32);
-    a --base the runs were not fine-tuned from is warned of (it was set beside them silently)."""
+    """The snippets take the window's length by default (a fixed 480 tokens would run past a
+    context of 32); a --base the runs were not fine-tuned from is warned of."""
     out = tmp_path / "report"
     args = ["eval", "dcp", str(runs["0.5"]), "--out-dir", str(out), "--num-sequences", "2",
             "--batch-size", "2", "--snippets", "1", "--device", "cpu"]

@@ -1,4 +1,4 @@
-"""DCP served from the paged store (issue 14, item 5): the layer flags the slots its step
+"""DCP served from the paged store: the layer flags the slots its step
 mask drops and ignores them from that step on, the ``DCPDrop`` policy frees them, and the
 tokens and logits equal DCP over the dense store, where nothing is ever freed (CPU)."""
 

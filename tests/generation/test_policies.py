@@ -1,6 +1,6 @@
 """Generation with eviction: the paged store under each policy (CPU).
 
-What must hold (issue 12): a policy that keeps everything (``Dense``, or a budget never
+What must hold: a policy that keeps everything (``Dense``, or a budget never
 reached) gives exactly the dense cache's tokens and logits; eviction frees pages that are
 then reused, so the bytes held follow the budget, not the generated length; ``SinkWindow``
 keeps exactly its positions; ``ACPBoundary`` really evicts on gates that forget and moves
@@ -643,8 +643,8 @@ def test_a_compiled_step_without_reserved_pages_says_so_on_the_host():
 
 
 def test_a_share_below_recent_and_sinks_is_warned_of():
-    """A fractional budget under ``recent + sinks`` keeps those (documented); it was silent, where
-    an int budget so small is refused."""
+    """A fractional budget under ``recent + sinks`` keeps those (documented) and says so, as an
+    int budget so small is refused."""
     from lapse.generation import H2O
 
     with pytest.warns(UserWarning, match=r"budget 0.1 of a 150-token prompt is 15 tokens, below recent"):

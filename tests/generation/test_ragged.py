@@ -1,5 +1,5 @@
 """Ragged batches: prompts of different lengths in one batch, right-padded, with
-``lengths`` (issue 12, item 6). Each sequence must come out exactly as it would alone,
+``lengths``. Each sequence must come out exactly as it would alone,
 over the dense store and the paged one, for every architecture and policy (CPU).
 """
 

@@ -239,7 +239,7 @@ def test_bad_input():
 
 def test_training_forward_under_bfloat16_autocast():
     """The GPU trainer runs under bf16 autocast: the interaction logits stay float32 (the
-    mask's log space), and the loss reaches beta (regression: the study's first run)."""
+    mask's log space), and the loss reaches beta."""
     from lapse.models import Decoder, preset
 
     torch.manual_seed(0)

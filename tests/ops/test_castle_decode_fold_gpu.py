@@ -1,7 +1,7 @@
 """The deferred CASTLE decode step on a GPU (``pytest -m gpu``): the kernel against the
 immediate torch step at the 125M model's shapes over steps that cross folds, and a
 printed per-step timing of the immediate and the deferred kernel under CUDA-graph replay
-(not asserted: ``scripts/bench_castle_fold.py`` owns the measurement). Skipped without
+(not asserted: ``lapse bench decode --castle-fold-every M`` owns the measurement). Skipped without
 CUDA.
 
 Tolerances as in ``test_castle_decode_gpu.py`` (float32 arithmetic on the same bf16

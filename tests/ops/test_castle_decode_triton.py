@@ -184,8 +184,8 @@ def test_launch_writes_every_output(num_splits, config):
     (8, 1, 64, None, dict(BN=64, num_warps=8, LOOP_STAGES=2), torch.float32),  # 64 KiB: two
 ])
 def test_launch_options_fit_shared_memory(b, group, d, window, want, dtype):
-    """The launch options by shape (the measured choices, docs/bench/castle/
-    h100-castle-decode-pipeline.json), and never more pipelined tiles than fit in shared
+    """The launch options by shape (the measured choices, ``ops/castle/README.md``), and never
+    more pipelined tiles than fit in shared
     memory: an H100 gives a program 227 KiB, and a GQA tile at D 128 takes 104 KiB; float32
     caches double the tile (the measured rule's 3 stages become 2)."""
     hc = 2

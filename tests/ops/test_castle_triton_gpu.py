@@ -96,7 +96,7 @@ def _speed_row(t: int, d: int) -> dict:
 @pytest.mark.parametrize("d", [64, 128])
 def test_triton_gpu_speed_report(d):
     """Not a benchmark (lapse bench owns those): a printed fwd and fwd+bwd time against
-    SDPA at B x T = 16k tokens, 8 heads, bf16, for a first look on the lent GPU."""
+    SDPA at B x T = 16k tokens, 8 heads, bf16, for a first look on a GPU."""
     for t in (2048, 4096, 8192):
         row = _speed_row(t, d)
         print(f"T={t} D={d}: " + ", ".join(f"{k} {v:.2f} ms" for k, v in row.items()))

@@ -5,12 +5,13 @@ On the CPU: the float32 column terms against float64, their permutation for the 
 the wgmma accumulator's column layout, ACP's block lists (the backward's and the forward's)
 against brute force over every (query, key) pair, fa4_prep.py's Triton kernels (interpreter)
 equal to those references bit for bit, and the path's choice (never on the CPU).
-On a Hopper GPU with ``flash-attn-4`` installed (``-m gpu``; the lent GPU installs it with
-scripts/fa4_env.sh): the op's forward and backward, with the backward through that kernel, held
-to test_forgetting_triton.py's rules (the kernel's error at most 3x the naive computation's in
-the same dtype, plus a floor), at awkward lengths and head dims, with the lse in the loss (its
-gradient path) and NaN-filled gradient buffers; and FlashAttention-4's own backward (no
-``score_mod``), which the subclass must leave as it was.
+On a Hopper GPU with ``flash-attn-4`` installed (``-m gpu``; a machine without a package index
+gets it from ``scripts/fetch_wheels.sh --fa4`` through ``scripts/gpu.sh``): the op's forward
+and backward, with the backward through that kernel, held to test_forgetting_triton.py's rules
+(the kernel's error at most 3x the naive computation's in the same dtype, plus a floor), at
+awkward lengths and head dims, with the lse in the loss (its gradient path) and NaN-filled
+gradient buffers; and FlashAttention-4's own backward (no ``score_mod``), which the subclass
+must leave as it was.
 """
 
 from __future__ import annotations
@@ -236,7 +237,8 @@ def _fa4_or_skip():
     if not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] != 9:
         pytest.skip("needs a Hopper GPU")
     if fa4_bwd._kernels() is None:
-        pytest.skip(f"needs flash-attn-4 {fa4_bwd.FA4_VERSION} (scripts/fa4_env.sh on the lent GPU)")
+        pytest.skip(f"needs flash-attn-4 {fa4_bwd.FA4_VERSION} (scripts/fetch_wheels.sh --fa4, "
+                    "then scripts/gpu.sh)")
 
 
 FA4_CASES = [

@@ -424,8 +424,8 @@ def test_forward_through_tensor_descriptors_equals_pointer_loads(case):
 @pytest.mark.gpu
 @pytest.mark.parametrize("case", TMA_CASES, ids=[_id(c) for c in TMA_CASES])
 def test_forward_through_tensor_descriptors_gpu(case):
-    """The same on a GPU, in bf16 (the fifteenth session's run of it found a ptxas crash at
-    one query and one key, now avoided by :func:`triton_fwd.tma_mode`)."""
+    """The same on a GPU, in bf16 (at one query and one key ptxas crashes on the descriptor
+    kernel: :func:`triton_fwd.tma_mode` takes pointer loads there)."""
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA")
     _check_descriptors(case)
@@ -730,7 +730,7 @@ def test_routed_forward_matches_naive(case, one_loop, monkeypatch):
 
 def test_d64_tables_by_length():
     """At D 64 the 16-bit tables run four programs a multiprocessor (64-row tiles, 128 registers,
-    2 stages) where that was measured faster (BENCHMARKS.md, "Twenty-fourth session"): the ACP
+    2 stages) where that was measured faster (``triton_fwd.fwd_config``): the ACP
     forward at every length, the dense one below ``SHORT_DENSE_KEYS`` keys. float32 keeps its
     tiles."""
     from lapse.ops.forgetting import triton_fwd
@@ -785,7 +785,7 @@ def test_long_dense_tiles_gpu(case, monkeypatch):
 def test_route_where_the_tables_take_it():
     """The tables route 16-bit ACP at D 128 in the forward, at D 64 from ``ROUTE_D64_KEYS``
     keys on, and the backward at D 128 from ``LONG_ACP_KEYS`` keys on without grouped heads:
-    where it was measured faster (BENCHMARKS.md, "Twenty-first session")."""
+    where it was measured faster (``fwd_config``, ``bwd_config``)."""
     from lapse.ops.forgetting import triton_bwd, triton_fwd
 
     long, d64 = triton_fwd.LONG_ACP_KEYS, triton_fwd.ROUTE_D64_KEYS
