@@ -24,7 +24,7 @@ from lapse.eval.lm_eval import (  # noqa: E402
     run_lm_eval,
     task_manager,
 )
-from lapse.generation import generate
+from lapse.generation import generate  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

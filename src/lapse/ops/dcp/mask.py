@@ -28,8 +28,8 @@ import math
 import torch
 from torch import Tensor
 
-from .alpha_sigmoid import LOG_FLOOR, _resolve, check_alpha, check_alpha_tensor, log_alpha_sigmoid
 from ..prefix import prefix_count
+from .alpha_sigmoid import LOG_FLOOR, _resolve, check_alpha, check_alpha_tensor, log_alpha_sigmoid
 from .mask_triton import TritonLogMask
 
 
