@@ -257,7 +257,7 @@ def test_an_evaluation_of_a_hf_model_alone_writes_to_the_working_folder(tmp_path
     from pathlib import Path
 
     from lapse.eval.common import output_folder
-    from lapse.eval.lm_eval_config import LmEvalConfig
+    from lapse.eval.config import LmEvalConfig
 
     monkeypatch.chdir(tmp_path)
     cfg = LmEvalConfig(hf=tmp_path, tasks=("lapse_tiny_mc",))

@@ -42,24 +42,19 @@ import time
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Annotated, Literal
 
 import numpy as np
 import torch
 import torch.nn.functional as F
-import tyro
 from torch import Tensor
 from tqdm.auto import tqdm
 
-from lapse.data import CorpusConfig
 from lapse.eval.common import LoadedModel, check_out_dir, default_eval_dir, eval_windows, load_model
+from lapse.eval.config import AcpEvalConfig, _check_seq_len
 from lapse.files import save_figure, write_text_atomic
 from lapse.models import Decoder, attention_class
 from lapse.ops.backend import resolve_device
 from lapse.ops.forgetting import ACP_BLOCK, LOG_GATE_FLOOR
-
-DEFAULT_EPS: tuple[float, ...] = tuple(math.exp(-k) for k in (1, 5, 10, 15, 20))
-"""The ``eps`` values of the sweep (the ACP paper's Figure 7 range, e^-1 to e^-20)."""
 
 LOCAL_RULE = (
     "memory length = 1 / -(mean log forget gate over all positions of all windows), the distance "
@@ -72,120 +67,6 @@ MAX_MEMORY = 1e12
 """Memory lengths are capped here (a head whose gates are all exactly 1 never decays)."""
 
 HIST_BINS = 20  # [0%, 5%), ..., [95%, 100%], as in the ACP paper's Figure 4
-
-
-@dataclass(kw_only=True)
-class AcpEvalConfig:
-    """``lapse eval acp``: pruned fractions per head and layer, local vs global heads, the
-    decay and attention maps of chosen heads, and the effect of ``eps``."""
-
-    model: Annotated[Path, tyro.conf.arg(aliases=("--models",))]
-    """A FoX model (``fox-llama`` or ``fox-pro``): a run folder, a checkpoint folder or a
-    Hugging Face folder (see ``lapse.eval.common.load_model``). Trained with or without
-    ACP: it is switched on (and off, for the reference) here."""
-
-    seq_len: int | None = None
-    """Window length ``T``; ``None``: the model's training context (``max_seq_len``). It
-    must exceed one ACP tile (64): a single tile is never pruned. Longer than the training
-    context is allowed (FoX has no position table)."""
-
-    num_sequences: int = 8
-    """Validation windows the statistics and losses are averaged over."""
-
-    batch_size: int = 1
-    """Windows per forward pass."""
-
-    seed: int = 0
-    """Picks the windows: the same seed gives the same windows and the same results."""
-
-    eps: Annotated[tuple[float, ...], tyro.conf.arg(aliases=("--acp-eps",))] = DEFAULT_EPS
-    """ACP tolerances of the sweep, each in (0, 1); the model's own ``acp_eps`` is added
-    when missing. The per-head statistics and maps use the model's own ``acp_eps``."""
-
-    heads: tuple[tuple[int, int], ...] | Literal["auto"] = "auto"
-    """``(layer, head)`` pairs whose decay and attention maps are drawn (``--heads 0 1 3 2``
-    draws layer 0 head 1 and layer 3 head 2); ``"auto"``: the most local and the most
-    global head (shortest and longest memory length, see ``LOCAL_RULE``)."""
-
-    map_tokens: int = 1024
-    """The maps show the first ``min(map_tokens, seq_len)`` positions of the first window
-    (the top-left corner of the ``T x T`` matrices: a 16k x 16k image would not be read).
-    The boundary drawn is the one of the whole window."""
-
-    local_fraction: float = 0.1
-    """A head is local when its memory length is below ``local_fraction * seq_len`` (see
-    ``LOCAL_RULE``); in (0, 1]."""
-
-    corpus: CorpusConfig | None = None
-    """Where the windows come from; ``None``: the model's own corpus (validation split)."""
-
-    data_dir: Path | None = None
-    """Token-shard cache folder; ``None``: the run's data folder."""
-
-    out_dir: Path | None = None
-    """Output folder; ``None``: ``<model>/eval/acp/``."""
-
-    overwrite: bool = False
-    """Replace an earlier evaluation in the output folder (without it, one there is refused
-    before anything runs)."""
-
-    device: str = "auto"
-    """Torch device; ``"auto"``: CUDA when available, else CPU. The model runs in float32."""
-
-    progress: bool = True
-    """Show a tqdm bar over the forward passes."""
-
-    def __post_init__(self) -> None:
-        if not isinstance(self.model, (str, Path)) or not str(self.model):
-            raise ValueError(f"model must be a path, got {self.model!r}")
-        self.model = Path(self.model)
-        for name in ("num_sequences", "batch_size", "map_tokens"):
-            _check_positive_int(name, getattr(self, name))
-        if not isinstance(self.seed, int) or isinstance(self.seed, bool):
-            raise ValueError(f"seed must be an integer, got {self.seed!r}")
-        if self.seq_len is not None:
-            _check_positive_int("seq_len", self.seq_len)
-            _check_seq_len(self.seq_len)
-        if isinstance(self.eps, (int, float)):
-            raise ValueError(f"eps must be a tuple of numbers, got the number {self.eps!r}")
-        self.eps = tuple(float(e) for e in self.eps)
-        for e in self.eps:
-            if not (math.isfinite(e) and 0 < e < 1):
-                raise ValueError(f"every eps must be in (0, 1), got {e!r} in {self.eps}")
-        if self.heads != "auto":
-            if isinstance(self.heads, str):
-                raise ValueError(f"heads must be 'auto' or (layer, head) pairs, got {self.heads!r}")
-            pairs = tuple(tuple(p) for p in self.heads)
-            for p in pairs:
-                if len(p) != 2 or not all(isinstance(i, int) and i >= 0 for i in p):
-                    raise ValueError(
-                        f"heads must be (layer, head) pairs of non-negative integers, got {self.heads!r}"
-                    )
-            if not pairs:
-                raise ValueError("heads must name at least one (layer, head) pair, or be 'auto'")
-            self.heads = tuple(dict.fromkeys(pairs))  # drop repeats, keep the order
-        if not 0 < self.local_fraction <= 1:
-            raise ValueError(f"local_fraction must be in (0, 1], got {self.local_fraction!r}")
-        if self.corpus is not None and not isinstance(self.corpus, CorpusConfig):
-            raise TypeError(f"corpus must be a CorpusConfig or None, got {type(self.corpus).__name__}")
-        for name in ("data_dir", "out_dir"):
-            if getattr(self, name) is not None:
-                setattr(self, name, Path(getattr(self, name)))
-
-
-def _check_positive_int(name: str, value) -> None:
-    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-        raise ValueError(f"{name} must be a positive integer, got {value!r}")
-
-
-def _check_seq_len(t: int, models_own: bool = False) -> None:
-    """``models_own``: ``t`` is the model's training context (no ``seq_len`` was given)."""
-    if t <= ACP_BLOCK:
-        got = f"the model's training context, {t}" if models_own else str(t)
-        raise ValueError(
-            f"seq_len must be above {ACP_BLOCK} (one ACP tile, which is never pruned) to see any "
-            f"pruning, got {got}; pass a longer one (--seq-len; FoX runs beyond its training context)"
-        )
 
 
 def spec_delta(u: float, length: int, eps: float) -> float:

@@ -18,11 +18,9 @@ from __future__ import annotations
 import shutil
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Annotated
 
 import numpy as np
 import torch
-import tyro
 
 from lapse.data import (
     DEFAULT_DATA_DIR,
@@ -130,19 +128,6 @@ def load_model(
         model=model, tokenizer=tokenizer, name=label, path=path, train_config=train_config,
         tokenizer_path=tokenizer_path,
     )
-
-
-@dataclass(kw_only=True)
-class ExportConfig:
-    """Write a trained model as a Hugging Face folder (save_pretrained + tokenizer/)."""
-
-    model: Annotated[Path, tyro.conf.Positional, tyro.conf.arg(metavar="RUN")]
-    """A run folder or one of its checkpoint folders."""
-    out_dir: Annotated[Path, tyro.conf.Positional, tyro.conf.arg(metavar="OUT_DIR")]
-    """The folder to write (config.json, model.safetensors, tokenizer/): new or empty, or an
-    earlier export with ``--overwrite``."""
-    overwrite: bool = False
-    """Replace the export already in ``OUT_DIR`` (never any other folder's files)."""
 
 
 def output_folder(result: dict, cfg, name: str) -> Path:

@@ -40,88 +40,16 @@ from pathlib import Path
 
 import numpy as np
 import torch
-import tyro
 
 from lapse.data import TokenShards, cached_with, prepare_data
 from lapse.eval.common import LoadedModel, eval_windows, load_model
+from lapse.eval.config import DcpStudyConfig
 from lapse.eval.loss import check_same_tokenizer
 from lapse.files import save_figure, write_json_atomic, write_text_atomic
 from lapse.layers import DCPAttention
 from lapse.models.checkpoint import read_run
 from lapse.ops.backend import resolve_device
 from lapse.ops.dcp import LOG_FLOOR, dcp_sparsity
-
-
-@dataclass(kw_only=True)
-class DcpStudyConfig:
-    """``lapse eval dcp``: perplexity against the share of context dropped over a gamma
-    sweep of DCP fine-tunes, and which tokens each drops."""
-
-    runs: tyro.conf.Positional[tuple[Path, ...]]
-    """DCP run folders (``--model.attention dcp``), one per gamma; gamma is read from each
-    run's ``config.json``. Two runs may not share a gamma."""
-
-    base: Path | None = None
-    """The dense run they were fine-tuned from: a reference row and line (optional)."""
-
-    out_dir: Path
-    """Where ``results.json``, ``summary.md``, the plots and ``drops.html`` go."""
-
-    seq_len: int | None = None
-    """Window length; ``None``: the training context of the first run."""
-
-    num_sequences: int = 16
-    """Validation windows every model is evaluated on (the same for all)."""
-
-    batch_size: int = 4
-    """Windows per forward pass."""
-
-    seed: int = 0
-    """Picks the windows and the snippets."""
-
-    snippets: int = 3
-    """Validation snippets whose dropped tokens are drawn; 0: none."""
-
-    snippet_tokens: int | None = None
-    """Tokens per snippet (bytes, with the byte tokenizer); each starts at a line start.
-    ``None``: the window length, at most 480 (longer snippets ran past a short model's
-    training context)."""
-
-    show: tuple[float, ...] | None = None
-    """The gammas whose drops are drawn; ``None``: the largest and a middle one."""
-
-    device: str = "auto"
-    """Torch device; ``"auto"``: CUDA when available, else CPU. Models run in float32."""
-
-    title: str = "DCP study: perplexity against the share of context dropped"
-    """Heading of ``summary.md``."""
-
-    command: str | None = None
-    """The command that made the runs, recorded on the page (the study script passes it)."""
-
-    commit: str | None = None
-    """The commit the runs were made at; ``None``: ``git rev-parse`` here, if that works."""
-
-    def __post_init__(self) -> None:
-        if not self.runs:
-            raise ValueError("give at least one DCP run folder")
-        self.runs = tuple(Path(r) for r in self.runs)
-        for run in (*self.runs, *([self.base] if self.base is not None else [])):
-            if not Path(run).is_dir():
-                raise ValueError(f"run folder does not exist: {run}")
-        self.base = Path(self.base) if self.base is not None else None
-        self.out_dir = Path(self.out_dir)
-        for name in ("num_sequences", "batch_size", "snippet_tokens"):
-            value = getattr(self, name)
-            if name == "snippet_tokens" and value is None:
-                continue
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise ValueError(f"{name} must be a positive integer, got {value!r}")
-        if self.seq_len is not None and (not isinstance(self.seq_len, int) or self.seq_len < 2):
-            raise ValueError(f"seq_len must be an integer >= 2, got {self.seq_len!r}")
-        if not isinstance(self.snippets, int) or self.snippets < 0:
-            raise ValueError(f"snippets must be an integer >= 0, got {self.snippets!r}")
-
 
 SNIPPET_TOKENS = 480  # the snippets' default length, where the window is longer
 

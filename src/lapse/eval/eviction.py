@@ -46,20 +46,17 @@ import time
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Annotated, Literal
 
 import numpy as np
-import tyro
 
-from lapse.data import CorpusConfig
 from lapse.eval.common import LoadedModel
-from lapse.eval.lm import EvalLM, HfOptions, load_lm
+from lapse.eval.config import EvictionStudyConfig, Family
+from lapse.eval.lm import EvalLM, load_lm
 from lapse.eval.niah import NiahConfig, evaluate_model, load_haystack
 from lapse.eval.policy import check_fits, model_windows, nan_to_none, streamed_loss
 from lapse.files import save_figure, write_text_atomic
 from lapse.generation import A2SF, H2O, ACPBoundary, Dense, Policy, SinkWindow
 
-Family = Literal["window", "h2o", "h2o-layer", "h2o-topk", "a2sf", "acp"]
 MEASURES = {  # key in a run's JSON: (plot file, axis label)
     "delta_loss": ("loss.png", "streamed loss - dense loss (nats)"),
     "mean_kl": ("kl.png", "KL(dense || policy), nats per token"),
@@ -67,75 +64,6 @@ MEASURES = {  # key in a run's JSON: (plot file, axis label)
     "niah_exact": ("niah.png", "NIAH exact match"),
     "niah_logprob": ("niah_logprob.png", "NIAH answer log-likelihood (nats)"),
 }
-
-
-@dataclass(kw_only=True)
-class EvictionStudyConfig(HfOptions):
-    """``lapse eval eviction``: every policy variant at every budget on one prompt set of one
-    model (a lapse run, or ``--hf``); then the report over every set in ``--out-dir``."""
-
-    model: tyro.conf.Positional[Path | None] = None
-    """A lapse run or checkpoint folder (FoX (Pro) for ``acp``); or none with ``--hf``."""
-    set_name: str = "python"
-    """The prompt set's name: the folder of its JSON files and its panel in the plots."""
-    corpus: CorpusConfig | None = None
-    """Where the windows come from (validation split); ``None``: the model's own corpus (for
-    ``--hf``: the local Python installation's source files)."""
-    haystack: Path | None = None
-    """NIAH haystack: a text file or folder; ``None``: the Python sources' validation split."""
-    families: tuple[Family, ...] = ("window", "h2o", "h2o-layer", "h2o-topk", "a2sf")
-    """Policy variants run (module doc); ``acp`` needs a FoX (Pro) model."""
-    budgets: tuple[float, ...] = (0.05, 0.1, 0.2, 0.5)
-    """Tokens kept per kv head, as shares of the prompt (in (0, 1])."""
-    alphas: tuple[float, ...] = (0.1, 0.5, 0.9, 0.99)
-    """A2SF's forgetting factors, one variant each."""
-    eps: Annotated[tuple[float, ...], tyro.conf.arg(aliases=("--acp-eps",))] = (math.exp(-10),)
-    """ACP's eps values, one variant each."""
-    sinks: int = 4
-    """window: first tokens kept (inside the budget)."""
-    topk_every: int = 16
-    """h2o-topk and acp: steps between eviction passes."""
-    prompt_len: int = 512
-    """Tokens prefilled before the first eviction; the NIAH prompts' length too."""
-    steps: int = 32
-    """Tokens scored after the prompt, one per step."""
-    num_sequences: int = 3
-    """Windows of the loss measures."""
-    niah_depths: tuple[float, ...] = (0.25, 0.5, 0.75)
-    """Needle depths (one prompt per depth and trial); empty: no NIAH."""
-    niah_trials: int = 1
-    """NIAH prompts per depth."""
-    niah_mode: Literal["standard", "easy"] = "standard"
-    """NIAH's mode (``lapse eval niah``)."""
-    seed: int = 0
-    """Picks the windows and the NIAH numbers."""
-    out_dir: Path = Path("eval/eviction")
-    """Where ``<set>/*.json`` and the report go."""
-    command: str = ""
-    """The command line that made the runs, recorded in each JSON."""
-    report_only: bool = False
-    """Only rewrite the report from the JSON files in ``out_dir``."""
-    device: str = "cpu"
-    """Torch device (float32)."""
-
-    def __post_init__(self) -> None:
-        if self.report_only:
-            return
-        self.check_source(self.model)
-        if not self.budgets or any(not 0 < b <= 1 for b in self.budgets):
-            raise ValueError(f"--budgets must be shares of the prompt in (0, 1], got {self.budgets}")
-        if any(not 0 <= a <= 1 for a in self.alphas):
-            raise ValueError(f"--alphas must be in [0, 1], got {self.alphas}")
-        for name in ("prompt_len", "steps", "num_sequences", "topk_every"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"--{name.replace('_', '-')} must be at least 1, got {getattr(self, name)}")
-        if self.prompt_len * min(self.budgets) < 2:
-            raise ValueError(
-                f"the smallest budget keeps {self.prompt_len * min(self.budgets):.1f} tokens of a "
-                f"{self.prompt_len}-token prompt: at least 2 are needed (one recent, one heavy hitter)"
-            )
-        if not self.set_name or "/" in self.set_name:
-            raise ValueError(f"--set-name must be a folder name, got {self.set_name!r}")
 
 
 @dataclass(frozen=True)

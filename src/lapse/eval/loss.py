@@ -31,12 +31,10 @@ import math
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Annotated, Literal
 
 import numpy as np
 import torch
 import torch.nn.functional as F
-import tyro
 from torch import Tensor
 from tqdm.auto import tqdm
 
@@ -50,10 +48,10 @@ from lapse.eval.common import (
     eval_windows,
     load_model,
 )
-from lapse.eval.lm import HfOptions, as_causal_lm, load_lm, text_windows
+from lapse.eval.config import LossEvalConfig, PerTokenLossConfig, PplConfig
+from lapse.eval.lm import as_causal_lm, load_lm, text_windows
 from lapse.eval.policy import streamed_loss
 from lapse.files import save_figure, write_text_atomic
-from lapse.generation import PolicyOptions
 from lapse.interrupt import StopFlag, stop_signals
 from lapse.models import Decoder
 from lapse.ops.backend import resolve_device
@@ -63,160 +61,6 @@ SMOOTHING_RULE = (
     "available on both sides (2 * min(h, i, T - 1 - i) + 1 values, h = window // 2), so the first "
     "and last values are kept as they are and a straight line is unchanged"
 )
-
-
-@dataclass(kw_only=True)
-class LossEvalConfig(PolicyOptions, HfOptions):
-    """What both loss evaluations share: the models, the data, the device, the limits, and
-    an optional eviction policy (``--policy``: loss streamed through the cache as the
-    policy leaves it, :func:`lapse.eval.policy.streamed_loss`)."""
-
-    models: Annotated[tuple[str, ...], tyro.conf.arg(aliases=("--model",))] = ()
-    """Model paths: run folders, checkpoint folders or Hugging Face folders (see
-    ``lapse.eval.common.load_model``). The first one's validation data (or ``corpus``)
-    gives the windows; plots overlay the models in this order. ``--hf`` adds a pretrained
-    model after them (first, and the windows' tokenizer, when no path is given)."""
-
-    names: tuple[str, ...] = ()
-    """Labels for plots and tables, one per model; empty: the folder names (made unique)."""
-
-    num_sequences: int = 64
-    """Windows averaged over (for ``ppl``: windows of the longest context length)."""
-
-    seed: int = 0
-    """Picks the windows: the same seed gives the same windows and the same results."""
-
-    corpus: CorpusConfig | None = None
-    """Where the windows come from; ``None``: the first model's own corpus (validation split)."""
-
-    data_dir: Path | None = None
-    """Token-shard cache folder; ``None``: the first model's run data folder."""
-
-    out_dir: Path | None = None
-    """Output folder; ``None``: ``<first model>/eval/<evaluation name>/``
-    (``<evaluation name>-<policy>/`` under ``--policy``)."""
-
-    overwrite: bool = False
-    """Replace an earlier evaluation in the output folder (without it, one there is refused
-    before anything runs)."""
-
-    device: str = "auto"
-    """Torch device; ``"auto"``: CUDA when available, else CPU."""
-
-    dtype: Literal["auto", "float32", "bfloat16"] = "auto"
-    """Weights and activations; ``"auto"``: bfloat16 on CUDA, float32 otherwise. The
-    cross-entropy is always taken in float32."""
-
-    batch_size: int = 1
-    """Windows per forward pass. One at a time keeps memory at a single sequence's."""
-
-    logits_chunk: int = 1024
-    """Positions whose logits exist at once (``[batch_size, logits_chunk, V]``)."""
-
-    smooth_window: int = 101
-    """Width of the centred moving average of ``L(i)`` (odd; 1: no smoothing)."""
-
-    max_tokens: int | None = None
-    """Cap on predicted tokens per model: at most ``max(1, max_tokens // T)`` windows of
-    length ``T`` (for ``ppl``, the longest length). Deterministic, unlike ``max_seconds``."""
-
-    max_seconds: float | None = None
-    """Wall-clock cap: no new batch of windows starts after it (the first always runs).
-    Every model still sees the same windows; the results record how many were used."""
-
-    progress: bool = True
-    """Show a tqdm bar over the windows."""
-
-    prefix: int | None = None
-    """With ``--policy``: tokens of each window prefilled before the first eviction (their
-    predictions are the dense model's); the rest are streamed. Default: a quarter of the
-    shortest length evaluated."""
-
-    chunk: int = 1
-    """With ``--policy``: tokens after the prefix fed per forward, the policy's pass before
-    every ``every``-th forward (a chunked prefill with eviction between chunks; 1: token
-    by token, as ``lapse generate`` decodes)."""
-
-    def __post_init__(self) -> None:
-        super().__post_init__()
-        if isinstance(self.models, (str, Path)) or (not self.models and self.hf is None):
-            raise ValueError(f"models must be a non-empty tuple of paths (or give --hf), got {self.models!r}")
-        if self.gguf_file is not None and self.hf is None:
-            raise ValueError("--gguf-file names a file of an --hf model folder: give --hf too")
-        self.models = tuple(str(m) for m in self.models)
-        if isinstance(self.names, str):
-            raise ValueError(f"names must be a tuple of strings, got the string {self.names!r}")
-        self.names = tuple(self.names)
-        count = len(self.models) + (self.hf is not None)
-        if self.names and len(self.names) != count:
-            raise ValueError(f"names has {len(self.names)} entries for {count} models")
-        if len(set(self.names)) != len(self.names):
-            raise ValueError(f"names must be unique, got {self.names}")
-        for name in ("num_sequences", "batch_size", "logits_chunk", "smooth_window", "chunk"):
-            _check_positive_int(name, getattr(self, name))
-        if self.smooth_window % 2 == 0:
-            raise ValueError(f"smooth_window must be odd (a centred window), got {self.smooth_window}")
-        if self.max_tokens is not None:
-            _check_positive_int("max_tokens", self.max_tokens)
-        if self.prefix is not None:
-            _check_positive_int("prefix", self.prefix)
-        streaming = ["--prefix"] * (self.prefix is not None) + ["--chunk"] * (self.chunk != 1)
-        if self.policy is None and streaming:
-            one = len(streaming) == 1
-            raise ValueError(f"{' and '.join(streaming)} {'is' if one else 'are'} not used without --policy; "
-                             f"{'it sets' if one else 'they set'} how each window streams through the "
-                             "policy's cache")
-        if self.max_seconds is not None and not self.max_seconds > 0:
-            raise ValueError(f"max_seconds must be positive or None, got {self.max_seconds}")
-        if self.dtype not in ("auto", "float32", "bfloat16"):
-            raise ValueError(f"dtype must be 'auto', 'float32' or 'bfloat16', got {self.dtype!r}")
-        if self.corpus is not None and not isinstance(self.corpus, CorpusConfig):
-            raise TypeError(f"corpus must be a CorpusConfig or None, got {type(self.corpus).__name__}")
-        for name in ("data_dir", "out_dir"):
-            if getattr(self, name) is not None:
-                setattr(self, name, Path(getattr(self, name)))
-
-
-@dataclass(kw_only=True)
-class PerTokenLossConfig(LossEvalConfig):
-    """``lapse eval per-token-loss``: ``L(i)`` of one or more models on the same windows."""
-
-    seq_len: int | None = None
-    """Window length ``T`` (positions ``0..T-1``); ``None``: the first model's training
-    context (the run's row length, else ``max_seq_len``). Longer than a model's training
-    context is allowed."""
-
-    def __post_init__(self) -> None:
-        super().__post_init__()
-        if self.seq_len is not None:
-            _check_positive_int("seq_len", self.seq_len)
-
-
-@dataclass(kw_only=True)
-class PplConfig(LossEvalConfig):
-    """``lapse eval ppl``: mean loss and perplexity at several context lengths, and ``L(i)``
-    at the longest."""
-
-    context_lengths: tuple[int, ...] = ()
-    """Context lengths (sorted here). All are read from windows of the longest length, the
-    row of length ``T`` from their first ``T`` positions; lengths beyond a model's training
-    context are reported as extrapolation. Empty: ``T/2, T, 2T, 4T`` for the first model's
-    training context ``T``."""
-
-    def __post_init__(self) -> None:
-        super().__post_init__()
-        if isinstance(self.context_lengths, int):
-            raise ValueError(f"context_lengths must be a tuple of integers, got {self.context_lengths!r}")
-        for length in self.context_lengths:
-            _check_positive_int("every context length", length)
-        if len(set(self.context_lengths)) != len(self.context_lengths):
-            raise ValueError(f"context_lengths has duplicates: {self.context_lengths}")
-        self.context_lengths = tuple(sorted(self.context_lengths))
-
-
-def _check_positive_int(name: str, value) -> None:
-    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-        raise ValueError(f"{name} must be a positive integer, got {value!r}")
 
 
 @torch.no_grad()

@@ -33,173 +33,28 @@ import itertools
 import json
 import math
 import re
-import string
 import time
 import warnings
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Annotated, Literal
 
 import numpy as np
 import torch
 import torch.nn.functional as F
-import tyro
 
 from lapse.data import Tokenizer, python_source_documents, text_documents
-from lapse.eval.common import LoadedModel, check_out_dir, default_eval_dir, eval_name
-from lapse.eval.lm import HfOptions, load_lm
+from lapse.eval.common import LoadedModel, check_out_dir
+from lapse.eval.config import NiahConfig
+from lapse.eval.lm import load_lm
 from lapse.eval.policy import greedy_continuation, streamed_loss
 from lapse.files import save_figure, write_text_atomic
-from lapse.generation import Dense, Policy, PolicyOptions, generate
+from lapse.generation import Dense, Policy, generate
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 # A segment ends after a newline or after a sentence's final punctuation and its space:
 # the needle is only ever inserted between two segments.
 _BOUNDARY = re.compile(r"(?<=\n)|(?<=[.!?] )")
-
-
-@dataclass(kw_only=True)
-class NiahConfig(PolicyOptions, HfOptions):
-    """A needle-in-a-haystack grid: models x context lengths x needle depths x trials,
-    optionally under an eviction policy (``--policy``) and on a pretrained Hugging Face
-    model (``--hf``: scored through an :class:`~lapse.hf.EvictingCache`, ``dense`` when no
-    policy is named)."""
-
-    models: Annotated[tuple[Path, ...], tyro.conf.arg(aliases=("--model",))] = ()
-    """Models to evaluate: run folders, checkpoint folders or Hugging Face folders
-    (anything ``lapse.eval.load_model`` opens); each needs its tokenizer beside it.
-    ``--hf`` adds a pretrained model after them."""
-    context_lengths: tuple[int, ...] = (512, 1024, 2048, 4096)
-    """Prompt lengths in tokens of each model's tokenizer (haystack + needle + query,
-    without the answer), strictly increasing."""
-    depths: tuple[float, ...] = (0.0, 0.25, 0.5, 0.75, 1.0)
-    """Needle positions as fractions of the haystack part of the prompt (0: at the start,
-    1: just before the query), strictly increasing in [0, 1]."""
-    mode: Literal["standard", "easy"] = "standard"
-    """``standard``: the needle is the answer sentence; ``easy``: the needle also contains
-    the question (see ``easy_needle``)."""
-    needle: str = "The special magic number is {number}."
-    """The answer sentence; ``{number}`` is the trial's random number."""
-    question: str = "What is the special magic number?"
-    """The question, put into the query (``{question}``) and, in easy mode, the needle."""
-    easy_needle: str = "{question} {needle}"
-    """The needle of easy mode, from ``{question}`` and the standard ``{needle}``."""
-    query: str = "\n\nQuestion: {question}\nAnswer: The special magic number is"
-    """Text after the haystack; the prompt ends with it, where the answer starts."""
-    answer: str = " {number}"
-    """The continuation that is scored (exact match of its ids, and its log-likelihood)."""
-    number_digits: int = 7
-    """Digits of the random number of each trial."""
-    haystack: Path | None = None
-    """A text file, or a folder searched recursively for ``haystack_patterns``.
-    ``None``: the validation split (1%, by hash of the file path) of the local Python
-    installation's source files, in their sorted order; a model trained on the default
-    corpus has not seen them."""
-    haystack_patterns: tuple[str, ...] = ("*.txt", "*.md")
-    """File-name patterns read inside a haystack folder."""
-    haystack_chars: int = 1_000_000
-    """Characters of haystack read (whole lines, from the start); trials start at a random
-    segment of them."""
-    trials: int = 4
-    """Prompts per (length, depth) cell, each with its own number and haystack start."""
-    seed: int = 0
-    """Seed of the numbers and haystack starts: the same seed gives the same prompts."""
-    batch_size: int = 4
-    """Prompts per forward pass; the logits of ``batch_size x (length + answer)``
-    positions are held at once."""
-    device: str = "auto"
-    """Where the models run; ``"auto"``: CUDA when available, else CPU."""
-    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
-    """Weights and activations of the models."""
-    out_dir: Path | None = None
-    """Where ``results.json``, ``niah.png`` and ``summary.md`` go; ``None``:
-    ``<first model>/eval/niah/`` (``niah-<policy>/`` under ``--policy``)."""
-    overwrite: bool = False
-    """Replace an earlier evaluation in ``out_dir`` (without it, one there is refused before
-    anything runs)."""
-    time_limit_minutes: float | None = None
-    """Stop starting new cells after this long; cells not run are left out of the results
-    (blank in the plot). ``None``: no limit."""
-    progress: bool = True
-    """Show a progress bar over the cells."""
-
-    def __post_init__(self) -> None:
-        super().__post_init__()
-        for name in ("models", "context_lengths", "depths", "haystack_patterns"):
-            value = getattr(self, name)
-            if isinstance(value, (str, Path)) or not isinstance(value, Sequence):
-                raise TypeError(f"{name} must be a tuple, got {value!r}")
-            setattr(self, name, tuple(value))
-        if not self.models and self.hf is None:
-            raise ValueError("give at least one model path, or --hf PATH")
-        if self.gguf_file is not None and self.hf is None:
-            raise ValueError("--gguf-file names a file of an --hf model folder: give --hf too")
-        self.models = tuple(Path(m) for m in self.models)
-        if not self.context_lengths or any(not isinstance(n, int) or n < 1 for n in self.context_lengths):
-            raise ValueError(f"context_lengths must be positive integers, got {self.context_lengths}")
-        if not self.depths or any(not 0.0 <= d <= 1.0 for d in self.depths):
-            raise ValueError(f"depths must be fractions in [0, 1], got {self.depths}")
-        for name in ("context_lengths", "depths"):
-            values = getattr(self, name)
-            if any(b <= a for a, b in itertools.pairwise(values)):
-                raise ValueError(f"{name} must be strictly increasing, got {values}")
-        if self.mode not in ("standard", "easy"):
-            raise ValueError(f"mode must be 'standard' or 'easy', got {self.mode!r}")
-        if not isinstance(self.number_digits, int) or not 1 <= self.number_digits <= 18:
-            raise ValueError(f"number_digits must be an integer in [1, 18], got {self.number_digits!r}")
-        for name in ("trials", "batch_size", "haystack_chars"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or value < 1:
-                raise ValueError(f"{name} must be a positive integer, got {value!r}")
-        if self.time_limit_minutes is not None and not self.time_limit_minutes > 0:
-            raise ValueError(f"time_limit_minutes must be positive or None, got {self.time_limit_minutes}")
-        if self.dtype not in DTYPES:
-            raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {self.dtype!r}")
-        _check_template("needle", self.needle, required={"number"}, allowed={"number"})
-        _check_template("easy_needle", self.easy_needle, required={"needle"}, allowed={"needle", "question"})
-        _check_template("query", self.query, required=set(), allowed={"question"})
-        _check_template("answer", self.answer, required={"number"}, allowed={"number"})
-        if not self.query:
-            raise ValueError("query must not be empty: the prompt has to end where the answer starts")
-        if self.haystack is not None:
-            self.haystack = Path(self.haystack)
-            if not self.haystack.exists():
-                raise ValueError(f"haystack path does not exist: {self.haystack}")
-        if self.out_dir is None:
-            first = self.models[0] if self.models else None
-            self.out_dir = default_eval_dir(first, eval_name("niah", self.policy))
-        self.out_dir = Path(self.out_dir)
-
-    def needle_text(self, number: int) -> str:
-        """The needle of this mode for ``number``."""
-        needle = self.needle.format(number=number)
-        if self.mode == "easy":
-            return self.easy_needle.format(question=self.question, needle=needle)
-        return needle
-
-    def query_text(self) -> str:
-        return self.query.format(question=self.question)
-
-    def answer_text(self, number: int) -> str:
-        return self.answer.format(number=number)
-
-
-def _check_template(name: str, template: str, *, required: set[str], allowed: set[str]) -> None:
-    try:
-        fields = {f for _, f, _, _ in string.Formatter().parse(template) if f is not None}
-    except ValueError as e:
-        raise ValueError(f"{name} is not a valid template ({e}): {template!r}") from e
-    if not fields <= allowed or any(not f for f in fields):
-        raise ValueError(
-            f"{name} may only use the placeholders {sorted('{' + f + '}' for f in allowed)}, "
-            f"got {template!r} (write a literal brace as {{{{ or }}}})"
-        )
-    missing = required - fields
-    if missing:
-        raise ValueError(
-            f"{name} must contain {', '.join('{' + f + '}' for f in sorted(missing))}: {template!r}"
-        )
 
 
 @dataclass(frozen=True)

@@ -44,15 +44,15 @@ from pathlib import Path
 import numpy as np
 import torch
 import torch.nn.functional as F
-import tyro
 from torch import Tensor, nn
 from tqdm.auto import tqdm
 
 from lapse.data import CorpusConfig
 from lapse.eval.common import check_out_dir, default_eval_dir, eval_name, eval_windows
-from lapse.eval.lm import EvalLM, HfOptions, as_causal_lm, load_lm, text_windows
+from lapse.eval.config import PolicyLossConfig
+from lapse.eval.lm import EvalLM, as_causal_lm, load_lm, text_windows
 from lapse.files import save_figure, write_text_atomic
-from lapse.generation import Dense, Policy, PolicyName, PolicyOptions
+from lapse.generation import Dense, Policy
 from lapse.hf import CACHE_ARG, EvictingCache, LapseForCausalLM
 from lapse.hf.evicting import records_scores
 from lapse.kv import LayerSnapshot
@@ -283,64 +283,6 @@ def kept_mass(probs: Tensor, snap: LayerSnapshot) -> Tensor:
 
 
 # -- lapse eval policy-loss ---------------------------------------------------------------
-
-
-@dataclass(kw_only=True)
-class PolicyLossConfig(PolicyOptions, HfOptions):
-    """``lapse eval policy-loss``: loss streamed under an eviction policy beside the dense
-    model's, KL divergence and attention-mass recall (lapse models, or ``--hf``)."""
-
-    model: tyro.conf.Positional[Path | None] = None
-    """A run folder, one of its checkpoint folders, or a Hugging Face folder of a lapse model;
-    or none with ``--hf``."""
-    policy: PolicyName = "window"
-    """The eviction policy, as in ``lapse generate``."""
-    chunk: int = 1
-    """Tokens after the prefix fed per forward, the policy's pass before every ``every``-th
-    forward: a chunked prefill with eviction between chunks (1: token by token, as
-    ``lapse generate`` decodes)."""
-    seq_len: int | None = None
-    """Window length ``T`` (predictions at positions ``prefix .. T - 1``); default: the
-    model's training context."""
-    prefix: int | None = None
-    """Tokens prefilled before the first eviction; default ``T // 2``."""
-    num_sequences: int = 8
-    """Validation windows averaged over."""
-    batch_size: int = 8
-    """Windows decoded together."""
-    seed: int = 0
-    """Picks the windows (the same as ``lapse eval ppl`` with this seed and length)."""
-    corpus: CorpusConfig | None = None
-    """Where the windows come from; ``None``: the model's own corpus (validation split; for
-    ``--hf``, the local Python installation's source files)."""
-    data_dir: Path | None = None
-    """Token-shard cache folder; ``None``: the run's data folder."""
-    out_dir: Path | None = None
-    """Output folder; ``None``: ``<model>/eval/policy-loss-<policy>/`` (``--hf``:
-    ``eval/policy-loss-<policy>/``)."""
-    overwrite: bool = False
-    """Replace an earlier evaluation in the output folder (without it, one there is refused
-    before anything runs)."""
-    device: str = "auto"
-    """Torch device; ``"auto"``: CUDA when available, else CPU. Always float32."""
-    progress: bool = True
-    """Show a tqdm bar over the tokens."""
-
-    def __post_init__(self) -> None:
-        super().__post_init__()
-        self.check_source(self.model)
-        for name in ("num_sequences", "batch_size", "chunk"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"--{name.replace('_', '-')} must be at least 1, got {getattr(self, name)}")
-        if self.seq_len is not None and self.seq_len < 2:
-            raise ValueError(f"--seq-len must be at least 2, got {self.seq_len}")
-        if self.prefix is not None and self.prefix < 1:
-            raise ValueError(f"--prefix must be at least 1, got {self.prefix}")
-        if self.seq_len is not None and self.prefix is not None and self.prefix >= self.seq_len:
-            raise ValueError(
-                f"--prefix ({self.prefix}) must be below --seq-len ({self.seq_len}): the positions after the "
-                "prefix are the ones scored"
-            )
 
 
 def model_windows(

@@ -13,40 +13,15 @@ from __future__ import annotations
 import json
 import os
 import re
-from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
 
-import tyro
-
+from lapse.eval.config import ReportConfig
 from lapse.files import write_text_atomic
-from lapse.models.checkpoint import CONFIG_FILE, is_export_folder, read_run
+from lapse.models.checkpoint import read_run
 
 _IMAGE = re.compile(r"(!\[[^\]]*\]\()([^)\s]+)(\))")
 _HEADING = re.compile(r"^(#{1,4}) ", re.M)
-
-
-@dataclass(kw_only=True)
-class ReportConfig:
-    """The runs to gather and where the page goes."""
-
-    runs: tyro.conf.Positional[tuple[Path, ...]]
-    """Training run folders (``lapse train`` output); evaluations are read from ``RUN/eval/``."""
-    out: Path | None = None
-    """The Markdown file to write; ``None``: ``RUN/eval/report.md`` for one run,
-    ``runs/report/<run>-vs-<run>.md`` for several."""
-    title: str | None = None
-    """Page title; ``None``: from the run names."""
-
-    def __post_init__(self) -> None:
-        if not self.runs:
-            raise ValueError("give at least one run folder")
-        for run in self.runs:
-            if not Path(run).is_dir():
-                raise ValueError(f"run folder does not exist: {run}")
-            if not (Path(run) / CONFIG_FILE).is_file() or is_export_folder(run):
-                raise ValueError(f"{run} is not a training run (no {CONFIG_FILE} of `lapse train`): "
-                                 "lapse report takes run folders, and reads their evaluations from RUN/eval/")
 
 
 def _summary(run: Path) -> dict:
