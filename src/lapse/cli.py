@@ -13,7 +13,10 @@ lapse bench attention                    time forgetting attention against its p
 lapse bench decode                       ms per decode step against HF compiled Llama (CUDA; --device cpu)
 lapse bench train                        training throughput and MFU, ACP on and off (CUDA or CPU)
 
-Wiring only: each command runs a typed config of the package that does the work.
+Wiring only: each command runs a typed config of the package that does the work. The configs
+live in modules that import no torch (``lapse.train.config``, ``lapse.eval.config``,
+``lapse.bench.config``, ``lapse.generation.config``), so ``--help`` answers at once; a command
+imports the package that runs it when it runs.
 """
 
 from __future__ import annotations
@@ -29,28 +32,27 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Annotated
 
-# the commands' configs bring torch and transformers in (seconds): a Ctrl-C meanwhile stops the
-# command as one during it does, without a traceback
+# a Ctrl-C while tyro and the configs load stops the command as one during it does, without a
+# traceback
 try:
     import tyro
     from tyro.extras import SubcommandApp
 
-    from lapse.bench.attention import AttentionBenchConfig
-    from lapse.bench.decode import DecodeBenchConfig
-    from lapse.bench.training import TrainBenchConfig
-    from lapse.eval.acp import AcpEvalConfig
-    from lapse.eval.common import ExportConfig, output_folder
-    from lapse.eval.dcp import DcpStudyConfig
-    from lapse.eval.eviction import EvictionStudyConfig
-    from lapse.eval.lm_eval_config import LmEvalConfig
-    from lapse.eval.loss import PerTokenLossConfig, PplConfig
-    from lapse.eval.niah import NiahConfig
-    from lapse.eval.policy import PolicyLossConfig
-    from lapse.eval.report import ReportConfig
-    from lapse.generation.command import GenerateConfig
-    from lapse.models.checkpoint import is_export_folder
-    from lapse.train.config import TRAIN_PRESETS, ResumeConfig, TrainConfig
-    from lapse.train.importing import ImportConfig
+    from lapse.bench.config import AttentionBenchConfig, DecodeBenchConfig, TrainBenchConfig
+    from lapse.eval.config import (
+        AcpEvalConfig,
+        DcpStudyConfig,
+        EvictionStudyConfig,
+        ExportConfig,
+        LmEvalConfig,
+        NiahConfig,
+        PerTokenLossConfig,
+        PolicyLossConfig,
+        PplConfig,
+        ReportConfig,
+    )
+    from lapse.generation.config import GenerateConfig
+    from lapse.train.config import TRAIN_PRESETS, ImportConfig, ResumeConfig, TrainConfig
     from lapse.train.lock import RunInUse
 except KeyboardInterrupt:
     print("interrupted", file=sys.stderr)
@@ -69,6 +71,8 @@ def _finish_training(summary: dict) -> None:
 def _wrote(result: dict, cfg, name: str, plots: bool = True) -> None:
     """Says where an evaluation wrote; one a signal stopped early (its finished part written)
     exits 130 after, as an interrupted command does, so a script sees it was cut short."""
+    from lapse.eval.common import output_folder
+
     what = "results.json, summary.md and the plots" if plots else "results.json and summary.md"
     print(f"wrote {what} to {output_folder(result, cfg, name)}")
     stopped = result.get("stopped_early") if isinstance(result, dict) else None
@@ -206,6 +210,8 @@ def _app() -> SubcommandApp:
 
             run_generate_hf(cfg)
             return
+        from lapse.models.checkpoint import is_export_folder
+
         if cfg.model is not None and is_export_folder(cfg.model):
             from lapse.hf.command import run_generate_export
 
@@ -244,6 +250,13 @@ def _app() -> SubcommandApp:
     return app
 
 
+DESCRIPTION = (
+    "lapse: attention that forgets, in PyTorch + Triton: the Forgetting Transformer (FoX), Adaptive "
+    "Computation Pruning (ACP), CASTLE/CASTLE-SWL, Dynamic Context Pruning (DCP), A2SF/H2O KV-cache "
+    "eviction.\n--debug (or LAPSE_DEBUG=1): tracebacks for errors."
+)
+
+
 def main(argv: Sequence[str] | None = None) -> None:
     """Entry point of the ``lapse`` command (``argv`` defaults to ``sys.argv[1:]``).
 
@@ -260,8 +273,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         try:
             _app().cli(
                 prog="lapse",
-                description="lapse: attention that forgets (FoX, ACP) in PyTorch + Triton. "
-                "--debug (or LAPSE_DEBUG=1): tracebacks for errors.",
+                description=DESCRIPTION,
                 args=args,
             )
         except USER_ERRORS as e:  # a ConfigError too: raised by the hook below, in lapse's code
