@@ -9,9 +9,10 @@ from pathlib import Path
 import tyro
 
 from lapse.bench.config import AttentionBenchConfig, DecodeBenchConfig, TrainBenchConfig
+from lapse.train.config import TRAIN_PRESETS, TrainConfig
 
 ROOT = Path(__file__).resolve().parents[2]
-EVERY = "attention,train,decode,castle,dcp,fsdp,kvpress"
+EVERY = "attention,train,decode,castle,dcp,fsdp,cpu"
 
 
 def _listed(*args: str) -> subprocess.CompletedProcess:
@@ -19,24 +20,33 @@ def _listed(*args: str) -> subprocess.CompletedProcess:
                           timeout=60)
 
 
-def test_every_bench_command_parses():
+def test_every_lapse_command_parses():
+    """``lapse bench`` commands write into a folder of their own; ``lapse train`` ones (the
+    runs some tables time, those under torchrun too) parse against their preset."""
     listed = _listed("--list", "--only", EVERY)
     assert listed.returncode == 0, listed.stderr
     configs = {"attention": AttentionBenchConfig, "decode": DecodeBenchConfig, "train": TrainBenchConfig}
-    parsed = 0
+    benches = trainings = 0
     for line in listed.stdout.splitlines():
         words = shlex.split(line)
-        if words[1:4] == ["-m", "lapse.cli", "bench"]:
-            assert "--out-dir" in words, line  # every table into a folder of its own
-            tyro.cli(configs[words[4]], args=words[5:])
-            parsed += 1
-    assert parsed >= 20, listed.stdout
+        at = next((i for i, w in enumerate(words) if w == "lapse.cli"), None)
+        if at is None:
+            continue
+        command, *args = words[at + 1:]
+        if command == "bench":
+            assert "--out-dir" in args, line
+            tyro.cli(configs[args[0]], args=args[1:])
+            benches += 1
+        elif command == "train":
+            tyro.cli(TrainConfig, default=TRAIN_PRESETS[args[0]][1](), args=args[1:])
+            trainings += 1
+    assert benches >= 20 and trainings >= 8, listed.stdout
 
 
 def test_groups_choose_the_commands():
     default = _listed("--list").stdout
     assert "bench attention" in default and "torch.distributed.run" not in default  # fsdp: two GPUs
-    assert "kvpress_compare.py" not in default  # kvpress: another environment
+    assert "kvpress_compare.py" not in default and "main.sh" not in default  # cpu: named alone
     castle = _listed("--list", "--only", "castle").stdout.splitlines()
     assert castle and all("castle" in line for line in castle)
     unknown = _listed("--only", "nothing")
