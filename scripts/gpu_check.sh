@@ -24,7 +24,8 @@
 #   --out FILE        the Markdown report (default docs/bench/gpu-check.md), its JSON beside it
 #   --logs DIR        every item's log, the test shards' node ids and junit XML, the commands'
 #                     results.md/json (default runs/gpu-check/logs; emptied first)
-#   --work DIR        run folders, data and outputs of the commands (default runs/gpu-check/work)
+#   --work DIR        run folders, data and outputs of the commands (default runs/gpu-check/work;
+#                     emptied first)
 #   --durations FILE  test times that balance the shards (default docs/bench/gpu-check.json)
 #   --merge FILE      a JSON an earlier part wrote: its items join this report (repeatable)
 #   --report-only     run nothing: the report of the --merge files (both parts' JSON, fetched)
@@ -528,6 +529,9 @@ for part in $PARTS; do
         ((DRY)) || run_items tests "$SHARDS" "${shard_names[@]}"
     else
         echo "== part 2: README's GPU commands at smoke sizes, $JOBS at once"
+        # the commands write fixed run and output folders, which training and the evaluations
+        # refuse to reuse: each check starts from an empty work folder
+        ((DRY)) || { rm -rf "$WORK" && mkdir -p "$WORK"; }
         order=()
         for i in "${selected[@]}"; do
             name="${names[$i]}"
