@@ -1,3 +1,3 @@
 """lapse: attention that forgets (FoX, ACP, CASTLE, DCP, KV-cache eviction)."""
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"
