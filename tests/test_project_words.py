@@ -38,12 +38,6 @@ ALLOWED: tuple[tuple[str, str], ...] = (
     # (path, phrase): the phrase is removed from that file's lines before they are matched
     ("tests/train/test_trainer.py", "the first session trained"),  # a run's first training process
 )
-PENDING: tuple[str, ...] = (
-    # paths whose owners are rewriting them; each leaves this list once it passes
-    "README.md",
-)
-
-
 def tracked_files() -> list[str]:
     """What git tracks under :data:`TREES` (a copy of the tree without git skips the check)."""
     if not (ROOT / ".git").exists():
@@ -92,13 +86,9 @@ def findings(paths: list[str]) -> list[str]:
     return out
 
 
-def _pending(path: str) -> bool:
-    return any(path == p or path.startswith(p.rstrip("/") + "/") for p in PENDING)
-
-
 def test_the_project_speaks_of_itself():
     this = Path(__file__).resolve().relative_to(ROOT).as_posix()  # its examples are the words it looks for
-    found = findings([p for p in tracked_files() if not _pending(p) and p != this])
+    found = findings([p for p in tracked_files() if p != this])
     assert not found, "work items or diary chapters (say why in the code's own terms):\n" + "\n".join(
         found)
 
@@ -157,11 +147,3 @@ def test_a_planted_line_fails_the_check():
     allowed_path, phrase = ALLOWED[0]
     assert line_findings(allowed_path, f"# pretend {phrase} for hours") == []
     assert line_findings(clean, f"# pretend {phrase} for hours") != []
-
-
-def test_pending_paths_still_fail():
-    """A pending path that passes now leaves the list, so the list never hides a new failure."""
-    tracked = tracked_files()
-    for p in PENDING:
-        files = [t for t in tracked if t == p or t.startswith(p.rstrip("/") + "/")]
-        assert files and findings(files), f"{p} passes now: take it off PENDING in {Path(__file__).name}"
