@@ -102,6 +102,7 @@ import platform
 import subprocess
 import time
 import traceback
+import typing
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -117,14 +118,8 @@ from .workloads import Workload, WorkloadSpec, dense_causal_flops, make_workload
 
 PRUNED: dict[Provider, Provider] = {"lapse-acp": "lapse", "flash-attn-4-acp": "flash-attn-4"}
 """Providers that skip ACP's pruned tiles, each with its dense counterpart (their efficiency)."""
-CASTLE_PROVIDERS: tuple[Provider, ...] = (
-    "castle-triton",
-    "castle-torch",
-    "castle-naive",
-    "castle-swl-triton",
-    "castle-triton-parallel",
-    "castle-swl-triton-parallel",
-    "lookahead-keys-attention",
+CASTLE_PROVIDERS: tuple[Provider, ...] = tuple(
+    p for p in typing.get_args(Provider) if p.startswith("castle") or p == "lookahead-keys-attention"
 )
 GATED: tuple[Provider, ...] = ("lapse", "lapse-acp", "flex", "flex-flash", "fla")
 BWD_FLOP_FACTOR = 2.5

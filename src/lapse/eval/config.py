@@ -25,6 +25,15 @@ DTYPES = ("float32", "bfloat16", "float16")
 """The ``--dtype`` names of the evaluations that take one (``lapse eval niah``, ``lm-eval``)."""
 
 
+def _check_corpus_and_paths(cfg) -> None:
+    """``cfg.corpus`` a CorpusConfig or None; its ``data_dir`` and ``out_dir`` as Paths."""
+    if cfg.corpus is not None and not isinstance(cfg.corpus, CorpusConfig):
+        raise TypeError(f"corpus must be a CorpusConfig or None, got {type(cfg.corpus).__name__}")
+    for name in ("data_dir", "out_dir"):
+        if getattr(cfg, name) is not None:
+            setattr(cfg, name, Path(getattr(cfg, name)))
+
+
 @dataclass(kw_only=True)
 class HfOptions:
     """The flags that pick a pretrained Hugging Face model instead of a lapse run."""
@@ -153,11 +162,7 @@ class AcpEvalConfig:
             self.heads = tuple(dict.fromkeys(pairs))  # drop repeats, keep the order
         if not 0 < self.local_fraction <= 1:
             raise ValueError(f"local_fraction must be in (0, 1], got {self.local_fraction!r}")
-        if self.corpus is not None and not isinstance(self.corpus, CorpusConfig):
-            raise TypeError(f"corpus must be a CorpusConfig or None, got {type(self.corpus).__name__}")
-        for name in ("data_dir", "out_dir"):
-            if getattr(self, name) is not None:
-                setattr(self, name, Path(getattr(self, name)))
+        _check_corpus_and_paths(self)
 
 
 @dataclass(kw_only=True)
@@ -484,11 +489,7 @@ class LossEvalConfig(PolicyOptions, HfOptions):
             raise ValueError(f"max_seconds must be positive or None, got {self.max_seconds}")
         if self.dtype not in ("auto", "float32", "bfloat16"):
             raise ValueError(f"dtype must be 'auto', 'float32' or 'bfloat16', got {self.dtype!r}")
-        if self.corpus is not None and not isinstance(self.corpus, CorpusConfig):
-            raise TypeError(f"corpus must be a CorpusConfig or None, got {type(self.corpus).__name__}")
-        for name in ("data_dir", "out_dir"):
-            if getattr(self, name) is not None:
-                setattr(self, name, Path(getattr(self, name)))
+        _check_corpus_and_paths(self)
 
 
 @dataclass(kw_only=True)
