@@ -271,7 +271,8 @@ def optimizer_step(
     total = torch.zeros((), device=device)
     for xm, ym in pieces:
         with torch.autocast(device.type, dtype=torch.bfloat16):
-            _, loss = model(xm.to(device, non_blocking=True), ym.to(device, non_blocking=True))
+            _, loss = model(xm.to(device, non_blocking=True), ym.to(device, non_blocking=True),
+                            return_logits=False)
             objective = loss if regularizer is None else loss + regularizer()
         (objective / len(pieces)).backward()
         total += loss.detach().float() / len(pieces)

@@ -29,6 +29,7 @@ from lapse.layers import RMSNorm, RotaryEmbedding, SwiGLU
 from lapse.ops.forgetting import ACP_BLOCK
 
 from .config import ModelConfig
+from .loss import chunk_rows, chunked_lm_loss
 from .registry import build_attention
 
 
@@ -71,6 +72,9 @@ class Decoder(nn.Module):
         # must span the whole forward and its backward) and makes its RoPE tables first.
         self.cuda_graphs = False
         self.loss_fn = lm_loss  # prepare_blocks compiles it with the blocks
+        # Rows of [B * T] per chunk of the loss without logits (forward(return_logits=False)):
+        # a chunk's float32 logits take at most 256 MiB.
+        self.loss_chunk = chunk_rows(config.vocab_size)
 
     def forward(
         self,
@@ -79,7 +83,8 @@ class Decoder(nn.Module):
         *,
         cache: KVCache | None = None,
         lengths: Tensor | None = None,
-    ) -> tuple[Tensor, Tensor | None]:
+        return_logits: bool = True,
+    ) -> tuple[Tensor | None, Tensor | None]:
         """Logits and, with ``labels``, the mean cross-entropy.
 
         Args:
@@ -97,17 +102,32 @@ class Decoder(nn.Module):
                 padding; ``cache.last`` picks each one's last position). Without a cache
                 nothing needs it (attention is causal: the padding after a prompt does
                 not change its logits).
+            return_logits: ``False`` (with ``labels``; training and validation): no logits
+                are returned or ever made whole; the loss is computed with the output
+                projection, ``loss_chunk`` rows of ``[B * T]`` at a time
+                (:func:`lapse.models.loss.chunked_lm_loss`), so its memory grows with
+                ``T x C``, not ``T x V``. The same loss and gradients up to the order of
+                float32 sums.
 
         Returns:
-            ``(logits, loss)``: logits ``[B, T, V]`` in the model's dtype, loss a float32
-            scalar (``None`` without labels).
+            ``(logits, loss)``: logits ``[B, T, V]`` in the model's dtype (``None`` with
+            ``return_logits=False``), loss a float32 scalar (``None`` without labels).
         """
         shape = tuple(getattr(input_ids, "shape", ()))
         if labels is not None and (not isinstance(labels, Tensor) or tuple(labels.shape) != shape):
             raise ValueError(
                 f"labels must have the shape of input_ids {shape}, got {tuple(getattr(labels, 'shape', ()))}"
             )
-        logits = self.lm_head(self.hidden_states(input_ids, cache=cache, lengths=lengths))  # [B, T, V]
+        if not return_logits and labels is None:
+            raise ValueError("return_logits=False needs labels: the loss is all it returns")
+        hidden = self.hidden_states(input_ids, cache=cache, lengths=lengths)  # [B, T, C]
+        if not return_logits:
+            # The weight itself, not a call of lm_head per chunk: under FSDP2 the root's
+            # pre-forward hook has already put the gathered, plain weight in place (the
+            # sharded DTensor is back only after the forward), and the gradient returned for
+            # it accumulates where FSDP2 reduce-scatters it from.
+            return None, chunked_lm_loss(hidden, self.lm_head.weight, labels, self.loss_chunk)
+        logits = self.lm_head(hidden)  # [B, T, V]
         if labels is None:
             return logits, None
         return logits, self.loss_fn(logits, labels)
@@ -235,7 +255,8 @@ def prepare_blocks(
     activations recomputed in the backward instead of kept, ``torch.distributed``'s
     composable ``checkpoint``), then ``torch.compile`` per block (``compile`` a string: its
     mode, e.g. ``"reduce-overhead"``, CUDA graphs) and of the loss (:func:`lm_loss`, in the
-    default mode). The trainer and ``lapse bench train`` share it.
+    default mode; the loss without logits, ``forward(return_logits=False)``, stays eager:
+    :func:`lapse.models.loss.chunked_lm_loss`). The trainer and ``lapse bench train`` share it.
 
     With CUDA graphs (``model.cuda_graphs``) each forward begins a CUDA-graph step
     (``cudagraph_mark_step_begin``: without it every block call would start one and free

@@ -263,7 +263,9 @@ def train_step(
     for i, (xm, ym) in enumerate(pieces):
         with gradient_sync(module, i == len(pieces) - 1):
             with _autocast(device, dtype):
-                _, loss = module(xm.to(device, non_blocking=True), ym.to(device, non_blocking=True))
+                # the loss alone: its logits are never made whole (Decoder.forward)
+                _, loss = module(xm.to(device, non_blocking=True), ym.to(device, non_blocking=True),
+                                 return_logits=False)
                 objective = loss if regularizer is None else loss + regularizer()
             (objective / len(pieces)).backward()
         total += loss.detach().float() / len(pieces)
@@ -803,7 +805,7 @@ def _validate(run: _Run) -> None:
         x, y = run.val_sampler.batch(i, world.rank, world.size)
         for xm, ym in zip(x.split(micro), y.split(micro), strict=True):
             with _autocast(world.device, run.dtype):
-                _, loss = run.wrapped(xm.to(world.device), ym.to(world.device))
+                _, loss = run.wrapped(xm.to(world.device), ym.to(world.device), return_logits=False)
             total += loss.float()
             if run.dcp is not None:
                 dropped += run.dcp.observe()[1]
