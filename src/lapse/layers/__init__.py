@@ -10,6 +10,7 @@ read a config or an architecture name (``lapse.models.registry`` turns a config 
 
 from .attention import Attention
 from .castle import CastleAttention
+from .context import ContextParallel
 from .dcp import DCPAttention, DCPStats
 from .forgetting import ForgettingAttention
 from .mlp import SwiGLU
@@ -21,6 +22,7 @@ from .softmax import SoftmaxAttention
 __all__ = [
     "Attention",
     "CastleAttention",
+    "ContextParallel",
     "DCPAttention",
     "DCPStats",
     "ForgettingAttention",

@@ -56,6 +56,12 @@ class Attention(nn.Module):
     splits layer-wide per-slot state across the heads' pages)."""
     records_scores = True
     """Over a store that tracks scores, the kind records each key's attention (H2O, A2SF)."""
+    context_modes: tuple[str, ...] = ("head",)
+    """The modes of :class:`~lapse.layers.context.ContextParallel` the kind's full forward
+    runs under (``head`` serves any kind whose attention inputs are per head)."""
+    context = None
+    """The :class:`~lapse.layers.context.ContextParallel` the layer's full forwards run
+    under (:meth:`set_context`), ``None`` in one process."""
 
     def __init__(
         self,
@@ -93,10 +99,31 @@ class Attention(nn.Module):
         self.collect_stats = False
         self.last_stats = None
 
+    def set_context(self, context) -> None:
+        """Run full forwards under ``context`` (a
+        :class:`~lapse.layers.context.ContextParallel`, or ``None``: one process): ``x`` then
+        holds this rank's tokens of each sequence. A one-line error where the kind or its
+        head counts cannot."""
+        if context is not None:
+            name = type(self).__name__
+            if context.mode not in self.context_modes:
+                raise ValueError(
+                    f"{name} has no {context.mode!r} context parallelism; it runs under "
+                    + " or ".join(repr(m) for m in self.context_modes)
+                )
+            if context.mode == "head" and (self.n_heads % context.size or self.n_kv_heads % context.size):
+                raise ValueError(
+                    f"head-parallel attention over {context.size} ranks needs heads divisible by "
+                    f"{context.size}; {name} has {self.n_heads} query and {self.n_kv_heads} key/value heads"
+                )
+        self.context = context
+
     def forward(self, x: Tensor, positions: Tensor, cache: KVCache | None = None) -> Tensor:
         """x ``[B, T, C]`` (the normed block input); positions ``[B, T]`` or ``[1, T]``;
         with a cache the tokens continue the sequences it holds and are appended to it."""
         b, t, _ = x.shape
+        if cache is not None and self.context is not None:
+            raise ValueError("a layer under context parallelism runs full forwards only, without a cache")
         h, d = self.n_heads, self.head_dim
         q, key, val, gate = self._project(x)
         if cache is not None and t == 1:
@@ -185,7 +212,8 @@ class Attention(nn.Module):
     def _shift(self, key: Tensor, val: Tensor, x: Tensor, cache: KVCache | None) -> tuple[Tensor, Tensor]:
         """KV-shift, continued from the cached last pre-shift projections (``x_0 = 0``)."""
         if cache is None:
-            return self.k_shift.shift(key, x), self.v_shift.shift(val, x)
+            ctx = self.context
+            return self.k_shift.shift(key, x, context=ctx), self.v_shift.shift(val, x, context=ctx)
         state = cache.state(self.layer_idx, ShiftState)
         k_prev, v_prev = state.ensure(key, val)  # [B, 1, K, D]
         shifted = self.k_shift.shift(key, x, k_prev), self.v_shift.shift(val, x, v_prev)

@@ -81,7 +81,7 @@ from lapse.ops.castle import (
 from lapse.ops.castle.common import check_window
 
 from .attention import Attention
-from .rotary import RotaryEmbedding
+from .rotary import RotaryEmbedding, rope_limit
 
 
 class CastleAttention(Attention):
@@ -135,7 +135,7 @@ class CastleAttention(Attention):
         q_u = self.qu_proj(x).view(b, t, h, d)  # [B, T, H, D]
         k_u = self.ku_proj(x).view(b, t, kh, d)  # [B, T, K, D]
         v_u = self.vu_proj(x).view(b, t, kh, d)  # [B, T, K, D]
-        limit = t if cache is None else cache.capacity
+        limit = rope_limit(t, cache, self.context)
         q, k = self.rotary(q, positions, limit), self.rotary(k, positions, limit)
         q_u, k_u = self.rotary(q_u, positions, limit), self.rotary(k_u, positions, limit)
         if cache is None:
@@ -207,8 +207,13 @@ class CastleAttention(Attention):
     # custom op inside the graph instead (lapse.ops.forgetting.library); CASTLE's could be too.
     @torch.compiler.disable
     def _full(self, q: Tensor, k: Tensor, v: Tensor, q_u: Tensor, k_u: Tensor, v_u: Tensor) -> Tensor:
-        return castle_attention(q, k, v, q_u, k_u, v_u, scale=self.scale, window=self.window,
-                                backend=self.backend)
+        def attend(q, k, v, q_u, k_u, v_u):
+            return castle_attention(q, k, v, q_u, k_u, v_u, scale=self.scale, window=self.window,
+                                    backend=self.backend)
+
+        if self.context is not None:  # head mode: every input is per head
+            return self.context.attend(attend, q, k, v, q_u, k_u, v_u)
+        return attend(q, k, v, q_u, k_u, v_u)
 
     def _prompt_lookahead(self, q_u: Tensor, k_u: Tensor, v_u: Tensor, cache: KVCache) -> Tensor:
         """``U`` at the end of each prompt ``[B, T, H, D]`` (float32, float64 for float64):

@@ -217,6 +217,7 @@ class DCPAttention(DCPInteraction, SoftmaxAttention):
     supports_paged = True
     needs_uniform_heads = True  # kint is split across the kv heads' pages (see _attend_paged)
     records_scores = False  # its attention runs under the drop mask, without the scores H2O/A2SF read
+    context_modes = ("head",)  # the mask is shared by every head: each rank makes it whole
 
     def __init__(self, *args, r: int = 64, beta_init: float = 2.0, **kwargs):
         super().__init__(*args, **kwargs)
@@ -229,6 +230,13 @@ class DCPAttention(DCPInteraction, SoftmaxAttention):
         q, k = self._rotate(q, k, positions, cache)
         q_int, k_int = self.qint_proj(x), self.kint_proj(x)  # [B, T, r]
         if cache is None:
+            if self.context is not None:  # head mode: every rank's heads read the whole mask
+                ctx = self.context
+                log_i = self._log_mask(ctx.gather(q_int), ctx.gather(k_int))  # [B, T_all, T_all]
+                return ctx.attend(
+                    lambda q, k, v, log_i: dcp_attention(q, k, v, log_i, scale=self.scale),
+                    q, k, v, shared=(log_i,),
+                )
             return dcp_attention(q, k, v, self._log_mask(q_int, k_int), scale=self.scale)
         if isinstance(cache.view(self.layer_idx), PagedView):
             return self._attend_paged(q, k, v, q_int, k_int, positions, cache)

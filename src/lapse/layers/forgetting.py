@@ -17,10 +17,13 @@ from lapse.ops.forgetting import (
     forgetting_attention_decode,
     forgetting_decode_input,
 )
+from lapse.ops.forgetting.common import AttentionStats, tile_areas
 from lapse.ops.forgetting.library import compiled_forgetting_attention
 
 from .attention import Attention
 from .norm import gate_linear
+
+_OWN_BOUND = object()  # ForgettingAttention._full's default: the layer's own ACP bound
 
 
 class ForgettingAttention(Attention):
@@ -42,6 +45,7 @@ class ForgettingAttention(Attention):
     """
 
     supports_acp = True
+    context_modes = ("head", "gather")
 
     def __init__(self, *args, acp: bool = False, acp_eps: float = math.exp(-10),
                  backend: str = "auto", **kwargs):
@@ -55,6 +59,8 @@ class ForgettingAttention(Attention):
         # log gates in float32 (SPEC section 1), float64 when the model runs in float64
         log_fgate = F.logsigmoid(gate_linear(self.fgate, x))  # [B, T, H]
         if cache is None:
+            if self.context is not None:
+                return self._full_context(q, k, v, log_fgate)
             return self._full(q, k, v, log_fgate)
         b, t, h, _ = q.shape
         first = t > 1 and cache.length == 0  # prefill: the full-sequence op
@@ -123,31 +129,76 @@ class ForgettingAttention(Attention):
             scale=self.scale, backend="triton", check_values=False, **gated,
         )[:, None]  # [B, 1, H, D]
 
+    def _full_context(self, q: Tensor, k: Tensor, v: Tensor, log_fgate: Tensor) -> Tensor:
+        """:meth:`_full` over the whole sequence under context parallelism, for this rank's
+        tokens. In ``head`` mode a per-head ACP bound is cut to the rank's heads; in
+        ``gather`` mode each query chunk attends to the keys before its end, with the gates
+        of those keys, so the biases (and the tiles ACP prunes) are the one-process op's."""
+        ctx = self.context
+        bound = self.acp_bound()
+        if isinstance(bound, Tensor) and ctx.mode == "head":
+            bound = bound[ctx.head_slice(self.n_heads)]
+        calls = []  # with collect_stats: each call's statistics and its (queries, keys)
+
+        def attend(q: Tensor, k: Tensor, v: Tensor, log_fgate: Tensor) -> Tensor:
+            o = self._full(q, k, v, log_fgate, acp=bound)
+            if self.collect_stats:
+                calls.append((self.last_stats, q.shape[1], k.shape[1]))
+            return o
+
+        o = ctx.attend(attend, q, k, v, log_fgate)
+        if self.collect_stats:
+            self.last_stats = self._row_stats(calls, q.shape[0])
+        return o
+
+    @torch.no_grad()
+    def _row_stats(self, calls: list, batch: int) -> AttentionStats:
+        """The pruned share of each whole row and head ``[B, H]`` under context
+        parallelism, from this rank's calls (their tile areas summed over the row's
+        ranks); ``block_start`` is left empty (each call has its own tile grid)."""
+        ctx, h = self.context, self.n_heads
+        dev = calls[0][0].block_start.device
+        pruned = torch.zeros(batch, h, dtype=torch.float64, device=dev)
+        causal = torch.zeros(batch, h, dtype=torch.float64, device=dev)
+        heads = ctx.head_slice(h) if ctx.mode == "head" else slice(None)
+        for stats, tq, tk in calls:
+            full = lambda n: torch.full((batch,), n, device=dev)  # noqa: E731
+            p, c = tile_areas(stats.block_start, full(tq), full(tk))
+            pruned[:, heads] += p
+            causal[:, heads] += c[:, None]
+        fraction = ctx.total(pruned) / ctx.total(causal).clamp_min(1)  # [B, H]
+        return AttentionStats(fraction.float(), torch.empty(batch, h, 0, dtype=torch.int32, device=dev))
+
     def _full(
-        self, q: Tensor, k: Tensor, v: Tensor, log_fgate: Tensor, return_lse: bool = False
+        self, q: Tensor, k: Tensor, v: Tensor, log_fgate: Tensor, return_lse: bool = False,
+        acp: Tensor | str | None | object = _OWN_BOUND,
     ) -> Tensor | tuple[Tensor, Tensor]:
         """FoX attention over the whole sequence (training, or the prefill); with
         ``return_lse`` also its row log-sum-exp ``[B, H, T]``. While compiling, the Triton
         path goes through custom ops the compiler keeps in the block's graph
-        (:mod:`lapse.ops.forgetting.library`); anything else runs eager, outside it."""
+        (:mod:`lapse.ops.forgetting.library`); anything else runs eager, outside it.
+        ``acp``: the ACP bound, the layer's own (:meth:`acp_bound`) unless given."""
+        if acp is _OWN_BOUND:
+            acp = self.acp_bound()
         triton = self.backend == "triton" or (self.backend == "auto" and q.is_cuda)
         if (torch.compiler.is_compiling() and triton and not (return_lse or self.collect_stats)
                 and q.dtype != torch.float64):
             return compiled_forgetting_attention(
-                q, k, v, log_fgate, scale=self.scale, acp=self.acp_bound(), acp_eps=self.acp_eps
+                q, k, v, log_fgate, scale=self.scale, acp=acp, acp_eps=self.acp_eps
             )
-        return self._full_eager(q, k, v, log_fgate, return_lse)
+        return self._full_eager(q, k, v, log_fgate, return_lse, acp)
 
     # torch.compile cannot trace the op's Triton kernels: Inductor re-compiles user Triton
     # kernels itself and fails on the forward kernel's nested @triton.jit helpers (Triton 3.6,
     # torch 2.11). The Triton path has custom ops for it (_full); this is every other case.
     @torch.compiler.disable
     def _full_eager(
-        self, q: Tensor, k: Tensor, v: Tensor, log_fgate: Tensor, return_lse: bool = False
+        self, q: Tensor, k: Tensor, v: Tensor, log_fgate: Tensor, return_lse: bool = False,
+        acp: Tensor | str | None = None,
     ) -> Tensor | tuple[Tensor, Tensor]:
         out = forgetting_attention(
             q, k, v, log_fgate,
-            scale=self.scale, acp=self.acp_bound(), acp_eps=self.acp_eps,
+            scale=self.scale, acp=acp, acp_eps=self.acp_eps,
             return_lse=return_lse, return_stats=self.collect_stats, backend=self.backend,
         )
         if not (return_lse or self.collect_stats):

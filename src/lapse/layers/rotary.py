@@ -45,3 +45,11 @@ class RotaryEmbedding(nn.Module):
         sin = sin_table[positions].to(dtype)[:, :, None, :]
         x1, x2 = x.to(dtype).chunk(2, dim=-1)  # [B, T, H, D/2] each
         return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).to(x.dtype)
+
+
+def rope_limit(t: int, cache=None, context=None) -> int:
+    """The positions a layer's RoPE table must cover: the cache's capacity, the whole
+    sequence under context parallelism (``t`` local tokens), else the ``t`` tokens."""
+    if cache is not None:
+        return cache.capacity
+    return t if context is None else context.global_length(t)

@@ -5,12 +5,13 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import Tensor
+from torch.nn.attention.bias import causal_lower_right
 
 from lapse.kv import KVCache, PagedView
 from lapse.ops.forgetting import forgetting_attention_cached
 
 from .attention import Attention
-from .rotary import RotaryEmbedding
+from .rotary import RotaryEmbedding, rope_limit
 
 
 class SoftmaxAttention(Attention):
@@ -27,6 +28,7 @@ class SoftmaxAttention(Attention):
     """
 
     needs_even_head_dim = True
+    context_modes = ("head", "gather")
 
     def __init__(self, *args, rope_base: float = 500000.0, **kwargs):
         super().__init__(*args, **kwargs)
@@ -38,6 +40,8 @@ class SoftmaxAttention(Attention):
         t = q.shape[1]
         q, k = self._rotate(q, k, positions, cache)
         if cache is None:
+            if self.context is not None:
+                return self.context.attend(lambda q, k, v: self._sdpa(q, k, v, None), q, k, v)
             return self._sdpa(q, k, v, None)
         first = t > 1 and cache.length == 0  # prefill: its own tokens, causal
         cache.append(self.layer_idx, k, v)
@@ -66,12 +70,15 @@ class SoftmaxAttention(Attention):
         self, q: Tensor, k: Tensor, positions: Tensor, cache: KVCache | None
     ) -> tuple[Tensor, Tensor]:
         """RoPE on q and k at ``positions``, its table sized for the cache's capacity."""
-        limit = q.shape[1] if cache is None else cache.capacity
+        limit = rope_limit(q.shape[1], cache, self.context)
         return self.rotary(q, positions, limit), self.rotary(k, positions, limit)
 
     def _sdpa(self, q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None) -> Tensor:
-        """SDPA in ``[B, T, H, D]`` layout; causal when no mask is given."""
+        """SDPA in ``[B, T, H, D]`` layout; causal when no mask is given, the queries at the
+        end of the keys when there are fewer of them."""
         b, t, h, d = q.shape
+        if mask is None and t != k.shape[1]:
+            mask = causal_lower_right(t, k.shape[1])
         # One query: [B, H, 1, D] as a view of [B, H, D], so its stride over the query dim is
         # D. Inductor may otherwise give that size-1 dim stride 1, which the memory-efficient
         # kernel rejects ("query is not correctly aligned", torch 2.11, head dim 16).

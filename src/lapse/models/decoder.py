@@ -71,6 +71,7 @@ class Decoder(nn.Module):
         # a CUDA-graph step (one block's outputs are the next one's inputs, so one step
         # must span the whole forward and its backward) and makes its RoPE tables first.
         self.cuda_graphs = False
+        self.context = None  # ContextParallel: set_context
         self.loss_fn = lm_loss  # prepare_blocks compiles it with the blocks
         # Rows of [B * T] per chunk of the loss without logits (forward(return_logits=False)):
         # a chunk's float32 logits take at most 256 MiB.
@@ -126,11 +127,24 @@ class Decoder(nn.Module):
             # pre-forward hook has already put the gathered, plain weight in place (the
             # sharded DTensor is back only after the forward), and the gradient returned for
             # it accumulates where FSDP2 reduce-scatters it from.
-            return None, chunked_lm_loss(hidden, self.lm_head.weight, labels, self.loss_chunk)
+            loss = chunked_lm_loss(hidden, self.lm_head.weight, labels, self.loss_chunk)
+            return None, self._context_share(loss, labels)
         logits = self.lm_head(hidden)  # [B, T, V]
         if labels is None:
             return logits, None
-        return logits, self.loss_fn(logits, labels)
+        return logits, self._context_share(self.loss_fn(logits, labels), labels)
+
+    def _context_share(self, loss: Tensor, labels: Tensor) -> Tensor:
+        """Under context parallelism, this rank's share of its rows' mean loss times the
+        ranks per row: ``cp * (sum over its labels) / (labels over the whole rows)``. Their
+        mean over the row's ranks is the rows' mean, and gradients averaged over every
+        rank (FSDP2, DDP) are those of the global batch's mean. ``loss``: the mean over
+        this rank's labels (0 where it holds none)."""
+        if self.context is None:
+            return loss
+        count = (labels != -100).sum()
+        share = count * self.context.size / self.context.total(count).clamp_min(1)
+        return torch.where(count > 0, loss, 0.0) * share
 
     def hidden_states(
         self, input_ids: Tensor, *, cache: KVCache | None = None, lengths: Tensor | None = None
@@ -142,7 +156,10 @@ class Decoder(nn.Module):
         if not torch.compiler.is_compiling():
             self._check_inputs(input_ids, cache)
         b, t = input_ids.shape
-        if cache is None:
+        if cache is None and self.context is not None:  # this rank's tokens of each row
+            positions = self.context.positions(t, input_ids.device)  # [1, T]
+            t = self.context.global_length(t)  # the RoPE tables cover the whole rows
+        elif cache is None:
             positions = torch.arange(t, device=input_ids.device)[None]  # [1, T]
         else:
             positions = cache.begin(b, t, input_ids.device, lengths)  # [B, T]
@@ -160,6 +177,16 @@ class Decoder(nn.Module):
         if cache is not None:
             cache.advance()
         return self.norm(x)  # [B, T, C]
+
+    def set_context(self, context) -> None:
+        """Train under context parallelism (a :class:`lapse.layers.ContextParallel`, or
+        ``None``: one process): each rank's ``input_ids`` are then its tokens of the same
+        rows (``context.split``), positions and attention follow the whole rows, and the
+        loss is this rank's share of the rows' mean (:meth:`forward`). Raises where an
+        attention layer cannot run under it."""
+        for block in self.blocks:
+            block.attn.set_context(context)
+        self.context = context
 
     def _check_inputs(self, input_ids: Tensor, cache: KVCache | None) -> None:
         if not isinstance(input_ids, Tensor) or input_ids.dim() != 2 or input_ids.is_floating_point():

@@ -462,14 +462,21 @@ def pruned_fraction(block_start: Tensor, p: Problem, block: int = ACP_BLOCK) -> 
     holding its last query. Returns ``[B, HQ]`` float32.
     """
     dev = block_start.device
-    m_blocks = block_start.shape[-1]
     lengths = torch.tensor(p.seqlens if p.seqlens is not None else [p.tk] * p.batch, device=dev)
     tq = lengths if p.seqlens is not None else torch.full_like(lengths, p.tq)
-    off = lengths - tq  # [B]
-    m = torch.arange(m_blocks, device=dev)[None]  # [1, M]
+    pruned, causal = tile_areas(block_start, tq, lengths, block)
+    return (pruned / causal.clamp_min(1)[:, None]).float()
+
+
+def tile_areas(block_start: Tensor, tq: Tensor, tk: Tensor, block: int = ACP_BLOCK) -> tuple[Tensor, Tensor]:
+    """The pruned tile area ``[B, HQ]`` and the causal tile area ``[B]`` (float64) of a call
+    whose ``tq`` ``[B]`` queries sit at the end of its ``tk`` ``[B]`` keys, from its
+    boundary indices ``[B, HQ, M]``: what :func:`pruned_fraction` divides, and what calls
+    on parts of one sequence (context parallelism) add up."""
+    m = torch.arange(block_start.shape[-1], device=block_start.device)[None]  # [1, M]
     rows = (tq[:, None] - m * block).clamp(0, block)  # [B, M]
-    last_q = (m * block + rows - 1 + off[:, None]).clamp_min(0)  # [B, M]
-    causal_cols = torch.minimum((last_q // block + 1) * block, lengths[:, None])  # [B, M]
+    last_q = (m * block + rows - 1 + (tk - tq)[:, None]).clamp_min(0)  # [B, M]
+    causal_cols = torch.minimum((last_q // block + 1) * block, tk[:, None])  # [B, M]
     causal = (rows * causal_cols).sum(1).double()  # [B]
     pruned = (rows[:, None, :] * block_start.long() * block).sum(-1).double()  # [B, HQ]
-    return (pruned / causal.clamp_min(1)[:, None]).float()
+    return pruned, causal
