@@ -352,8 +352,14 @@ def _torchrun(args: list[str], nproc: int) -> subprocess.CompletedProcess:
     return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
 
 
-@pytest.mark.parametrize("parallel", ["fsdp", "ddp"])
+@pytest.mark.parametrize(
+    "parallel",
+    [["--parallel", "fsdp"], ["--parallel", "ddp"], ["--cp", "2"], ["--cp", "2", "--cp-mode", "gather"]],
+    ids=["fsdp", "ddp", "cp-head", "cp-gather"],
+)
 def test_two_processes_follow_the_one_process_curve(tmp_path, data_dir, parallel):
+    """Two processes holding different rows (FSDP2, DDP) or the two halves of every row
+    (context parallelism, FSDP2 over both) train the one-process curve."""
     common = [
         "--data-dir",
         str(data_dir),
@@ -370,7 +376,7 @@ def test_two_processes_follow_the_one_process_curve(tmp_path, data_dir, parallel
         replace(tiny(tmp_path / "one", data_dir, steps=6, val_every=3, acp_stats_every=0, checkpoint_every=3))
     )
     result = _torchrun(
-        ["train", "cpu-tiny", "--run-dir", str(tmp_path / "two"), "--parallel", parallel, *common], nproc=2
+        ["train", "cpu-tiny", "--run-dir", str(tmp_path / "two"), *parallel, *common], nproc=2
     )
     assert result.returncode == 0, result.stdout + result.stderr
     a = read_metrics(Path(one["run_dir"]))
@@ -380,6 +386,12 @@ def test_two_processes_follow_the_one_process_curve(tmp_path, data_dir, parallel
         assert len(la) == len(lb) > 0
         # The same rows in the same global batch; only the reduction order differs.
         assert la == pytest.approx(lb, rel=2e-4, abs=2e-4), kind
+    if "--cp" in parallel:  # the report says how the rows were split
+        mode = parallel[-1] if "--cp-mode" in parallel else "head"
+        summary = json.loads((tmp_path / "two" / "summary.json").read_text())
+        assert summary["context_parallel"] == {"cp": 2, "mode": mode}
+        report = (tmp_path / "two" / "report.md").read_text()
+        assert f"each row split into 4 chunks over 2 of them (context parallelism, {mode} mode" in report
     # the sharded checkpoint holds the full weights and resumes in one process
     assert resume(tmp_path / "two", steps=7)["step"] == 7
 

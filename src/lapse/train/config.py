@@ -154,6 +154,19 @@ class TrainConfig:
     """Data parallelism under ``torchrun``: FSDP2 (``fully_shard``, per block) or DDP.
     ``auto``: FSDP2. Ignored in a single process."""
 
+    cp: int = 1
+    """Context parallelism under ``torchrun``: processes per row, each holding two of its
+    ``2 * cp`` chunks (rows are padded to a multiple of ``2 * cp``, the padding left out of
+    the loss); the processes are split into ``nproc / cp`` groups that hold different rows.
+    ``1``: each process holds whole rows. Ignored in a single process (a run trained with
+    it resumes in one; ``lapse resume RUN --cp N`` changes it)."""
+
+    cp_mode: Literal["head", "gather"] = "head"
+    """How attention spans the row's processes: ``head`` (all-to-all: each process attends
+    over the whole row for ``1 / cp`` of the heads; every attention kind; head counts must
+    divide by ``cp``) or ``gather`` (each process gathers the row's keys and values and
+    attends its chunks to them; softmax and forgetting attention, ACP included)."""
+
     fsdp_reshard_after_forward: bool = True
     """FSDP2: free each block's gathered parameters after its forward and gather them again
     for the backward (least memory); ``False`` keeps them until the backward (less traffic)."""
@@ -237,6 +250,8 @@ class TrainConfig:
             raise ValueError(f"peak_tflops must be positive (one device's TFLOP/s), got {self.peak_tflops}")
         if not 0 <= self.seed < 2**32:  # numpy's generators take these (a negative seed failed mid-setup)
             raise ValueError(f"seed must be in [0, 2**32), got {self.seed}")
+        if isinstance(self.cp, bool) or not isinstance(self.cp, int) or self.cp < 1:
+            raise ValueError(f"cp must be a positive integer, got {self.cp!r}")
         if self.seq_len is not None and self.seq_len < 1:
             raise ValueError(f"seq_len must be positive or None, got {self.seq_len}")
         if self.micro_batch_size is not None:
@@ -299,6 +314,8 @@ RESUME_FIELDS: tuple[str, ...] = (
     "device",
     "data_dir",
     "peak_tflops",
+    "cp",
+    "cp_mode",
 )
 """Fields of :class:`TrainConfig` a resumed run may change: how the session runs and what
 it records, never the model, the data or the optimisation (the curve would not continue)."""
@@ -354,6 +371,10 @@ class ResumeConfig:
     """Where the tokenised corpus is cached."""
     peak_tflops: float | None = None
     """Peak TFLOP/s of one device, for MFU."""
+    cp: int | None = None
+    """Processes per row under ``torchrun`` (context parallelism); 1: whole rows."""
+    cp_mode: Literal["head", "gather"] | None = None
+    """``head`` or ``gather`` (see ``lapse train --help``)."""
 
     def __post_init__(self) -> None:
         for flag in _FLAGS:

@@ -4,19 +4,27 @@ Under ``torchrun`` (``WORLD_SIZE > 1``) every rank trains a replica on its rows 
 global batch: FSDP2 (``torch.distributed.fsdp.fully_shard``, one unit per block, then the
 whole model) or DDP. In one process the model is used as it is. The model module keeps
 its parameter names in every mode, so checkpoints move between them.
+
+With context parallelism (``cp`` ranks per row) the ranks form a ``(data, context)``
+DeviceMesh: the ``cp`` ranks of one data index hold the same rows, each its part of every
+sequence (:class:`lapse.layers.ContextParallel`, over the mesh's ``context`` group).
+FSDP2 or DDP still spans every rank: each rank's loss is its share of its rows' mean
+times ``cp`` (``Decoder.forward``), so the gradients averaged over all ranks are those of
+the global batch's mean.
 """
 
 from __future__ import annotations
 
 import contextlib
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
+from lapse.layers import ContextParallel
 from lapse.ops.backend import resolve_device
 
 
@@ -28,6 +36,8 @@ class World:
     size: int
     local_rank: int
     device: torch.device
+    cp: int = 1
+    """Ranks per row (context parallelism): consecutive ranks share rows."""
 
     @property
     def main(self) -> bool:
@@ -37,6 +47,16 @@ class World:
     @property
     def distributed(self) -> bool:
         return self.size > 1
+
+    @property
+    def data_rank(self) -> int:
+        """Which rows this rank holds: its index along the data dimension."""
+        return self.rank // self.cp
+
+    @property
+    def data_size(self) -> int:
+        """How many ways the global batch's rows are split."""
+        return self.size // self.cp
 
 
 def init_world(device: str = "auto") -> World:
@@ -57,6 +77,20 @@ def init_world(device: str = "auto") -> World:
             timeout=timedelta(hours=2),
         )
     return World(rank=rank, size=size, local_rank=local_rank, device=dev)
+
+
+def context_parallel(world: World, cp: int, mode: str) -> tuple[World, ContextParallel | None]:
+    """``world`` with ``cp`` ranks per row, and this rank's
+    :class:`~lapse.layers.ContextParallel` over its row group (``None`` when ``cp`` is 1
+    or in one process), from a ``(data, context)`` DeviceMesh."""
+    if cp == 1 or not world.distributed:  # one process holds whole rows
+        return world, None
+    if cp < 1 or world.size % cp:
+        raise ValueError(f"--cp {cp} must divide the {world.size} processes (torchrun --nproc-per-node)")
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh(world.device.type, (world.size // cp, cp), mesh_dim_names=("data", "context"))
+    return replace(world, cp=cp), ContextParallel.of(mesh.get_group("context"), mode)
 
 
 def close_world(world: World, clean: bool = True) -> None:

@@ -141,6 +141,17 @@ _EXECUTION = {
 }
 
 
+def _context_text(s: dict) -> str:
+    """How each row was split across processes (context parallelism), or nothing."""
+    cp = s.get("context_parallel")
+    if not cp:
+        return ""
+    how = ("each attending over the whole row for 1/{n} of the heads" if cp["mode"] == "head"
+           else "each gathering the row's keys and values").format(n=cp["cp"])
+    return (f", each row split into {2 * cp['cp']} chunks over {cp['cp']} of them "
+            f"(context parallelism, {cp['mode']} mode: {how})")
+
+
 def _mfu_text(s: dict) -> str:
     """The MFU of a summary: of the FLOPs done; with ACP, at the mean of its measured pruned
     shares, beside the dense-equivalent one (attention counted dense causal)."""
@@ -172,7 +183,7 @@ def write_report(run_dir: Path, summary: dict) -> Path:
         f"- data: {s['corpus']}, tokenizer `{s['tokenizer']}` ({s['vocab_size']} ids); "
         f"{s['train_tokens']:,} training tokens available",
         f"- batch: {s['batch_size']} x {s['seq_len']} tokens per step on {s['world_size']} "
-        f"{s['device']} process(es); {s['tokens']:,} tokens seen"
+        f"{s['device']} process(es){_context_text(s)}; {s['tokens']:,} tokens seen"
         + (f"; blocks {_EXECUTION[s['compile']]}" if s.get("compile") in _EXECUTION else ""),
         f"- time: {s['elapsed_s'] / 60:.1f} min of training, {s['tokens_per_s']:,.0f} tokens/s"
         + _mfu_text(s),

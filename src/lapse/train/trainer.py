@@ -43,6 +43,7 @@ from tqdm.auto import tqdm
 from lapse.data import PreparedData, WindowSampler
 from lapse.files import write_json_atomic
 from lapse.interrupt import StopFlag, stop_signals
+from lapse.layers import ContextParallel
 from lapse.models import Decoder, flops_per_token, keep_grads, optimizer_groups, param_count, prepare_blocks
 from lapse.models.checkpoint import (
     CONFIG_FILE,
@@ -71,6 +72,7 @@ from .distributed import (
     all_reduce_mean,
     any_rank,
     close_world,
+    context_parallel,
     gradient_sync,
     init_world,
     parallelize,
@@ -320,6 +322,7 @@ class _Run:
     sampler: WindowSampler
     val_sampler: WindowSampler | None  # None: the corpus has no validation split
     micro: int  # rows per forward and backward on this rank
+    context: ContextParallel | None  # this rank's part of each row (--cp), None: whole rows
     model: Decoder
     wrapped: torch.nn.Module  # the model as the loop calls it (FSDP2 / DDP / itself)
     optimizer: torch.optim.Optimizer
@@ -462,8 +465,9 @@ def _setup(cfg: TrainConfig, world: World, resuming: bool) -> _Run:
     data = prepare_data(cfg, rank=world.rank, progress=show, new_run=not resuming)
     if world.main and not resuming:
         data.tokenizer.save(run_dir / "tokenizer")
+    world, context = context_parallel(world, cfg.cp, cfg.cp_mode)
     micro = _micro_batch_rows(cfg, world)
-    model, wrapped, optimizer = _model_and_optimizer(cfg, world, init=not resuming)
+    model, wrapped, optimizer = _model_and_optimizer(cfg, world, init=not resuming, context=context)
     layers = dcp_layers(model)
     dcp = DCPTraining(layers, cfg.dcp, cfg.steps, world.device) if layers else None
 
@@ -493,6 +497,7 @@ def _setup(cfg: TrainConfig, world: World, resuming: bool) -> _Run:
         if data.validation is not None and cfg.val_every
         else None,
         micro=micro,
+        context=context,
         model=model,
         wrapped=wrapped,
         optimizer=optimizer,
@@ -512,10 +517,12 @@ def _setup(cfg: TrainConfig, world: World, resuming: bool) -> _Run:
 
 
 def _micro_batch_rows(cfg: TrainConfig, world: World) -> int:
-    """Rows per forward: the global batch is split over ranks, then into micro-batches."""
-    if cfg.batch_size % world.size:
-        raise ValueError(f"batch_size ({cfg.batch_size}) must be divisible by the {world.size} processes")
-    rows = cfg.batch_size // world.size
+    """Rows per forward: the global batch is split over the ranks' groups that hold
+    different rows (every rank, without context parallelism), then into micro-batches."""
+    if cfg.batch_size % world.data_size:
+        groups = "processes" if world.cp == 1 else f"groups of {world.cp} processes (--cp)"
+        raise ValueError(f"batch_size ({cfg.batch_size}) must be divisible by the {world.data_size} {groups}")
+    rows = cfg.batch_size // world.data_size
     micro = cfg.micro_batch_size or rows
     if rows % micro:
         raise ValueError(f"micro_batch_size ({micro}) must divide the {rows} rows per process")
@@ -542,7 +549,7 @@ def graphed(cfg: TrainConfig, world: World) -> bool:
 
 
 def _model_and_optimizer(
-    cfg: TrainConfig, world: World, init: bool = True
+    cfg: TrainConfig, world: World, init: bool = True, context: ContextParallel | None = None
 ) -> tuple[Decoder, torch.nn.Module, torch.optim.Optimizer]:
     """The model (float32 parameters; autocast does the low precision; the weights of
     ``init_from`` when ``init``), the module the loop calls (sharded or wrapped across
@@ -561,6 +568,7 @@ def _model_and_optimizer(
         trained = {id(p) for layer in layers for p in layer.interaction_parameters()}
         for p in model.parameters():
             p.requires_grad_(id(p) in trained)
+    model.set_context(context)  # before compiling: the blocks trace its collectives
     mode = "reduce-overhead" if graphed(cfg, world) else cfg.compile
     prepare_blocks(model, activation_checkpointing=cfg.activation_checkpointing, compile=mode)
     if world.device.type == "cuda":
@@ -711,7 +719,7 @@ def _optimizer_step(run: _Run, collect_acp_stats: bool) -> None:
     run.model.set_collect_stats(collect_acp_stats)
     if run.dcp is not None:
         run.dcp.set_step(step)  # alpha: a function of the step, so a resume continues it
-    x, y = run.sampler.batch(step, world.rank, world.size)  # [rows, T] each
+    x, y = _context_rows(run.context, *run.sampler.batch(step, world.data_rank, world.data_size))
     loss, grad_norm = train_step(
         run.wrapped, run.optimizer, x, y, run.micro, world.device, run.dtype, cfg.grad_clip, run.dcp
     )
@@ -802,7 +810,7 @@ def _validate(run: _Run) -> None:
     total = torch.zeros((), device=world.device)
     dropped = torch.zeros(len(run.dcp.layers) if run.dcp else 0, device=world.device)  # [L]
     for i in range(cfg.val_batches):
-        x, y = run.val_sampler.batch(i, world.rank, world.size)
+        x, y = _context_rows(run.context, *run.val_sampler.batch(i, world.data_rank, world.data_size))
         for xm, ym in zip(x.split(micro), y.split(micro), strict=True):
             with _autocast(world.device, run.dtype):
                 _, loss = run.wrapped(xm.to(world.device), ym.to(world.device), return_logits=False)
@@ -810,7 +818,7 @@ def _validate(run: _Run) -> None:
             if run.dcp is not None:
                 dropped += run.dcp.observe()[1]
     run.wrapped.train()
-    rows = cfg.batch_size // world.size
+    rows = cfg.batch_size // world.data_size
     forwards = cfg.val_batches * (rows // micro)
     loss = all_reduce_mean(total / forwards, world).item()
     record = {"kind": "val", "step": run.step, "tokens": run.state["tokens"], "loss": loss}
@@ -818,6 +826,20 @@ def _validate(run: _Run) -> None:
         per_layer = all_reduce_mean(dropped / forwards, world).tolist()
         record.update(sparsity=sum(per_layer) / len(per_layer), sparsity_per_layer=per_layer)
     run.log.write(record)
+
+
+def _context_rows(context: ContextParallel | None, x: torch.Tensor, y: torch.Tensor):
+    """This rank's tokens of the rows ``x, y`` ``[rows, T]``: all of them in one process,
+    else its two chunks of each row padded to a multiple of ``2 * cp`` (the padding's
+    labels ``-100``: left out of the loss; being after every real token, causal attention
+    never reads it)."""
+    if context is None:
+        return x, y
+    pad = context.padded_length(x.shape[1]) - x.shape[1]
+    if pad:
+        x = torch.nn.functional.pad(x, (0, pad), value=0)
+        y = torch.nn.functional.pad(y, (0, pad), value=-100)
+    return context.split(x), context.split(y)
 
 
 def _checkpoint(run: _Run) -> None:
@@ -861,6 +883,7 @@ def _summary(run: _Run, status: str) -> dict:
         "batch_size": cfg.batch_size,
         "seq_len": cfg.context,
         "world_size": world.size,
+        "context_parallel": None if run.context is None else {"cp": world.cp, "mode": run.context.mode},
         "device": world.device.type,
         "compile": "cuda-graphs" if graphed(cfg, world) else ("compiled" if cfg.compile else "eager"),
         "tokens": state["tokens"],
