@@ -396,6 +396,23 @@ def test_two_processes_follow_the_one_process_curve(tmp_path, data_dir, parallel
     assert resume(tmp_path / "two", steps=7)["step"] == 7
 
 
+def test_dcp_under_context_parallelism_follows_one_process(tmp_path, data_dir):
+    """DCP's scalar beta makes `--parallel auto` take DDP (FSDP2 refuses 0-d parameters);
+    with `--cp 2` each rank builds the whole mask, and the sparsity term's gradient, summed
+    over the row's ranks like the loss's, gives the one-process curve."""
+    model = ["--model.attention", "dcp", "--model.block", "llama", "--model.no-acp", "--dcp.gamma", "0.1"]
+    common = ["--data-dir", str(data_dir), "--steps", "3", "--val-every", "3", "--acp-stats-every", "0",
+              "--checkpoint-every", "0", "--no-progress", *model]
+    assert cli_main(["train", "cpu-tiny", "--run-dir", str(tmp_path / "one"), *common]) in (0, None)
+    result = _torchrun(["train", "cpu-tiny", "--run-dir", str(tmp_path / "two"), "--cp", "2", *common], nproc=2)
+    assert result.returncode == 0, result.stdout + result.stderr
+    a, b = read_metrics(tmp_path / "one"), read_metrics(tmp_path / "two")
+    for kind in ("train", "val"):
+        la, lb = [r["loss"] for r in kinds(a, kind)], [r["loss"] for r in kinds(b, kind)]
+        assert len(la) == len(lb) > 0
+        assert la == pytest.approx(lb, rel=2e-4, abs=2e-4), kind
+
+
 def test_a_new_total_of_steps_sticks_across_resumes(tmp_path, data_dir):
     first = train(tiny(tmp_path, data_dir, steps=6, stop_at_step=3, val_every=0, acp_stats_every=0))
     assert first["step"] == 3

@@ -207,11 +207,12 @@ class ContextParallel:
             raise ValueError("gather-mode context parallelism takes no shared inputs: use mode 'head'")
         keys = [self.gather(t) for t in (k, v, *per_key)]  # [B, T, ...] each
         n = self._chunk_length(q.shape[1])
-        out = []
-        for i, c in enumerate(self.chunks):
-            end = (c + 1) * n  # the chunk's queries see the keys before its end
-            out.append(fn(q[:, i * n : (i + 1) * n], *(t[:, :end] for t in keys)))  # [B, n, H, D]
-        return torch.cat(out, dim=1)  # [B, 2n, H, D]
+        a, b = self.chunks  # each chunk's queries see the keys before its end
+        # Two calls written out rather than a loop: under torch.compile a graph break inside
+        # a loop (an eager op) makes Dynamo skip the whole frame, outside one it only splits it.
+        o_a = fn(q[:, :n], *(t[:, : (a + 1) * n] for t in keys))  # [B, n, H, D]
+        o_b = fn(q[:, n:], *(t[:, : (b + 1) * n] for t in keys))  # [B, n, H, D]
+        return torch.cat([o_a, o_b], dim=1)  # [B, 2n, H, D]
 
 
 __all__ = ["CP_MODES", "ContextParallel"]

@@ -152,7 +152,8 @@ class TrainConfig:
 
     parallel: Literal["auto", "fsdp", "ddp"] = "auto"
     """Data parallelism under ``torchrun``: FSDP2 (``fully_shard``, per block) or DDP.
-    ``auto``: FSDP2. Ignored in a single process."""
+    ``auto``: FSDP2, or DDP for a model with scalar parameters (DCP's ``beta``), which
+    FSDP2 cannot shard. Ignored in a single process."""
 
     cp: int = 1
     """Context parallelism under ``torchrun``: processes per row, each holding two of its

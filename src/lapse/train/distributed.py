@@ -114,9 +114,16 @@ def parallelize(
     param_dtype: torch.dtype = torch.float32,
 ) -> nn.Module:
     """The module the training loop calls: the model itself in one process, sharded with
-    FSDP2 per block (``mode`` "fsdp" or "auto") or wrapped in DDP across processes."""
+    FSDP2 per block (``mode`` "fsdp" or "auto") or wrapped in DDP across processes.
+    ``auto`` takes DDP for a model with scalar parameters (DCP's ``beta``), which FSDP2's
+    ``fully_shard`` refuses."""
     if not world.distributed:
         return model
+    scalars = [name for name, p in model.named_parameters() if p.dim() == 0]
+    if scalars and mode == "fsdp":
+        raise ValueError(f"FSDP2 cannot shard scalar parameters ({', '.join(scalars[:3])}); use --parallel ddp")
+    if scalars and mode == "auto":  # DCP's beta: fully_shard refuses 0-d parameters
+        mode = "ddp"
     if mode in ("auto", "fsdp"):
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
