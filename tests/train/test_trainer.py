@@ -404,7 +404,8 @@ def test_dcp_under_context_parallelism_follows_one_process(tmp_path, data_dir):
     common = ["--data-dir", str(data_dir), "--steps", "3", "--val-every", "3", "--acp-stats-every", "0",
               "--checkpoint-every", "0", "--no-progress", *model]
     assert cli_main(["train", "cpu-tiny", "--run-dir", str(tmp_path / "one"), *common]) in (0, None)
-    result = _torchrun(["train", "cpu-tiny", "--run-dir", str(tmp_path / "two"), "--cp", "2", *common], nproc=2)
+    two = ["train", "cpu-tiny", "--run-dir", str(tmp_path / "two"), "--cp", "2", *common]
+    result = _torchrun(two, nproc=2)
     assert result.returncode == 0, result.stdout + result.stderr
     a, b = read_metrics(tmp_path / "one"), read_metrics(tmp_path / "two")
     for kind in ("train", "val"):

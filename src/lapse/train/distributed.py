@@ -121,7 +121,8 @@ def parallelize(
         return model
     scalars = [name for name, p in model.named_parameters() if p.dim() == 0]
     if scalars and mode == "fsdp":
-        raise ValueError(f"FSDP2 cannot shard scalar parameters ({', '.join(scalars[:3])}); use --parallel ddp")
+        names = ", ".join(scalars[:3])
+        raise ValueError(f"FSDP2 cannot shard scalar parameters ({names}); use --parallel ddp")
     if scalars and mode == "auto":  # DCP's beta: fully_shard refuses 0-d parameters
         mode = "ddp"
     if mode in ("auto", "fsdp"):
