@@ -277,9 +277,11 @@ class DecodeBenchConfig:
 # default backend: cuDNN on an H100), freshly initialised: the reference for what the rest
 # of the model costs. "dcp": that
 # Transformer under DCP fine-tuning.
+# "transformer-torchcp": that Transformer under torch's own context parallelism (--cp > 1).
 # "-compile": torch.compile per block; "-cudagraphs": its reduce-overhead mode (CUDA graphs)
 MODES = {"": False, "-compile": True, "-cudagraphs": "reduce-overhead"}
-VARIANTS = tuple(f"{v}{c}" for v in ("dense", "acp", "transformer", "dcp") for c in MODES)
+VARIANTS = (*(f"{v}{c}" for v in ("dense", "acp", "transformer", "dcp") for c in MODES),
+            "transformer-torchcp", "transformer-torchcp-compile")
 
 
 @dataclass(kw_only=True)
@@ -308,7 +310,17 @@ class TrainBenchConfig:
     """Any of ``dense``, ``acp``, ``transformer`` (the same sizes with RoPE and SDPA, its default
     backend, instead of forgetting attention), ``dcp`` (that Transformer fine-tuned with DCP), each
     optionally with ``-compile`` (``torch.compile`` per block) or ``-cudagraphs`` (its
-    ``reduce-overhead`` mode: each block's graph replayed as a CUDA graph)."""
+    ``reduce-overhead`` mode: each block's graph replayed as a CUDA graph); with ``cp`` > 1 on
+    CUDA also ``transformer-torchcp`` (optionally ``-compile``): the ``transformer`` variant under
+    torch's own context parallelism (``torch.distributed.tensor.experimental.context_parallel``,
+    its ring attention in place of SDPA) instead of lapse's."""
+    cp: int = 1
+    """Processes per row (context parallelism): each of ``cp`` processes holds two mirrored
+    chunks of every row (``lapse.layers.ContextParallel``), FSDP2 shards the weights over
+    them; run under ``torchrun --nproc-per-node CP`` (``WORLD_SIZE`` must equal ``cp``)."""
+    cp_mode: Literal["head", "gather"] = "gather"
+    """How lapse's variants attend across the ``cp`` processes: ``gather`` (an all-gather of
+    the keys, values and forget gates) or ``head`` (an all-to-all over heads)."""
     acp_eps: float | None = None
     """ACP tolerance; ``None``: the model config's."""
     dcp_alpha: float = 4.0
@@ -347,7 +359,18 @@ class TrainBenchConfig:
             raise ValueError(
                 f"micro_batch_size {self.micro_batch_size} must divide batch_size {self.batch_size}"
             )
+        if self.cp < 1:
+            raise ValueError(f"cp must be a positive integer, got {self.cp}")
+        if self.cp_mode not in ("head", "gather"):
+            raise ValueError(f"cp_mode must be 'head' or 'gather', got {self.cp_mode!r}")
+        torch_cp = [v for v in self.variants if v.startswith("transformer-torchcp")]
+        if torch_cp and self.cp == 1:
+            raise ValueError(f"{torch_cp[0]} is torch's context parallelism across processes: give "
+                             "--cp N > 1 (under torchrun)")
         graphed = [v for v in self.variants if v.endswith("-cudagraphs")]
+        if graphed and self.cp > 1:
+            raise ValueError(f"{graphed[0]} does not run with cp > 1 (the graphs would hold FSDP's gathered "
+                             "weights): use -compile")
         if graphed and self.activation_checkpointing:
             raise ValueError(
                 f"{graphed[0]} does not work with activation_checkpointing (the graphs fail to record)"

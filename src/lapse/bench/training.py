@@ -22,12 +22,25 @@ init, the alpha-sigmoid mask at a fixed ``dcp_alpha`` (the schedule's middle: th
 bisection's full cost, not the closed forms of alpha = 1 or 2), and the sparsity penalty
 ``dcp_gamma * mean over layers of mean I`` in the loss. Its row reads against the
 ``transformer`` row of the same compile mode ("vs transformer": tokens/s ratio).
+
+With ``--cp N`` (under ``torchrun --nproc-per-node N``) every variant trains one row across
+``N`` processes: lapse's context parallelism (:class:`lapse.layers.ContextParallel`, each
+process two mirrored chunks of every row, ``--cp-mode``), FSDP2 over the processes as
+``lapse train --cp`` shards (the benchmark does not import the trainer). Every process draws
+the same rows and takes its chunks; a step's time is the slowest process's, tokens/s counts
+the rows' tokens, TFLOP/s those of all processes (MFU against ``N`` devices' peak), peak
+memory the largest process's. ``transformer-torchcp`` is the baseline: the ``transformer``
+variant's model with positions and loss under lapse's split but its attention left to
+torch's own context parallelism (``torch.distributed.tensor.experimental.context_parallel``:
+its ring attention in place of SDPA, the rows sharded by torch); every row reads against it
+("vs torch CP": tokens/s ratio within a compile mode).
 """
 
 from __future__ import annotations
 
 import contextlib
 import json
+import os
 import platform
 import statistics
 import subprocess
@@ -35,8 +48,11 @@ import time
 import warnings
 from collections.abc import Callable
 from dataclasses import asdict, replace
+from datetime import timedelta
 
 import torch
+import torch.distributed as dist
+import torch.nn.functional as F
 
 from .config import MODES, TrainBenchConfig
 
@@ -61,7 +77,16 @@ def run(cfg: TrainBenchConfig) -> dict:
     # CPU runs (a tiny preset) check the wiring only; timings that matter come from CUDA.
     device = resolve_device("auto")
     cuda = device.type == "cuda"
-    if not cuda:
+    torch_cp = [v for v in cfg.variants if _torch_cp(v)]
+    if torch_cp and not cuda:
+        raise ValueError(f"{torch_cp[0]}: torch's context parallelism needs CUDA SDPA (its ring attention "
+                         "replaces the flash, memory-efficient and cuDNN kernels only); no CUDA GPU is "
+                         "visible")
+    ctx, mesh = None, None
+    if cfg.cp > 1:
+        device, mesh, ctx = _join(cfg, device)
+    main = ctx is None or dist.get_rank() == 0  # prints and writes the results
+    if not cuda and main:
         warnings.warn("no CUDA GPU is visible: timing on the CPU, which checks the wiring only "
                       "(minutes a step beyond the tiny preset: --preset tiny)", stacklevel=2)
     set_value_checks(False)
@@ -69,10 +94,14 @@ def run(cfg: TrainBenchConfig) -> dict:
         saved = read_run(cfg.run)
         model_cfg = saved.model
         folder = latest_checkpoint(cfg.run)
+        if ctx is not None and not main:  # rank 0 tokenises the corpus first, if it must
+            dist.barrier()
         data = prepare_data(
             saved.corpus, saved.tokenizer, vocab_size=model_cfg.vocab_size, data_dir=saved.data_dir,
             progress=False,
         )
+        if ctx is not None and main:
+            dist.barrier()
         sampler = WindowSampler(
             shards=data.validation, seq_len=cfg.seq_len, batch_size=cfg.batch_size, seed=7
         )
@@ -89,11 +118,19 @@ def run(cfg: TrainBenchConfig) -> dict:
     )
 
     def batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The step's rows, the same in every process; under context parallelism padded at
+        their ends to ``ctx.padded_length`` (inputs 0, labels -100: out of the loss, and
+        causal attention never reads the padding)."""
         if sampler is not None:
-            return sampler.batch(step)
-        g = torch.Generator().manual_seed(step)
-        ids = torch.randint(0, model_cfg.vocab_size, (cfg.batch_size, cfg.seq_len + 1), generator=g)
-        return ids[:, :-1], ids[:, 1:]
+            x, y = sampler.batch(step)
+        else:
+            g = torch.Generator().manual_seed(step)
+            ids = torch.randint(0, model_cfg.vocab_size, (cfg.batch_size, cfg.seq_len + 1), generator=g)
+            x, y = ids[:, :-1], ids[:, 1:]
+        if ctx is None:
+            return x, y
+        pad = ctx.padded_length(cfg.seq_len) - cfg.seq_len
+        return F.pad(x, (0, pad), value=0), F.pad(y, (0, pad), value=-100)
 
     peak = peak_tflops(device, cfg.peak_tflops)
     tokens = cfg.batch_size * cfg.seq_len
@@ -120,21 +157,40 @@ def run(cfg: TrainBenchConfig) -> dict:
             model = Decoder(replace(model_cfg, acp=name.startswith("acp"))).to(device)
             if folder is not None:
                 load_weights(folder, model)
+        if ctx is not None:  # before compiling: the blocks trace its collectives
+            model.set_context(ctx, attention=not _torch_cp(name))
         prepare_blocks(model, activation_checkpointing=cfg.activation_checkpointing,
                        compile=MODES[_mode(name)])
+        if ctx is not None:
+            _shard(model)
         opt = torch.optim.AdamW(optimizer_groups(model, 0.1), lr=cfg.lr, betas=(0.9, 0.95), fused=cuda)
-        states[name] = {"model": model, "opt": opt, "regularizer": regularizer, "times": [], "losses": []}
+        states[name] = {"model": model, "opt": opt, "regularizer": regularizer, "times": [], "losses": [],
+                        "checked": False}
 
     def step(name: str, i: int, timed: bool) -> None:
         s = states[name]
         x, y = batch(i)
         if cuda:
             torch.cuda.synchronize()
+        if ctx is not None:  # every process starts the step together
+            dist.barrier()
         t0 = time.perf_counter()
-        loss = optimizer_step(s["model"], s["opt"], x, y, cfg.micro_batch_size, s["regularizer"])
+        if _torch_cp(name):
+            loss = _torch_cp_step(mesh, ctx, s, x, y, cfg.micro_batch_size, check=not s["checked"])
+            s["checked"] = True
+        else:
+            if ctx is not None:
+                x, y = ctx.split(x), ctx.split(y)
+            loss = optimizer_step(s["model"], s["opt"], x, y, cfg.micro_batch_size, s["regularizer"])
         loss = loss.item()  # syncs
+        if cuda:
+            torch.cuda.synchronize()
+        elapsed = time.perf_counter() - t0
+        if ctx is not None:  # the slowest process's time; the rows' mean loss (each holds its share)
+            elapsed = _all_reduce(elapsed, device, dist.ReduceOp.MAX)
+            loss = _all_reduce(loss, device, dist.ReduceOp.SUM) / ctx.size
         if timed:
-            s["times"].append(time.perf_counter() - t0)
+            s["times"].append(elapsed)
             s["losses"].append(loss)
 
     # Warm-up and timing run on separate models, but memory is held by all of them: keep
@@ -156,10 +212,13 @@ def run(cfg: TrainBenchConfig) -> dict:
     rows = []
     for name, s in states.items():
         model = s["model"]
+        if ctx is not None:
+            s["peak_gib"] = _all_reduce(s["peak_gib"], device, dist.ReduceOp.MAX)
         pruned = None
         if name.startswith("acp"):
             model.set_collect_stats(True)
             x, _ = batch(0)
+            x = x if ctx is None else ctx.split(x)  # the statistics are of whole rows
             # Eager: statistics take the eager op anyway, and this one-off forward then
             # records no graphs of its own (set_stance: torch 2.6 and later).
             stance = getattr(torch.compiler, "set_stance", None)
@@ -169,12 +228,12 @@ def run(cfg: TrainBenchConfig) -> dict:
                 stance("force_eager") if stance is not None else contextlib.nullcontext(),
             ):
                 model(x[: cfg.micro_batch_size].to(device))
-            pruned = model.pruned_fractions()  # [n_layers, H]
+            pruned = model.pruned_fractions()  # [n_layers, H], the same in every process
             model.set_collect_stats(False)
         elif name.startswith("dcp"):
             pruned = s["regularizer"].dropped[:, None] / max(s["regularizer"].forwards, 1)  # [n_layers, 1]
         t = statistics.median(s["times"])
-        tok_s = tokens / t
+        tok_s = tokens / t  # the rows' tokens, all processes together
         # Each variant's own model (the Transformer has no gates); ACP's pruned tiles left
         # out of the FLOPs done (DCP's mask skips no computation)
         dense_flops = flops_per_token(model.config, cfg.seq_len)
@@ -189,7 +248,7 @@ def run(cfg: TrainBenchConfig) -> dict:
                 "dense_flops_per_token": dense_flops,
                 "tflops": tok_s * flops / 1e12,
                 "dense_equivalent_tflops": tok_s * dense_flops / 1e12,
-                "mfu": tok_s * flops / (peak * 1e12) if peak else None,
+                "mfu": tok_s * flops / (peak * 1e12 * cfg.cp) if peak else None,  # of all cp devices
                 "peak_gib": s["peak_gib"],
                 "loss": statistics.mean(s["losses"]),
                 "pruned": None if pruned is None else float(pruned.mean()),
@@ -198,9 +257,10 @@ def run(cfg: TrainBenchConfig) -> dict:
         )
     _add_speedups(rows)
 
+    device_name = torch.cuda.get_device_name(device) if cuda else f"cpu {platform.processor()}".strip()
     result = {
         "bench": "train",
-        "device": torch.cuda.get_device_name(device) if cuda else f"cpu {platform.processor()}".strip(),
+        "device": device_name if cfg.cp == 1 else f"{cfg.cp} x {device_name}",
         "torch": torch.__version__,
         "triton": _triton_version(),
         "python": platform.python_version(),
@@ -210,42 +270,62 @@ def run(cfg: TrainBenchConfig) -> dict:
         "model": asdict(model_cfg),
         "config": json.loads(json.dumps(asdict(cfg), default=str)),
         "peak_tflops": peak,
+        "context_parallel": None if ctx is None else {
+            "cp": cfg.cp, "mode": cfg.cp_mode, "padded_seq_len": ctx.padded_length(cfg.seq_len),
+            "torch_rotate_method": _torch_rotate_method() if torch_cp else None,
+        },
         "rows": rows,
     }
+    split = "" if ctx is None else f", context parallel over {cfg.cp} processes, mode {cfg.cp_mode}"
+    refs = ("dense", "transformer") if ctx is None else ("dense", "transformer", "torchcp")
     lines = [
         f"Training throughput, {model_cfg.name} {cfg.preset if cfg.run is None else cfg.run.name}, "
         f"T={cfg.seq_len}, {cfg.batch_size} rows/step ({cfg.micro_batch_size} per forward), bf16 autocast, "
-        f"{result['device']}; weights: {source}; median of {cfg.steps} steps",
+        f"{result['device']}{split}; weights: {source}; median of {cfg.steps} steps",
         "",
         "vs dense, vs transformer: tokens/s over that of the `dense` / `transformer` variant of the same "
         "compile mode (above 1: faster; -: not run). TFLOP/s and MFU count the FLOPs done: 6 N + attention "
         "over the causal pairs, ACP's pruned tiles left out"
         + (f", against {peak:g} TFLOP/s" if peak else ", MFU: peak unknown for this device")
+        + (f" a device ({cfg.cp} devices: TFLOP/s of all of them)" if ctx is not None and peak else "")
         + ". Dense-eq. TFLOP/s counts every causal pair (the rate a run without pruning would need for "
         "these tokens/s). pruned: ACP's pruned share of the attention tiles, DCP's dropped share of the "
         "context.",
         "",
-        "| variant | step s | tokens/s | vs dense | vs transformer | TFLOP/s | MFU | dense-eq. TFLOP/s "
-        "| pruned | peak GiB | loss |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
+        "| variant | step s | tokens/s | vs dense | vs transformer | "
+        + ("vs torch CP | " if ctx is not None else "")
+        + "TFLOP/s | MFU | dense-eq. TFLOP/s | pruned | peak GiB | loss |",
+        "|---" * (9 + len(refs)) + "|",
     ]
+    if ctx is not None:
+        lines[2:2] = [
+            f"Each row split over {cfg.cp} processes (chunks r and {2 * cfg.cp - 1} - r of "
+            f"{2 * cfg.cp}, padded to {ctx.padded_length(cfg.seq_len)} tokens), FSDP2 over them; step s: the "
+            "slowest process's; peak GiB: the largest process's. vs torch CP: tokens/s over that of "
+            "`transformer-torchcp` of the same compile mode (the `transformer` model with torch's "
+            "`context_parallel`, its ring attention in place of SDPA).",
+            "",
+        ]
     for r in rows:
         mfu = f"{100 * r['mfu']:.1f}%" if r["mfu"] is not None else "-"
         pruned = f"{100 * r['pruned']:.1f}%" if r["pruned"] is not None else "-"
-        vs_dense, vs_transformer = (
-            f"{r[k]:.2f}x" if r[k] is not None else "-"
-            for k in ("speedup_vs_dense", "speedup_vs_transformer")
+        ratios = " | ".join(
+            f"{r[f'speedup_vs_{k}']:.2f}x" if r[f"speedup_vs_{k}"] is not None else "-" for k in refs
         )
         lines.append(
-            f"| {r['variant']} | {r['step_s']:.3f} | {r['tokens_per_s']:,.0f} | {vs_dense} | "
-            f"{vs_transformer} | {_tflops(r['tflops'])} | {mfu} | {_tflops(r['dense_equivalent_tflops'])} | "
+            f"| {r['variant']} | {r['step_s']:.3f} | {r['tokens_per_s']:,.0f} | {ratios} | "
+            f"{_tflops(r['tflops'])} | {mfu} | {_tflops(r['dense_equivalent_tflops'])} | "
             f"{pruned} | {r['peak_gib']:.1f} | {r['loss']:.3f} |"
         )
     text = "\n".join(lines)
-    print(text)
-    cfg.out_dir.mkdir(parents=True, exist_ok=True)
-    (cfg.out_dir / "results.json").write_text(json.dumps(result, indent=2) + "\n")
-    (cfg.out_dir / "results.md").write_text(text + "\n")
+    if main:
+        print(text)
+        cfg.out_dir.mkdir(parents=True, exist_ok=True)
+        (cfg.out_dir / "results.json").write_text(json.dumps(result, indent=2) + "\n")
+        (cfg.out_dir / "results.md").write_text(text + "\n")
+    if ctx is not None:  # rank 0 has written: leave together (pytorch/pytorch#75097)
+        dist.barrier()
+        dist.destroy_process_group()
     return result
 
 
@@ -260,16 +340,20 @@ def optimizer_step(
     """One optimizer step as the trainer takes it in one process: forward and backward per
     micro-batch of ``micro`` rows under bf16 autocast (``regularizer()``, called after each
     forward, added to its loss), gradients averaged, clipped to norm 1, AdamW. Returns the
-    mean LM loss (a device tensor)."""
+    mean LM loss (a device tensor). A model sharded with FSDP2 reduce-scatters its
+    gradients after the last micro-batch only (the trainer's ``gradient_sync``)."""
     device = next(model.parameters()).device
     graphs = getattr(model, "cuda_graphs", False)
     if graphs:
         from lapse.models import keep_grads
 
         keep_grads(model)
+    sync = getattr(model, "set_requires_gradient_sync", None)  # FSDP2
     pieces = list(zip(x.split(micro), y.split(micro), strict=True))
     total = torch.zeros((), device=device)
-    for xm, ym in pieces:
+    for i, (xm, ym) in enumerate(pieces):
+        if sync is not None:
+            sync(i == len(pieces) - 1)
         with torch.autocast(device.type, dtype=torch.bfloat16):
             _, loss = model(xm.to(device, non_blocking=True), ym.to(device, non_blocking=True),
                             return_logits=False)
@@ -319,14 +403,16 @@ def _triton_version() -> str | None:
 
 
 def _add_speedups(rows: list[dict]) -> None:
-    """Gives each row ``speedup_vs_dense`` and ``speedup_vs_transformer``: its tokens/s over
-    those of the ``dense`` / ``transformer`` variant of its compile mode (above 1: faster),
-    named in ``dense_reference`` / ``transformer_reference``; ``None`` where that variant
-    is not among ``rows``."""
+    """Gives each row ``speedup_vs_dense``, ``speedup_vs_transformer`` and
+    ``speedup_vs_torchcp``: its tokens/s over those of the ``dense`` / ``transformer`` /
+    ``transformer-torchcp`` variant of its compile mode (above 1: faster), named in
+    ``dense_reference`` / ``transformer_reference`` / ``torchcp_reference``; ``None`` where
+    that variant is not among ``rows``."""
     rates = {r["variant"]: r["tokens_per_s"] for r in rows}
     for r in rows:
-        for ref in ("dense", "transformer"):
-            of = f"{ref}{_mode(r['variant'])}"
+        for ref, variant in (("dense", "dense"), ("transformer", "transformer"),
+                             ("torchcp", "transformer-torchcp")):
+            of = f"{variant}{_mode(r['variant'])}"
             r[f"speedup_vs_{ref}"] = r["tokens_per_s"] / rates[of] if of in rates else None
             r[f"{ref}_reference"] = of if of in rates else None
 
@@ -339,3 +425,93 @@ def _tflops(x: float) -> str:
 def _mode(variant: str) -> str:
     """A variant's compile suffix: ``""``, ``"-compile"`` or ``"-cudagraphs"``."""
     return next((m for m in MODES if m and variant.endswith(m)), "")
+
+
+def _torch_cp(variant: str) -> bool:
+    """Whether ``variant`` runs under torch's context parallelism (``transformer-torchcp``)."""
+    return variant.startswith("transformer-torchcp")
+
+
+def _join(cfg: TrainBenchConfig, device: torch.device):
+    """This process's device, a 1-D ``context`` DeviceMesh over the ``cfg.cp`` processes that
+    torchrun started, and its :class:`lapse.layers.ContextParallel`; a one-line error
+    outside torchrun or with another number of processes."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from lapse.layers import ContextParallel
+
+    size = int(os.environ.get("WORLD_SIZE", "1"))
+    if size != cfg.cp:
+        found = "not under torchrun" if "WORLD_SIZE" not in os.environ else f"torchrun started {size}"
+        raise ValueError(
+            f"--cp {cfg.cp} needs {cfg.cp} processes, each holding its share of every row ({found}): "
+            f"launch it as torchrun --standalone --nproc-per-node {cfg.cp} -m lapse.cli bench train "
+            f"--cp {cfg.cp} ..."
+        )
+    if device.type == "cuda":
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+        torch.cuda.set_device(device)
+    if not dist.is_initialized():  # long: a process may compile while the others wait at a barrier
+        dist.init_process_group("nccl" if device.type == "cuda" else "gloo", timeout=timedelta(minutes=30),
+                                device_id=device if device.type == "cuda" else None)
+    mesh = init_device_mesh(device.type, (cfg.cp,), mesh_dim_names=("context",))
+    return device, mesh, ContextParallel.of(mesh.get_group("context"), cfg.cp_mode)
+
+
+def _shard(model: torch.nn.Module) -> None:
+    """FSDP2 over every process, as ``lapse train`` shards (``lapse.train.distributed.
+    parallelize``, which the benchmark may not import): one unit per block, then the root
+    (embedding, final norm, head), which the backward needs again at once. The parameters
+    stay float32 (bf16 autocast does the low precision); gradients are averaged over the
+    processes, each of which holds its share of the rows' mean loss."""
+    from torch.distributed.fsdp import fully_shard
+
+    for block in model.blocks:
+        fully_shard(block)
+    fully_shard(model, reshard_after_forward=False)
+
+
+def _torch_cp_step(mesh, ctx, s: dict, x: torch.Tensor, y: torch.Tensor, micro: int,
+                   check: bool) -> torch.Tensor:
+    """:func:`optimizer_step` of ``s["model"]`` (set up with ``set_context(ctx,
+    attention=False)``) inside torch's ``context_parallel``, given the whole padded rows
+    ``x, y`` ``[B, T]``; torch shards them in place on the device.
+
+    torch (2.13, ``_context_parallel/_attention.py``: ``context_parallel`` makes
+    ``_create_default_load_balancer``'s ``_HeadTailLoadBalancer`` of
+    ``_context_parallel/_load_balancer.py`` when ``2N`` divides the length, else none)
+    gives rank ``r`` chunks ``r`` and ``2N - 1 - r`` of ``2N``, in that order: the
+    layout of ``ContextParallel.split``, so the model's global positions
+    (``ContextParallel.positions``: RoPE) and the loss's share are those of torch's tokens.
+    ``check``: compare torch's shard with ``ctx.split`` first (one step of each variant),
+    so another torch that shards otherwise fails instead of training other positions."""
+    from torch.distributed.tensor.experimental import context_parallel
+
+    device = next(s["model"].parameters()).device
+    xb, yb = (t.to(device, copy=True, memory_format=torch.contiguous_format) for t in (x, y))
+    with context_parallel(mesh, buffers=[xb, yb], buffer_seq_dims=[1, 1], no_restore_buffers={xb, yb}):
+        if check and not (torch.equal(xb.cpu(), ctx.split(x)) and torch.equal(yb.cpu(), ctx.split(y))):
+            raise RuntimeError(
+                "torch's context_parallel shards the rows otherwise than lapse.layers.ContextParallel.split "
+                "(chunks r and 2N-1-r): the positions would disagree"
+            )
+        # forward and backward in the context: torch's SDPA patch serves both
+        return optimizer_step(s["model"], s["opt"], xb, yb, micro, s["regularizer"])
+
+
+def _all_reduce(value: float, device: torch.device, op) -> float:
+    """``value`` reduced over every process by ``op``."""
+    t = torch.tensor([value], dtype=torch.float64, device=device)
+    dist.all_reduce(t, op=op)
+    return float(t.item())
+
+
+def _torch_rotate_method() -> str | None:
+    """How torch's ring attention passes keys and values (its ``set_rotate_method``:
+    all-gather by default, or all-to-all)."""
+    try:
+        from torch.distributed.tensor.experimental._attention import _cp_options
+
+        return _cp_options.rotate_method.name.lower()
+    except (ImportError, AttributeError):
+        return None

@@ -19,13 +19,14 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
 from lapse.kv import KVCache
-from lapse.layers import RMSNorm, RotaryEmbedding, SwiGLU
+from lapse.layers import ContextParallel, RMSNorm, RotaryEmbedding, SoftmaxAttention, SwiGLU
 from lapse.ops.forgetting import ACP_BLOCK
 
 from .config import ModelConfig
@@ -178,14 +179,30 @@ class Decoder(nn.Module):
             cache.advance()
         return self.norm(x)  # [B, T, C]
 
-    def set_context(self, context) -> None:
+    def set_context(self, context, *, attention: bool = True) -> None:
         """Train under context parallelism (a :class:`lapse.layers.ContextParallel`, or
         ``None``: one process): each rank's ``input_ids`` are then its tokens of the same
         rows (``context.split``), positions and attention follow the whole rows, and the
         loss is this rank's share of the rows' mean (:meth:`forward`). Raises where an
-        attention layer cannot run under it."""
+        attention layer cannot run under it.
+
+        ``attention=False`` leaves the attention across ranks to another library: positions,
+        the loss's share and the Pro block's KV-shift still follow the whole rows, but each
+        layer's SDPA runs on the rank's own tokens, causal in their order, where
+        ``torch.distributed.tensor.experimental.context_parallel`` puts its ring attention
+        (``lapse bench train``'s ``transformer-torchcp``). Softmax attention only; the ranks'
+        tokens must be the chunks ``context.split`` gives, as torch's head-tail sharding does."""
+        layers = context
+        if context is not None and not attention:
+            for block in self.blocks:
+                if type(block.attn).attend is not SoftmaxAttention.attend:
+                    raise ValueError(
+                        f"set_context(attention=False) leaves SDPA to torch's context parallelism: "
+                        f"softmax attention only, got {type(block.attn).__name__}"
+                    )
+            layers = _LocalAttention(context.group, context.size, context.rank, "gather")
         for block in self.blocks:
-            block.attn.set_context(context)
+            block.attn.set_context(layers)
         self.context = context
 
     def _check_inputs(self, input_ids: Tensor, cache: KVCache | None) -> None:
@@ -273,6 +290,17 @@ class Decoder(nn.Module):
         if any(s is None for s in stats):
             return None
         return torch.stack([s.pruned_fraction.float().mean(0) for s in stats])  # [n_layers, H]
+
+
+@dataclass(frozen=True, eq=False)
+class _LocalAttention(ContextParallel):
+    """The layers' context under ``Decoder.set_context(..., attention=False)``: RoPE's table
+    and the KV-shift follow the whole rows as under :class:`ContextParallel`, but
+    :meth:`attend` runs the kind's attention over the rank's own tokens (``gather``: its
+    mode only so that no head count is checked)."""
+
+    def attend(self, fn, q: Tensor, k: Tensor, v: Tensor, *per_key: Tensor, shared=()) -> Tensor:
+        return fn(q, k, v, *per_key, *shared)
 
 
 def prepare_blocks(
