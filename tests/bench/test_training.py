@@ -188,3 +188,23 @@ def test_cuda_graphs_take_the_same_steps_on_cuda(tmp_path):
         a, b = rows[f"{arch}-compile"]["loss"], rows[f"{arch}-cudagraphs"]["loss"]
         print(f"{arch} losses {a:.6f} {b:.6f}")
         assert abs(a - b) <= 1e-4 * abs(a), (arch, a, b)
+
+
+def test_bench_train_profile_writes_a_table_and_a_trace_per_variant(tmp_path):
+    import gzip
+    import json
+
+    from lapse.bench.training import TrainBenchConfig, run
+
+    cfg = TrainBenchConfig(
+        preset="tiny", seq_len=32, batch_size=2, micro_batch_size=1, steps=1, warmup=0,
+        variants=("dense", "acp"), profile=True, out_dir=tmp_path,
+    )
+    run(cfg)
+    text = (tmp_path / "profile.md").read_text()
+    for name in ("dense", "acp"):
+        assert f"## {name}" in text
+        trace = json.loads(gzip.decompress((tmp_path / f"trace-{name}.json.gz").read_bytes()))
+        assert any("ForgettingAttention" in e.get("name", "") for e in trace["traceEvents"])
+    # the op that runs the attention is among the ops the table names
+    assert "_ChunkedForgettingAttention" in text

@@ -333,6 +333,11 @@ class TrainBenchConfig:
     """Recompute each block's activations in the backward (what ``lapse train
     --activation-checkpointing`` does): less memory (760M at 16k fits), more FLOPs (MFU
     still counts the model's FLOPs once). Not with ``-cudagraphs`` variants."""
+    profile: bool = False
+    """After timing, one more step of each variant under ``torch.profiler`` (every process
+    runs it; the first one records): ``profile.md`` beside results.md with the step's wall
+    time, the device's busy time (the sum of its kernels) and the ops that took the most,
+    and ``trace-VARIANT.json.gz`` (a Chrome trace) per variant."""
     commit: str | None = None
     """The commit to record; ``None``: ``git rev-parse`` of the working directory (on a
     machine that received a copy of the tree, pass the real one)."""

@@ -209,6 +209,15 @@ def run(cfg: TrainBenchConfig) -> dict:
                     states[name]["peak_gib"], torch.cuda.max_memory_allocated() / 2**30
                 )
 
+    if cfg.profile:
+        profiles = {name: _profiled(lambda name=name: step(name, cfg.warmup + cfg.steps, timed=False), cuda)
+                    for name in cfg.variants}
+        if main:
+            cfg.out_dir.mkdir(parents=True, exist_ok=True)
+            for name, (_, prof) in profiles.items():
+                prof.export_chrome_trace(str(cfg.out_dir / f"trace-{name}.json.gz"))
+            (cfg.out_dir / "profile.md").write_text(_profile_markdown(profiles, cuda) + "\n")
+
     rows = []
     for name, s in states.items():
         model = s["model"]
@@ -391,6 +400,40 @@ class dcp_penalty:
         self.dropped += dropped
         self.forwards += 1
         return self.gamma * torch.stack([dcp_sparsity_loss(m) for m in masks]).mean()
+
+
+def _profiled(run_step: Callable[[], None], cuda: bool):
+    """``(wall seconds, profiler)`` of one ``run_step()`` under ``torch.profiler``."""
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    with profile(activities=activities) as prof:
+        t0 = time.perf_counter()
+        run_step()
+        wall = time.perf_counter() - t0
+    return wall, prof
+
+
+def _profile_markdown(profiles: dict, cuda: bool, top: int = 25) -> str:
+    """Per variant: the profiled step's wall time, the device's busy time (its kernels'
+    sum; the rest of the wall time the device waited for the host or for another process)
+    and the ``top`` ops by self time on the device (on the host without CUDA)."""
+    key = "self_device_time_total" if cuda else "self_cpu_time_total"
+    lines = ["One optimizer step per variant under torch.profiler, after the timed steps "
+             f"({'the device' if cuda else 'the host'}'s self time per op).", ""]
+    for name, (wall, prof) in profiles.items():
+        events = prof.key_averages()
+        busy = sum(getattr(e, key, 0.0) for e in events) / 1e6  # us -> s
+        lines += [f"## {name}", "",
+                  f"wall {1e3 * wall:.1f} ms, {'device busy' if cuda else 'host self time'} "
+                  f"{1e3 * busy:.1f} ms ({100 * busy / wall:.0f}%)", "",
+                  "| op | calls | self ms | share |", "| --- | ---: | ---: | ---: |"]
+        for e in sorted(events, key=lambda e: getattr(e, key, 0.0), reverse=True)[:top]:
+            ms = getattr(e, key, 0.0) / 1e3
+            share = 100 * ms / 1e3 / max(busy, 1e-12)
+            lines.append(f"| `{e.key[:80]}` | {e.count} | {ms:.2f} | {share:.1f}% |")
+        lines.append("")
+    return "\n".join(lines)
 
 
 def _triton_version() -> str | None:
