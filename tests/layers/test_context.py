@@ -69,6 +69,15 @@ def _worker(rank: int, size: int, port: int, out: str, cuda: bool = False) -> No
                             **({"device_id": device} if cuda else {}))
     torch.set_num_threads(1)
     results = {}
+    received = []  # tokens each gather_ranges call received, and the row's length
+    plain_gather_ranges = ContextParallel.gather_ranges
+
+    def counting(self, starts, *xs):
+        intervals, out = plain_gather_ranges(self, starts, *xs)
+        received.append((sum(b - a for a, b in intervals), self.global_length(xs[0].shape[1])))
+        return intervals, out
+
+    ContextParallel.gather_ranges = counting
     try:
         if cuda:  # float32 weights under bf16 autocast, the Triton kernels, longer rows
             runs = [((n, {**f, "attn_backend": "auto"}, m, t * 37), torch.bfloat16) for n, f, m, t in CASES]
@@ -102,6 +111,7 @@ def _worker(rank: int, size: int, port: int, out: str, cuda: bool = False) -> No
             ids_p = torch.cat([ids, ids.new_zeros(b, pad)], 1)  # padding after the rows
             w_p = torch.cat([weights, weights.new_zeros(b, pad, 61)], 1)  # adds nothing
             model.zero_grad()
+            received.clear()
             with autocast:
                 local = model(cp.split(ids_p))[0].to(weights.dtype)  # [B, 2n, V]
             (local * cp.split(w_p)).sum().backward()
@@ -115,8 +125,9 @@ def _worker(rank: int, size: int, port: int, out: str, cuda: bool = False) -> No
                 dist.all_reduce(g)
                 err[n] = _errors(g, ref_grads[n])
             model.set_context(None)
-            worst = {k: max(v, results.get(name, {}).get(k, 0.0)) for k, v in err.items()}
-            results[name] = worst
+            if received:  # the share of the row's keys this rank received, over its layers
+                err["keys received"] = sum(r for r, _ in received) / sum(t for _, t in received)
+            results[name] = err
         for name, fields, mode, _ in REFUSED:
             model = Decoder(_config(fields))
             try:
@@ -155,16 +166,32 @@ def cp_results(request, tmp_path_factory):
 # float32 below 1.3e-5, the largest on the forget gates' bias, whose gradient sums
 # cancelling terms over every position.
 TOL = {torch.float64: 1e-10, torch.float32: 5e-5}
+# FoX + ACP in gather mode sends a chunk only the keys some row of it keeps and prunes the
+# rest at eps / 2: another valid ACP result, within the pruned mass (eps = e^-10 per row) of
+# the one-process op's; measured below 5.1e-9 in float64 here (the gates forget fast).
+ACP_GATHER_TOL = 2 * math.exp(-10)
 
 
 @pytest.mark.parametrize("case", [c[0] for c in CASES] + [f"{c}-float32" for c in FLOAT32])
 def test_context_parallel_equals_one_process(cp_results, case):
     tol = TOL[torch.float32 if case.endswith("-float32") else torch.float64]
+    if "acp-gather" in case:
+        tol = max(tol, ACP_GATHER_TOL)
     for rank, results in enumerate(cp_results):
-        errors = results[case]
+        errors = {k: v for k, v in results[case].items() if k != "keys received"}
         worst = max(errors, key=errors.get)
         assert errors[worst] < tol, f"rank {rank}: {worst} off by {errors[worst]:.2e}"
         assert math.isfinite(errors["logits"])
+
+
+def test_acp_in_gather_mode_sends_only_the_keys_kept(cp_results):
+    """Gates that forget within a few dozen tokens: of the row's 304 keys a rank receives
+    its own two chunks (1/N of the row) and the few dozen before each, where the plain
+    gather (without ACP, or with a bound from the data) receives all of them."""
+    size = len(cp_results)
+    for results in cp_results:
+        assert results["fox-pro-acp-gather"]["keys received"] < 1 / size + 0.15
+        assert "keys received" not in results["fox-pro-gather"]
 
 
 @pytest.mark.parametrize("case,expected", [(c[0], c[3]) for c in REFUSED])

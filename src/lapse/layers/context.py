@@ -184,6 +184,60 @@ class ContextParallel:
                  for s in range(size)]
         return torch.cat(self._all_to_all(parts), dim=2)
 
+    def gather_ranges(
+        self, starts: tuple[int, int], *xs: Tensor
+    ) -> tuple[list[tuple[int, int]], list[Tensor]]:
+        """The keys each of this rank's chunks needs, from ``starts[i]`` (a global
+        position) to the chunk's end, and nothing before: ``(intervals, gathered)``, the
+        merged global intervals this rank receives, in order, and each local ``x``
+        ``[B, 2n, ...]`` as those intervals' tokens ``[B, sum of lengths, ...]``. Every rank
+        sends each other rank only the tokens it asked for (a variable all-to-all); the
+        gradients go back the same way. Every rank of the group must call it."""
+        n = self._chunk_length(xs[0].shape[1])
+        size, dev = self.size, xs[0].device
+        wanted = []
+        for s, c in zip(starts, self.chunks, strict=True):
+            if not 0 <= s <= c * n:
+                raise ValueError(f"a chunk starting at {c * n} cannot need keys from {s}")
+            wanted.append([s, (c + 1) * n])
+        if wanted[1][0] <= wanted[0][1]:  # overlapping or touching: one interval
+            wanted = [[wanted[0][0], wanted[1][1]]]
+        mine = torch.tensor(sum(wanted, []) + [0, 0] * (2 - len(wanted)), device=dev)  # [4]
+        every = torch.empty(size * 4, dtype=mine.dtype, device=dev)
+        dist.all_gather_into_tensor(every, mine, group=self._group)
+        asks = [[(r[0], r[1]), (r[2], r[3])] for r in every.view(size, 4).tolist()]  # one host read
+
+        def owned(rank: int) -> list[tuple[int, int, int]]:  # (global start, global end, local start)
+            a, b = rank, 2 * size - 1 - rank
+            return [(a * n, (a + 1) * n, 0), (b * n, (b + 1) * n, n)]
+
+        def pieces(asked, rank):  # the parts of rank's tokens in the intervals asked, in order
+            out = []
+            for lo, hi in asked:
+                for g0, g1, l0 in owned(rank):
+                    a, b = max(lo, g0), min(hi, g1)
+                    if a < b:
+                        out.append((a, b, l0 + a - g0))
+            return out
+
+        send = [pieces(asks[dst], self.rank) for dst in range(size)]
+        recv = [pieces(asks[self.rank], src) for src in range(size)]
+        send_sizes = [sum(b - a for a, b, _ in ps) for ps in send]
+        recv_sizes = [sum(b - a for a, b, _ in ps) for ps in recv]
+        # what arrives from each rank, placed in the global order of this rank's intervals
+        arrived = sorted((a, b, src, off) for src, ps in enumerate(recv)
+                         for off, (a, b, _) in zip(_offsets(ps), ps, strict=True))
+        out = []
+        for x in xs:
+            t_major = x.transpose(0, 1)  # [2n, B, ...]: the all-to-all splits dim 0
+            parts = [t_major[l0 : l0 + b - a] for ps in send for a, b, l0 in ps]
+            flat = torch.cat(parts) if parts else t_major[:0]
+            got = funcol.all_to_all_single_autograd(flat.contiguous(), recv_sizes, send_sizes, self._group)
+            starts_of = _offsets_of_sizes(recv_sizes)
+            ordered = [got[starts_of[src] + off :][: b - a] for a, b, src, off in arrived]
+            out.append(torch.cat(ordered).transpose(0, 1))  # [B, tokens, ...]
+        return [(lo, hi) for lo, hi in wanted], out
+
     @property
     def _group(self):
         return dist.group.WORLD if self.group is None else self.group
@@ -213,6 +267,23 @@ class ContextParallel:
         o_a = fn(q[:, :n], *(t[:, : (a + 1) * n] for t in keys))  # [B, n, H, D]
         o_b = fn(q[:, n:], *(t[:, : (b + 1) * n] for t in keys))  # [B, n, H, D]
         return torch.cat([o_a, o_b], dim=1)  # [B, 2n, H, D]
+
+
+def _offsets(pieces: list[tuple[int, int, int]]) -> list[int]:
+    """Where each piece starts in the concatenation of ``pieces`` (``(start, end, _)``)."""
+    out, at = [], 0
+    for a, b, _ in pieces:
+        out.append(at)
+        at += b - a
+    return out
+
+
+def _offsets_of_sizes(sizes: list[int]) -> list[int]:
+    out, at = [], 0
+    for n in sizes:
+        out.append(at)
+        at += n
+    return out
 
 
 __all__ = ["CP_MODES", "ContextParallel"]

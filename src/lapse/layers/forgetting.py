@@ -138,18 +138,62 @@ class ForgettingAttention(Attention):
         bound = self.acp_bound()
         if isinstance(bound, Tensor) and ctx.mode == "head":
             bound = bound[ctx.head_slice(self.n_heads)]
-        calls = []  # with collect_stats: each call's statistics and its (queries, keys)
+        calls = []  # with collect_stats: each call's statistics, (queries, keys, keys not sent)
 
-        def attend(q: Tensor, k: Tensor, v: Tensor, log_fgate: Tensor) -> Tensor:
-            o = self._full(q, k, v, log_fgate, acp=bound)
+        def attend(q: Tensor, k: Tensor, v: Tensor, log_fgate: Tensor, eps: float = self.acp_eps,
+                   skipped: int = 0) -> Tensor:
+            o = self._full(q, k, v, log_fgate, acp=bound, acp_eps=eps)
             if self.collect_stats:
-                calls.append((self.last_stats, q.shape[1], k.shape[1]))
+                calls.append((self.last_stats, q.shape[1], k.shape[1], skipped))
             return o
 
-        o = ctx.attend(attend, q, k, v, log_fgate)
+        if ctx.mode == "gather" and isinstance(bound, Tensor):
+            o = self._gather_kept(attend, q, k, v, log_fgate, bound)
+        else:
+            o = ctx.attend(attend, q, k, v, log_fgate)
         if self.collect_stats:
             self.last_stats = self._row_stats(calls, q.shape[0])
         return o
+
+    def _gather_kept(self, attend, q: Tensor, k: Tensor, v: Tensor, log_fgate: Tensor,
+                     bound: Tensor) -> Tensor:
+        """``gather`` mode with an ACP bound that needs no data (QK-norm's): only the keys
+        some row of a chunk keeps are sent to it. The row's gates are gathered first (one
+        float per token and head); keys ``j`` with ``c_q0 - c_j < delta`` for the chunk's
+        first query ``q0`` and every head (so for all its queries, ``c`` falling along the
+        row) weigh below ``(eps / 2) / T`` each and are neither sent nor computed; the op
+        prunes within the rest at ``eps / 2``: the pruned mass of a row stays below eps."""
+        ctx = self.context
+        n = q.shape[1] // 2
+        gates = ctx.gather(log_fgate.detach())  # [B, T, H]
+        with torch.no_grad():
+            c = cumulative_log_gates(gates)  # [B, T, H] float64
+            t = c.shape[1]
+            u = bound.to(c.device, torch.float64).expand(self.n_heads)  # [H]
+            delta = -2.0 * u - math.log(t) + math.log(self.acp_eps / 2)  # [H]
+            rising = (-c).transpose(1, 2).contiguous()  # [B, H, T]: -c grows along the row
+            firsts = []
+            for chunk in ctx.chunks:
+                q0 = chunk * n
+                limit = (-c[:, q0, :] + delta)[..., None]  # [B, H, 1]: keep j iff -c_j >= this
+                firsts.append(torch.searchsorted(rising, limit).amin().clamp_max(q0))
+            starts = torch.stack(firsts).tolist()  # one host read
+        intervals, (keys, values, kept_gates) = ctx.gather_ranges(tuple(starts), k, v, log_fgate)
+
+        def rows_of(lo: int, hi: int) -> slice:  # [lo, hi) as indices of the gathered tokens
+            at = 0
+            for a, b in intervals:
+                if a <= lo and hi <= b:
+                    return slice(at + lo - a, at + hi - a)
+                at += b - a
+            raise AssertionError(f"[{lo}, {hi}) was not gathered")
+
+        out = []
+        for i, (chunk, start) in enumerate(zip(ctx.chunks, starts, strict=True)):
+            rows = rows_of(start, (chunk + 1) * n)
+            out.append(attend(q[:, i * n : (i + 1) * n], keys[:, rows], values[:, rows], kept_gates[:, rows],
+                              eps=self.acp_eps / 2, skipped=start))
+        return torch.cat(out, dim=1)  # [B, 2n, H, D]
 
     @torch.no_grad()
     def _row_stats(self, calls: list, batch: int) -> AttentionStats:
@@ -161,32 +205,33 @@ class ForgettingAttention(Attention):
         pruned = torch.zeros(batch, h, dtype=torch.float64, device=dev)
         causal = torch.zeros(batch, h, dtype=torch.float64, device=dev)
         heads = ctx.head_slice(h) if ctx.mode == "head" else slice(None)
-        for stats, tq, tk in calls:
+        for stats, tq, tk, skipped in calls:  # keys not sent count as pruned, their area tq x skipped
             full = lambda n: torch.full((batch,), n, device=dev)  # noqa: E731
             p, c = tile_areas(stats.block_start, full(tq), full(tk))
-            pruned[:, heads] += p
-            causal[:, heads] += c[:, None]
+            pruned[:, heads] += p + tq * skipped
+            causal[:, heads] += c[:, None] + tq * skipped
         fraction = ctx.total(pruned) / ctx.total(causal).clamp_min(1)  # [B, H]
         return AttentionStats(fraction.float(), torch.empty(batch, h, 0, dtype=torch.int32, device=dev))
 
     def _full(
         self, q: Tensor, k: Tensor, v: Tensor, log_fgate: Tensor, return_lse: bool = False,
-        acp: Tensor | str | None | object = _OWN_BOUND,
+        acp: Tensor | str | None | object = _OWN_BOUND, acp_eps: float | None = None,
     ) -> Tensor | tuple[Tensor, Tensor]:
         """FoX attention over the whole sequence (training, or the prefill); with
         ``return_lse`` also its row log-sum-exp ``[B, H, T]``. While compiling, the Triton
         path goes through custom ops the compiler keeps in the block's graph
         (:mod:`lapse.ops.forgetting.library`); anything else runs eager, outside it.
-        ``acp``: the ACP bound, the layer's own (:meth:`acp_bound`) unless given."""
+        ``acp``, ``acp_eps``: the ACP bound and tolerance, the layer's own unless given."""
         if acp is _OWN_BOUND:
             acp = self.acp_bound()
+        acp_eps = self.acp_eps if acp_eps is None else acp_eps
         triton = self.backend == "triton" or (self.backend == "auto" and q.is_cuda)
         if (torch.compiler.is_compiling() and triton and not (return_lse or self.collect_stats)
                 and q.dtype != torch.float64):
             return compiled_forgetting_attention(
-                q, k, v, log_fgate, scale=self.scale, acp=acp, acp_eps=self.acp_eps
+                q, k, v, log_fgate, scale=self.scale, acp=acp, acp_eps=acp_eps
             )
-        return self._full_eager(q, k, v, log_fgate, return_lse, acp)
+        return self._full_eager(q, k, v, log_fgate, return_lse, acp, acp_eps)
 
     # torch.compile cannot trace the op's Triton kernels: Inductor re-compiles user Triton
     # kernels itself and fails on the forward kernel's nested @triton.jit helpers (Triton 3.6,
@@ -194,11 +239,11 @@ class ForgettingAttention(Attention):
     @torch.compiler.disable
     def _full_eager(
         self, q: Tensor, k: Tensor, v: Tensor, log_fgate: Tensor, return_lse: bool = False,
-        acp: Tensor | str | None = None,
+        acp: Tensor | str | None = None, acp_eps: float | None = None,
     ) -> Tensor | tuple[Tensor, Tensor]:
         out = forgetting_attention(
             q, k, v, log_fgate,
-            scale=self.scale, acp=acp, acp_eps=self.acp_eps,
+            scale=self.scale, acp=acp, acp_eps=self.acp_eps if acp_eps is None else acp_eps,
             return_lse=return_lse, return_stats=self.collect_stats, backend=self.backend,
         )
         if not (return_lse or self.collect_stats):
