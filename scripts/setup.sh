@@ -3,7 +3,8 @@
 #
 # torch is installed first and pinned: `torch==2.13.0` is the CPU build these machines
 # get; an unpinned resolve would pull several GB of CUDA packages. Then the package with
-# its `test` extra (pytest, hypothesis, triton 3.6.0 for the kernel interpreter tests).
+# its `test` extra (pytest, hypothesis, triton 3.6.0 for the kernel interpreter tests, the
+# serve extra's uvicorn, starlette, prometheus-client, pydantic and the openai client).
 # Idempotent: when everything is already in place it returns in about a second.
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
@@ -21,7 +22,8 @@ torch_v, triton_v, src = sys.argv[1:]
 assert md.version("torch").split("+")[0] == torch_v
 assert md.version("triton") == triton_v
 for dist in ("tyro", "tqdm", "numpy", "tokenizers", "safetensors", "matplotlib", "transformers",
-             "pytest", "hypothesis", "lm_eval"):
+             "pytest", "hypothesis", "lm_eval", "import-linter",
+             "uvicorn", "starlette", "prometheus-client", "pydantic", "openai"):
     md.version(dist)
 # Triton 3.6's interpreter needs numpy < 2.4 (pyproject.toml, test extra)
 assert tuple(int(x) for x in md.version("numpy").split(".")[:2]) < (2, 4)

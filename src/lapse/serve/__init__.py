@@ -1,0 +1,1 @@
+"""lapse serve: an OpenAI-compatible HTTP server over the generation engine."""
