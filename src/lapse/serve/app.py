@@ -115,8 +115,11 @@ def build_app(engine: Engine, tokenizer, model: ServedModel, metrics: ServerMetr
                                code="context_length_exceeded")
         n = asked if asked is not None else (room if chat else min(16, room))
         budget = _budget(req.lapse, len(prompt))
-        row = model.make_request(prompt=prompt, max_new_tokens=n, temperature=req.temperature,
-                                 top_k=req.top_k_or_none(), top_p=req.top_p, seed=req.seed, budget=budget)
+        try:
+            row = model.make_request(prompt=prompt, max_new_tokens=n, temperature=req.temperature,
+                                     top_k=req.top_k_or_none(), top_p=req.top_p, seed=req.seed, budget=budget)
+        except ValueError as e:
+            raise RequestError(400, str(e)) from None
         prefix = "chatcmpl-" if chat else "cmpl-"
         return Job(rid=prefix + secrets.token_hex(12), request=row, stops=req.stops(),
                    loop=asyncio.get_running_loop(), events=asyncio.Queue())
@@ -129,16 +132,23 @@ def build_app(engine: Engine, tokenizer, model: ServedModel, metrics: ServerMetr
                                f"with --policy {options.policy} for it", param="lapse.policy")
         if options.budget is None:
             return None
-        if "budget" not in {f.name for f in dataclasses.fields(model.policy)}:
-            raise RequestError(400, f"lapse.budget: the {model.policy_name} policy takes no budget (h2o and "
-                               "a2sf do)", param="lapse.budget")
+        fields = {f.name for f in dataclasses.fields(model.policy)}
         b = options.budget
-        if b > 1 and b != int(b):
-            raise RequestError(400, f"lapse.budget above 1 counts tokens: give an integer, got {b}",
-                               param="lapse.budget")
-        budget = int(b) if b > 1 else b
+        if "budget" in fields:
+            if b > 1 and b != int(b):
+                raise RequestError(400, f"lapse.budget above 1 counts tokens: give an integer, got {b}",
+                                   param="lapse.budget")
+            budget, changes = int(b) if b > 1 else b, {"budget": int(b) if b > 1 else b}
+        elif "window" in fields:  # the window policy: its window in tokens
+            if b != int(b):
+                raise RequestError(400, f"lapse.budget of the window policy is its window in tokens: give "
+                                   f"an integer, got {b}", param="lapse.budget")
+            budget, changes = int(b), {"window": int(b)}
+        else:
+            raise RequestError(400, f"lapse.budget: the {model.policy_name} policy takes no budget (h2o, "
+                               "a2sf and window do)", param="lapse.budget")
         try:
-            dataclasses.replace(model.policy, budget=budget).check_context(prompt_len, prompt_len + 1)
+            dataclasses.replace(model.policy, **changes).check_context(prompt_len, prompt_len + 1)
         except ValueError as e:
             raise RequestError(400, f"lapse.budget: {e}", param="lapse.budget") from None
         return budget

@@ -41,6 +41,7 @@ class Batcher(Protocol):
     def pages_used(self) -> int: ...
     def free_rows(self) -> int: ...
     def can_admit(self, req) -> bool: ...
+    def check(self, req) -> None: ...
     def admit(self, req) -> tuple[int, int]: ...
     def step(self) -> dict[int, int]: ...
     def release(self, row: int) -> None: ...
@@ -226,9 +227,21 @@ class Engine:
                 return
             block = False
             if kind == "submit":
-                self._waiting.append(item)
+                self._take(item)
             else:
                 self._abort(item)
+
+    def _take(self, job: Job) -> None:
+        """Queues ``job``, or fails it at once when the batcher can never take it."""
+        check = getattr(self.batcher, "check", None)
+        try:
+            if check is not None:
+                check(job.request)
+        except ValueError as e:
+            self._dequeued()
+            job.put(Failed(400, str(e), code="context_length_exceeded"))
+            return
+        self._waiting.append(job)
 
     def _abort(self, rid: str) -> None:
         for job in self._waiting:
