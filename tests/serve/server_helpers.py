@@ -17,7 +17,6 @@ import threading
 import time
 
 
-
 @dataclasses.dataclass(frozen=True)
 class FakeRequest:
     prompt: list[int]

@@ -130,3 +130,22 @@ def test_a_full_waiting_line_answers_429_with_retry_after():
         assert wait_for(lambda: engine.stats().pages_used == 0)
         assert 'reason="queue_full"' in get(url, "/metrics")[1]
     engine.stop()
+
+
+class _Broken(Exception):
+    pass
+
+
+def test_an_engine_that_fails_answers_500_then_health_503():
+    app, engine = fake_server(rows=1, pages=64)
+
+    def step():
+        raise _Broken("a step that fails")
+
+    engine.batcher.step = step
+    with serving(app) as url:
+        with pytest.raises(openai.InternalServerError, match="a step that fails"):
+            client(url).completions.create(model="fake", prompt="hi", max_tokens=5)
+        assert get(url, "/health")[0] == 503
+        status, _, body = post(url, {"model": "fake", "prompt": "hi"})
+        assert status == 503 and body["error"]["type"] == "internal_server_error"
