@@ -33,6 +33,9 @@ class StoreBase:
         self._new: Tensor | None = None  # [B] int64 new tokens per sequence in a ragged forward
         self.new_lengths: list[int] | None = None
         """Host copy of the ragged forward's ``lengths`` (``None``: every sequence brings ``T``)."""
+        self.step_rows: Tensor | None = None
+        """``[B]`` int64 0/1, row-slot stores (``PagedStore(rows=...)``): the rows a
+        one-token step advances (1) or leaves as they are (0, a free row); ``None``: all."""
 
     @property
     def batch_size(self) -> int | None:
@@ -52,6 +55,8 @@ class StoreBase:
             if self.length > 0:
                 raise ValueError("lengths (a ragged batch) are taken by the first forward only (the prefill)")
             self._new, self.new_lengths = check_lengths(lengths, batch_size, t, device)
+        elif self.step_rows is not None:  # a step of the occupied rows: the ragged bookkeeping, 0 or 1 each
+            self._new = self.step_rows
         if not torch.compiler.is_compiling():
             if self.seqlens is None:
                 self.seqlens = static_zeros(batch_size, dtype=torch.int32, device=device)

@@ -44,6 +44,35 @@ class LayerState:
                 torch._dynamo.mark_static_address(moved)
                 setattr(self, f.name, moved)
 
+    # row slots (a PagedStore with ``rows``): a fixed batch whose rows take sequences in turn
+
+    @classmethod
+    def alloc_rows(cls, src: LayerState, rows: int) -> LayerState:
+        """A state of ``rows`` rows shaped like ``src``'s (any batch), reset, its tensors
+        static: a compiled step reads them in place while rows change hands."""
+        state = cls()
+        for f in fields(src):
+            value = getattr(src, f.name)
+            if isinstance(value, Tensor):
+                setattr(state, f.name, static_zeros(rows, *value.shape[1:], dtype=value.dtype,
+                                                    device=value.device))
+        state.reset_rows(list(range(rows)))
+        return state
+
+    def copy_row(self, row: int, src: LayerState, src_row: int) -> None:
+        """Row ``row`` of every tensor set to ``src``'s row ``src_row`` (in place)."""
+        for f in fields(self):
+            value, given = getattr(self, f.name), getattr(src, f.name)
+            if isinstance(value, Tensor) and isinstance(given, Tensor):
+                value[row].copy_(given[src_row])
+
+    def reset_rows(self, rows: list[int]) -> None:
+        """The ``rows`` back to the state before a sequence's first token (zeros; in place)."""
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if isinstance(value, Tensor):
+                value[rows] = 0
+
 
 @dataclass(eq=False)
 class GateState(LayerState):
@@ -99,3 +128,8 @@ class LookaheadRing(LayerState):
             self.pos = static_zeros(b, m, dtype=torch.int32, device=k_u.device)
             self.pos.fill_(-1)
         return self.k, self.v, self.pos
+
+    def reset_rows(self, rows: list[int]) -> None:
+        super().reset_rows(rows)
+        if self.pos is not None:
+            self.pos[rows] = -1  # empty

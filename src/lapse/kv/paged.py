@@ -96,6 +96,9 @@ class LayerSnapshot:
             batch); ``None``: all ``prompt_len``.
         extras: the other per-slot values a method appended, by name, ``[B, H, W, ...]``
             (e.g. DCP's ``drop`` flags).
+        budgets: ``[B]`` int64 each sequence's budget in tokens, set by whoever fills the
+            rows of a row-slot store (``PagedStore(rows=...)``, :meth:`PagedStore.admit`);
+            ``None``: the policy's own. A policy with a budget keeps ``budgets[b]`` in row ``b``.
     """
 
     layer_idx: int
@@ -110,6 +113,7 @@ class LayerSnapshot:
     bound: Tensor | None = None
     prompt_lens: Tensor | None = None
     extras: dict[str, Tensor] | None = None
+    budgets: Tensor | None = None
 
 
 class PagedStore(StoreBase):
@@ -126,6 +130,14 @@ class PagedStore(StoreBase):
         page_size: slots per page.
         score_decay: track accumulated attention scores, decayed by this factor per
             query (A2SF's alpha; 1 is H2O); ``None``: no scores.
+        rows: row-slot mode: a fixed batch of ``rows`` slots that sequences take and give
+            back between steps (a server's continuous batching). A sequence is prefilled in
+            a store of its own and copied in (:meth:`admit`), every step advances the
+            occupied rows only (``step_rows``), and :meth:`release` returns its pages. A
+            free row holds one token on the scratch page and owns no page, so the shapes
+            of a step never change (one compiled step, one CUDA graph). Eviction passes
+            evict the rows marked in ``row_due`` only, each to its ``row_budget``.
+            ``None``: an ordinary store (one prefill of the whole batch).
     """
 
     def __init__(
@@ -137,6 +149,7 @@ class PagedStore(StoreBase):
         pages: int | None = None,
         page_size: int = 16,
         score_decay: float | None = None,
+        rows: int | None = None,
     ):
         super().__init__(n_layers)
         for name, value in (("max_context", max_context), ("page_size", page_size)):
@@ -153,6 +166,8 @@ class PagedStore(StoreBase):
             raise ValueError(f"pages must be a positive integer or None, got {pages!r}")
         if score_decay is not None and not 0 <= score_decay <= 1:
             raise ValueError(f"score_decay must be in [0, 1] or None, got {score_decay!r}")
+        if rows is not None and (not isinstance(rows, int) or isinstance(rows, bool) or rows < 1):
+            raise ValueError(f"rows must be a positive integer or None, got {rows!r}")
         self.capacity, self.page_size = max_context, page_size
         self.width = page_size * math.ceil(max_tokens / page_size)
         self.pages, self.score_decay = pages, score_decay
@@ -183,11 +198,20 @@ class PagedStore(StoreBase):
         self._plan_base: tuple | None = None  # plan_cut's snapshot of the prompt, without scores
         self._cut: _Cut | None = None  # the prompt's first write_cut: its shapes and plan (_open_cut)
         self._cut_ready: set[int] = set()  # layers _open_cut allocated that write_cut has not written
+        # row-slot mode (rows): allocated at the first admit, on the device of the first sequence
+        self.rows = rows
+        self.row_due: Tensor | None = None  # [rows] bool: rows the next eviction pass evicts
+        self.row_budget: Tensor | None = None  # [rows] int64: each row's budget in tokens
+        self._active = np.zeros(rows or 0, dtype=np.bool_)  # the occupied rows, on the host
+        self._row_tokens = np.zeros(rows or 0, dtype=np.int64)  # most tokens a row's head holds (reserve)
 
     # -- the KVCache protocol (begin, state, advance, length: StoreBase) -------------------
 
     def _make_room(self, t: int) -> None:
         """Checks the context, notes the prompt's length, and grants pages for ``t`` tokens."""
+        if self.rows is not None and (t != 1 or self.new_lengths is not None or not self._active.any()):
+            raise ValueError("a row-slot store takes its sequences through admit, then one token per "
+                             "occupied row per step")
         if self.length + t > self.capacity:
             raise ValueError(f"{self.length} + {t} tokens exceed the store's max_context = {self.capacity}")
         if self.length > 0 and t > 1:
@@ -507,6 +531,166 @@ class PagedStore(StoreBase):
     def reorder(self, index: Tensor) -> None:
         raise NotImplementedError("PagedStore does not reorder its batch (beam search needs a DenseStore)")
 
+    # -- row slots (rows=...): sequences join and leave a fixed batch between steps ---------
+
+    def admit(
+        self,
+        row: int,
+        sub: PagedStore,
+        sub_row: int = 0,
+        *,
+        budget: int = 0,
+        max_tokens: int | None = None,
+    ) -> None:
+        """Puts sequence ``sub_row`` of ``sub`` (a store of its own, prefilled and cut by the
+        policy) into the free ``row``: pages granted from this pool for the pages it holds
+        there, its kept slots copied page by page (keys, values, positions, scores, every
+        per-slot pool: the same logical slots in the same order, so the next step and pass
+        see what they would see in ``sub``), its lengths, ``seqlens``, prompt length and
+        per-layer states. ``budget``: the row's budget in tokens (:attr:`LayerSnapshot.budgets`);
+        ``max_tokens``: the most tokens a head of the row will hold (:meth:`reserve` grants
+        it no more; default the table's width). Everything is written in place, so a
+        compiled step and a captured eviction pass keep reading the same memory. The first
+        admit allocates the pools (``pages`` + the scratch page) like ``sub``'s. Raises
+        ``ValueError`` for a row that is not free or a ``sub`` of other shapes, and
+        ``RuntimeError`` (nothing granted) when a pool lacks the pages."""
+        if self.rows is None:
+            raise ValueError("admit needs a row-slot store: PagedStore(..., rows=N)")
+        if not isinstance(row, int) or not 0 <= row < self.rows or self._active[row]:
+            raise ValueError(f"row must be a free row in [0, {self.rows}), got {row!r}")
+        if not isinstance(sub, PagedStore) or sub.rows is not None or sub.seqlens is None or sub.k[0] is None:
+            raise ValueError("admit copies a sequence from a prefilled PagedStore without rows")
+        shape = (self.n_layers, self.page_size, self.score_decay)
+        if (sub.n_layers, sub.page_size, sub.score_decay) != shape:
+            raise ValueError(
+                f"the sequence's store has (layers, page_size, score_decay) = ({sub.n_layers}, "
+                f"{sub.page_size}, {sub.score_decay}), this one {shape}"
+            )
+        max_tokens = self.width if max_tokens is None else max_tokens
+        if not isinstance(max_tokens, int) or not 1 <= max_tokens <= self.width:
+            raise ValueError(f"max_tokens must be an integer in [1, {self.width}], got {max_tokens!r}")
+        sub.settle()
+        self.settle()
+        if self.k[0] is None:
+            self._open_rows(sub)
+        tokens = int(sub.seqlens[sub_row])
+        if tokens >= self.capacity:
+            raise ValueError(f"a sequence of {tokens} tokens leaves no room in max_context = {self.capacity}")
+        needed = []
+        for i in range(self.n_layers):  # every layer checked before any is granted
+            if set(sub.extras[i]) != set(self.extras[i]) or sub.k[i].shape[1:] != self.k[i].shape[1:]:
+                raise ValueError(f"layer {i} of the sequence's store holds other pools than this one's")
+            count = sub._count[i][sub_row]  # [H] pages each head holds
+            if int(count.max()) * self.page_size > self.width:
+                raise ValueError(f"the sequence holds more than this store's max_tokens = {self.width}")
+            if int(count.sum()) > len(self._free[i]):
+                raise RuntimeError(
+                    f"the page pool of layer {i} has {len(self._free[i])} free pages, the sequence holds "
+                    f"{int(count.sum())}"
+                )
+            rows = self._count[i].copy()
+            rows[row] = count
+            needed.append(rows)
+        for i in range(self.n_layers):
+            self._grant(i, needed[i])
+            count = self._count[i][row]  # [H]
+            # the pages of every head in order, head by head, here and there
+            theirs = sub._pages[i][sub_row]  # [H, W'/S]
+            src = theirs[np.arange(theirs.shape[-1]) < count[:, None]]
+            dst = self._pages[i][row][np.arange(self._pages[i].shape[-1]) < count[:, None]]
+            src = torch.from_numpy(src).to(sub.k[i].device)
+            dst = torch.from_numpy(dst).to(self.k[i].device)
+            pools = [(self.k[i], sub.k[i]), (self.v[i], sub.v[i])]
+            pools += [(pool, sub.extras[i][name]) for name, pool in self.extras[i].items()]
+            for mine, theirs in pools:  # [P, S, ...]: whole pages
+                mine.index_copy_(0, dst, theirs.index_select(0, src))
+            self.lengths[i][row].copy_(sub.lengths[i][sub_row])
+            states = self.states[i]
+            for name, given in sub.states[i].items():
+                mine = states.get(name)
+                missing = (  # tensors sub allocated that this store's state lacks
+                    isinstance(getattr(given, f.name), Tensor)
+                    and not isinstance(getattr(mine, f.name), Tensor)
+                    for f in dataclasses.fields(given)
+                )
+                if mine is None or any(missing):
+                    states[name] = type(given).alloc_rows(given, self.rows)
+            for name, mine in states.items():
+                mine.reset_rows([row])
+                if name in sub.states[i]:
+                    mine.copy_row(row, sub.states[i][name], sub_row)
+        self.seqlens[row] = tokens
+        prompt = sub.prompt_len if sub.prompt_lens is None else int(sub.prompt_lens[sub_row])
+        self.prompt_lens[row] = prompt
+        self.row_budget[row] = budget
+        self.row_due[row] = False
+        self.step_rows[row] = 1
+        self._active[row] = True
+        self._row_tokens[row] = max_tokens
+        self._room, self._length = 0, None  # the new row has no spare slot known
+
+    def release(self, row: int) -> None:
+        """Frees ``row``: every page it holds back to the pool, the row back to one token on
+        the scratch page, taking no step (in place). Its states stay until the next
+        :meth:`admit` of the row overwrites them."""
+        if self.rows is None or not isinstance(row, int) or not 0 <= row < self.rows or not self._active[row]:
+            raise ValueError(f"release takes an occupied row of a row-slot store, got {row!r}")
+        self.settle()  # first: a pending front of the row would free its pages twice
+        for i in range(self.n_layers):
+            count, pages = self._count[i], self._pages[i]
+            held = np.arange(pages.shape[-1]) < count[row][:, None]  # [H, W/S]
+            self._free[i].push(pages[row][held])
+            count[row] = 0
+            pages[row] = -1
+            self._park(i, row)
+        self.seqlens[row] = 0
+        self.prompt_lens[row] = 0
+        self.row_budget[row] = 0
+        self.row_due[row] = False
+        self.step_rows[row] = 0
+        self._active[row] = False
+        self._row_tokens[row] = 0
+        self._length = None
+
+    def active_rows(self) -> list[int]:
+        """The occupied rows of a row-slot store, in order."""
+        return np.flatnonzero(self._active).tolist()
+
+    def _park(self, layer_idx: int, row) -> None:
+        """A free row's table and length: one token on the scratch page (the paged op reads at
+        least one slot per head, and a free row's step writes its slot 1, owned by no one)."""
+        table = self.page_table[layer_idx]
+        table[row] = -1
+        table[row, :, 0] = self.k[layer_idx].shape[0] - 1
+        self.lengths[layer_idx][row] = 1
+
+    def _open_rows(self, sub: PagedStore) -> None:
+        """At the first :meth:`admit`: every layer's pools like ``sub``'s (``pages`` pages and
+        the scratch page), tables, lengths and host lists, every row free; the row tensors."""
+        rows, columns = self.rows, self.width // self.page_size
+        dev = sub.k[0].device
+        for i in range(self.n_layers):
+            h = sub.lengths[i].shape[1]
+            n = self.pages if self.pages is not None else rows * h * columns
+            self.k[i] = static_zeros(n + 1, *sub.k[i].shape[1:], dtype=sub.k[i].dtype, device=dev)
+            self.v[i] = static_zeros(n + 1, *sub.v[i].shape[1:], dtype=sub.v[i].dtype, device=dev)
+            self.extras[i] = {
+                name: static_zeros(n + 1, *pool.shape[1:], dtype=pool.dtype, device=dev)
+                for name, pool in sub.extras[i].items()
+            }
+            self.page_table[i] = static_zeros(rows, h, columns, dtype=torch.int32, device=dev)
+            self.lengths[i] = static_zeros(rows, h, dtype=torch.int32, device=dev)
+            self._park(i, slice(None))
+            self._free[i] = _PageStack(n)
+            self._count[i] = np.zeros((rows, h), dtype=np.int64)
+            self._pages[i] = np.full((rows, h, columns), -1, dtype=np.int64)
+        self.seqlens = static_zeros(rows, dtype=torch.int32, device=dev)
+        self.prompt_lens = static_zeros(rows, dtype=torch.int64, device=dev)
+        self.step_rows = static_zeros(rows, dtype=torch.int64, device=dev)
+        self.row_due = static_zeros(rows, dtype=torch.bool, device=dev)
+        self.row_budget = static_zeros(rows, dtype=torch.int64, device=dev)
+        self._length = None
+
     # -- scores (H2O, A2SF) ----------------------------------------------------------------
 
     def record_scores(self, layer_idx: int, probs: Tensor) -> None:
@@ -539,10 +723,21 @@ class PagedStore(StoreBase):
         if not layers:
             return
         held = torch.stack([self.lengths[i] for i in layers]).long().cpu().numpy()  # [layers, B, H]
-        needed = (held + t + self.page_size - 1) // self.page_size
+        wanted = held + t
+        if self.rows is not None:  # each occupied row up to its most tokens; a free row takes no page
+            wanted = np.minimum(wanted, np.where(self._active, self._row_tokens, 0)[None, :, None])
+        needed = (wanted + self.page_size - 1) // self.page_size
         for i, rows in zip(layers, needed, strict=True):
+            if self.rows is not None:
+                rows[~self._active] = self._count[i][~self._active]
             self._grant(i, rows)
         self._set_room(layers, held)
+
+    @property
+    def room(self) -> int:
+        """Tokens every head (of every occupied row, in row-slot mode) can take before the
+        next :meth:`reserve`, as known on the host (0 after an eviction or an admit)."""
+        return max(self._room, 0)
 
     def claim(self, t: int) -> None:
         """Takes room for ``t`` tokens before a compiled step, on the host: a step past the
@@ -719,6 +914,8 @@ class PagedStore(StoreBase):
             table = self.page_table[i]
             kept = torch.as_tensor(self._count[i], device=table.device)  # [B, H]
             table.masked_fill_(torch.arange(table.shape[-1], device=table.device) >= kept[..., None], -1)
+            if self.rows is not None:  # a free row's one token stays on the scratch page
+                table[torch.from_numpy(~self._active).to(table.device), :, 0] = self.k[i].shape[0] - 1
         self._set_room(layers, held)
 
     def _set_room(self, layers: list[int], held: np.ndarray) -> None:
@@ -726,7 +923,13 @@ class PagedStore(StoreBase):
         (``held`` ``[layers, B, H]`` their tokens), within ``max_context``, which bounds the
         positions too."""
         owned = np.stack([self._count[i] for i in layers]) * self.page_size
-        self._room = min(int((owned - held).min()), self.capacity - self.length)
+        spare = owned - held  # [layers, B, H]
+        if self.rows is not None:  # the occupied rows (a free row never takes a token)
+            if not self._active.any():
+                self._room = 0
+                return
+            spare = spare[:, self._active]
+        self._room = min(int(spare.min()), self.capacity - self.length)
 
     def _free_past_tokens(self, layer_idx: int, held: np.ndarray) -> None:
         """Frees layer ``layer_idx``'s pages past the ``held`` ``[B, H]`` tokens each head
@@ -798,6 +1001,8 @@ class PagedStore(StoreBase):
             self.seqlens,
             c_now,
             self.prompt_lens,
+            self.row_due,
+            self.row_budget,
         )
 
     def _meta(self, layer_idx: int) -> tuple[int, int, int, int, int]:
@@ -976,6 +1181,8 @@ class _LayerTensors:
     seqlens: Tensor
     c_now: Tensor | None
     prompt_lens: Tensor | None
+    due: Tensor | None = None  # [B] bool, row-slot mode: the rows a pass evicts (the others keep all)
+    budgets: Tensor | None = None  # [B] int64, row-slot mode: each row's budget in tokens
 
 
 @dataclass(eq=False)
@@ -1046,6 +1253,7 @@ def _snapshot(
         max_context,
         prompt_lens=t.prompt_lens,
         extras=others,
+        budgets=t.budgets,
     )
 
 
@@ -1141,8 +1349,11 @@ def _pass(
     slots = _slots(t, width, page_size)
     snap = _snapshot(t, width, page_size, layer_idx, prompt_len, max_context, slots, extras)
     snap.bound = bound
+    keep = keep_fn(snap)
+    if t.due is not None:  # rows not due (and free ones) keep what they hold
+        keep = torch.where(t.due[:, None, None], keep, snap.valid)
     evict = _drop_leading_pages if whole_pages else _compact
-    return evict(t, slots, keep_fn(snap), page_size)
+    return evict(t, slots, keep, page_size)
 
 
 @functools.cache

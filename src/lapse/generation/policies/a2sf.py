@@ -94,6 +94,8 @@ class A2SF(Policy):
         ):  # a ragged batch: each its own share
             budget = torch.round(snap.prompt_lens.double() * self.budget).long().clamp_min(1)
             budget = budget.clamp_min(self.recent + self.sinks)[:, None, None]  # [B, 1, 1]
+        if snap.budgets is not None:  # a row-slot store: each row's own, set at its admission
+            budget = snap.budgets[:, None, None]  # [B, 1, 1]
         fixed = recent_or_sink(snap, self.recent, self.sinks)  # [B, H, W]
         scores = snap.scores
         if self.per == "layer":  # every head of the layer holds the same positions in the same order

@@ -36,4 +36,6 @@ class SinkWindow(Policy):
         return self.sinks + self.window
 
     def keep(self, snap: LayerSnapshot) -> Tensor:
-        return recent_or_sink(snap, self.window, self.sinks)
+        # a row-slot store gives each row its own window (snap.budgets, set at its admission)
+        window = self.window if snap.budgets is None else snap.budgets[:, None, None]  # [B, 1, 1]
+        return recent_or_sink(snap, window, self.sinks)
