@@ -1,0 +1,323 @@
+"""Continuous batching: requests join and leave one decode batch between steps.
+
+A :class:`RowBatcher` holds ``rows`` fixed row slots of one :class:`~lapse.kv.PagedStore`
+in row-slot mode. A request is prefilled alone in a store of its own (what
+:func:`~lapse.generation.generate` builds for one prompt), its first token drawn, its
+prompt cut by the policy, and its kept pages copied into pages of the shared pool
+(:meth:`RowBatcher.admit`); then every :meth:`RowBatcher.step` decodes one token for each
+occupied row at once, and :meth:`RowBatcher.release` gives a row's pages back. A free row
+costs compute in the step (the shapes never change: one compiled step, one CUDA graph) and
+no memory. Each row's tokens are those ``generate`` gives its prompt alone, with the same
+policy and, for a seeded request, the same draws.
+
+The caller decides when a request ends (end of text, ``max_new_tokens``, stop strings) and
+releases its row; it admits only what :meth:`RowBatcher.can_admit` accepts. Admission
+reserves each request's worst case in pages (:meth:`RowBatcher.pages_needed`), so a step
+never runs out of pages: no preemption. Not thread-safe: one thread owns the batcher (and
+the model, and every torch call on them).
+
+Legend: T prompt length, N new tokens, S page size, H kv heads, L layers.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass
+
+import torch
+
+from lapse.kv import PagedStore
+from lapse.models import Decoder
+
+from .generate import (
+    check_policy_fits,
+    compiled_decode_one_token,
+    decode_one_token,
+    evict,
+    logit_bounds,
+    paged_store_for,
+    prefill,
+    sample,
+)
+from .policies import Dense, Policy, SinkWindow
+
+
+@dataclass(frozen=True)
+class RowRequest:
+    """One sequence to continue, as :class:`RowBatcher` takes it."""
+
+    prompt: list[int]
+    """Token ids, at least one."""
+    max_new_tokens: int
+    """Most tokens to draw, at least 1 (the caller releases the row by then)."""
+    temperature: float = 1.0
+    """0: greedy."""
+    top_k: int | None = None
+    top_p: float | None = None
+    seed: int | None = None
+    """A seeded request draws as ``generate(..., generator=torch.Generator().manual_seed(seed))``
+    draws for its prompt alone (a generator on the model's device); ``None``: torch's
+    default generator."""
+    budget: float | int | None = None
+    """The policy's budget for this request (H2O, A2SF: ``budget``; window: ``window``,
+    an int); ``None``: the batcher's policy's."""
+
+    def __post_init__(self) -> None:
+        if not self.prompt or not all(isinstance(t, int) and not isinstance(t, bool) for t in self.prompt):
+            raise ValueError("prompt must be a non-empty list of token ids")
+        if not isinstance(self.max_new_tokens, int) or self.max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be a positive integer, got {self.max_new_tokens!r}")
+        if not self.temperature >= 0:
+            raise ValueError(f"temperature must be >= 0, got {self.temperature!r}")
+        if self.top_k is not None and (not isinstance(self.top_k, int) or self.top_k < 1):
+            raise ValueError(f"top_k must be a positive integer or None, got {self.top_k!r}")
+        if self.top_p is not None and not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1] or None, got {self.top_p!r}")
+        if self.seed is not None and not isinstance(self.seed, int):
+            raise ValueError(f"seed must be an integer or None, got {self.seed!r}")
+
+
+@dataclass(eq=False)
+class _Row:
+    """An occupied row: its request, policy and generator, the last token drawn (the next
+    step's input), the steps taken, and the pages admission reserved for it."""
+
+    request: RowRequest
+    policy: Policy
+    generator: torch.Generator | None
+    token: int
+    steps: int
+    pages: int
+
+
+class RowBatcher:
+    """``rows`` row slots decoding together over one paged store (module doc).
+
+    Args:
+        model: a :class:`lapse.models.Decoder` whose layers decode over a paged store.
+        policy: the eviction policy every row runs (a request may change its budget only);
+            ``None``: :class:`~lapse.generation.Dense` (no eviction, still paged).
+        rows: the batch of a step, the most requests decoding at once.
+        pages: pages of each layer's pool (``page_size`` slots per kv head each); default
+            enough for every row to hold ``max_context`` tokens.
+        max_context: the longest sequence, prompt and new tokens, a request may reach.
+        compile: decode with :func:`~lapse.generation.compiled_decode_one_token` and run
+            the eviction passes compiled (a CUDA graph on a GPU); a string names the
+            ``torch.compile`` backend instead (``"aot_eager"``: the trace without code
+            generation, for tests on CPU).
+        ahead: the most steps one reservation of pages covers.
+        page_size: slots per page.
+
+    Decoding is fastest inside ``model.fused_projections(keep=compile)``, which the owner
+    enters once (``generate`` does; the results agree up to rounding)."""
+
+    def __init__(
+        self,
+        model: Decoder,
+        policy: Policy | None,
+        *,
+        rows: int,
+        pages: int | None = None,
+        max_context: int,
+        compile: bool | str = False,
+        ahead: int = 16,
+        page_size: int = 16,
+    ):
+        policy = Dense() if policy is None else policy
+        if not isinstance(policy, Policy):
+            raise TypeError(f"policy must be a Policy or None, got {policy!r}")
+        for name, value in (("rows", rows), ("max_context", max_context), ("ahead", ahead)):
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        check_policy_fits(model, policy)
+        self.model, self.policy, self.rows, self.max_context = model, policy, rows, max_context
+        self.compile, self.ahead, self.page_size = compile, ahead, page_size
+        config = model.config
+        self._heads, self._layers = config.kv_heads, config.n_layers
+        if pages is None:
+            pages = rows * self._heads * math.ceil(max_context / page_size)
+        self.store = PagedStore(
+            config.n_layers,
+            max_context=max_context,
+            pages=pages,
+            page_size=page_size,
+            score_decay=policy.score_decay,
+            rows=rows,
+        )
+        self._pages_per_layer = pages
+        self._device = next(model.parameters()).device
+        self._rows: dict[int, _Row] = {}
+        self._bounds: list | None = None  # logit_bounds, once (the weights do not change)
+        if isinstance(compile, str):
+            self._step = compiled_decode_one_token(mode=None, backend=compile)
+        else:
+            self._step = compiled_decode_one_token() if compile else decode_one_token
+
+    # -- accounting -------------------------------------------------------------------------
+
+    def pages_needed(self, req: RowRequest) -> int:
+        """The most pages the request holds, over all layers: what admission reserves.
+        A head holds the prompt and new tokens without eviction; under a policy with a
+        bound, at most that bound and the tokens of the steps between two passes (the
+        prompt is cut in the request's own store, before it joins)."""
+        policy = self._policy_for(req)
+        return self._layers * self._heads * math.ceil(self._hold(req, policy) / self.page_size)
+
+    def pages_total(self) -> int:
+        """Pages of every layer's pool together."""
+        return self._layers * self._pages_per_layer
+
+    def pages_free(self) -> int:
+        """Pages no occupied row has reserved, over all layers."""
+        return self.pages_total() - sum(r.pages for r in self._rows.values())
+
+    def pages_used(self) -> int:
+        """Pages the rows hold now, over all layers (reads the device once after an eviction)."""
+        store = self.store
+        store.settle()
+        return sum(int(store._count[i].sum()) for i in range(self._layers) if store._count[i] is not None)
+
+    def free_rows(self) -> int:
+        return self.rows - len(self._rows)
+
+    def active_rows(self) -> list[int]:
+        return sorted(self._rows)
+
+    def can_admit(self, req: RowRequest) -> bool:
+        """A free row and enough unreserved pages for the request (:meth:`check` passed)."""
+        return self.free_rows() > 0 and self.pages_needed(req) <= self.pages_free()
+
+    def check(self, req: RowRequest) -> None:
+        """Raises a one-line ``ValueError`` for a request this batcher can never take: too
+        long for ``max_context``, more pages than the pools hold, token ids outside the
+        vocabulary, a budget the policy refuses."""
+        if not isinstance(req, RowRequest):
+            raise TypeError(f"expected a RowRequest, got {type(req).__name__}")
+        total = len(req.prompt) + req.max_new_tokens
+        if total > self.max_context:
+            raise ValueError(
+                f"{len(req.prompt)} prompt tokens + {req.max_new_tokens} new tokens exceed the "
+                f"context of {self.max_context} tokens"
+            )
+        vocab = self.model.config.vocab_size
+        if not all(0 <= t < vocab for t in req.prompt):
+            raise ValueError(f"prompt token ids must be in [0, {vocab})")
+        need = self.pages_needed(req)
+        if need > self.pages_total():
+            raise ValueError(
+                f"the request needs {need} KV pages, more than the {self.pages_total()} there are"
+            )
+
+    # -- rows -----------------------------------------------------------------------------
+
+    @torch.no_grad()
+    def admit(self, req: RowRequest) -> tuple[int, int]:
+        """Prefills the request alone, draws its first token, cuts its prompt by the policy
+        and copies what it keeps into the lowest free row; returns ``(row, first token id)``.
+        Raises ``ValueError`` (:meth:`check`) for a request that can never fit, and
+        ``RuntimeError`` when none fits now (:meth:`can_admit` is False: call it first)."""
+        self.check(req)
+        if not self.can_admit(req):
+            raise RuntimeError(
+                f"no room now: {self.free_rows()} free rows, {self.pages_free()} free pages of "
+                f"{self.pages_needed(req)} needed (call can_admit first)"
+            )
+        policy = self._policy_for(req)
+        t, n = len(req.prompt), req.max_new_tokens
+        ids = torch.tensor([req.prompt], dtype=torch.long, device=self._device)  # [1, T]
+        sub = paged_store_for(self.model, 1, t, n, policy, page_size=self.page_size)
+        logits = prefill(self.model, ids, sub)  # [1, V]
+        generator = None
+        if req.seed is not None:
+            generator = torch.Generator(device=self._device).manual_seed(req.seed)
+        first = sample(logits, req.temperature, req.top_k, generator, req.top_p)  # [1, 1]
+        if not policy.keeps_all:  # the prompt's cut, generate's pass before its first step
+            evict(self.model, sub, policy, self._logit_bounds(), compile=self.compile, graph=False)
+        row = min(set(range(self.rows)) - set(self._rows))
+        self.store.admit(row, sub, budget=_budget(policy, t), max_tokens=self._hold(req, policy))
+        token = int(first)
+        self._rows[row] = _Row(req, policy, generator, token, 0, self.pages_needed(req))
+        return row, token
+
+    @torch.no_grad()
+    def step(self) -> dict[int, int]:
+        """One decode step over the occupied rows: each row's last token in, its next one
+        drawn; ``{row: token id}`` (one read of the device). Before it, the rows whose
+        policy's ``every`` steps have passed are evicted (one pass over the batch), and
+        pages reserved for the next steps where needed."""
+        if not self._rows:
+            return {}
+        active = self.active_rows()
+        for r in active:
+            if self._rows[r].steps + 1 >= self._rows[r].request.max_new_tokens:
+                raise ValueError(f"row {r} has drawn its max_new_tokens: release it before the next step")
+        store, policy = self.store, self.policy
+        if not policy.keeps_all:
+            due = [r for r in active if self._rows[r].steps > 0 and self._rows[r].steps % policy.every == 0]
+            if due:
+                mask = torch.zeros(self.rows, dtype=torch.bool)
+                mask[due] = True
+                store.row_due.copy_(mask)
+                evict(self.model, store, policy, self._logit_bounds(), compile=self.compile)
+                store.row_due.zero_()
+        if store.room < 1:
+            store.reserve(min(policy.every, self.ahead))
+        tokens = [[self._rows[r].token if r in self._rows else 0] for r in range(self.rows)]
+        logits = self._step(self.model, torch.tensor(tokens, device=self._device), store)  # [rows, V]
+        drawn = []
+        for r in active:  # each row as generate draws for its prompt alone
+            row, req = self._rows[r], self._rows[r].request
+            drawn.append(sample(logits[r : r + 1], req.temperature, req.top_k, row.generator, req.top_p))
+        ids = torch.cat(drawn).view(-1).tolist()
+        for r, token in zip(active, ids, strict=True):
+            self._rows[r].token = token
+            self._rows[r].steps += 1
+        return dict(zip(active, ids, strict=True))
+
+    def release(self, row: int) -> None:
+        """The row's pages back to the pool and the row free (a request finished, cancelled
+        or disconnected)."""
+        if row not in self._rows:
+            raise ValueError(f"row {row!r} is not occupied")
+        self.store.release(row)
+        del self._rows[row]
+
+    # -- internals ------------------------------------------------------------------------
+
+    def _policy_for(self, req: RowRequest) -> Policy:
+        """The batcher's policy with the request's budget (its own checks raise ValueError)."""
+        if req.budget is None:
+            return self.policy
+        fields = {f.name for f in dataclasses.fields(self.policy)}
+        if "budget" in fields:
+            return dataclasses.replace(self.policy, budget=req.budget)
+        if isinstance(self.policy, SinkWindow):
+            if not isinstance(req.budget, int):
+                raise ValueError(
+                    f"a window policy's budget is its window in tokens (an int), got {req.budget!r}"
+                )
+            return dataclasses.replace(self.policy, window=req.budget)
+        raise ValueError(f"the {type(self.policy).__name__} policy takes no budget")
+
+    def _hold(self, req: RowRequest, policy: Policy) -> int:
+        """The most tokens a head of the request's row holds (module doc of the policies: a
+        pass leaves at most the bound, and ``every`` steps add as many tokens before the next)."""
+        total = len(req.prompt) + req.max_new_tokens
+        bound = None if policy.keeps_all else policy.max_tokens(len(req.prompt))
+        return total if bound is None else min(total, bound + policy.every)
+
+    def _logit_bounds(self) -> list:
+        if self._bounds is None:
+            self._bounds = logit_bounds(self.model)
+        return self._bounds
+
+
+def _budget(policy: Policy, prompt_len: int) -> int:
+    """The row's budget in tokens for the passes over the shared store (``LayerSnapshot.budgets``)."""
+    tokens = getattr(policy, "tokens", None)  # A2SF, H2O
+    if tokens is not None:
+        return tokens(prompt_len)
+    if isinstance(policy, SinkWindow):
+        return policy.window
+    return 0

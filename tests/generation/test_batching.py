@@ -1,0 +1,149 @@
+"""Continuous batching (:class:`lapse.generation.RowBatcher`): requests of different
+lengths join a running batch at different steps and leave it when done; each one's tokens
+are exactly those ``generate`` draws for its prompt alone with the same seed and policy
+(float64, so that batching changes no draw), and every page comes back."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from lapse.generation import A2SF, H2O, Dense, RowBatcher, RowRequest, SinkWindow, generate
+from lapse.models import Decoder, preset
+
+pytestmark = [
+    pytest.mark.usefixtures("one_thread"),
+    pytest.mark.filterwarnings("ignore:budget .* below recent"),  # short prompts under a share
+]
+
+# (prompt length, new tokens, the step it arrives at): six requests through three rows,
+# so some wait for a row, and rows are taken again after a release
+ARRIVALS = [(9, 7, 0), (3, 12, 0), (21, 5, 1), (1, 9, 2), (14, 6, 4), (6, 8, 4)]
+
+
+@pytest.fixture(scope="module")
+def model() -> Decoder:
+    torch.manual_seed(0)
+    return Decoder(preset("tiny", "fox-pro", init_std=0.1, n_kv_heads=2)).double().eval()
+
+
+def _requests(vocab: int, budgets=None) -> list[tuple[int, RowRequest]]:
+    gen = torch.Generator().manual_seed(5)
+    out = []
+    for i, (t, n, at) in enumerate(ARRIVALS):
+        prompt = torch.randint(0, vocab, (t,), generator=gen).tolist()
+        budget = None if budgets is None else budgets[i]
+        out.append((at, RowRequest(prompt, n, temperature=1.0, seed=100 + i, budget=budget)))
+    return out
+
+
+def _serve(batcher: RowBatcher, requests: list[tuple[int, RowRequest]]) -> list[list[int]]:
+    """What a server's engine loop does: admits the arrived requests in order while they fit,
+    steps, releases each row when it has its tokens."""
+    waiting = list(enumerate(requests))
+    out: dict[int, list[int]] = {}
+    owner: dict[int, int] = {}  # row -> request index
+    step = 0
+    while waiting or owner:
+        while waiting and waiting[0][1][0] <= step and batcher.can_admit(waiting[0][1][1]):
+            i, (_, req) = waiting.pop(0)
+            row, first = batcher.admit(req)
+            owner[row], out[i] = i, [first]
+        for row, i in list(owner.items()):
+            if len(out[i]) == requests[i][1].max_new_tokens:
+                batcher.release(row)
+                del owner[row]
+        if owner:
+            for row, token in batcher.step().items():
+                out[owner[row]].append(token)
+        step += 1
+    return [out[i] for i in range(len(requests))]
+
+
+def _alone(model: Decoder, req: RowRequest, policy) -> list[int]:
+    ids = torch.tensor([req.prompt])
+    gen = torch.Generator().manual_seed(req.seed)
+    out = generate(model, ids, req.max_new_tokens, temperature=req.temperature, generator=gen, policy=policy)
+    return out[0, len(req.prompt) :].tolist()
+
+
+def _policy_of(policy, req: RowRequest):
+    if req.budget is None:
+        return policy
+    if isinstance(policy, SinkWindow):
+        return dataclasses.replace(policy, window=req.budget)
+    return dataclasses.replace(policy, budget=req.budget)
+
+
+@pytest.mark.parametrize(
+    "policy,budgets",
+    [
+        (None, None),
+        (SinkWindow(sinks=2, window=6, every=4), None),
+        (SinkWindow(sinks=2, window=6, every=4), [4, None, 9, 3, None, 5]),
+        (H2O(budget=0.5, recent=2, sinks=1), None),
+        (H2O(budget=6, recent=2, sinks=1), [3, 0.4, None, 8, 0.8, 4]),
+        (A2SF(budget=8, recent=2, alpha=0.8, every=3), None),
+    ],
+    ids=["dense", "window", "window-budgets", "h2o", "h2o-budgets", "a2sf"],
+)
+def test_rows_joining_and_leaving_equal_each_request_alone(model, policy, budgets):
+    requests = _requests(model.config.vocab_size, budgets)
+    batcher = RowBatcher(model, policy, rows=3, max_context=40)
+    with model.fused_projections():  # as generate decodes
+        got = _serve(batcher, requests)
+    for i, (_, req) in enumerate(requests):
+        want = _alone(model, req, _policy_of(policy or Dense(), req))
+        assert got[i] == want, f"request {i} differs from its prompt generated alone"
+    assert batcher.pages_used() == 0 and batcher.pages_free() == batcher.pages_total()
+    assert all(len(f) == batcher.store.pages for f in batcher.store._free)
+    assert batcher.free_rows() == 3 and batcher.active_rows() == []
+
+
+def test_admission_reserves_the_worst_case_and_refuses_what_never_fits(model):
+    policy = H2O(budget=6, recent=2, sinks=1)
+    layers, heads = model.config.n_layers, model.config.kv_heads
+    batcher = RowBatcher(model, policy, rows=2, pages=6, max_context=64)
+    long = RowRequest(list(range(40)), 10)
+    assert batcher.pages_needed(long) == layers * heads * 1  # 6 kept + 1 step: one page of 16
+    assert batcher.pages_needed(RowRequest([1, 2], 3)) == layers * heads  # 5 tokens
+    dense = RowBatcher(model, None, rows=2, pages=6, max_context=64)
+    assert dense.pages_needed(long) == layers * heads * 4  # 50 tokens: 4 pages per head
+    assert dense.pages_total() == layers * 6
+    with pytest.raises(ValueError, match="more than the"):
+        dense.admit(long)
+    with pytest.raises(ValueError, match="exceed the context of 64"):
+        batcher.admit(RowRequest(list(range(60)), 5))
+    with pytest.raises(ValueError, match="token ids"):
+        batcher.admit(RowRequest([1, 999], 5))
+    with pytest.raises(ValueError, match="budget"):
+        batcher.admit(RowRequest([1, 2], 5, budget=-3))
+    rows = [batcher.admit(RowRequest([1, 2, 3], 4, seed=i))[0] for i in range(2)]
+    assert rows == [0, 1] and batcher.free_rows() == 0
+    assert not batcher.can_admit(RowRequest([1], 2))
+    with pytest.raises(RuntimeError, match="no room now"):
+        batcher.admit(RowRequest([1], 2))
+    assert batcher.pages_used() == 2 * layers * heads and batcher.pages_free() == layers * (6 - 2 * heads)
+    batcher.release(0)
+    assert batcher.can_admit(RowRequest([1], 2))
+    batcher.release(1)
+    with pytest.raises(ValueError, match="not occupied"):
+        batcher.release(1)
+    assert batcher.pages_used() == 0 and batcher.pages_free() == batcher.pages_total()
+
+
+def test_compiled_step_compiles_nothing_more_while_rows_join_and_leave(model):
+    """The step's shapes never change (free rows hold a scratch token): once a first run
+    has compiled the step and the passes, rows joining and leaving at other steps compile
+    nothing, and the tokens are the eager batcher's."""
+    policy = SinkWindow(sinks=2, window=6, every=4)
+    batcher = RowBatcher(model, policy, rows=3, max_context=40, compile="aot_eager")
+    _serve(batcher, _requests(model.config.vocab_size))  # compiles
+    graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+    budgets = [4, None, 9, 3, None, 5]  # other windows, arriving at other steps
+    requests = [(at + i % 2, req) for i, (at, req) in enumerate(_requests(model.config.vocab_size, budgets))]
+    eager = _serve(RowBatcher(model, policy, rows=3, max_context=40), requests)
+    assert _serve(batcher, requests) == eager
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == graphs
