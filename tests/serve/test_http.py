@@ -107,7 +107,7 @@ def test_a_client_that_goes_away_frees_its_row_and_pages():
         stream = client(url).completions.create(model="fake", prompt="hi", max_tokens=200, stream=True)
         chunks = iter(stream)
         next(chunks), next(chunks)
-        assert engine.stats().running == 1 and engine.stats().pages_used > 0
+        assert wait_for(lambda: engine.stats().running == 1 and engine.stats().pages_used > 0)
         stream.close()
         assert wait_for(lambda: metric(get(url, "/metrics")[1], "num_requests_running") == 0)
         assert wait_for(lambda: metric(get(url, "/metrics")[1], "kv_pages_used") == 0)

@@ -239,7 +239,7 @@ class Engine:
                 check(job.request)
         except ValueError as e:
             self._dequeued()
-            job.put(Failed(400, str(e), code="context_length_exceeded"))
+            job.put(Failed(400, str(e)))
             return
         self._waiting.append(job)
 
@@ -270,7 +270,7 @@ class Engine:
             try:
                 row, token = self.batcher.admit(job.request)
             except ValueError as e:
-                job.put(Failed(400, str(e), code="context_length_exceeded"))
+                job.put(Failed(400, str(e)))
                 continue
             job.row, job.admitted = row, time.perf_counter()
             self._running[row] = job
