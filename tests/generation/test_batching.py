@@ -10,7 +10,17 @@ import dataclasses
 import pytest
 import torch
 
-from lapse.generation import A2SF, H2O, Dense, RowBatcher, RowRequest, SinkWindow, generate
+from lapse.generation import (
+    A2SF,
+    H2O,
+    ACPBoundary,
+    DCPDrop,
+    Dense,
+    RowBatcher,
+    RowRequest,
+    SinkWindow,
+    generate,
+)
 from lapse.models import Decoder, preset
 
 pytestmark = [
@@ -100,6 +110,42 @@ def test_rows_joining_and_leaving_equal_each_request_alone(model, policy, budget
     assert batcher.pages_used() == 0 and batcher.pages_free() == batcher.pages_total()
     assert all(len(f) == batcher.store.pages for f in batcher.store._free)
     assert batcher.free_rows() == 3 and batcher.active_rows() == []
+
+
+@pytest.mark.parametrize(
+    "arch,overrides,policy",
+    [
+        ("castle-swl", {}, H2O(budget=5, recent=2, sinks=1)),  # a lookahead ring per row
+        ("fox-llama", {}, A2SF(budget=0.5, recent=2, alpha=0.8, per="layer")),
+        ("transformer-llama", {}, SinkWindow(sinks=1, window=5, every=3)),  # no gate state
+        ("transformer-pro", {"attention": "dcp", "acp": False}, DCPDrop(every=2)),
+    ],
+    ids=["castle-h2o", "fox-llama-a2sf-layer", "llama-window", "dcp"],
+)
+def test_other_kinds_equal_each_request_alone(arch, overrides, policy):
+    torch.manual_seed(0)
+    model = Decoder(preset("tiny", arch, init_std=0.1, **{"n_kv_heads": 2, **overrides})).double().eval()
+    requests = _requests(model.config.vocab_size)
+    batcher = RowBatcher(model, policy, rows=3, max_context=40)
+    with model.fused_projections():
+        got = _serve(batcher, requests)
+    assert got == [_alone(model, req, policy) for _, req in requests]
+    assert batcher.pages_used() == 0
+
+
+def test_acp_rows_give_their_pages_back():
+    """ACP's boundary reads the store's max_context (the shared store's, not T + N as in
+    ``generate``), so its passes may keep other tokens than a request alone: pages only."""
+    torch.manual_seed(0)
+    model = Decoder(preset("tiny", "fox-pro", init_std=0.1, n_kv_heads=2, acp=True)).double().eval()
+    policy = ACPBoundary(every=3)
+    batcher = RowBatcher(model, policy, rows=3, max_context=40)
+    requests = _requests(model.config.vocab_size)
+    got = _serve(batcher, requests)
+    assert [len(g) for g in got] == [req.max_new_tokens for _, req in requests]
+    dense = RowBatcher(model, None, rows=3, max_context=40)
+    assert all(batcher.pages_needed(req) <= dense.pages_needed(req) for _, req in requests)
+    assert batcher.pages_used() == 0 and batcher.pages_free() == batcher.pages_total()
 
 
 def test_admission_reserves_the_worst_case_and_refuses_what_never_fits(model):
