@@ -16,7 +16,7 @@ HEAVY = ("torch", "transformers", "triton", "matplotlib", "lm_eval", "numpy")
 EVERY_HELP = ["", "train", "train cpu-small", "train cpu-tiny", "train gpu-20m", "train 125m-16k", "resume",
               "bench", "bench attention", "bench decode", "bench train", "eval", "eval ppl",
               "eval per-token-loss", "eval policy-loss", "eval niah", "eval acp", "eval dcp", "eval lm-eval",
-              "eval eviction", "generate", "export", "import", "report"]
+              "eval eviction", "generate", "serve", "export", "import", "report"]
 
 
 def _imported(stderr: str) -> set[str]:
@@ -25,7 +25,8 @@ def _imported(stderr: str) -> set[str]:
     return {line.strip().split(".")[0] for line in lines}
 
 
-@pytest.mark.parametrize("command", ["", "train cpu-small", "bench attention", "eval ppl", "generate"],
+@pytest.mark.parametrize("command",
+                         ["", "train cpu-small", "bench attention", "eval ppl", "generate", "serve"],
                          ids=lambda c: c.replace(" ", "-") or "lapse")
 def test_help_imports_none_of_what_the_commands_run(command):
     done = subprocess.run([sys.executable, "-X", "importtime", "-m", "lapse.cli", *command.split(), "--help"],

@@ -7,6 +7,7 @@ lapse import HF_PATH --out RUN_DIR       a pretrained LLaMA-family HF model (or 
 lapse generate RUN --prompt TEXT         text under an eviction policy (--policy: dense, window, acp, h2o,
                                          a2sf, dcp)
 lapse generate --hf PATH --prompt TEXT   the same from a Hugging Face folder or GGUF (--gguf-file NAME)
+lapse serve RUN [--hf PATH]              an OpenAI-compatible HTTP server (completions, chat, /metrics)
 lapse eval per-token-loss|ppl|policy-loss|niah|acp|dcp|lm-eval|eviction   evaluations (JSON, PNG, Markdown)
 lapse report RUN [RUN ...]               one Markdown page: runs and their evaluations
 lapse bench attention                    time forgetting attention against its peers (CUDA)
@@ -15,8 +16,8 @@ lapse bench train                        training throughput and MFU, ACP on and
 
 Wiring only: each command runs a typed config of the package that does the work. The configs
 live in modules that import no torch (``lapse.train.config``, ``lapse.eval.config``,
-``lapse.bench.config``, ``lapse.generation.config``), so ``--help`` answers at once; a command
-imports the package that runs it when it runs.
+``lapse.bench.config``, ``lapse.generation.config``, ``lapse.serve.config``), so ``--help``
+answers at once; a command imports the package that runs it when it runs.
 """
 
 from __future__ import annotations
@@ -52,6 +53,7 @@ try:
         ReportConfig,
     )
     from lapse.generation.config import GenerateConfig
+    from lapse.serve.config import ServeConfig
     from lapse.train.config import TRAIN_PRESETS, ImportConfig, ResumeConfig, TrainConfig
     from lapse.train.lock import RunInUse
 except KeyboardInterrupt:
@@ -220,6 +222,16 @@ def _app() -> SubcommandApp:
         from lapse.generation.command import run_generate
 
         run_generate(cfg)
+
+    @app.command(name="serve")
+    def serve(cfg: Annotated[ServeConfig, tyro.conf.arg(name="")]) -> None:
+        """Serve a run (or a `lapse export` folder, or --hf PATH) over HTTP with OpenAI's API:
+        /v1/completions, /v1/chat/completions (streamed or not), /v1/models, /health, /metrics;
+        requests decode together in rows over one pool of KV pages, under one eviction policy
+        (a request may set its own budget: {"lapse": {"budget": B}})."""
+        from lapse.serve.command import run_serve
+
+        run_serve(cfg)
 
     @app.command(name="export")
     def export(args: Annotated[ExportConfig, tyro.conf.arg(name="")]) -> None:
