@@ -193,3 +193,18 @@ def test_compiled_step_compiles_nothing_more_while_rows_join_and_leave(model):
     eager = _serve(RowBatcher(model, policy, rows=3, max_context=40), requests)
     assert _serve(batcher, requests) == eager
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == graphs
+
+
+def test_h2o_fits_four_times_the_requests_of_dense_in_the_same_pages():
+    """The point of admitting by the policy's bound: at 125M fox-pro shapes, a 32768-token
+    prompt and 256 new tokens, H2O at 0.2 reserves a fifth of dense's pages, so the same
+    memory takes at least 4x the requests (arithmetic only: a model on the meta device)."""
+    with torch.device("meta"):
+        model = Decoder(preset("125m", "fox-pro"))
+    req = RowRequest([0] * 32768, 256)
+    dense = RowBatcher(model, None, rows=64, max_context=33024)
+    pages = 2 * dense.pages_needed(req) // model.config.n_layers  # per layer: two dense requests
+    dense = RowBatcher(model, None, rows=64, pages=pages, max_context=33024)
+    h2o = RowBatcher(model, H2O(budget=0.2), rows=64, pages=pages, max_context=33024)
+    fits = [b.pages_total() // b.pages_needed(req) for b in (dense, h2o)]
+    assert fits[0] == 2 and fits[1] >= 4 * fits[0]
