@@ -174,9 +174,7 @@ class RowBatcher:
 
     def pages_used(self) -> int:
         """Pages the rows hold now, over all layers (reads the device once after an eviction)."""
-        store = self.store
-        store.settle()
-        return sum(int(store._count[i].sum()) for i in range(self._layers) if store._count[i] is not None)
+        return self.store.pages_held()
 
     def free_rows(self) -> int:
         return self.rows - len(self._rows)

@@ -957,6 +957,12 @@ class PagedStore(StoreBase):
             total += used * per_page
         return total
 
+    def pages_held(self) -> int:
+        """Pages the sequences own now, over all layers (tokens and pages reserved for the
+        next steps)."""
+        self.settle()
+        return sum(int(c.sum()) for c in self._count if c is not None)
+
     def bytes_if_dense(self) -> int:
         """Bytes the same pools would hold keeping every token of every sequence (no
         eviction) in whole pages, as :meth:`bytes_held` counts them: what it is compared
