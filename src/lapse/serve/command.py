@@ -18,7 +18,8 @@ import torch
 
 from lapse.generation.batching import RowBatcher, RowRequest
 from lapse.generation.command import load_run_model
-from lapse.generation.generate import check_policy_fits, paged_store_for, prefill, supports_paged
+from lapse.generation.generate import check_policy_fits, prefill, supports_paged
+from lapse.kv import PagedStore
 from lapse.models.checkpoint import is_export_folder
 from lapse.ops.backend import resolve_device
 
@@ -43,6 +44,8 @@ def load_model(cfg: ServeConfig, device: torch.device):
         from lapse.data import load_tokenizer
         from lapse.hf import LapseForCausalLM
 
+        if not (cfg.model / "tokenizer").is_dir():
+            raise ValueError(f"{cfg.model} has no tokenizer/ folder: was it written by `lapse export`?")
         decoder = LapseForCausalLM.from_pretrained(cfg.model).model
         return decoder.to(device).eval(), load_tokenizer(cfg.model / "tokenizer")
     return load_run_model(cfg.model, device)
@@ -51,7 +54,10 @@ def load_model(cfg: ServeConfig, device: torch.device):
 def page_bytes(model, policy) -> int:
     """Bytes one page takes summed over the layers (keys, values and every per-slot pool the
     policy's store keeps), measured on a store that took a two-token prompt."""
-    store = paged_store_for(model, 1, 2, 1, policy)
+    # the policy's own store shape refuses so short a prompt (a budget above it); the pools
+    # depend only on the model and whether the policy keeps scores
+    store = PagedStore(model.config.n_layers, max_context=2, pages=model.config.kv_heads,
+                       score_decay=policy.score_decay)
     device = next(model.parameters()).device
     with torch.inference_mode():
         prefill(model, torch.zeros(1, 2, dtype=torch.long, device=device), store)
