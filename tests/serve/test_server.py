@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import json
+import time
 from pathlib import Path
 
 import openai
@@ -163,3 +164,20 @@ def test_bad_requests_and_dropped_streams_leave_the_pool_as_it_was(served):
     assert wait_for(lambda: engine.stats().running == 0 and engine.stats().pages_used == 0)
     assert engine.stats().pages_free == engine.batcher.pages_total()
     assert get(url, "/health")[0] == 200
+
+
+def test_a_bounded_load_finishes_and_leaves_the_pool_full(served):
+    _, url, engine = served
+    c = client(url)
+
+    def one(i):
+        return c.completions.create(model="fox", prompt=PROMPTS[i % 3], max_tokens=16, temperature=1,
+                                    seed=i).choices[0].finish_reason
+
+    start = time.perf_counter()
+    with concurrent.futures.ThreadPoolExecutor(8) as pool:
+        reasons = list(pool.map(one, range(48)))
+    assert time.perf_counter() - start < 20
+    assert set(reasons) <= {"stop", "length"} and len(reasons) == 48
+    assert wait_for(lambda: engine.stats().running == 0 and engine.stats().pages_used == 0)
+    assert engine.stats().pages_free == engine.batcher.pages_total()
