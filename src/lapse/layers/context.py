@@ -203,8 +203,7 @@ class ContextParallel:
         if wanted[1][0] <= wanted[0][1]:  # overlapping or touching: one interval
             wanted = [[wanted[0][0], wanted[1][1]]]
         mine = torch.tensor(sum(wanted, []) + [0, 0] * (2 - len(wanted)), device=dev)  # [4]
-        every = torch.empty(size * 4, dtype=mine.dtype, device=dev)
-        dist.all_gather_into_tensor(every, mine, group=self._group)
+        every = _all_gather_autograd(mine, 0, self._group)  # [N * 4]
         asks = [[(r[0], r[1]), (r[2], r[3])] for r in every.view(size, 4).tolist()]  # one host read
 
         def owned(rank: int) -> list[tuple[int, int, int]]:  # (global start, global end, local start)

@@ -17,7 +17,7 @@ from lapse.ops.forgetting import (
     forgetting_attention_decode,
     forgetting_decode_input,
 )
-from lapse.ops.forgetting.common import AttentionStats, tile_areas
+from lapse.ops.forgetting.common import ACP_BLOCK, AttentionStats, tile_areas
 from lapse.ops.forgetting.library import compiled_forgetting_attention
 
 from .attention import Attention
@@ -198,19 +198,26 @@ class ForgettingAttention(Attention):
     @torch.no_grad()
     def _row_stats(self, calls: list, batch: int) -> AttentionStats:
         """The pruned share of each whole row and head ``[B, H]`` under context
-        parallelism, from this rank's calls (their tile areas summed over the row's
-        ranks); ``block_start`` is left empty (each call has its own tile grid)."""
+        parallelism: one minus the tile area this rank's calls computed (summed over the
+        row's ranks) over the row's causal tile area in one process. At most the share
+        whole-tile pruning can reach (one process keeps every diagonal tile; a call that
+        was sent only the keys it keeps may compute a little less), so FLOPs counted from it
+        never exceed the work done. ``block_start`` is left empty (each call has its own
+        tile grid)."""
         ctx, h = self.context, self.n_heads
         dev = calls[0][0].block_start.device
-        pruned = torch.zeros(batch, h, dtype=torch.float64, device=dev)
-        causal = torch.zeros(batch, h, dtype=torch.float64, device=dev)
+        computed = torch.zeros(batch, h, dtype=torch.float64, device=dev)
         heads = ctx.head_slice(h) if ctx.mode == "head" else slice(None)
-        for stats, tq, tk, skipped in calls:  # keys not sent count as pruned, their area tq x skipped
-            full = lambda n: torch.full((batch,), n, device=dev)  # noqa: E731
+        full = lambda n: torch.full((batch,), n, device=dev)  # noqa: E731
+        for stats, tq, tk, _ in calls:
             p, c = tile_areas(stats.block_start, full(tq), full(tk))
-            pruned[:, heads] += p + tq * skipped
-            causal[:, heads] += c[:, None] + tq * skipped
-        fraction = ctx.total(pruned) / ctx.total(causal).clamp_min(1)  # [B, H]
+            computed[:, heads] += c[:, None] - p
+        t = ctx.global_length(2 * calls[0][1]) if ctx.mode == "gather" else calls[0][1]
+        m = -(-t // ACP_BLOCK)
+        _, causal = tile_areas(torch.zeros(batch, 1, m, dtype=torch.int32, device=dev), full(t), full(t))
+        rows = torch.tensor([min(ACP_BLOCK, t - i * ACP_BLOCK) for i in range(m)], dtype=torch.float64)
+        most = 1 - float((rows * rows).sum()) / float(causal[0])  # all but the diagonal tiles
+        fraction = (1 - ctx.total(computed) / causal[:, None]).clamp(0, most)  # [B, H]
         return AttentionStats(fraction.float(), torch.empty(batch, h, 0, dtype=torch.int32, device=dev))
 
     def _full(
