@@ -229,6 +229,9 @@ def _app() -> SubcommandApp:
         /v1/completions, /v1/chat/completions (streamed or not), /v1/models, /health, /metrics;
         requests decode together in rows over one pool of KV pages, under one eviction policy
         (a request may set its own budget: {"lapse": {"budget": B}})."""
+        from lapse.serve.config import require_packages
+
+        require_packages()  # one line naming the extra, not an import's traceback
         from lapse.serve.command import run_serve
 
         run_serve(cfg)

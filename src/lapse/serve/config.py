@@ -6,12 +6,23 @@ command line builds its options from this module alone.
 
 from __future__ import annotations
 
+import importlib.util
 from dataclasses import dataclass
 from pathlib import Path
 
 import tyro
 
 from lapse.generation.policies.options import PolicyName, PolicyOptions
+
+PACKAGES = ("uvicorn", "starlette", "prometheus_client", "pydantic")
+"""What the server imports beyond lapse's own requirements: the ``serve`` extra."""
+
+
+def require_packages() -> None:
+    """One ``ImportError`` naming the packages of :data:`PACKAGES` that are not installed."""
+    missing = [name for name in PACKAGES if importlib.util.find_spec(name) is None]
+    if missing:
+        raise ImportError(f"lapse serve needs {', '.join(missing)}: pip install 'lapse[serve]'")
 
 
 @dataclass(kw_only=True)
