@@ -6,7 +6,10 @@ client going away frees its row and pages. The model's own output is tested in
 from __future__ import annotations
 
 import concurrent.futures
+import json
 import logging
+import socket
+import time
 
 import openai
 import pytest
@@ -111,6 +114,21 @@ def test_a_client_that_goes_away_frees_its_row_and_pages():
         stream.close()
         assert wait_for(lambda: metric(get(url, "/metrics")[1], "num_requests_running") == 0)
         assert wait_for(lambda: metric(get(url, "/metrics")[1], "kv_pages_used") == 0)
+    engine.stop()
+
+
+def test_a_client_that_goes_away_before_a_whole_answer_frees_its_row():
+    app, engine = fake_server(rows=2, pages=64, delay=0.01)
+    with serving(app) as url:
+        port = int(url.rsplit(":", 1)[1])
+        body = json.dumps({"model": "fake", "prompt": "hi", "max_tokens": 250}).encode()  # 2.5 s of steps
+        with socket.create_connection(("127.0.0.1", port)) as sock:
+            sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                         b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
+            assert wait_for(lambda: engine.stats().running == 1)
+        start = time.monotonic()
+        assert wait_for(lambda: engine.stats().running == 0 and engine.stats().pages_used == 0)
+        assert time.monotonic() - start < 1.5  # aborted, not finished
     engine.stop()
 
 
