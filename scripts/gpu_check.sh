@@ -106,6 +106,35 @@ sys.exit(1 if bad else 0)
 PY
 }
 export -f attention_checked
+# `lapse serve RUN ARGS...` on a free port: waits for /health, asks for one completion and one
+# stream through the openai client, then stops the server; fails if any of it fails
+serve_checked() {
+    local run="$1"; shift
+    local port; port=$("$PY" -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')
+    "$PY" -m lapse.cli serve "$run" --port "$port" "$@" &
+    local pid=$!
+    "$PY" - "$port" "$(basename "$run")" <<'PY'
+import sys, time, urllib.request
+import openai
+port, model = sys.argv[1], sys.argv[2]
+for _ in range(180):
+    try:
+        urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=1)
+        break
+    except OSError:
+        time.sleep(1)
+client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none", max_retries=0)
+one = client.completions.create(model=model, prompt="def ", max_tokens=32, seed=1)
+streamed = "".join(c.choices[0].text for c in client.completions.create(
+    model=model, prompt="def ", max_tokens=32, seed=1, stream=True))
+assert one.choices[0].text == streamed, (one.choices[0].text, streamed)
+print(f"gpu_check: lapse serve answered {one.usage.completion_tokens} tokens, streamed alike")
+PY
+    local rc=$?
+    kill "$pid"; wait "$pid" 2>/dev/null
+    return $rc
+}
+export -f serve_checked
 export PY
 # Part 2's items: name, the item it needs done first, a condition, the command. The workloads
 # are smoke sizes: each command runs its whole path (compilation, CUDA graphs, eviction
@@ -164,6 +193,8 @@ item bench-decode-run train-gpu-20m "" "$L bench decode --run $FOX --workloads 1
 --commit $C"
 item eval-per-token-loss train-gpu-20m "" "$L eval per-token-loss --models $FOX --seq-len 512 \
 --num-sequences 4 $EVAL --out-dir $W/eval/per-token-loss"
+item serve-h2o train-gpu-20m module:uvicorn,starlette,openai "serve_checked $FOX --policy h2o --budget 0.2 \
+--max-batch 8 --compile --device cuda"
 item eval-ppl train-gpu-20m "" "$L eval ppl --models $FOX --context-lengths 256 512 1024 --num-sequences 2 \
 $EVAL --out-dir $W/eval/ppl"
 item eval-niah train-gpu-20m "" "$L eval niah --models $FOX --context-lengths 256 512 --depths 0 0.5 1 \
