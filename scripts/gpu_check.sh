@@ -106,14 +106,15 @@ sys.exit(1 if bad else 0)
 PY
 }
 export -f attention_checked
-# `lapse serve RUN ARGS...` on a free port: waits for /health, asks for one completion and one
-# stream through the openai client, then stops the server; fails if any of it fails
+# `serve_checked MODEL CMD...`: runs the `lapse serve` command CMD on a free port, waits for
+# /health, asks MODEL for one completion and the same as a stream through the openai client,
+# then stops the server; fails if any of it fails
 serve_checked() {
-    local run="$1"; shift
+    local model="$1"; shift
     local port; port=$("$PY" -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')
-    "$PY" -m lapse.cli serve "$run" --port "$port" "$@" &
+    "$@" --port "$port" &
     local pid=$!
-    "$PY" - "$port" "$(basename "$run")" <<'PY'
+    "$PY" - "$port" "$model" <<'PY'
 import sys, time, urllib.request
 import openai
 port, model = sys.argv[1], sys.argv[2]
@@ -193,8 +194,8 @@ item bench-decode-run train-gpu-20m "" "$L bench decode --run $FOX --workloads 1
 --commit $C"
 item eval-per-token-loss train-gpu-20m "" "$L eval per-token-loss --models $FOX --seq-len 512 \
 --num-sequences 4 $EVAL --out-dir $W/eval/per-token-loss"
-item serve-h2o train-gpu-20m module:uvicorn,starlette,openai "serve_checked $FOX --policy h2o --budget 0.2 \
---max-batch 8 --compile --device cuda"
+item serve-h2o train-gpu-20m module:uvicorn,starlette,openai "serve_checked fox $L serve $FOX --policy h2o \
+--budget 0.2 --max-batch 8 --compile --device cuda"
 item eval-ppl train-gpu-20m "" "$L eval ppl --models $FOX --context-lengths 256 512 1024 --num-sequences 2 \
 $EVAL --out-dir $W/eval/ppl"
 item eval-niah train-gpu-20m "" "$L eval niah --models $FOX --context-lengths 256 512 --depths 0 0.5 1 \
