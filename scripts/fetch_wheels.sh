@@ -7,6 +7,7 @@
 #   bash scripts/fetch_wheels.sh --fa4                  also FlashAttention-4 and its compiler
 #   bash scripts/fetch_wheels.sh --fa4 --python 3.12    for a GPU machine whose Python is 3.12
 #   bash scripts/fetch_wheels.sh --kvpress              also .whl/kvpress/ (the kvpress comparison)
+#   bash scripts/fetch_wheels.sh --serve                also lapse serve's packages and the openai client
 #   bash scripts/fetch_wheels.sh --fa4 --split 40       parts of at most 40 MB (see --split)
 #
 # Options:
@@ -16,6 +17,8 @@
 #                  providers of `lapse bench attention`, and the FoX backward on its Hopper
 #                  kernel, lapse/ops/forgetting/fa4_bwd.py) with the CuTe DSL compiler it needs
 #                  (nvidia-cutlass-dsl, its CUDA 13 libraries alone about 92 MB) and their needs
+#   --serve        uvicorn, starlette, prometheus-client, pydantic and the openai client (the
+#                  `serve-h2o` item of scripts/gpu_check.sh), with what they need, about 6 MB
 #   --kvpress      .whl/kvpress/: kvpress and the transformers range it pins, installed into a
 #                  venv of their own, never beside lapse (docs/study/eviction/kvpress/README.md)
 #   --split MB     for a transfer that carries at most so much: every wheel in .whl/ larger
@@ -34,12 +37,13 @@ set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 usage() { sed -n '2,/^set -euo/p' "${BASH_SOURCE[0]}" | sed '$d; s/^# \{0,1\}//'; }
 PYV="$(python3 -c 'import sys; print(f"{sys.version_info[0]}.{sys.version_info[1]}")')"
-FA4=0 KVPRESS=0 SPLIT=""
+FA4=0 KVPRESS=0 SERVE=0 SPLIT=""
 while (($#)); do
     case "$1" in
         --python) PYV="${2:?--python takes X.Y}"; shift ;;
         --fa4) FA4=1 ;;
         --kvpress) KVPRESS=1 ;;
+        --serve) SERVE=1 ;;
         --split) SPLIT="${2:-}"; [[ "$SPLIT" =~ ^[1-9][0-9]*$ ]] || { echo "--split takes megabytes" >&2; exit 2; }
                  shift ;;
         -h|--help) usage; exit 0 ;;
@@ -65,6 +69,12 @@ if ((FA4)); then
     get .whl flash-attn-4==4.0.0b36 nvidia-cutlass-dsl==4.8.1 nvidia-cutlass-dsl-libs-base==4.8.1 \
         nvidia-cutlass-dsl-libs-core==4.8.1 nvidia-cutlass-dsl-libs-cu13==4.8.1 \
         apache-tvm-ffi==0.1.15.post2 torch-c-dlpack-ext==0.1.5 quack-kernels==0.6.5 einops==0.8.2
+fi
+if ((SERVE)); then
+    get .whl uvicorn==0.54.0 click==8.5.1 h11==0.16.0 starlette==1.10.0 anyio==4.16.0 sniffio==1.3.1 \
+        idna==3.20 typing-extensions==4.16.0 prometheus-client==0.26.0 pydantic==2.13.4 \
+        pydantic-core==2.46.4 annotated-types==0.7.0 typing-inspection==0.4.2 openai==3.57.0 \
+        httpx2==2.16.2 httpcore2==2.16.2 truststore==0.10.5 jiter==0.19.0
 fi
 if ((KVPRESS)); then
     get .whl/kvpress kvpress==0.5.5 transformers==4.57.6 huggingface_hub==0.36.2 tokenizers==0.22.2 \
