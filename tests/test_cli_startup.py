@@ -14,7 +14,7 @@ import pytest
 HEAVY = ("torch", "transformers", "triton", "matplotlib", "lm_eval", "numpy")
 
 EVERY_HELP = ["", "train", "train cpu-small", "train cpu-tiny", "train gpu-20m", "train 125m-16k", "resume",
-              "bench", "bench attention", "bench decode", "bench train", "eval", "eval ppl",
+              "bench", "bench attention", "bench decode", "bench train", "bench serve", "eval", "eval ppl",
               "eval per-token-loss", "eval policy-loss", "eval niah", "eval acp", "eval dcp", "eval lm-eval",
               "eval eviction", "generate", "serve", "export", "import", "report"]
 

@@ -13,6 +13,7 @@ lapse report RUN [RUN ...]               one Markdown page: runs and their evalu
 lapse bench attention                    time forgetting attention against its peers (CUDA)
 lapse bench decode                       ms per decode step against HF compiled Llama (CUDA; --device cpu)
 lapse bench train                        training throughput and MFU, ACP on and off (CUDA or CPU)
+lapse bench serve [--serve "RUN ..."]    streamed completions against lapse serve: tokens/s, TTFT, ITL
 
 Wiring only: each command runs a typed config of the package that does the work. The configs
 live in modules that import no torch (``lapse.train.config``, ``lapse.eval.config``,
@@ -39,7 +40,7 @@ try:
     import tyro
     from tyro.extras import SubcommandApp
 
-    from lapse.bench.config import AttentionBenchConfig, DecodeBenchConfig, TrainBenchConfig
+    from lapse.bench.config import AttentionBenchConfig, DecodeBenchConfig, ServeBenchConfig, TrainBenchConfig
     from lapse.eval.config import (
         AcpEvalConfig,
         DcpStudyConfig,
@@ -125,6 +126,15 @@ def _app() -> SubcommandApp:
 
         run(cfg)
 
+    @bench.command(name="serve")
+    def bench_serve(cfg: Annotated[ServeBenchConfig, tyro.conf.arg(name="")]) -> None:
+        """Streamed completions against lapse serve over HTTP (a running one at --url, or one
+        started from --serve "RUN ..." and stopped after): requests/s, tokens/s, time to first
+        token, inter-token latency, peak KV pages; Markdown + JSON results."""
+        from lapse.bench.serving import run
+
+        run(cfg)
+
     evals = SubcommandApp()
 
     @evals.command(name="per-token-loss")
@@ -199,7 +209,8 @@ def _app() -> SubcommandApp:
 
         _finish_training(resume_run(args.run_dir, **args.overrides()))
 
-    app.command(bench, name="bench", help="Benchmarks: attention (CUDA), decode and train (CUDA or CPU).")
+    app.command(bench, name="bench",
+                help="Benchmarks: attention (CUDA), decode and train (CUDA or CPU), serve (HTTP).")
     app.command(evals, name="eval", help="Evaluations; each writes results.json, PNG plots and summary.md.")
 
     @app.command(name="generate")
@@ -342,7 +353,7 @@ def _with_option(event) -> str:
 
 
 USER_ERRORS = (ValueError, TypeError, FileNotFoundError, FileExistsError, NotADirectoryError,
-               IsADirectoryError, PermissionError, RunInUse, ImportError)
+               IsADirectoryError, PermissionError, RunInUse, ImportError, ConnectionError, TimeoutError)
 """What a user's input can cause; raised by lapse's own checks they are one line, not a traceback."""
 
 

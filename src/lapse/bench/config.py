@@ -1,5 +1,6 @@
 """The settings of the benchmarks: ``lapse bench attention`` (:mod:`.attention`), ``lapse
-bench decode`` (:mod:`.decode`) and ``lapse bench train`` (:mod:`.training`).
+bench decode`` (:mod:`.decode`), ``lapse bench train`` (:mod:`.training`) and ``lapse bench
+serve`` (:mod:`.serving`).
 
 Kept apart from the benchmarks, which import torch: the ``lapse`` command line builds its
 options from this module alone.
@@ -8,9 +9,11 @@ options from this module alone.
 from __future__ import annotations
 
 import math
+import shlex
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Literal
+from urllib.parse import urlsplit
 
 import tyro
 
@@ -380,3 +383,77 @@ class TrainBenchConfig:
             raise ValueError(
                 f"{graphed[0]} does not work with activation_checkpointing (the graphs fail to record)"
             )
+
+
+@dataclass(kw_only=True)
+class ServeBenchConfig:
+    """A load of streamed completions against ``lapse serve``, over HTTP only: a server already
+    running at ``--url``, or one started here from ``--serve`` and stopped at the end."""
+
+    url: Annotated[str | None, _given("URL", "http://127.0.0.1:8000")] = None
+    """Base URL of a running server. Not with ``--serve``."""
+    serve: str | None = None
+    """Instead of ``--url``: the arguments of ``lapse serve`` (one string, e.g. ``"runs/fox
+    --policy h2o --budget 0.2 --max-batch 16"``); the server runs as a subprocess on a free
+    loopback port (its output in ``serve.log`` under ``--out-dir``) and is stopped at the end."""
+    startup_timeout: float = 300.0
+    """Seconds the started server may take to answer ``/health`` (loading, compiling)."""
+    num_requests: int = 64
+    """Requests sent."""
+    prompt_len: int = 128
+    """Prompt tokens of each request: ids drawn from 32..126 (printable ASCII, ids every byte
+    and BPE tokenizer has)."""
+    output_len: int = 128
+    """``max_tokens`` of each request (fewer come back where the model ends its text)."""
+    concurrency: Annotated[int | None, _given("INT", 8)] = None
+    """At most this many requests in flight. Not with ``--rate``."""
+    rate: float | None = None
+    """Instead of ``--concurrency``: Poisson arrivals, this many requests per second on average."""
+    temperature: float = 1.0
+    """Sampling temperature; every request has a seed of its own (``--seed`` + its index)."""
+    seed: int = 0
+    """Seeds the prompts, the arrival times and the requests' sampling."""
+    request_timeout: float = 600.0
+    """Seconds a request may take before it counts as failed (``timeout``)."""
+    metrics_interval: float = 0.2
+    """Seconds between two reads of the server's ``/metrics`` (peak pages and running requests)."""
+    out_dir: Path = Path("runs/bench/serve")
+    """Where ``results.json`` and ``results.md`` go."""
+    commit: str | None = None
+    """The commit to record; ``None``: ``git rev-parse`` of the working directory."""
+
+    def __post_init__(self) -> None:
+        if self.url is not None and self.serve is not None:
+            raise ValueError("give --url (a running server) or --serve (one to start), not both")
+        parts = urlsplit(self.base_url())
+        if parts.scheme not in ("http", "https") or not parts.hostname:
+            raise ValueError(f"--url must be http://HOST[:PORT], got {self.url!r}")
+        if self.serve is not None:
+            args = shlex.split(self.serve)
+            if not args:
+                raise ValueError("--serve is empty: give the arguments of lapse serve (a run folder first)")
+            taken = [a.split("=", 1)[0] for a in args if a.split("=", 1)[0] in ("--host", "--port")]
+            if taken:
+                raise ValueError(f"--serve may not set {taken[0]}: the benchmark picks a free loopback port")
+        for name in ("num_requests", "prompt_len", "output_len"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
+        if self.concurrency is not None and self.rate is not None:
+            raise ValueError("give --concurrency or --rate, not both")
+        if self.concurrency is not None and self.concurrency < 1:
+            raise ValueError(f"concurrency must be at least 1, got {self.concurrency}")
+        if self.rate is not None and not (math.isfinite(self.rate) and self.rate > 0):
+            raise ValueError(f"rate must be a positive number of requests per second, got {self.rate}")
+        if not self.temperature >= 0:
+            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        for name in ("startup_timeout", "request_timeout", "metrics_interval"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"{name} must be positive (seconds), got {getattr(self, name)}")
+
+    def base_url(self) -> str:
+        """``--url`` without a trailing slash, or its default."""
+        return (self.url or "http://127.0.0.1:8000").rstrip("/")
+
+    def in_flight(self) -> int | None:
+        """The concurrency limit; ``None`` under ``--rate``."""
+        return None if self.rate is not None else self.concurrency or 8

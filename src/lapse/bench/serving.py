@@ -1,0 +1,336 @@
+"""``lapse bench serve``: streamed completions against ``lapse serve``, over HTTP only.
+
+The server is a running one (``--url``) or a subprocess started from ``--serve`` and stopped
+at the end, also on an error or Ctrl-C. Requests are token-id prompts (ids 32..126, which every
+byte and BPE tokenizer has) sent at most ``--concurrency`` at a time or at Poisson arrivals
+(``--rate``), each streamed (``stream_options.include_usage``: the usage chunk gives the output
+tokens) so that the time to the first chunk and the gaps between chunks are measured as the
+client sees them. A chunk carries the text of one token, or of several where the server held
+back bytes that did not decode yet. ``/metrics`` is read every ``--metrics-interval`` seconds
+for the peak of ``lapse:kv_pages_used`` and ``lapse:num_requests_running``.
+
+Imports no torch and nothing of :mod:`lapse.serve` (a sibling layer): the ``openai`` client
+for the completions, ``urllib`` for ``/health``, ``/v1/models`` and ``/metrics``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import itertools
+import json
+import math
+import random
+import shlex
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from collections import Counter
+from dataclasses import asdict
+
+from lapse.bench.attention import git_commit
+from lapse.bench.config import ServeBenchConfig
+from lapse.files import write_text_atomic
+
+PEAK_METRICS = ("kv_pages_used", "num_requests_running")
+"""The gauges of ``/metrics`` (``lapse:`` prefix) whose peak over the run is reported."""
+
+
+def run(cfg: ServeBenchConfig) -> dict:
+    """Sends the requests, writes ``results.json`` and ``results.md`` under ``cfg.out_dir``,
+    prints the table; returns the results."""
+    try:
+        import openai  # noqa: F401  (only to say what is missing in one line)
+    except ImportError:
+        raise ImportError("lapse bench serve needs the openai client: pip install openai") from None
+    cfg.out_dir.mkdir(parents=True, exist_ok=True)
+    with _server(cfg) as (url, server_command):
+        model, max_len = _model(url)
+        if cfg.prompt_len + cfg.output_len > max_len:
+            raise ValueError(f"--prompt-len {cfg.prompt_len} + --output-len {cfg.output_len} exceeds the "
+                             f"server's max_model_len {max_len}")
+        records, wall, peaks = asyncio.run(_load(cfg, url, model))
+    results = {
+        "env": {
+            "command": command_line(cfg),
+            "server_command": server_command,
+            "url": url,
+            "model": model,
+            "max_model_len": max_len,
+            "commit": cfg.commit or git_commit() or "unknown",
+            "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
+        },
+        "config": {k: (str(v) if v is not None else None) for k, v in asdict(cfg).items()},
+        "summary": summarize(records, wall, peaks),
+    }
+    write_text_atomic(cfg.out_dir / "results.json", json.dumps(results, indent=2))
+    table = markdown_table(results)
+    write_text_atomic(cfg.out_dir / "results.md", table)
+    print(table)
+    return results
+
+
+def command_line(cfg: ServeBenchConfig) -> str:
+    """``lapse bench serve`` with the flags whose values differ from their defaults."""
+    args = ["lapse", "bench", "serve"]
+    for field in dataclasses.fields(cfg):
+        value = getattr(cfg, field.name)
+        if value != field.default:
+            args += [f"--{field.name.replace('_', '-')}", str(value)]
+    return shlex.join(args)
+
+
+@contextlib.contextmanager
+def _server(cfg: ServeBenchConfig):
+    """Yields (base URL, the server's command or ``None``); a started server is stopped on the
+    way out, whatever the way."""
+    if cfg.serve is None:
+        yield cfg.base_url(), None
+        return
+    with socket.socket() as sock:  # a free port; released here, taken by the server a moment later
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    command = [sys.executable, "-m", "lapse.cli", "serve", *shlex.split(cfg.serve),
+               "--host", "127.0.0.1", "--port", str(port)]
+    if "--log-level" not in cfg.serve:
+        command += ["--log-level", "warning"]  # no access log line per request
+    log_path = cfg.out_dir / "serve.log"
+    url = f"http://127.0.0.1:{port}"
+    with open(log_path, "wb") as log:
+        proc = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+        try:
+            _wait_healthy(url, proc, cfg.startup_timeout, log_path)
+            yield url, shlex.join(["lapse", "serve", *command[4:]])
+        finally:
+            _stop(proc)
+
+
+def _wait_healthy(url: str, proc: subprocess.Popen, timeout: float, log_path) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            lines = log_path.read_text(errors="replace").strip().splitlines()
+            said = lines[-1].strip() if lines else "no output"
+            raise ConnectionError(f"the server exited with status {proc.returncode} before answering "
+                                  f"/health: {said} (its output: {log_path})")
+        with contextlib.suppress(OSError):
+            if _get(f"{url}/health", timeout=1.0)[0] == 200:
+                return
+        time.sleep(0.1)
+    raise TimeoutError(f"the server did not answer /health within {timeout:g} s (--startup-timeout; "
+                       f"its output: {log_path})")
+
+
+def _stop(proc: subprocess.Popen) -> None:
+    """SIGTERM (uvicorn shuts down), then SIGKILL after 10 s."""
+    if proc.poll() is None:
+        proc.terminate()
+        try:
+            proc.wait(10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+def _get(url: str, timeout: float = 10.0) -> tuple[int, str]:
+    try:
+        with urllib.request.urlopen(url, timeout=timeout) as answer:
+            return answer.status, answer.read().decode()
+    except urllib.error.HTTPError as e:
+        return e.code, e.read().decode(errors="replace")
+
+
+def _model(url: str) -> tuple[str, int]:
+    """The served model's name and ``max_model_len`` from ``/v1/models``."""
+    try:
+        status, body = _get(f"{url}/v1/models")
+    except (OSError, ValueError) as e:  # URLError, a refused connection, a timeout
+        reason = getattr(e, "reason", e)
+        raise ConnectionError(f"no lapse serve answers at {url}: {reason}") from None
+    if status != 200:
+        raise ConnectionError(f"{url}/v1/models answered {status}: is this lapse serve?")
+    try:
+        (entry,) = json.loads(body)["data"]
+        return entry["id"], int(entry["max_model_len"])
+    except (ValueError, KeyError, TypeError):
+        raise ConnectionError(f"{url}/v1/models is not lapse serve's answer: {body[:200]!r}") from None
+
+
+async def _load(cfg: ServeBenchConfig, url: str, model: str) -> tuple[list[dict], float, dict]:
+    """Every request's record, the wall time from the first request to the last answer, and
+    the peaks of :data:`PEAK_METRICS`."""
+    import openai
+
+    rng = random.Random(cfg.seed)
+    prompts = [[rng.randrange(32, 127) for _ in range(cfg.prompt_len)] for _ in range(cfg.num_requests)]
+    gaps = [rng.expovariate(cfg.rate) if cfg.rate else 0.0 for _ in range(cfg.num_requests)]
+    client = openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0,
+                                timeout=cfg.request_timeout)
+    peaks = dict.fromkeys(PEAK_METRICS, 0.0)
+    done = asyncio.Event()
+    poller = asyncio.create_task(_poll_metrics(url, peaks, done, cfg.metrics_interval))
+    limit = asyncio.Semaphore(cfg.in_flight() or cfg.num_requests)
+
+    async def one(i: int) -> dict:
+        async with limit:
+            return await _request(client, model, prompts[i], cfg.seed + i, cfg)
+
+    start = time.perf_counter()
+    try:
+        tasks = []
+        for i in range(cfg.num_requests):
+            if gaps[i]:
+                await asyncio.sleep(gaps[i])
+            tasks.append(asyncio.create_task(one(i)))
+        records = await asyncio.gather(*tasks)
+        wall = time.perf_counter() - start
+    finally:
+        done.set()
+        await poller
+        await client.close()
+    return list(records), wall, peaks
+
+
+async def _request(client, model: str, prompt: list[int], seed: int, cfg: ServeBenchConfig) -> dict:
+    """One streamed completion: ``ok`` with its timings, or ``status`` (the HTTP status, or
+    ``connection``, ``timeout``, ``stream error``)."""
+    import openai
+
+    start = time.perf_counter()
+    chunks: list[float] = []  # when each chunk with text came
+    usage = None
+    try:
+        stream = await client.completions.create(
+            model=model, prompt=prompt, max_tokens=cfg.output_len, temperature=cfg.temperature, seed=seed,
+            stream=True, stream_options={"include_usage": True},
+        )
+        async for chunk in stream:
+            now = time.perf_counter()
+            if chunk.choices and chunk.choices[0].text:
+                chunks.append(now)
+            if chunk.usage is not None:
+                usage = chunk.usage
+    except openai.APIStatusError as e:
+        return {"ok": False, "status": str(e.status_code)}
+    except openai.APITimeoutError:
+        return {"ok": False, "status": "timeout"}
+    except openai.APIConnectionError:
+        return {"ok": False, "status": "connection"}
+    except openai.APIError:  # an error event inside the stream
+        return {"ok": False, "status": "stream error"}
+    end = time.perf_counter()
+    if usage is None:
+        return {"ok": False, "status": "no usage"}
+    return {
+        "ok": True,
+        "prompt_tokens": usage.prompt_tokens,
+        "output_tokens": usage.completion_tokens,
+        "ttft": (chunks[0] if chunks else end) - start,
+        "itl": [b - a for a, b in itertools.pairwise(chunks)],
+        "e2e": end - start,
+    }
+
+
+async def _poll_metrics(url: str, peaks: dict, done: asyncio.Event, interval: float) -> None:
+    """Keeps the largest value of each of :data:`PEAK_METRICS` seen until ``done``."""
+    while True:
+        with contextlib.suppress(OSError):
+            status, text = await asyncio.to_thread(_get, f"{url}/metrics", 5.0)
+            if status == 200:
+                for name, value in gauges(text).items():
+                    peaks[name] = max(peaks[name], value)
+        if done.is_set():
+            return
+        with contextlib.suppress(asyncio.TimeoutError):
+            await asyncio.wait_for(done.wait(), interval)
+
+
+def gauges(text: str) -> dict[str, float]:
+    """The values of :data:`PEAK_METRICS` in a Prometheus text page (summed over labels)."""
+    found: dict[str, float] = {}
+    for line in text.splitlines():
+        if not line.startswith("lapse:"):
+            continue
+        name = line.split("{", 1)[0].split(" ", 1)[0].removeprefix("lapse:")
+        if name in PEAK_METRICS:
+            found[name] = found.get(name, 0.0) + float(line.rsplit(" ", 1)[-1])
+    return found
+
+
+def percentile(values: list[float], q: float) -> float | None:
+    """The ``q``-th percentile (0..100), interpolated linearly between the closest ranks."""
+    if not values:
+        return None
+    xs = sorted(values)
+    pos = (len(xs) - 1) * q / 100
+    lo, hi = math.floor(pos), math.ceil(pos)
+    return xs[lo] + (xs[hi] - xs[lo]) * (pos - lo)
+
+
+def summarize(records: list[dict], wall: float, peaks: dict) -> dict:
+    """Counts, throughputs (per second of wall time) and latencies (ms) of the run."""
+    ok = [r for r in records if r["ok"]]
+    failed = Counter(r["status"] for r in records if not r["ok"])
+    ttft = [r["ttft"] * 1e3 for r in ok]
+    itl = [gap * 1e3 for r in ok for gap in r["itl"]]
+    e2e = [r["e2e"] * 1e3 for r in ok]
+    output = sum(r["output_tokens"] for r in ok)
+    prompt = sum(r["prompt_tokens"] for r in ok)
+    return {
+        "requests_ok": len(ok),
+        "requests_failed": dict(sorted(failed.items())),
+        "wall_s": wall,
+        "request_throughput": len(ok) / wall,
+        "prompt_tokens": prompt,
+        "output_tokens": output,
+        "output_tokens_per_s": output / wall,
+        "total_tokens_per_s": (prompt + output) / wall,
+        "ttft_ms_mean": sum(ttft) / len(ttft) if ttft else None,
+        **{f"ttft_ms_p{q}": percentile(ttft, q) for q in (50, 90, 99)},
+        **{f"itl_ms_p{q}": percentile(itl, q) for q in (50, 90, 99)},
+        **{f"e2e_ms_p{q}": percentile(e2e, q) for q in (50, 99)},
+        **{f"peak_{name}": peaks[name] for name in PEAK_METRICS},
+    }
+
+
+ROWS = [
+    ("requests ok", "requests_ok", "{:d}"),
+    ("wall time (s)", "wall_s", "{:.2f}"),
+    ("requests/s", "request_throughput", "{:.2f}"),
+    ("output tokens", "output_tokens", "{:d}"),
+    ("output tokens/s", "output_tokens_per_s", "{:.1f}"),
+    ("total tokens/s (prompt + output)", "total_tokens_per_s", "{:.1f}"),
+    ("TTFT mean (ms)", "ttft_ms_mean", "{:.1f}"),
+    ("TTFT p50 / p90 / p99 (ms)", ("ttft_ms_p50", "ttft_ms_p90", "ttft_ms_p99"), "{:.1f}"),
+    ("ITL p50 / p90 / p99 (ms, between chunks)", ("itl_ms_p50", "itl_ms_p90", "itl_ms_p99"), "{:.1f}"),
+    ("end-to-end p50 / p99 (ms)", ("e2e_ms_p50", "e2e_ms_p99"), "{:.1f}"),
+    ("peak lapse:kv_pages_used", "peak_kv_pages_used", "{:g}"),
+    ("peak lapse:num_requests_running", "peak_num_requests_running", "{:g}"),
+]
+
+
+def markdown_table(results: dict) -> str:
+    """The run's command lines, commit and date, then one row per figure."""
+    env, s = results["env"], results["summary"]
+
+    def cell(keys, fmt: str) -> str:
+        keys = (keys,) if isinstance(keys, str) else keys
+        return " / ".join("n/a" if s[k] is None else fmt.format(s[k]) for k in keys)
+
+    failed = ", ".join(f"{status}: {n}" for status, n in s["requests_failed"].items()) or "none"
+    lines = [
+        f"`{env['command']}`",
+        "",
+        f"Server: `{env['server_command']}`" if env["server_command"] else f"Server: {env['url']} (running)",
+        f"model {env['model']} (max_model_len {env['max_model_len']}), commit {env['commit']}, {env['date']}",
+        "",
+        "| figure | value |",
+        "| --- | --- |",
+        *(f"| {label} | {cell(keys, fmt)} |" for label, keys, fmt in ROWS),
+        f"| requests failed | {failed} |",
+    ]
+    return "\n".join(lines) + "\n"
