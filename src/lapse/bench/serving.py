@@ -23,9 +23,11 @@ import json
 import math
 import random
 import shlex
+import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 import urllib.error
 import urllib.request
@@ -100,13 +102,31 @@ def _server(cfg: ServeBenchConfig):
         command += ["--log-level", "warning"]  # no access log line per request
     log_path = cfg.out_dir / "serve.log"
     url = f"http://127.0.0.1:{port}"
-    with open(log_path, "wb") as log:
+    with open(log_path, "wb") as log, _terminate_as_interrupt():
         proc = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
         try:
             _wait_healthy(url, proc, cfg.startup_timeout, log_path)
             yield url, shlex.join(["lapse", "serve", *command[4:]])
         finally:
             _stop(proc)
+
+
+@contextlib.contextmanager
+def _terminate_as_interrupt():
+    """Inside, SIGTERM raises ``KeyboardInterrupt`` as Ctrl-C does, so the server is stopped on
+    the way out (Python's default would end this process and leave the server running)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def interrupt(signum, frame):
+        raise KeyboardInterrupt
+
+    previous = signal.signal(signal.SIGTERM, interrupt)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
 
 
 def _wait_healthy(url: str, proc: subprocess.Popen, timeout: float, log_path) -> None:
