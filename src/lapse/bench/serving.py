@@ -18,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import http.client
 import itertools
 import json
 import math
@@ -137,7 +138,7 @@ def _wait_healthy(url: str, proc: subprocess.Popen, timeout: float, log_path) ->
             said = lines[-1].strip() if lines else "no output"
             raise ConnectionError(f"the server exited with status {proc.returncode} before answering "
                                   f"/health: {said} (its output: {log_path})")
-        with contextlib.suppress(OSError):
+        with contextlib.suppress(OSError, http.client.HTTPException):
             if _get(f"{url}/health", timeout=1.0)[0] == 200:
                 return
         time.sleep(0.1)
@@ -168,7 +169,7 @@ def _model(url: str) -> tuple[str, int]:
     """The served model's name and ``max_model_len`` from ``/v1/models``."""
     try:
         status, body = _get(f"{url}/v1/models")
-    except (OSError, ValueError) as e:  # URLError, a refused connection, a timeout
+    except (OSError, ValueError, http.client.HTTPException) as e:  # a refused connection, a timeout, not HTTP
         reason = getattr(e, "reason", e)
         raise ConnectionError(f"no lapse serve answers at {url}: {reason}") from None
     if status != 200:
@@ -258,7 +259,7 @@ async def _request(client, model: str, prompt: list[int], seed: int, cfg: ServeB
 async def _poll_metrics(url: str, peaks: dict, done: asyncio.Event, interval: float) -> None:
     """Keeps the largest value of each of :data:`PEAK_METRICS` seen until ``done``."""
     while True:
-        with contextlib.suppress(OSError):
+        with contextlib.suppress(OSError, ValueError, http.client.HTTPException):
             status, text = await asyncio.to_thread(_get, f"{url}/metrics", 5.0)
             if status == 200:
                 for name, value in gauges(text).items():
