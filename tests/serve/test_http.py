@@ -150,6 +150,23 @@ def test_a_full_waiting_line_answers_429_with_retry_after():
     engine.stop()
 
 
+def test_a_burst_onto_free_rows_is_taken_whole():
+    """4 free rows and a line of 1: 5 requests at once are all answered (none waits for the
+    engine thread to admit the first ones before the next is accepted)."""
+    app, engine = fake_server(rows=4, pages=64, delay=0.02, max_waiting=1)
+    with serving(app) as url:
+        def one(_):
+            try:
+                client(url).completions.create(model="fake", prompt="hi", max_tokens=10)
+                return "ok"
+            except openai.RateLimitError:
+                return "429"
+
+        with concurrent.futures.ThreadPoolExecutor(5) as pool:
+            assert list(pool.map(one, range(5))) == ["ok"] * 5
+    engine.stop()
+
+
 class _Broken(Exception):
     pass
 

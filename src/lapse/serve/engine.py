@@ -181,10 +181,13 @@ class Engine:
         if not self.alive:
             raise Stopped("the engine is not running")
         with self._lock:
-            if self._queued >= self.max_waiting:
+            # the line holds max_waiting requests beyond the rows free at the last iteration: a
+            # burst onto free rows is taken whole, before the engine thread has admitted any
+            free = max(0, self.batcher.rows - self._stats.running)
+            if self._queued >= self.max_waiting + free:
                 if self.observer is not None:
                     self.observer.rejected("queue_full")
-                raise Busy(f"{self._queued} requests are waiting (--max-waiting {self.max_waiting})")
+                raise Busy(f"{self._queued - free} requests are waiting (--max-waiting {self.max_waiting})")
             self._queued += 1
         self._inbox.put(("submit", job))
 
