@@ -99,7 +99,6 @@ import inspect
 import json
 import math
 import platform
-import subprocess
 import time
 import traceback
 import typing
@@ -113,6 +112,7 @@ from torch import Tensor
 
 from lapse.files import write_text_atomic
 
+from .commit import git_commit
 from .config import SOFTMAX_BASELINES, AttentionBenchConfig, Provider
 from .workloads import Workload, WorkloadSpec, dense_causal_flops, make_workload
 
@@ -1252,26 +1252,6 @@ def environment() -> dict:
                 env[f"lapse_fox_{name}"] = (f"flash-attn-4 {fa4_bwd.FA4_VERSION} where {where}.serves takes "
                                             f"the call (16-bit, D {dims}, no packing), else triton")
     return env
-
-
-def git_commit() -> str | None:
-    try:
-        here = Path(__file__).resolve().parent
-        sha = subprocess.run(
-            ["git", "rev-parse", "HEAD"], cwd=here, capture_output=True, text=True, timeout=10
-        )
-        if sha.returncode != 0:
-            return None
-        dirty = subprocess.run(
-            ["git", "status", "--porcelain", "--untracked-files=no"],
-            cwd=here,
-            capture_output=True,
-            text=True,
-            timeout=10,
-        )
-        return sha.stdout.strip() + ("-dirty" if dirty.stdout.strip() else "")
-    except (OSError, subprocess.SubprocessError):
-        return None
 
 
 def _jsonable(x):

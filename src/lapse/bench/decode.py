@@ -42,7 +42,7 @@ from dataclasses import asdict
 
 import torch
 
-from lapse.bench.attention import git_commit
+from lapse.bench.commit import git_commit
 from lapse.files import write_text_atomic
 from lapse.generation import (
     POLICIES,

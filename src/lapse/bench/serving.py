@@ -35,7 +35,7 @@ import urllib.request
 from collections import Counter
 from dataclasses import asdict
 
-from lapse.bench.attention import git_commit
+from lapse.bench.commit import git_commit
 from lapse.bench.config import ServeBenchConfig
 from lapse.files import write_text_atomic
 
