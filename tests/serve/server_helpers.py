@@ -10,22 +10,10 @@ about the HTTP side (errors, the waiting line, disconnects): each row draws the 
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import math
 import socket
 import threading
 import time
-
-
-@dataclasses.dataclass(frozen=True)
-class FakeRequest:
-    prompt: list[int]
-    max_new_tokens: int
-    temperature: float = 1.0
-    top_k: int | None = None
-    top_p: float | None = None
-    seed: int | None = None
-    budget: float | int | None = None
 
 
 class FakeBatcher:
@@ -113,6 +101,7 @@ def serving(app):
 
 def fake_server(**batcher):
     """A server over a :class:`FakeBatcher` (``batcher``: its settings; ``max_waiting``)."""
+    from lapse.generation.batching import RowRequest
     from lapse.generation.policies import H2O
     from lapse.serve.app import ServedModel, build_app
     from lapse.serve.engine import Engine
@@ -123,7 +112,7 @@ def fake_server(**batcher):
     engine = Engine(FakeBatcher(**batcher), ByteTokenizer(), eos_id=256, max_waiting=max_waiting,
                     observer=metrics).start()
     model = ServedModel(name="fake", max_context=256, vocab_size=258, policy=H2O(budget=0.5, recent=8),
-                        policy_name="h2o", make_request=FakeRequest)
+                        policy_name="h2o", make_request=RowRequest)
     return build_app(engine, ByteTokenizer(), model, metrics), engine
 
 

@@ -23,9 +23,8 @@ DEFAULT_NEW_TOKENS = 128  # generate's default, where the context leaves room
 
 
 @dataclass(kw_only=True)
-class GenerateConfig(PolicyOptions):
-    """Generate text from a trained run (or one of its checkpoints, or a ``lapse export``
-    folder) under an eviction policy."""
+class ModelSource(PolicyOptions):
+    """Which model a command runs (``lapse generate``, ``lapse serve``), with the policy flags."""
 
     model: tyro.conf.Positional[Path | None] = None
     """A run folder (its newest intact checkpoint), one of its checkpoint folders, or a
@@ -37,6 +36,20 @@ class GenerateConfig(PolicyOptions):
     LLaMA-family (a ``lapse export`` folder is given without ``--hf``)."""
     gguf_file: str | None = None
     """With ``--hf``: the GGUF file in that folder (when it holds several)."""
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if (self.model is None) == (self.hf is None):
+            raise ValueError("give a run folder or --hf PATH (one of them)")
+        if self.gguf_file is not None and self.hf is None:
+            raise ValueError("--gguf-file names a file of an --hf model folder: give --hf too")
+
+
+@dataclass(kw_only=True)
+class GenerateConfig(ModelSource):
+    """Generate text from a trained run (or one of its checkpoints, or a ``lapse export``
+    folder) under an eviction policy."""
+
     prompt: str | None = None
     """One prompt; the text streams to the terminal."""
     prompts_file: Path | None = None
@@ -71,10 +84,6 @@ class GenerateConfig(PolicyOptions):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        if (self.model is None) == (self.hf is None):
-            raise ValueError("give a run folder or --hf PATH (one of them)")
-        if self.gguf_file is not None and self.hf is None:
-            raise ValueError("--gguf-file names a file of an --hf model folder: give --hf too")
         if (self.prompt is None) == (self.prompts_file is None):
             raise ValueError("give exactly one of --prompt and --prompts-file")
         if self.prompt is not None and not self.prompt:

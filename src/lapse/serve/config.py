@@ -10,9 +10,8 @@ import importlib.util
 from dataclasses import dataclass
 from pathlib import Path
 
-import tyro
-
-from lapse.generation.policies.options import PolicyName, PolicyOptions
+from lapse.generation.config import ModelSource
+from lapse.generation.policies.options import PolicyName
 
 PACKAGES = ("uvicorn", "starlette", "prometheus_client", "pydantic")
 """What the server imports beyond lapse's own requirements: the ``serve`` extra."""
@@ -26,19 +25,10 @@ def require_packages() -> None:
 
 
 @dataclass(kw_only=True)
-class ServeConfig(PolicyOptions):
+class ServeConfig(ModelSource):
     """Serve a trained run (or a ``lapse export`` folder, or a pretrained Hugging Face model)
     over HTTP with OpenAI's completions API, every request under one eviction policy."""
 
-    model: tyro.conf.Positional[Path | None] = None
-    """A run folder (its newest intact checkpoint), one of its checkpoint folders, or a
-    ``lapse export`` folder; or none with ``--hf``."""
-    hf: Path | None = None
-    """Instead of a run: a pretrained Hugging Face model (``lapse.hf.load_pretrained``: a
-    folder, a ``.gguf`` file, or an installed package holding one), LLaMA-family, converted
-    to a lapse decoder."""
-    gguf_file: str | None = None
-    """With ``--hf``: the GGUF file in that folder (when it holds several)."""
     policy: PolicyName = "dense"
     """Eviction policy of every request (a request may change its budget, not its kind)."""
     host: str = "127.0.0.1"
@@ -67,10 +57,6 @@ class ServeConfig(PolicyOptions):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        if (self.model is None) == (self.hf is None):
-            raise ValueError("give a run folder or --hf PATH (one of them)")
-        if self.gguf_file is not None and self.hf is None:
-            raise ValueError("--gguf-file names a file of an --hf model folder: give --hf too")
         if not 0 <= self.port <= 65535:
             raise ValueError(f"--port must be in [0, 65535], got {self.port}")
         for name in ("max_batch", "max_waiting"):
