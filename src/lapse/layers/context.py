@@ -33,6 +33,7 @@ through them, and ``torch.compile`` traces them into a block's graph.
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Literal
@@ -223,17 +224,17 @@ class ContextParallel:
         recv = [pieces(asks[self.rank], src) for src in range(size)]
         send_sizes = [sum(b - a for a, b, _ in ps) for ps in send]
         recv_sizes = [sum(b - a for a, b, _ in ps) for ps in recv]
-        # what arrives from each rank, placed in the global order of this rank's intervals
-        arrived = sorted((a, b, src, off) for src, ps in enumerate(recv)
-                         for off, (a, b, _) in zip(_offsets(ps), ps, strict=True))
+        # what arrives, (global start, end, where in the received buffer), in global order
+        from_rank = _starts(recv_sizes)
+        arrived = sorted((a, b, from_rank[src] + off) for src, ps in enumerate(recv)
+                         for off, (a, b, _) in zip(_starts([b - a for a, b, _ in ps]), ps, strict=True))
         out = []
         for x in xs:
             t_major = x.transpose(0, 1)  # [2n, B, ...]: the all-to-all splits dim 0
             parts = [t_major[l0 : l0 + b - a] for ps in send for a, b, l0 in ps]
             flat = torch.cat(parts) if parts else t_major[:0]
             got = funcol.all_to_all_single_autograd(flat.contiguous(), recv_sizes, send_sizes, self._group)
-            starts_of = _offsets_of_sizes(recv_sizes)
-            ordered = [got[starts_of[src] + off :][: b - a] for a, b, src, off in arrived]
+            ordered = [got[at : at + b - a] for a, b, at in arrived]
             out.append(torch.cat(ordered).transpose(0, 1))  # [B, tokens, ...]
         return [(lo, hi) for lo, hi in wanted], out
 
@@ -268,21 +269,9 @@ class ContextParallel:
         return torch.cat([o_a, o_b], dim=1)  # [B, 2n, H, D]
 
 
-def _offsets(pieces: list[tuple[int, int, int]]) -> list[int]:
-    """Where each piece starts in the concatenation of ``pieces`` (``(start, end, _)``)."""
-    out, at = [], 0
-    for a, b, _ in pieces:
-        out.append(at)
-        at += b - a
-    return out
-
-
-def _offsets_of_sizes(sizes: list[int]) -> list[int]:
-    out, at = [], 0
-    for n in sizes:
-        out.append(at)
-        at += n
-    return out
+def _starts(sizes: list[int]) -> list[int]:
+    """Where each of parts of these sizes starts in their concatenation."""
+    return [0, *itertools.accumulate(sizes)][:-1]
 
 
 __all__ = ["CP_MODES", "ContextParallel"]
