@@ -65,12 +65,23 @@ def test_two_processes_take_the_one_process_steps(one_process, tmp_path, mode):
     assert "| vs dense | vs transformer | vs torch CP | TFLOP/s |" in text
 
 
+def test_data_parallel_processes_share_the_rows(one_process, tmp_path):
+    """``--cp 1`` under torchrun: FSDP2 data parallelism, each process one of the 2 rows; the
+    same steps as one process (the loss the mean of both rows)."""
+    result = _bench(COMMON, 2, tmp_path)
+    assert result["context_parallel"] is None and result["device"].startswith("2 x ")
+    rows = {r["variant"]: r for r in result["rows"]}
+    for r in one_process["rows"]:
+        assert rows[r["variant"]]["loss"] == pytest.approx(r["loss"], rel=REL), r["variant"]
+    assert "2 data-parallel groups of 1 rows" in (tmp_path / "results.md").read_text().splitlines()[0]
+
+
 @pytest.mark.parametrize(
     "args,message",
     [
         (["--cp", "2"],
-         "--cp 2 needs 2 processes, each holding its share of every row (not under torchrun): launch it as "
-         "torchrun --standalone --nproc-per-node 2 -m lapse.cli bench train --cp 2 ..."),
+         "--cp 2 needs a multiple of 2 processes, each holding its share of every row (not under torchrun): "
+         "launch it as torchrun --standalone --nproc-per-node 2 -m lapse.cli bench train --cp 2 ..."),
         (["--variants", "transformer-torchcp"],
          "transformer-torchcp is torch's context parallelism across processes: give --cp N > 1 "
          "(under torchrun)"),

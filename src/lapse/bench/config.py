@@ -319,8 +319,10 @@ class TrainBenchConfig:
     its ring attention in place of SDPA) instead of lapse's."""
     cp: int = 1
     """Processes per row (context parallelism): each of ``cp`` processes holds two mirrored
-    chunks of every row (``lapse.layers.ContextParallel``), FSDP2 shards the weights over
-    them; run under ``torchrun --nproc-per-node CP`` (``WORLD_SIZE`` must equal ``cp``)."""
+    chunks of every row (``lapse.layers.ContextParallel``); run under ``torchrun
+    --nproc-per-node N`` with ``N`` a multiple of ``cp``: ``N / cp`` data-parallel groups
+    share each step's rows, and FSDP2 shards the weights over all ``N`` processes (``cp``
+    1 under torchrun: plain FSDP2 data parallelism)."""
     cp_mode: Literal["head", "gather"] = "gather"
     """How lapse's variants attend across the ``cp`` processes: ``gather`` (an all-gather of
     the keys, values and forget gates) or ``head`` (an all-to-all over heads)."""

@@ -29,7 +29,9 @@ process two mirrored chunks of every row, ``--cp-mode``), FSDP2 over the process
 ``lapse train --cp`` shards (the benchmark does not import the trainer). Every process draws
 the same rows and takes its chunks; a step's time is the slowest process's, tokens/s counts
 the rows' tokens, TFLOP/s those of all processes (MFU against ``N`` devices' peak), peak
-memory the largest process's. ``transformer-torchcp`` is the baseline: the ``transformer``
+memory the largest process's. With more processes than ``N`` (a multiple of it), the
+batch's rows are shared among ``processes / N`` data-parallel groups; ``--cp 1`` under
+torchrun is FSDP2 data parallelism alone. ``transformer-torchcp`` is the baseline: the ``transformer``
 variant's model with positions and loss under lapse's split but its attention left to
 torch's own context parallelism (``torch.distributed.tensor.experimental.context_parallel``:
 its ring attention in place of SDPA, the rows sharded by torch); every row reads against it
@@ -82,10 +84,15 @@ def run(cfg: TrainBenchConfig) -> dict:
         raise ValueError(f"{torch_cp[0]}: torch's context parallelism needs CUDA SDPA (its ring attention "
                          "replaces the flash, memory-efficient and cuDNN kernels only); no CUDA GPU is "
                          "visible")
-    ctx, mesh = None, None
-    if cfg.cp > 1:
-        device, mesh, ctx = _join(cfg, device)
-    main = ctx is None or dist.get_rank() == 0  # prints and writes the results
+    ctx, mesh, world = None, None, int(os.environ.get("WORLD_SIZE", "1"))
+    if cfg.cp > 1 or world > 1:
+        device, mesh, ctx = _join(cfg, device, world)
+    spread = mesh is not None  # several processes: FSDP2 over all of them
+    data_rank, data_size = (mesh["data"].get_local_rank(), mesh["data"].size()) if spread else (0, 1)
+    if cfg.batch_size % (data_size * cfg.micro_batch_size):
+        raise ValueError(f"batch_size {cfg.batch_size} does not split into {data_size} data-parallel "
+                         f"groups of whole micro-batches of {cfg.micro_batch_size}")
+    main = not spread or dist.get_rank() == 0  # prints and writes the results
     if not cuda and main:
         warnings.warn("no CUDA GPU is visible: timing on the CPU, which checks the wiring only "
                       "(minutes a step beyond the tiny preset: --preset tiny)", stacklevel=2)
@@ -94,13 +101,13 @@ def run(cfg: TrainBenchConfig) -> dict:
         saved = read_run(cfg.run)
         model_cfg = saved.model
         folder = latest_checkpoint(cfg.run)
-        if ctx is not None and not main:  # rank 0 tokenises the corpus first, if it must
+        if spread and not main:  # rank 0 tokenises the corpus first, if it must
             dist.barrier()
         data = prepare_data(
             saved.corpus, saved.tokenizer, vocab_size=model_cfg.vocab_size, data_dir=saved.data_dir,
             progress=False,
         )
-        if ctx is not None and main:
+        if spread and main:
             dist.barrier()
         sampler = WindowSampler(
             shards=data.validation, seq_len=cfg.seq_len, batch_size=cfg.batch_size, seed=7
@@ -118,15 +125,18 @@ def run(cfg: TrainBenchConfig) -> dict:
     )
 
     def batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """The step's rows, the same in every process; under context parallelism padded at
-        their ends to ``ctx.padded_length`` (inputs 0, labels -100: out of the loss, and
-        causal attention never reads the padding)."""
+        """The step's rows of this process's data-parallel group (every group its own share
+        of the same batch); under context parallelism padded at their ends to
+        ``ctx.padded_length`` (inputs 0, labels -100: out of the loss, and causal attention
+        never reads the padding)."""
         if sampler is not None:
             x, y = sampler.batch(step)
         else:
             g = torch.Generator().manual_seed(step)
             ids = torch.randint(0, model_cfg.vocab_size, (cfg.batch_size, cfg.seq_len + 1), generator=g)
             x, y = ids[:, :-1], ids[:, 1:]
+        rows = cfg.batch_size // data_size
+        x, y = x[data_rank * rows : (data_rank + 1) * rows], y[data_rank * rows : (data_rank + 1) * rows]
         if ctx is None:
             return x, y
         pad = ctx.padded_length(cfg.seq_len) - cfg.seq_len
@@ -161,7 +171,7 @@ def run(cfg: TrainBenchConfig) -> dict:
             model.set_context(ctx, attention=not _torch_cp(name))
         prepare_blocks(model, activation_checkpointing=cfg.activation_checkpointing,
                        compile=MODES[_mode(name)])
-        if ctx is not None:
+        if spread:
             _shard(model)
         opt = torch.optim.AdamW(optimizer_groups(model, 0.1), lr=cfg.lr, betas=(0.9, 0.95), fused=cuda)
         states[name] = {"model": model, "opt": opt, "regularizer": regularizer, "times": [], "losses": [],
@@ -172,11 +182,11 @@ def run(cfg: TrainBenchConfig) -> dict:
         x, y = batch(i)
         if cuda:
             torch.cuda.synchronize()
-        if ctx is not None:  # every process starts the step together
+        if spread:  # every process starts the step together
             dist.barrier()
         t0 = time.perf_counter()
         if _torch_cp(name):
-            loss = _torch_cp_step(mesh, ctx, s, x, y, cfg.micro_batch_size, check=not s["checked"])
+            loss = _torch_cp_step(mesh["context"], ctx, s, x, y, cfg.micro_batch_size, check=not s["checked"])
             s["checked"] = True
         else:
             if ctx is not None:
@@ -186,9 +196,9 @@ def run(cfg: TrainBenchConfig) -> dict:
         if cuda:
             torch.cuda.synchronize()
         elapsed = time.perf_counter() - t0
-        if ctx is not None:  # the slowest process's time; the rows' mean loss (each holds its share)
+        if spread:  # the slowest process's time; the rows' mean loss (each holds cp x its share)
             elapsed = _all_reduce(elapsed, device, dist.ReduceOp.MAX)
-            loss = _all_reduce(loss, device, dist.ReduceOp.SUM) / ctx.size
+            loss = _all_reduce(loss, device, dist.ReduceOp.SUM) / world
         if timed:
             s["times"].append(elapsed)
             s["losses"].append(loss)
@@ -221,7 +231,7 @@ def run(cfg: TrainBenchConfig) -> dict:
     rows = []
     for name, s in states.items():
         model = s["model"]
-        if ctx is not None:
+        if spread:
             s["peak_gib"] = _all_reduce(s["peak_gib"], device, dist.ReduceOp.MAX)
         pruned = None
         if name.startswith("acp"):
@@ -257,7 +267,7 @@ def run(cfg: TrainBenchConfig) -> dict:
                 "dense_flops_per_token": dense_flops,
                 "tflops": tok_s * flops / 1e12,
                 "dense_equivalent_tflops": tok_s * dense_flops / 1e12,
-                "mfu": tok_s * flops / (peak * 1e12 * cfg.cp) if peak else None,  # of all cp devices
+                "mfu": tok_s * flops / (peak * 1e12 * world) if peak else None,  # of all devices
                 "peak_gib": s["peak_gib"],
                 "loss": statistics.mean(s["losses"]),
                 "pruned": None if pruned is None else float(pruned.mean()),
@@ -269,7 +279,7 @@ def run(cfg: TrainBenchConfig) -> dict:
     device_name = torch.cuda.get_device_name(device) if cuda else f"cpu {platform.processor()}".strip()
     result = {
         "bench": "train",
-        "device": device_name if cfg.cp == 1 else f"{cfg.cp} x {device_name}",
+        "device": device_name if world == 1 else f"{world} x {device_name}",
         "torch": torch.__version__,
         "triton": _triton_version(),
         "python": platform.python_version(),
@@ -286,6 +296,8 @@ def run(cfg: TrainBenchConfig) -> dict:
         "rows": rows,
     }
     split = "" if ctx is None else f", context parallel over {cfg.cp} processes, mode {cfg.cp_mode}"
+    if data_size > 1:
+        split += f", {data_size} data-parallel groups of {cfg.batch_size // data_size} rows"
     refs = ("dense", "transformer") if ctx is None else ("dense", "transformer", "torchcp")
     lines = [
         f"Training throughput, {model_cfg.name} {cfg.preset if cfg.run is None else cfg.run.name}, "
@@ -296,7 +308,7 @@ def run(cfg: TrainBenchConfig) -> dict:
         "compile mode (above 1: faster; -: not run). TFLOP/s and MFU count the FLOPs done: 6 N + attention "
         "over the causal pairs, ACP's pruned tiles left out"
         + (f", against {peak:g} TFLOP/s" if peak else ", MFU: peak unknown for this device")
-        + (f" a device ({cfg.cp} devices: TFLOP/s of all of them)" if ctx is not None and peak else "")
+        + (f" a device ({world} devices: TFLOP/s of all of them)" if spread and peak else "")
         + ". Dense-eq. TFLOP/s counts every causal pair (the rate a run without pruning would need for "
         "these tokens/s). pruned: ACP's pruned share of the attention tiles, DCP's dropped share of the "
         "context.",
@@ -332,7 +344,7 @@ def run(cfg: TrainBenchConfig) -> dict:
         cfg.out_dir.mkdir(parents=True, exist_ok=True)
         (cfg.out_dir / "results.json").write_text(json.dumps(result, indent=2) + "\n")
         (cfg.out_dir / "results.md").write_text(text + "\n")
-    if ctx is not None:  # rank 0 has written: leave together (pytorch/pytorch#75097)
+    if spread:  # rank 0 has written: leave together (pytorch/pytorch#75097)
         dist.barrier()
         dist.destroy_process_group()
     return result
@@ -475,21 +487,21 @@ def _torch_cp(variant: str) -> bool:
     return variant.startswith("transformer-torchcp")
 
 
-def _join(cfg: TrainBenchConfig, device: torch.device):
-    """This process's device, a 1-D ``context`` DeviceMesh over the ``cfg.cp`` processes that
-    torchrun started, and its :class:`lapse.layers.ContextParallel`; a one-line error
-    outside torchrun or with another number of processes."""
+def _join(cfg: TrainBenchConfig, device: torch.device, world: int):
+    """This process's device, a ``(data, context)`` DeviceMesh over the ``world`` processes
+    torchrun started (``cfg.cp`` per row, the rest data-parallel groups), and its
+    :class:`lapse.layers.ContextParallel` (``None`` when ``cfg.cp`` is 1); a one-line error
+    outside torchrun or with a number of processes ``cfg.cp`` does not divide."""
     from torch.distributed.device_mesh import init_device_mesh
 
     from lapse.layers import ContextParallel
 
-    size = int(os.environ.get("WORLD_SIZE", "1"))
-    if size != cfg.cp:
-        found = "not under torchrun" if "WORLD_SIZE" not in os.environ else f"torchrun started {size}"
+    if world % cfg.cp or "WORLD_SIZE" not in os.environ:
+        found = "not under torchrun" if "WORLD_SIZE" not in os.environ else f"torchrun started {world}"
         raise ValueError(
-            f"--cp {cfg.cp} needs {cfg.cp} processes, each holding its share of every row ({found}): "
-            f"launch it as torchrun --standalone --nproc-per-node {cfg.cp} -m lapse.cli bench train "
-            f"--cp {cfg.cp} ..."
+            f"--cp {cfg.cp} needs a multiple of {cfg.cp} processes, each holding its share of every row "
+            f"({found}): launch it as torchrun --standalone --nproc-per-node {cfg.cp} -m lapse.cli bench "
+            f"train --cp {cfg.cp} ..."
         )
     if device.type == "cuda":
         device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
@@ -497,8 +509,9 @@ def _join(cfg: TrainBenchConfig, device: torch.device):
     if not dist.is_initialized():  # long: a process may compile while the others wait at a barrier
         dist.init_process_group("nccl" if device.type == "cuda" else "gloo", timeout=timedelta(minutes=30),
                                 device_id=device if device.type == "cuda" else None)
-    mesh = init_device_mesh(device.type, (cfg.cp,), mesh_dim_names=("context",))
-    return device, mesh, ContextParallel.of(mesh.get_group("context"), cfg.cp_mode)
+    mesh = init_device_mesh(device.type, (world // cfg.cp, cfg.cp), mesh_dim_names=("data", "context"))
+    ctx = ContextParallel.of(mesh.get_group("context"), cfg.cp_mode) if cfg.cp > 1 else None
+    return device, mesh, ctx
 
 
 def _shard(model: torch.nn.Module) -> None:

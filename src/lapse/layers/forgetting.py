@@ -155,6 +155,11 @@ class ForgettingAttention(Attention):
             self.last_stats = self._row_stats(calls, q.shape[0])
         return o
 
+    # Eager as a whole: which keys travel is decided on the host (one read of the first kept
+    # key per chunk, then the all-to-all's sizes), which Dynamo cannot trace; disabled here,
+    # a compiled block breaks once around it rather than falling back to eager in the middle
+    # of the plan's loops.
+    @torch.compiler.disable
     def _gather_kept(self, attend, q: Tensor, k: Tensor, v: Tensor, log_fgate: Tensor,
                      bound: Tensor) -> Tensor:
         """``gather`` mode with an ACP bound that needs no data (QK-norm's): only the keys
