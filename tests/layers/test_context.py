@@ -76,9 +76,9 @@ def _worker(rank: int, size: int, port: int, out: str, cuda: bool = False) -> No
     plain_gather_ranges = ContextParallel.gather_ranges
 
     def counting(self, starts, *xs):
-        intervals, out = plain_gather_ranges(self, starts, *xs)
+        mine, intervals, out = plain_gather_ranges(self, starts, *xs)
         received.append((sum(b - a for a, b in intervals), self.global_length(xs[0].shape[1])))
-        return intervals, out
+        return mine, intervals, out
 
     ContextParallel.gather_ranges = counting
     try:

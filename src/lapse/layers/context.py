@@ -186,26 +186,32 @@ class ContextParallel:
         return torch.cat(self._all_to_all(parts), dim=2)
 
     def gather_ranges(
-        self, starts: tuple[int, int], *xs: Tensor
-    ) -> tuple[list[tuple[int, int]], list[Tensor]]:
-        """The keys each of this rank's chunks needs, from ``starts[i]`` (a global
-        position) to the chunk's end, and nothing before: ``(intervals, gathered)``, the
-        merged global intervals this rank receives, in order, and each local ``x``
-        ``[B, 2n, ...]`` as those intervals' tokens ``[B, sum of lengths, ...]``. Every rank
-        sends each other rank only the tokens it asked for (a variable all-to-all); the
-        gradients go back the same way. Every rank of the group must call it."""
+        self, starts: Tensor, *xs: Tensor
+    ) -> tuple[list[int], list[tuple[int, int]], list[Tensor]]:
+        """The keys each of this rank's chunks needs, from ``starts[i]`` (a global position;
+        ``starts`` an integer tensor ``[2]`` on the device) to the chunk's end, and nothing
+        before. Every rank sends each other rank only the tokens it asked for (a variable
+        all-to-all); the gradients go back the same way. Every rank of the group must call
+        it. The ranks' starts are gathered on the device and read on the host once (the
+        all-to-all's sizes).
+
+        Returns ``(starts, intervals, gathered)``: this rank's starts as ints, the merged
+        global intervals it receives, in order, and each local ``x`` ``[B, 2n, ...]`` as
+        those intervals' tokens ``[B, sum of lengths, ...]``."""
         n = self._chunk_length(xs[0].shape[1])
-        size, dev = self.size, xs[0].device
-        wanted = []
-        for s, c in zip(starts, self.chunks, strict=True):
-            if not 0 <= s <= c * n:
-                raise ValueError(f"a chunk starting at {c * n} cannot need keys from {s}")
-            wanted.append([s, (c + 1) * n])
-        if wanted[1][0] <= wanted[0][1]:  # overlapping or touching: one interval
-            wanted = [[wanted[0][0], wanted[1][1]]]
-        mine = torch.tensor(sum(wanted, []) + [0, 0] * (2 - len(wanted)), device=dev)  # [4]
-        every = _all_gather_autograd(mine, 0, self._group)  # [N * 4]
-        asks = [[(r[0], r[1]), (r[2], r[3])] for r in every.view(size, 4).tolist()]  # one host read
+        size = self.size
+        every = _all_gather_autograd(starts.detach().reshape(2).long(), 0, self._group)  # [N * 2]
+        table = every.view(size, 2).tolist()  # the one host read
+
+        def wanted(rank: int) -> list[tuple[int, int]]:  # the merged intervals rank receives
+            spans = []
+            for s, c in zip(table[rank], (rank, 2 * size - 1 - rank), strict=True):
+                if not 0 <= s <= c * n:
+                    raise ValueError(f"a chunk starting at {c * n} cannot need keys from {s}")
+                spans.append((s, (c + 1) * n))
+            if spans[1][0] <= spans[0][1]:  # overlapping or touching: one interval
+                spans = [(spans[0][0], spans[1][1])]
+            return spans
 
         def owned(rank: int) -> list[tuple[int, int, int]]:  # (global start, global end, local start)
             a, b = rank, 2 * size - 1 - rank
@@ -220,6 +226,7 @@ class ContextParallel:
                         out.append((a, b, l0 + a - g0))
             return out
 
+        asks = [wanted(rank) for rank in range(size)]
         send = [pieces(asks[dst], self.rank) for dst in range(size)]
         recv = [pieces(asks[self.rank], src) for src in range(size)]
         send_sizes = [sum(b - a for a, b, _ in ps) for ps in send]
@@ -236,7 +243,7 @@ class ContextParallel:
             got = funcol.all_to_all_single_autograd(flat.contiguous(), recv_sizes, send_sizes, self._group)
             ordered = [got[at : at + b - a] for a, b, at in arrived]
             out.append(torch.cat(ordered).transpose(0, 1))  # [B, tokens, ...]
-        return [(lo, hi) for lo, hi in wanted], out
+        return table[self.rank], asks[self.rank], out
 
     @property
     def _group(self):

@@ -172,18 +172,19 @@ class ForgettingAttention(Attention):
         n = q.shape[1] // 2
         gates = ctx.gather(log_fgate.detach())  # [B, T, H]
         with torch.no_grad():
-            c = cumulative_log_gates(gates)  # [B, T, H] float64
-            t = c.shape[1]
-            u = bound.to(c.device, torch.float64).expand(self.n_heads)  # [H]
+            # [B, H, T]: scanned along the contiguous dim (a float64 scan across a [B, T, H]
+            # tensor's outer dim is slow on a GPU); -c grows along the row
+            rising = -cumulative_log_gates(gates.transpose(1, 2).flatten(0, 1)[..., None])[..., 0]
+            rising = rising.view(*gates.shape[::2], -1)  # [B, H, T]
+            t = rising.shape[-1]
+            u = bound.to(rising.device, torch.float64).expand(self.n_heads)  # [H]
             delta = -2.0 * u - math.log(t) + math.log(self.acp_eps / 2)  # [H]
-            rising = (-c).transpose(1, 2).contiguous()  # [B, H, T]: -c grows along the row
             firsts = []
             for chunk in ctx.chunks:
                 q0 = chunk * n
-                limit = (-c[:, q0, :] + delta)[..., None]  # [B, H, 1]: keep j iff -c_j >= this
+                limit = (rising[:, :, q0] + delta)[..., None]  # [B, H, 1]: keep j iff -c_j >= this
                 firsts.append(torch.searchsorted(rising, limit).amin().clamp_max(q0))
-            starts = torch.stack(firsts).tolist()  # one host read
-        intervals, (keys, values, kept_gates) = ctx.gather_ranges(tuple(starts), k, v, log_fgate)
+        starts, intervals, (keys, values, kept_gates) = ctx.gather_ranges(torch.stack(firsts), k, v, log_fgate)
 
         def rows_of(lo: int, hi: int) -> slice:  # [lo, hi) as indices of the gathered tokens
             at = 0
