@@ -402,6 +402,9 @@ class ServeBenchConfig:
     """Seconds the started server may take to answer ``/health`` (loading, compiling)."""
     num_requests: int = 64
     """Requests sent."""
+    warmup: int = 1
+    """Untimed requests sent first, one after another (the server's first steps compile its
+    decode step and record its CUDA graph); not in the results."""
     prompt_len: int = 128
     """Prompt tokens of each request: ids drawn from 32..126 (printable ASCII, ids every byte
     and BPE tokenizer has)."""
@@ -440,6 +443,8 @@ class ServeBenchConfig:
         for name in ("num_requests", "prompt_len", "output_len"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
+        if self.warmup < 0:
+            raise ValueError(f"warmup must be at least 0, got {self.warmup}")
         if self.concurrency is not None and self.rate is not None:
             raise ValueError("give --concurrency or --rate, not both")
         if self.concurrency is not None and self.concurrency < 1:

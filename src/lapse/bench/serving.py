@@ -200,8 +200,13 @@ async def _load(cfg: ServeBenchConfig, url: str, model: str) -> tuple[list[dict]
         async with limit:
             return await _request(client, model, prompts[i], cfg.seed + i, cfg)
 
-    start = time.perf_counter()
     try:
+        for i in range(cfg.warmup):  # other prompts than the timed ones, the same lengths
+            warm = [rng.randrange(32, 127) for _ in range(cfg.prompt_len)]
+            record = await _request(client, model, warm, cfg.seed + cfg.num_requests + i, cfg)
+            if not record["ok"]:
+                raise RuntimeError(f"the warm-up request failed: {record['status']}")
+        start = time.perf_counter()
         tasks = []
         for i in range(cfg.num_requests):
             if gaps[i]:
