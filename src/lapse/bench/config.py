@@ -323,9 +323,10 @@ class TrainBenchConfig:
     --nproc-per-node N`` with ``N`` a multiple of ``cp``: ``N / cp`` data-parallel groups
     share each step's rows, and FSDP2 shards the weights over all ``N`` processes (``cp``
     1 under torchrun: plain FSDP2 data parallelism)."""
-    cp_mode: Literal["head", "gather"] = "gather"
-    """How lapse's variants attend across the ``cp`` processes: ``gather`` (an all-gather of
-    the keys, values and forget gates) or ``head`` (an all-to-all over heads)."""
+    cp_mode: Literal["head", "gather"] = "head"
+    """How lapse's variants attend across the ``cp`` processes: ``head`` (an all-to-all over
+    heads, as ``lapse train --cp`` by default) or ``gather`` (an all-gather of the keys,
+    values and forget gates)."""
     acp_eps: float | None = None
     """ACP tolerance; ``None``: the model config's."""
     dcp_alpha: float = 4.0
