@@ -56,6 +56,23 @@ def test_started_server_serves_the_load_and_is_stopped(tmp_path, capsys):
     assert not [c for c in _children() if "lapse.cli" in c]  # the server is gone
 
 
+def test_faults_get_their_answers_and_leave_no_page_held(tmp_path):
+    """Every fault kind twice among the load: each refused body gets a 400, each dropped
+    stream is left after its first chunk; no 5xx, and once idle the pool is what it was."""
+    pytest.importorskip("uvicorn")
+    pytest.importorskip("openai")
+    cli_main(["bench", "serve", "--serve", SERVE, "--num-requests", "10", "--concurrency", "4",
+              "--prompt-len", "8", "--output-len", "16", "--faults", "10", "--out-dir", str(tmp_path)])
+    s = json.loads((tmp_path / "results.json").read_text())["summary"]
+    assert s["requests_ok"] == 10 and s["requests_failed"] == {}
+    assert s["faults"] == {"dropped-stream: dropped": 2, "max-tokens-0: 400": 2, "not-json: 400": 2,
+                           "over-context: 400": 2, "unknown-policy: 400": 2}
+    assert s["server_errors"] == 0
+    assert s["after_kv_pages_used"] == s["before_kv_pages_used"] == 0
+    assert s["after_kv_pages_free"] == s["before_kv_pages_free"] > 0
+    assert "| faults (kind: answer) | dropped-stream: dropped x 2," in (tmp_path / "results.md").read_text()
+
+
 @pytest.mark.skipif(not Path("/proc").is_dir(), reason="reads /proc for the server process")
 def test_an_error_after_start_stops_the_server(tmp_path, capsys):
     pytest.importorskip("uvicorn")

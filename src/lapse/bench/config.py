@@ -403,6 +403,11 @@ class ServeBenchConfig:
     """Seconds the started server may take to answer ``/health`` (loading, compiling)."""
     num_requests: int = 64
     """Requests sent."""
+    faults: int = 0
+    """Requests that fail on purpose, spread among the load, in turn: a body that is not JSON,
+    an unknown policy in ``"lapse"``, ``max_tokens`` 0, a prompt over the context (each should
+    get a 400), and a stream dropped after its first chunk. Reported with the answers they got,
+    the 5xx answers of the whole run and the KV pages still held once the server is idle."""
     warmup: int = 1
     """Untimed requests sent first, one after another (the server's first steps compile its
     decode step and record its CUDA graph); not in the results."""
@@ -444,6 +449,8 @@ class ServeBenchConfig:
         for name in ("num_requests", "prompt_len", "output_len"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
+        if self.faults < 0:
+            raise ValueError(f"faults must be at least 0, got {self.faults}")
         if self.warmup < 0:
             raise ValueError(f"warmup must be at least 0, got {self.warmup}")
         if self.concurrency is not None and self.rate is not None:

@@ -7,7 +7,9 @@ byte and BPE tokenizer has) sent at most ``--concurrency`` at a time or at Poiss
 tokens) so that the time to the first chunk and the gaps between chunks are measured as the
 client sees them. A chunk carries the text of one token, or of several where the server held
 back bytes that did not decode yet. ``/metrics`` is read every ``--metrics-interval`` seconds
-for the peak of ``lapse:kv_pages_used`` and ``lapse:num_requests_running``.
+for the peak of ``lapse:kv_pages_used`` and ``lapse:num_requests_running``; before the load
+and once the server is idle after it, for the pages held (a leak shows as pages held after).
+``--faults N`` mixes requests that fail on purpose into the load (:data:`FAULT_KINDS`).
 
 Imports no torch and nothing of :mod:`lapse.serve` (a sibling layer): the ``openai`` client
 for the completions, ``urllib`` for ``/health``, ``/v1/models`` and ``/metrics``.
@@ -42,6 +44,10 @@ from lapse.files import write_text_atomic
 PEAK_METRICS = ("kv_pages_used", "num_requests_running")
 """The gauges of ``/metrics`` (``lapse:`` prefix) whose peak over the run is reported."""
 
+FAULT_KINDS = ("not-json", "unknown-policy", "max-tokens-0", "over-context", "dropped-stream")
+"""The faults ``--faults`` sends, in turn: four bodies the server must refuse with a 400, and
+a streamed request whose client goes away after the first chunk."""
+
 
 def run(cfg: ServeBenchConfig) -> dict:
     """Sends the requests, writes ``results.json`` and ``results.md`` under ``cfg.out_dir``,
@@ -56,7 +62,7 @@ def run(cfg: ServeBenchConfig) -> dict:
         if cfg.prompt_len + cfg.output_len > max_len:
             raise ValueError(f"--prompt-len {cfg.prompt_len} + --output-len {cfg.output_len} exceeds the "
                              f"server's max_model_len {max_len}")
-        records, wall, peaks = asyncio.run(_load(cfg, url, model))
+        records, wall, peaks = asyncio.run(_load(cfg, url, model, max_len))
     results = {
         "env": {
             "command": command_line(cfg),
@@ -181,9 +187,10 @@ def _model(url: str) -> tuple[str, int]:
         raise ConnectionError(f"{url}/v1/models is not lapse serve's answer: {body[:200]!r}") from None
 
 
-async def _load(cfg: ServeBenchConfig, url: str, model: str) -> tuple[list[dict], float, dict]:
-    """Every request's record, the wall time from the first request to the last answer, and
-    the peaks of :data:`PEAK_METRICS`."""
+async def _load(cfg: ServeBenchConfig, url: str, model: str, max_len: int) -> tuple[list[dict], float, dict]:
+    """Every request's record (the faults' with a ``fault`` key), the wall time from the first
+    request to the last answer, and the gauges: the peaks of :data:`PEAK_METRICS`, and
+    ``before_*`` / ``after_*`` of the pages once the server is idle."""
     import openai
 
     rng = random.Random(cfg.seed)
@@ -195,10 +202,17 @@ async def _load(cfg: ServeBenchConfig, url: str, model: str) -> tuple[list[dict]
     done = asyncio.Event()
     poller = asyncio.create_task(_poll_metrics(url, peaks, done, cfg.metrics_interval))
     limit = asyncio.Semaphore(cfg.in_flight() or cfg.num_requests)
+    # fault j goes out with the load's request j * N // faults
+    faults_at = Counter(j * cfg.num_requests // cfg.faults for j in range(cfg.faults)) if cfg.faults else {}
+    sent = itertools.count()
 
     async def one(i: int) -> dict:
         async with limit:
             return await _request(client, model, prompts[i], cfg.seed + i, cfg)
+
+    async def fault(kind: str) -> dict:
+        async with limit:
+            return {"ok": False, "fault": kind, "status": await _fault(client, url, model, kind, max_len, cfg)}
 
     try:
         for i in range(cfg.warmup):  # other prompts than the timed ones, the same lengths
@@ -206,19 +220,86 @@ async def _load(cfg: ServeBenchConfig, url: str, model: str) -> tuple[list[dict]
             record = await _request(client, model, warm, cfg.seed + cfg.num_requests + i, cfg)
             if not record["ok"]:
                 raise RuntimeError(f"the warm-up request failed: {record['status']}")
+        idle = await _idle(url, cfg.request_timeout)
+        peaks.update({f"before_{k}": v for k, v in idle.items()})
         start = time.perf_counter()
         tasks = []
         for i in range(cfg.num_requests):
             if gaps[i]:
                 await asyncio.sleep(gaps[i])
             tasks.append(asyncio.create_task(one(i)))
+            for _ in range(faults_at.get(i, 0)):
+                tasks.append(asyncio.create_task(fault(FAULT_KINDS[next(sent) % len(FAULT_KINDS)])))
         records = await asyncio.gather(*tasks)
         wall = time.perf_counter() - start
+        idle = await _idle(url, cfg.request_timeout)
+        peaks.update({f"after_{k}": v for k, v in idle.items()})
     finally:
         done.set()
         await poller
         await client.close()
     return list(records), wall, peaks
+
+
+async def _fault(client, url: str, model: str, kind: str, max_len: int, cfg: ServeBenchConfig) -> str:
+    """Sends one fault of ``kind`` (:data:`FAULT_KINDS`); returns the HTTP status it got, or
+    ``dropped`` for a stream left after its first chunk (``connection`` where none came)."""
+    import openai
+
+    if kind == "dropped-stream":
+        try:
+            stream = await client.completions.create(
+                model=model, prompt=[65] * cfg.prompt_len, max_tokens=cfg.output_len, stream=True)
+            async for _ in stream:
+                break
+            await stream.close()
+            return "dropped"
+        except openai.APIStatusError as e:
+            return str(e.status_code)
+        except openai.APIError:
+            return "connection"
+    body = {"model": model, "prompt": [65] * cfg.prompt_len, "max_tokens": cfg.output_len}
+    if kind == "not-json":
+        data = b'{"model": "' + model.encode() + b'", "prompt": [65, '
+    else:
+        if kind == "unknown-policy":
+            body["lapse"] = {"policy": "no-such-policy"}
+        elif kind == "max-tokens-0":
+            body["max_tokens"] = 0
+        elif kind == "over-context":
+            body["prompt"], body["max_tokens"] = [65] * max_len, 1
+        data = json.dumps(body).encode()
+    try:
+        status, _ = await asyncio.to_thread(_post, f"{url}/v1/completions", data, cfg.request_timeout)
+    except (OSError, http.client.HTTPException):
+        return "connection"
+    return str(status)
+
+
+async def _idle(url: str, timeout: float) -> dict[str, float]:
+    """``kv_pages_used`` and ``kv_pages_free`` once nothing runs or waits (``/metrics`` read
+    every 50 ms, for at most ``timeout`` seconds: then as they are)."""
+    wanted = ("kv_pages_used", "kv_pages_free", "num_requests_running", "num_requests_waiting")
+    deadline = time.monotonic() + timeout
+    found: dict[str, float] = {}
+    while True:
+        with contextlib.suppress(OSError, ValueError, http.client.HTTPException):
+            status, text = await asyncio.to_thread(_get, f"{url}/metrics", 5.0)
+            if status == 200:
+                found = gauges(text, wanted)
+        if (found.get("num_requests_running", 1) == 0 and found.get("num_requests_waiting", 1) == 0) \
+                or time.monotonic() > deadline:
+            return {k: found.get(k) for k in wanted[:2]}
+        await asyncio.sleep(0.05)
+
+
+def _post(url: str, data: bytes, timeout: float) -> tuple[int, str]:
+    request = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(request, timeout=timeout) as answer:
+            return answer.status, answer.read().decode()
+    except urllib.error.HTTPError as e:
+        return e.code, e.read().decode(errors="replace")
 
 
 async def _request(client, model: str, prompt: list[int], seed: int, cfg: ServeBenchConfig) -> dict:
@@ -275,14 +356,15 @@ async def _poll_metrics(url: str, peaks: dict, done: asyncio.Event, interval: fl
             await asyncio.wait_for(done.wait(), interval)
 
 
-def gauges(text: str) -> dict[str, float]:
-    """The values of :data:`PEAK_METRICS` in a Prometheus text page (summed over labels)."""
+def gauges(text: str, names: tuple[str, ...] = PEAK_METRICS) -> dict[str, float]:
+    """The values of the gauges ``names`` (``lapse:`` prefix left out) in a Prometheus text
+    page, summed over labels."""
     found: dict[str, float] = {}
     for line in text.splitlines():
         if not line.startswith("lapse:"):
             continue
         name = line.split("{", 1)[0].split(" ", 1)[0].removeprefix("lapse:")
-        if name in PEAK_METRICS:
+        if name in names:
             found[name] = found.get(name, 0.0) + float(line.rsplit(" ", 1)[-1])
     return found
 
@@ -298,7 +380,11 @@ def percentile(values: list[float], q: float) -> float | None:
 
 
 def summarize(records: list[dict], wall: float, peaks: dict) -> dict:
-    """Counts, throughputs (per second of wall time) and latencies (ms) of the run."""
+    """Counts, throughputs (per second of wall time) and latencies (ms) of the run; the
+    faults' answers, the 5xx answers of all requests and the pages held once idle."""
+    faults = Counter(f"{r['fault']}: {r['status']}" for r in records if "fault" in r)
+    server_errors = sum(r["status"].startswith("5") for r in records if not r["ok"])
+    records = [r for r in records if "fault" not in r]
     ok = [r for r in records if r["ok"]]
     failed = Counter(r["status"] for r in records if not r["ok"])
     ttft = [r["ttft"] * 1e3 for r in ok]
@@ -320,6 +406,10 @@ def summarize(records: list[dict], wall: float, peaks: dict) -> dict:
         **{f"itl_ms_p{q}": percentile(itl, q) for q in (50, 90, 99)},
         **{f"e2e_ms_p{q}": percentile(e2e, q) for q in (50, 99)},
         **{f"peak_{name}": peaks[name] for name in PEAK_METRICS},
+        "faults": dict(sorted(faults.items())),
+        "server_errors": server_errors,
+        **{f"{when}_{name}": peaks.get(f"{when}_{name}") for when in ("before", "after")
+           for name in ("kv_pages_used", "kv_pages_free")},
     }
 
 
@@ -358,5 +448,12 @@ def markdown_table(results: dict) -> str:
         "| --- | --- |",
         *(f"| {label} | {cell(keys, fmt)} |" for label, keys, fmt in ROWS),
         f"| requests failed | {failed} |",
+        f"| answers 5xx (all requests) | {s['server_errors']} |",
+        f"| lapse:kv_pages_used / kv_pages_free, idle before / after | {s['before_kv_pages_used']:g} / "
+        f"{s['before_kv_pages_free']:g}, {s['after_kv_pages_used']:g} / {s['after_kv_pages_free']:g} |"
+        if s["before_kv_pages_used"] is not None and s["after_kv_pages_used"] is not None
+        else "| lapse:kv_pages_used / kv_pages_free, idle before / after | n/a |",
     ]
+    if s["faults"]:
+        lines.append("| faults (kind: answer) | " + ", ".join(f"{k} x {n}" for k, n in s["faults"].items()) + " |")
     return "\n".join(lines) + "\n"
