@@ -15,7 +15,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from lapse.generation import compiled_decode_one_token, decode_one_token, generate, prefill, sample
+from lapse.generation import compiled_decode_one_token, decode_one_token, generate, prefill, sample, sample_rows
 from lapse.kv import DenseStore, GateState, ShiftState
 from lapse.models import ARCHS, Decoder, preset
 
@@ -330,6 +330,33 @@ def test_sample_top_k_and_greedy():
     assert set(drawn.flatten().tolist()) == {1, 2}
     share = (drawn == 1).float().mean().item()  # p = e^3 / (e^3 + e^2) = 0.73
     assert abs(share - 0.731) < 0.06
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_sample_rows_draws_what_sample_draws_row_by_row(dtype):
+    """Rows of every kind side by side (greedy, plain, top-k, top-p, both, k beyond the
+    vocabulary; seeded or not): each seeded row's token equals ``sample`` on that row alone
+    with a generator seeded alike, over many draws, and leaves its generator where ``sample``
+    leaves it; greedy rows are the argmax."""
+    v = 97
+    params = [(0.0, None, None), (1.0, None, None), (0.7, 5, None), (1.3, None, 0.8), (0.9, 7, 0.6),
+              (1.0, 500, None), (0.0, 3, 0.5), (1.0, None, None)]
+    seeded = [True, True, True, True, True, True, False, False]
+    torch.manual_seed(0)
+    gens = [torch.Generator().manual_seed(10 + i) if s else None for i, s in enumerate(seeded)]
+    refs = [torch.Generator().manual_seed(10 + i) if s else None for i, s in enumerate(seeded)]
+    for _ in range(50):
+        logits = (3 * torch.randn(len(params), v)).to(dtype)
+        drawn = sample_rows(logits, *zip(*params, strict=True), gens)
+        assert drawn.shape == (len(params),) and drawn.dtype == torch.long
+        for i, (t, k, p) in enumerate(params):
+            if seeded[i] or t == 0:
+                assert int(drawn[i]) == int(sample(logits[i : i + 1], t, k, refs[i], p)), i
+    for g, ref in zip(gens, refs, strict=True):
+        if g is not None:
+            assert torch.equal(g.get_state(), ref.get_state())
+    greedy = torch.randn(3, v)
+    assert torch.equal(sample_rows(greedy, [0.0] * 3, [None] * 3, [None] * 3, [None] * 3), greedy.argmax(-1))
 
 
 def test_cache_misuse_raises():

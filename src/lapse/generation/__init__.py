@@ -11,7 +11,8 @@ from lapse.lazy import exports
 __all__, __getattr__, __dir__ = exports(__name__, {
     ".batching": ("RowBatcher", "RowRequest"),
     ".generate": ("check_policy_fits", "compiled_decode_one_token", "decode_one_token", "evict", "generate",
-                  "logit_bounds", "paged_store_for", "prefill", "records_scores", "sample", "supports_paged"),
+                  "logit_bounds", "paged_store_for", "prefill", "records_scores", "sample", "sample_rows",
+                  "supports_paged"),
     ".policies": ("A2SF", "H2O", "POLICIES", "ACPBoundary", "DCPDrop", "Dense", "Policy", "PolicyName",
                   "PolicyOptions", "SinkWindow"),
 })

@@ -39,6 +39,7 @@ from .generate import (
     paged_store_for,
     prefill,
     sample,
+    sample_rows,
 )
 from .policies import Dense, Policy, SinkWindow
 
@@ -263,11 +264,13 @@ class RowBatcher:
             store.reserve(min(policy.every, self.ahead))
         tokens = [[self._rows[r].token if r in self._rows else 0] for r in range(self.rows)]
         logits = self._step(self.model, torch.tensor(tokens, device=self._device), store)  # [rows, V]
-        drawn = []
-        for r in active:  # each row as generate draws for its prompt alone
-            row, req = self._rows[r], self._rows[r].request
-            drawn.append(sample(logits[r : r + 1], req.temperature, req.top_k, row.generator, req.top_p))
-        ids = torch.cat(drawn).view(-1).tolist()
+        rows = [self._rows[r] for r in active]
+        reqs = [row.request for row in rows]
+        picked = logits[active] if len(active) < self.rows else logits  # [active, V]
+        ids = sample_rows(  # each row as generate draws for its prompt alone
+            picked, [q.temperature for q in reqs], [q.top_k for q in reqs], [q.top_p for q in reqs],
+            [row.generator for row in rows],
+        ).tolist()
         for r, token in zip(active, ids, strict=True):
             self._rows[r].token = token
             self._rows[r].steps += 1

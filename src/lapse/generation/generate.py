@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import math
 from collections.abc import Callable, Sequence
 
 import torch
@@ -233,6 +234,53 @@ def sample(
     probs = torch.softmax(logits, dim=-1)  # [B, V]
     race = torch.empty_like(probs).exponential_(1, generator=generator)  # [B, V]
     return (probs / race).argmax(dim=-1, keepdim=True)
+
+
+def sample_rows(
+    logits: Tensor,
+    temperatures: Sequence[float],
+    top_ks: Sequence[int | None],
+    top_ps: Sequence[float | None],
+    generators: Sequence[torch.Generator | None],
+) -> Tensor:
+    """The next token ``[R]`` of each row of ``logits`` ``[R, V]`` under its own sampling
+    parameters: row ``i`` draws what :func:`sample` draws for ``logits[i : i + 1]`` with
+    ``temperatures[i]``, ``top_ks[i]``, ``top_ps[i]`` and ``generators[i]`` (the same
+    arithmetic, and the same numbers from the same generator), in a few batched kernels
+    instead of a handful per row; only the rows' own random draws are one kernel each
+    (the rows without a generator share one draw from the default one)."""
+    r, v = logits.shape
+    dev = logits.device
+    greedy = [t == 0 for t in temperatures]
+    if all(greedy):
+        return logits.argmax(dim=-1)
+    temps = torch.tensor([t if t != 0 else 1.0 for t in temperatures], dtype=torch.float32, device=dev)
+    x = logits.float() / temps[:, None]  # [R, V]
+    ks = [min(k, v) if k is not None else None for k in top_ks]
+    if any(k is not None for k in ks):
+        top = torch.topk(x, max(k for k in ks if k is not None), dim=-1).values  # [R, kmax]
+        at = torch.tensor([(k or 1) - 1 for k in ks], device=dev)
+        kth = top.gather(-1, at[:, None])  # [R, 1]
+        kth = kth.masked_fill(torch.tensor([k is None for k in ks], device=dev)[:, None], float("-inf"))
+        x = x.masked_fill(x < kth, float("-inf"))
+    if any(p is not None for p in top_ps):
+        ps = torch.tensor([p if p is not None else math.inf for p in top_ps], dtype=torch.float32, device=dev)
+        sorted_p, order = torch.softmax(x, dim=-1).sort(dim=-1, descending=True)  # [R, V]
+        before = sorted_p.cumsum(-1) - sorted_p
+        drop = torch.zeros_like(before, dtype=torch.bool).scatter_(-1, order, before >= ps[:, None])
+        x = x.masked_fill(drop, float("-inf"))
+    probs = torch.softmax(x, dim=-1)  # [R, V]
+    race = torch.empty_like(probs)
+    shared = [i for i, g in enumerate(generators) if g is None and not greedy[i]]
+    if shared:
+        race[shared] = torch.empty(len(shared), v, device=dev).exponential_(1)
+    for i, g in enumerate(generators):
+        if g is not None and not greedy[i]:  # a greedy row draws nothing, as in sample
+            race[i].exponential_(1, generator=g)
+    drawn = (probs / race).argmax(dim=-1)  # [R]
+    if not any(greedy):
+        return drawn
+    return torch.where(torch.tensor(greedy, device=dev), logits.argmax(dim=-1), drawn)
 
 
 @torch.no_grad()
