@@ -47,6 +47,9 @@ def test_started_server_serves_the_load_and_is_stopped(tmp_path, capsys):
                 "itl_ms_p99", "e2e_ms_p50", "e2e_ms_p99", "wall_s", "output_tokens_per_s"):
         assert s[key] > 0, key
     assert s["peak_kv_pages_used"] > 0 and 1 <= s["peak_num_requests_running"] <= 4
+    assert s["prefill_ms_mean"] > 0 and s["iterations_per_s"] > 0
+    # the 8 prompts and the 7 tokens of each drawn by decode steps (the first by its prefill)
+    assert s["tokens_per_iteration_mean"] * s["iterations_per_s"] * s["wall_s"] == pytest.approx(8 * 8 + 8 * 7)
     env = results["env"]
     assert env["model"] == "run-fox-pro" and env["max_model_len"] == 64 and env["commit"] == "test"
     assert env["server_command"].startswith("lapse serve ") and "--window 16" in env["server_command"]

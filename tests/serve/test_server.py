@@ -99,10 +99,18 @@ def test_concurrent_requests_each_equal_their_single_run(served, tmp_path_factor
 
 def test_metrics_after_requests(served):
     _, url, engine = served
+    assert wait_for(lambda: engine.stats().running == 0)
+    names = ("prompt_tokens_total", "generation_tokens_total", "request_prefill_time_seconds_count",
+             "request_prefill_time_seconds_sum", "iteration_tokens_total_sum")
+    before = {name: metric(get(url, "/metrics")[1], name) for name in names}
     client(url).completions.create(model="fox", prompt=PROMPTS[0], max_tokens=4, temperature=1, seed=5)
     assert wait_for(lambda: engine.stats().running == 0)
     status, text = get(url, "/metrics")
     assert status == 200
+    grew = {name: metric(text, name) - before[name] for name in names}
+    assert grew["request_prefill_time_seconds_count"] == 1 and grew["request_prefill_time_seconds_sum"] > 0
+    # every token an iteration ran: the prompt, and each drawn token but the prefill's own
+    assert grew["iteration_tokens_total_sum"] == grew["prompt_tokens_total"] + grew["generation_tokens_total"] - 1
     assert metric(text, "generation_tokens_total") >= 4
     assert metric(text, "prompt_tokens_total") >= len(PROMPTS[0])
     assert metric(text, "time_to_first_token_seconds_count") >= 1

@@ -276,10 +276,16 @@ async def _fault(client, url: str, model: str, kind: str, max_len: int, cfg: Ser
     return str(status)
 
 
-async def _idle(url: str, timeout: float) -> dict[str, float]:
-    """``kv_pages_used`` and ``kv_pages_free`` once nothing runs or waits (``/metrics`` read
-    every 50 ms, for at most ``timeout`` seconds: then as they are)."""
-    wanted = ("kv_pages_used", "kv_pages_free", "num_requests_running", "num_requests_waiting")
+IDLE_METRICS = ("kv_pages_used", "kv_pages_free", "request_prefill_time_seconds_sum",
+                "request_prefill_time_seconds_count", "iteration_tokens_total_sum", "iteration_tokens_total_count")
+"""What ``/metrics`` holds once the server is idle, read before and after the load: the pages
+held, and the sums the prefill time and tokens a step come from."""
+
+
+async def _idle(url: str, timeout: float) -> dict[str, float | None]:
+    """:data:`IDLE_METRICS` once nothing runs or waits (``/metrics`` read every 50 ms, for at
+    most ``timeout`` seconds: then as they are; ``None`` where a name is missing)."""
+    wanted = (*IDLE_METRICS, "num_requests_running", "num_requests_waiting")
     deadline = time.monotonic() + timeout
     found: dict[str, float] = {}
     while True:
@@ -289,7 +295,7 @@ async def _idle(url: str, timeout: float) -> dict[str, float]:
                 found = gauges(text, wanted)
         if (found.get("num_requests_running", 1) == 0 and found.get("num_requests_waiting", 1) == 0) \
                 or time.monotonic() > deadline:
-            return {k: found.get(k) for k in wanted[:2]}
+            return {k: found.get(k) for k in IDLE_METRICS}
         await asyncio.sleep(0.05)
 
 
@@ -410,7 +416,22 @@ def summarize(records: list[dict], wall: float, peaks: dict) -> dict:
         "server_errors": server_errors,
         **{f"{when}_{name}": peaks.get(f"{when}_{name}") for when in ("before", "after")
            for name in ("kv_pages_used", "kv_pages_free")},
+        "prefill_ms_mean": _growth_mean(peaks, "request_prefill_time_seconds", 1e3),
+        "tokens_per_iteration_mean": _growth_mean(peaks, "iteration_tokens_total"),
+        "iterations_per_s": _growth(peaks, "iteration_tokens_total_count", wall),
     }
+
+
+def _growth(peaks: dict, name: str, per: float = 1.0) -> float | None:
+    """How much ``name`` grew from before the load to after it, over ``per``."""
+    a, b = peaks.get(f"before_{name}"), peaks.get(f"after_{name}")
+    return None if a is None or b is None or per <= 0 else (b - a) / per
+
+
+def _growth_mean(peaks: dict, histogram: str, scale: float = 1.0) -> float | None:
+    """The mean of a histogram's observations during the load (its sum's and count's growth)."""
+    total, count = _growth(peaks, f"{histogram}_sum"), _growth(peaks, f"{histogram}_count")
+    return None if total is None or not count else scale * total / count
 
 
 ROWS = [
@@ -424,6 +445,8 @@ ROWS = [
     ("TTFT p50 / p90 / p99 (ms)", ("ttft_ms_p50", "ttft_ms_p90", "ttft_ms_p99"), "{:.1f}"),
     ("ITL p50 / p90 / p99 (ms, between chunks)", ("itl_ms_p50", "itl_ms_p90", "itl_ms_p99"), "{:.1f}"),
     ("end-to-end p50 / p99 (ms)", ("e2e_ms_p50", "e2e_ms_p99"), "{:.1f}"),
+    ("prefill a request, mean (ms; lapse:request_prefill_time_seconds)", "prefill_ms_mean", "{:.1f}"),
+    ("engine iterations/s, tokens an iteration (mean)", ("iterations_per_s", "tokens_per_iteration_mean"), "{:.1f}"),
     ("peak lapse:kv_pages_used", "peak_kv_pages_used", "{:g}"),
     ("peak lapse:num_requests_running", "peak_num_requests_running", "{:g}"),
 ]

@@ -106,6 +106,8 @@ class Observer(Protocol):
     """The histograms the engine feeds (``lapse.serve.metrics.ServerMetrics``)."""
 
     def first_token(self, seconds: float) -> None: ...
+    def prefill(self, seconds: float) -> None: ...
+    def iteration(self, tokens: int) -> None: ...
     def token_gap(self, seconds: float) -> None: ...
     def finished(self, queued: float, e2e: float) -> None: ...
     def rejected(self, reason: str) -> None: ...
@@ -201,9 +203,11 @@ class Engine:
             with self._setup():
                 while not self._stop.is_set():
                     self._drain(block=not self._running and not self._waiting)
-                    self._admit()
+                    tokens = self._admit()
                     if self._running:
-                        self._step()
+                        tokens += self._step()
+                    if tokens and self.observer is not None:
+                        self.observer.iteration(tokens)
                     self._publish()
         except BaseException as e:  # the engine is dead: every request hears it, /health says 503
             log.exception("the engine thread failed")
@@ -261,29 +265,37 @@ class Engine:
         with self._lock:
             self._queued -= 1
 
-    def _admit(self) -> None:
+    def _admit(self) -> int:
+        """Admits what fits, first come, first served; returns the prompt tokens prefilled."""
+        prefilled = 0
         while self._waiting and self.batcher.free_rows() > 0:
             job = self._waiting[0]
             # the head of the line waits for pages held by running requests; with none
             # running, admit tells whether it can ever fit
             if self._running and not self.batcher.can_admit(job.request):
-                return
+                return prefilled
             self._waiting.popleft()
             self._dequeued()
+            start = time.perf_counter()
             try:
                 row, token = self.batcher.admit(job.request)
             except ValueError as e:
                 job.put(Failed(400, str(e)))
                 continue
             job.row, job.admitted = row, time.perf_counter()
+            prefilled += len(job.request.prompt)
+            if self.observer is not None:
+                self.observer.prefill(job.admitted - start)
             self._running[row] = job
             self._counts["prompt"] += len(job.request.prompt)
             if self.observer is not None:
                 self.observer.first_token(job.admitted - job.arrived)
             job.last = job.admitted
             self._token(job, token)
+        return prefilled
 
-    def _step(self) -> None:
+    def _step(self) -> int:
+        """One decode step; returns the tokens it drew."""
         tokens = self.batcher.step()
         now = time.perf_counter()
         for row, token in tokens.items():
@@ -294,6 +306,7 @@ class Engine:
                 self.observer.token_gap(now - job.last)
             job.last = now
             self._token(job, token)
+        return len(tokens)
 
     def _token(self, job: Job, token: int) -> None:
         """Takes one new token of ``job``: its text out, and the row released when it ends."""

@@ -17,6 +17,8 @@ TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75
                 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
 ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
                20.0, 40.0, 80.0)
+ITERATION_TOKENS_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384, 32768, 65536,
+                            131072)
 E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0,
                240.0, 480.0, 960.0, 1920.0, 7680.0)
 
@@ -36,6 +38,12 @@ class ServerMetrics:
                               labels, buckets=ITL_BUCKETS, registry=self.registry).labels(model_name)
         self._e2e = Histogram("lapse:e2e_request_latency_seconds", "Arrival to last token (s).", labels,
                               buckets=E2E_BUCKETS, registry=self.registry).labels(model_name)
+        self._prefill = Histogram("lapse:request_prefill_time_seconds",
+                                  "Time a request's prompt took to prefill, the first token drawn (s).", labels,
+                                  buckets=E2E_BUCKETS, registry=self.registry).labels(model_name)
+        self._iteration = Histogram("lapse:iteration_tokens_total",
+                                    "Tokens an engine iteration ran: prompts prefilled and tokens decoded.",
+                                    labels, buckets=ITERATION_TOKENS_BUCKETS, registry=self.registry).labels(model_name)
         self._queue = Histogram("lapse:request_queue_time_seconds", "Time waiting for a row (s).", labels,
                                 buckets=E2E_BUCKETS, registry=self.registry).labels(model_name)
         self._rejected = Counter("lapse:requests_rejected", "Requests refused before running.",
@@ -47,6 +55,12 @@ class ServerMetrics:
 
     def token_gap(self, seconds: float) -> None:
         self._itl.observe(seconds)
+
+    def prefill(self, seconds: float) -> None:
+        self._prefill.observe(seconds)
+
+    def iteration(self, tokens: int) -> None:
+        self._iteration.observe(tokens)
 
     def finished(self, queued: float, e2e: float) -> None:
         self._queue.observe(queued)
