@@ -20,6 +20,7 @@ class FakeBatcher:
     def __init__(self, rows: int = 4, pages: int = 64, delay: float = 0.0, page_size: int = 16):
         self.rows, self.pages, self.delay, self.page_size = rows, pages, delay, page_size
         self._rows: dict[int, list] = {}  # row -> [request, tokens drawn, pages held]
+        self.log: list[int] = []  # each admission's prompt length, and 0 for a decode step
 
     def pages_needed(self, req) -> int:
         return math.ceil((len(req.prompt) + req.max_new_tokens) / self.page_size)
@@ -45,10 +46,12 @@ class FakeBatcher:
         assert self.can_admit(req)
         row = min(set(range(self.rows)) - set(self._rows))
         self._rows[row] = [req, 1, self.pages_needed(req)]
+        self.log.append(len(req.prompt))
         return row, self._token(0)
 
     def step(self) -> dict[int, int]:
         time.sleep(self.delay)
+        self.log.append(0)
         out = {}
         for row, r in self._rows.items():
             out[row] = self._token(r[1])
@@ -100,7 +103,8 @@ def serving(app):
 
 
 def fake_server(**batcher):
-    """A server over a :class:`FakeBatcher` (``batcher``: its settings; ``max_waiting``)."""
+    """A server over a :class:`FakeBatcher` (``batcher``: its settings; ``max_waiting``,
+    ``max_prefill_tokens``)."""
     from lapse.generation.batching import RowRequest
     from lapse.generation.policies import H2O
     from lapse.serve.app import ServedModel, build_app
@@ -108,9 +112,10 @@ def fake_server(**batcher):
     from lapse.serve.metrics import ServerMetrics
 
     max_waiting = batcher.pop("max_waiting", 8)
+    max_prefill_tokens = batcher.pop("max_prefill_tokens", None)
     metrics = ServerMetrics("fake")
     engine = Engine(FakeBatcher(**batcher), ByteTokenizer(), eos_id=256, max_waiting=max_waiting,
-                    observer=metrics).start()
+                    max_prefill_tokens=max_prefill_tokens, observer=metrics).start()
     model = ServedModel(name="fake", max_context=256, vocab_size=258, policy=H2O(budget=0.5, recent=8),
                         policy_name="h2o", make_request=RowRequest)
     return build_app(engine, ByteTokenizer(), model, metrics), engine

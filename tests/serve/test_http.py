@@ -104,6 +104,29 @@ def test_a_malformed_burst_gets_only_4xx_and_leaves_the_pool_as_it_was(fake):
     assert client(url).completions.create(model="fake", prompt="hi", max_tokens=3).choices[0].text == "abc"
 
 
+@pytest.mark.parametrize("budget", [None, 20])
+def test_prefill_tokens_between_two_steps_stay_within_the_budget(budget):
+    """8 requests of 8-token prompts at once on 8 free rows, decode steps of 0.2 s (the
+    requests after the first all wait through one): without a budget one iteration admits more
+    than 20 prompt tokens; with a budget of 20 at most two prompts go between two decode steps."""
+    app, engine = fake_server(rows=8, pages=64, delay=0.2, max_prefill_tokens=budget)
+    with serving(app) as url:
+        engine.batcher.log.clear()
+        with concurrent.futures.ThreadPoolExecutor(8) as pool:
+            texts = list(pool.map(lambda i: client(url).completions.create(
+                model="fake", prompt="abcdefgh", max_tokens=3).choices[0].text, range(8)))
+        assert texts == ["abc"] * 8
+    engine.stop()
+    runs = [0]  # the prompt tokens admitted between two decode steps
+    for n in engine.batcher.log:
+        if n:
+            runs[-1] += n
+        elif runs[-1]:
+            runs.append(0)
+    assert sum(runs) == 64
+    assert max(runs) > 20 if budget is None else max(runs) <= budget
+
+
 def test_a_client_that_goes_away_frees_its_row_and_pages():
     app, engine = fake_server(rows=2, pages=64, delay=0.01)
     with serving(app) as url:

@@ -105,7 +105,7 @@ def build_server(cfg: ServeConfig, loaded=None) -> Server:
     name = cfg.model_name()
     metrics = ServerMetrics(name)
     engine = Engine(batcher, tokenizer, eos_id=tokenizer.eos_id, max_waiting=cfg.max_waiting,
-                    observer=metrics, setup=lambda: _decoding(model, cfg.compile)).start()
+                    max_prefill_tokens=cfg.max_prefill_tokens, observer=metrics, setup=lambda: _decoding(model, cfg.compile)).start()
     served = ServedModel(name=name, max_context=max_context, vocab_size=model.config.vocab_size,
                          policy=policy, policy_name=cfg.policy, make_request=RowRequest)
     return Server(build_app(engine, tokenizer, served, metrics), engine, served)

@@ -39,6 +39,10 @@ class ServeConfig(ModelSource):
     """Requests decoded together (rows of the batch); more wait."""
     max_waiting: int = 256
     """Requests that may wait for a row; one more is answered 429 with Retry-After."""
+    max_prefill_tokens: int = 2048
+    """Prompt tokens prefilled between two decode steps (requests admitted whole, first come
+    first served, at least one a step): bounds how long the running streams wait for new
+    ones; a burst of short prompts is still admitted in one go."""
     kv_memory: float | None = None
     """GiB of KV pages shared by the running requests (keys, values and every per-slot
     pool); default: enough for ``max_batch`` requests of ``max_context`` tokens each."""
@@ -59,7 +63,7 @@ class ServeConfig(ModelSource):
         super().__post_init__()
         if not 0 <= self.port <= 65535:
             raise ValueError(f"--port must be in [0, 65535], got {self.port}")
-        for name in ("max_batch", "max_waiting"):
+        for name in ("max_batch", "max_waiting", "max_prefill_tokens"):
             if getattr(self, name) < 1:
                 raise ValueError(f"--{name.replace('_', '-')} must be at least 1, got {getattr(self, name)}")
         if self.kv_memory is not None and self.kv_pages is not None:

@@ -8,7 +8,8 @@ request gets its events (:class:`Delta`, :class:`Done`, :class:`Failed`) on its 
 
 One iteration: drain the queue; admit waiting requests first come, first served while the
 batcher has a free row and the pages for the head of the line (``can_admit``: a request
-never runs out of pages mid-decode); one decode step over every running row; per row, the
+never runs out of pages mid-decode) and the iteration's prompt tokens stay within
+``max_prefill_tokens`` (the first admission always goes); one decode step over every running row; per row, the
 new token's text, checked against the end of text, ``max_tokens`` and the stop strings, and
 the row released when it ends. The waiting line is bounded (``max_waiting``): one more
 request is refused at once (:class:`Busy`: HTTP 429). The engine publishes a
@@ -140,13 +141,16 @@ class Job:
 
 class Engine:
     """The engine thread around ``batcher``; ``tokenizer`` decodes the new tokens, ``eos_id``
-    ends a request, ``max_waiting`` bounds the line of requests without a row."""
+    ends a request, ``max_waiting`` bounds the line of requests without a row,
+    ``max_prefill_tokens`` the prompt tokens admitted between two decode steps (``None``: no
+    bound)."""
 
     def __init__(self, batcher: Batcher, tokenizer, *, eos_id: int | None, max_waiting: int,
-                 observer: Observer | None = None, setup: Callable[[], contextlib.AbstractContextManager]
+                 max_prefill_tokens: int | None = None, observer: Observer | None = None, setup: Callable[[], contextlib.AbstractContextManager]
                  | None = None):
         self.batcher, self.tokenizer, self.eos_id = batcher, tokenizer, eos_id
         self.max_waiting, self.observer = max_waiting, observer
+        self.max_prefill_tokens = max_prefill_tokens
         self._setup = setup or contextlib.nullcontext
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._lock = threading.Lock()
@@ -274,6 +278,9 @@ class Engine:
             # running, admit tells whether it can ever fit
             if self._running and not self.batcher.can_admit(job.request):
                 return prefilled
+            if (prefilled and self.max_prefill_tokens is not None
+                    and prefilled + len(job.request.prompt) > self.max_prefill_tokens):
+                return prefilled  # the rest after the next decode step
             self._waiting.popleft()
             self._dequeued()
             start = time.perf_counter()
