@@ -208,3 +208,36 @@ def test_h2o_fits_four_times_the_requests_of_dense_in_the_same_pages():
     h2o = RowBatcher(model, H2O(budget=0.2), rows=64, pages=pages, max_context=33024)
     fits = [b.pages_total() // b.pages_needed(req) for b in (dense, h2o)]
     assert fits[0] == 2 and fits[1] >= 4 * fits[0]
+
+
+def test_acp_keeps_reserved_only_what_its_rows_can_grow_to():
+    """Admission checks the worst case (the whole prompt and the new tokens), then keeps
+    reserved only each head's kept tokens plus the new ones: with gates that forget within a
+    few tokens, ACP keeps a few of a 100-token prompt, so pages enough for two dense requests
+    take four ACP requests at once; every row then decodes its tokens and the pool comes back."""
+    torch.manual_seed(0)
+    model = Decoder(preset("tiny", "fox-pro", init_std=0.1, n_kv_heads=2, acp=True)).double().eval()
+    with torch.no_grad():
+        for block in model.blocks:
+            block.attn.fgate.bias.fill_(-4.0)  # f ~ 0.02: a key fades within a few tokens
+    policy = ACPBoundary(every=2)
+    requests = [RowRequest([3 + i % 40 for i in range(100)], 4, seed=i) for i in range(4)]
+    shape = dict(rows=4, max_context=112, ahead=2)
+    dense = RowBatcher(model, None, **shape)
+    pages = 2 * dense.pages_needed(requests[0]) // model.config.n_layers  # two dense requests a layer
+    for policy_, fits in ((None, 2), (policy, 4)):
+        batcher = RowBatcher(model, policy_, pages=pages, **shape)
+        admitted = []
+        for req in requests:
+            if not batcher.can_admit(req):
+                break
+            admitted.append(batcher.admit(req)[0])
+        assert len(admitted) == fits, policy_
+        drawn = {row: 1 for row in admitted}
+        while drawn:
+            for row in batcher.step():
+                drawn[row] += 1
+            for row in [r for r, n in drawn.items() if n == 4]:
+                batcher.release(row)
+                del drawn[row]
+        assert batcher.pages_used() == 0 and batcher.pages_free() == batcher.pages_total()

@@ -12,8 +12,11 @@ policy and, for a seeded request, the same draws.
 
 The caller decides when a request ends (end of text, ``max_new_tokens``, stop strings) and
 releases its row; it admits only what :meth:`RowBatcher.can_admit` accepts. Admission
-reserves each request's worst case in pages (:meth:`RowBatcher.pages_needed`), so a step
-never runs out of pages: no preemption. Not thread-safe: one thread owns the batcher (and
+checks each request's worst case in pages, layer by layer (:meth:`RowBatcher.pages_needed`:
+the prompt and new tokens, or the policy's bound), and once the prompt is cut keeps reserved
+only what the row can still grow to: each head's kept tokens plus the new ones (and one
+reservation ahead), so a policy without a bound (ACP, DCP) that kept little of its prompt
+frees the rest for other requests. A step never runs out of pages: no preemption. Not thread-safe: one thread owns the batcher (and
 the model, and every torch call on them).
 
 Legend: T prompt length, N new tokens, S page size, H kv heads, L layers.
@@ -25,6 +28,7 @@ import dataclasses
 import math
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from lapse.kv import PagedStore
@@ -82,14 +86,14 @@ class RowRequest:
 @dataclass(eq=False)
 class _Row:
     """An occupied row: its request, policy and generator, the last token drawn (the next
-    step's input), the steps taken, and the pages admission reserved for it."""
+    step's input), the steps taken, and the pages reserved for it in each layer ``[L]``."""
 
     request: RowRequest
     policy: Policy
     generator: torch.Generator | None
     token: int
     steps: int
-    pages: int
+    pages: np.ndarray
 
 
 class RowBatcher:
@@ -171,7 +175,17 @@ class RowBatcher:
 
     def pages_free(self) -> int:
         """Pages no occupied row has reserved, over all layers."""
-        return self.pages_total() - sum(r.pages for r in self._rows.values())
+        return int(self._free_per_layer().sum())
+
+    def _free_per_layer(self) -> np.ndarray:
+        """Pages of each layer's pool no occupied row has reserved ``[L]``."""
+        reserved = sum((r.pages for r in self._rows.values()), np.zeros(self._layers, dtype=np.int64))
+        return self._pages_per_layer - reserved
+
+    def _worst_per_layer(self, req: RowRequest) -> np.ndarray:
+        """:meth:`pages_needed` layer by layer ``[L]`` (the same in every layer)."""
+        per_layer = self._heads * math.ceil(self._hold(req, self._policy_for(req)) / self.page_size)
+        return np.full(self._layers, per_layer, dtype=np.int64)
 
     def pages_used(self) -> int:
         """Pages the rows hold now, over all layers (reads the device once after an eviction)."""
@@ -184,8 +198,9 @@ class RowBatcher:
         return sorted(self._rows)
 
     def can_admit(self, req: RowRequest) -> bool:
-        """A free row and enough unreserved pages for the request (:meth:`check` passed)."""
-        return self.free_rows() > 0 and self.pages_needed(req) <= self.pages_free()
+        """A free row and, in every layer, enough unreserved pages for the request's worst
+        case (:meth:`check` passed)."""
+        return self.free_rows() > 0 and bool((self._worst_per_layer(req) <= self._free_per_layer()).all())
 
     def check(self, req: RowRequest) -> None:
         """Raises a one-line ``ValueError`` for a request this batcher can never take: too
@@ -234,9 +249,15 @@ class RowBatcher:
         if not policy.keeps_all:  # the prompt's cut, generate's pass before its first step
             evict(self.model, sub, policy, self._logit_bounds(), compile=self.compile, graph=False)
         row = min(set(range(self.rows)) - set(self._rows))
-        self.store.admit(row, sub, budget=_budget(policy, t), max_tokens=self._hold(req, policy))
+        hold = self._hold(req, policy)
+        self.store.admit(row, sub, budget=_budget(policy, t), max_tokens=hold)
+        # What the row can still grow to: each head's kept tokens, one a step, and at most one
+        # reservation ahead (reserve grants up to held + ahead, never past hold).
+        kept = torch.stack([sub.lengths[i][0] for i in range(self._layers)]).long().cpu().numpy()  # [L, H]
+        grow = np.minimum(kept + n + self.ahead, hold)
+        pages = ((grow + self.page_size - 1) // self.page_size).sum(axis=1)  # [L]
         token = int(first)
-        self._rows[row] = _Row(req, policy, generator, token, 0, self.pages_needed(req))
+        self._rows[row] = _Row(req, policy, generator, token, 0, np.minimum(pages, self._worst_per_layer(req)))
         return row, token
 
     @torch.no_grad()
