@@ -112,6 +112,40 @@ def test_rows_joining_and_leaving_equal_each_request_alone(model, policy, budget
     assert batcher.free_rows() == 3 and batcher.active_rows() == []
 
 
+def test_requests_of_other_kinds_in_one_batch_equal_each_alone(model):
+    """An H2O batcher's rows under their own policies (dense, windows of two sizes, H2O with
+    other settings, the batcher's): each row's tokens are those of its prompt generated alone
+    under its policy; the window rows share one pass (they differ in the window only)."""
+    kinds = [Dense(), SinkWindow(sinks=2, window=6, every=4), None, H2O(budget=4, recent=1, sinks=2, every=2),
+             SinkWindow(sinks=2, window=9, every=4), None]
+    requests = [(at, dataclasses.replace(req, policy=kind))
+                for (at, req), kind in zip(_requests(model.config.vocab_size), kinds, strict=True)]
+    server = H2O(budget=0.5, recent=2, sinks=1)
+    batcher = RowBatcher(model, server, rows=3, max_context=40)
+    with model.fused_projections():
+        got = _serve(batcher, requests)
+    for i, (_, req) in enumerate(requests):
+        assert got[i] == _alone(model, req, req.policy or server), f"request {i}"
+    windows = [key for key in batcher._passes if key[0] is SinkWindow]
+    assert len(windows) == 1
+    assert batcher.pages_used() == 0 and batcher.pages_free() == batcher.pages_total()
+
+
+def test_a_request_policy_the_store_cannot_run_is_refused(model):
+    window = RowBatcher(model, SinkWindow(sinks=2, window=6), rows=2, max_context=40)
+    with pytest.raises(ValueError, match="ranks tokens by attention scores with decay 1.0, and this batcher's "
+                                         "store records no attention scores"):
+        window.check(RowRequest([1, 2, 3], 2, policy=H2O(budget=0.5)))
+    h2o = RowBatcher(model, H2O(budget=0.5), rows=2, max_context=40)
+    with pytest.raises(ValueError, match="decay 0.8, and this batcher's store records scores with decay 1.0"):
+        h2o.check(RowRequest([1, 2, 3], 2, policy=A2SF(budget=0.5, alpha=0.8)))
+    with pytest.raises(ValueError, match="DCP"):
+        h2o.check(RowRequest([1, 2, 3], 2, policy=DCPDrop()))
+    with pytest.raises(ValueError, match="policy must be a Policy"):
+        RowRequest([1], 2, policy="h2o")
+    h2o.check(RowRequest([1, 2, 3], 2, policy=SinkWindow(sinks=1, window=4)))  # no scores needed
+
+
 @pytest.mark.parametrize(
     "arch,overrides,policy",
     [

@@ -77,7 +77,7 @@ MALFORMED = {
     "empty prompt": {"model": "fake", "prompt": ""},
     "ids outside the vocabulary": {"model": "fake", "prompt": [1, 2, 999]},
     "n=2": {"model": "fake", "prompt": "hi", "n": 2},
-    "lapse policy": {"model": "fake", "prompt": "hi", "lapse": {"policy": "window"}},
+    "lapse policy": {"model": "fake", "prompt": "hi", "lapse": {"policy": "h3o"}},
     "lapse unknown key": {"model": "fake", "prompt": "hi", "lapse": {"budgte": 0.5}},
     "lapse budget below recent": {"model": "fake", "prompt": "hi", "lapse": {"budget": 3}},
     "lapse budget not a count": {"model": "fake", "prompt": "hi", "lapse": {"budget": 2.5}},

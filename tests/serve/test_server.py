@@ -23,7 +23,8 @@ POLICIES = {
     "h2o": ["--policy", "h2o", "--budget", "12", "--recent", "4", "--sinks", "2"],
 }
 GENERATE_ONLY = {"h2o-8": ["--policy", "h2o", "--budget", "8", "--recent", "4", "--sinks", "2"],
-                 "window-6": ["--policy", "window", "--window", "6", "--sinks", "2", "--every", "4"]}
+                 "window-6": ["--policy", "window", "--window", "6", "--sinks", "2", "--every", "4"],
+                 "window-6-defaults": ["--policy", "window", "--window", "6"]}
 """Flags of ``lapse generate`` runs that a request's ``lapse.budget`` should equal."""
 PROMPTS = ["def hello(world):", "import os\n", "The cat sat on"]
 NEW = 24
@@ -145,10 +146,17 @@ def test_a_request_budget_is_lapse_generates_flag(served, tmp_path_factory):
     answer = client(url).completions.create(model="fox", prompt=PROMPTS[0], max_tokens=NEW, temperature=1,
                                             seed=4, extra_body={"lapse": lapse})
     assert answer.choices[0].text == generated(f"{policy}-{budget}", PROMPTS[0], 4, tmp_path_factory)
-    other = "window" if policy == "h2o" else "h2o"
-    with pytest.raises(openai.BadRequestError, match=f"start the server with --policy {other}"):
+    if policy == "h2o":  # another kind: its defaults with the request's budget, beside the h2o rows
+        answer = client(url).completions.create(model="fox", prompt=PROMPTS[0], max_tokens=NEW, temperature=1,
+                                                seed=4, extra_body={"lapse": {"policy": "window", "budget": 6}})
+        assert answer.choices[0].text == generated("window-6-defaults", PROMPTS[0], 4, tmp_path_factory)
+    else:  # h2o ranks by scores that a window server's store does not record
+        with pytest.raises(openai.BadRequestError, match="store records no attention scores"):
+            client(url).completions.create(model="fox", prompt=PROMPTS[0], max_tokens=4,
+                                           extra_body={"lapse": {"policy": "h2o"}})
+    with pytest.raises(openai.BadRequestError, match="lapse.policy must be one of"):
         client(url).completions.create(model="fox", prompt=PROMPTS[0], max_tokens=4,
-                                       extra_body={"lapse": {"policy": other}})
+                                       extra_body={"lapse": {"policy": "h3o"}})
 
 
 def test_bad_requests_and_dropped_streams_leave_the_pool_as_it_was(served):

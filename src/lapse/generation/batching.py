@@ -66,7 +66,11 @@ class RowRequest:
     default generator."""
     budget: float | int | None = None
     """The policy's budget for this request (H2O, A2SF: ``budget``; window: ``window``,
-    an int); ``None``: the batcher's policy's."""
+    an int); ``None``: the policy's own."""
+    policy: Policy | None = None
+    """This request's own eviction policy (another kind than the batcher's, or other
+    settings); ``None``: the batcher's. It must fit the model and the shared store
+    (:meth:`RowBatcher.check`)."""
 
     def __post_init__(self) -> None:
         if not self.prompt or not all(isinstance(t, int) and not isinstance(t, bool) for t in self.prompt):
@@ -79,6 +83,8 @@ class RowRequest:
             raise ValueError(f"top_k must be a positive integer or None, got {self.top_k!r}")
         if self.top_p is not None and not 0 < self.top_p <= 1:
             raise ValueError(f"top_p must be in (0, 1] or None, got {self.top_p!r}")
+        if self.policy is not None and not isinstance(self.policy, Policy):
+            raise ValueError(f"policy must be a Policy or None, got {self.policy!r}")
         if self.seed is not None and not isinstance(self.seed, int):
             raise ValueError(f"seed must be an integer or None, got {self.seed!r}")
 
@@ -154,6 +160,7 @@ class RowBatcher:
         self._device = next(model.parameters()).device
         self._rows: dict[int, _Row] = {}
         self._bounds: list | None = None  # logit_bounds, once (the weights do not change)
+        self._passes: dict[tuple, Policy] = {}  # the policy each eviction pass runs (_pass_for)
         if isinstance(compile, str):
             self._step = compiled_decode_one_token(mode=None, backend=compile)
         else:
@@ -217,6 +224,8 @@ class RowBatcher:
         vocab = self.model.config.vocab_size
         if not all(0 <= t < vocab for t in req.prompt):
             raise ValueError(f"prompt token ids must be in [0, {vocab})")
+        if req.policy is not None:
+            self._check_kind(self._policy_for(req))
         need = self.pages_needed(req)
         if need > self.pages_total():
             raise ValueError(
@@ -240,7 +249,8 @@ class RowBatcher:
         policy = self._policy_for(req)
         t, n = len(req.prompt), req.max_new_tokens
         ids = torch.tensor([req.prompt], dtype=torch.long, device=self._device)  # [1, T]
-        sub = paged_store_for(self.model, 1, t, n, policy, page_size=self.page_size)
+        sub = paged_store_for(self.model, 1, t, n, policy, page_size=self.page_size,
+                              score_decay=self.store.score_decay)  # the shared store's, to join it
         logits = prefill(self.model, ids, sub)  # [1, V]
         generator = None
         if req.seed is not None:
@@ -272,17 +282,21 @@ class RowBatcher:
         for r in active:
             if self._rows[r].steps + 1 >= self._rows[r].request.max_new_tokens:
                 raise ValueError(f"row {r} has drawn its max_new_tokens: release it before the next step")
-        store, policy = self.store, self.policy
-        if not policy.keeps_all:
-            due = [r for r in active if self._rows[r].steps > 0 and self._rows[r].steps % policy.every == 0]
-            if due:
-                mask = torch.zeros(self.rows, dtype=torch.bool)
-                mask[due] = True
-                store.row_due.copy_(mask)
-                evict(self.model, store, policy, self._logit_bounds(), compile=self.compile)
-                store.row_due.zero_()
+        store = self.store
+        due: dict[tuple, list[int]] = {}  # rows whose policy's every steps have passed, by pass
+        for r in active:
+            row = self._rows[r]
+            if not row.policy.keeps_all and row.steps > 0 and row.steps % row.policy.every == 0:
+                due.setdefault(self._pass_for(row.policy), []).append(r)
+        for key, rows in due.items():
+            mask = torch.zeros(self.rows, dtype=torch.bool)
+            mask[rows] = True
+            store.row_due.copy_(mask)
+            evict(self.model, store, self._passes[key], self._logit_bounds(), compile=self.compile)
+            store.row_due.zero_()
         if store.room < 1:
-            store.reserve(min(policy.every, self.ahead))
+            evicting = [self._rows[r].policy.every for r in active if not self._rows[r].policy.keeps_all]
+            store.reserve(min([self.ahead, *evicting]))
         tokens = [[self._rows[r].token if r in self._rows else 0] for r in range(self.rows)]
         logits = self._step(self.model, torch.tensor(tokens, device=self._device), store)  # [rows, V]
         rows = [self._rows[r] for r in active]
@@ -308,19 +322,44 @@ class RowBatcher:
     # -- internals ------------------------------------------------------------------------
 
     def _policy_for(self, req: RowRequest) -> Policy:
-        """The batcher's policy with the request's budget (its own checks raise ValueError)."""
+        """The request's policy (its own, or the batcher's) with the request's budget (its
+        own checks raise ValueError)."""
+        policy = self.policy if req.policy is None else req.policy
         if req.budget is None:
-            return self.policy
-        fields = {f.name for f in dataclasses.fields(self.policy)}
+            return policy
+        fields = {f.name for f in dataclasses.fields(policy)}
         if "budget" in fields:
-            return dataclasses.replace(self.policy, budget=req.budget)
-        if isinstance(self.policy, SinkWindow):
+            return dataclasses.replace(policy, budget=req.budget)
+        if isinstance(policy, SinkWindow):
             if not isinstance(req.budget, int):
                 raise ValueError(
                     f"a window policy's budget is its window in tokens (an int), got {req.budget!r}"
                 )
-            return dataclasses.replace(self.policy, window=req.budget)
-        raise ValueError(f"the {type(self.policy).__name__} policy takes no budget")
+            return dataclasses.replace(policy, window=req.budget)
+        raise ValueError(f"the {type(policy).__name__} policy takes no budget")
+
+    def _check_kind(self, policy: Policy) -> None:
+        """Raises a one-line ``ValueError`` for a request's own policy that the model or the
+        shared store cannot run: the store records attention scores (with one decay) only
+        when the batcher's policy ranks by them."""
+        check_policy_fits(self.model, policy)
+        decay = policy.score_decay
+        if decay is not None and decay != self.store.score_decay:
+            held = ("records no attention scores" if self.store.score_decay is None
+                    else f"records scores with decay {self.store.score_decay}")
+            raise ValueError(
+                f"a {type(policy).__name__} request ranks tokens by attention scores with decay {decay}, "
+                f"and this batcher's store {held} (its policy is {type(self.policy).__name__})"
+            )
+
+    def _pass_for(self, policy: Policy) -> tuple:
+        """The key of the eviction pass that serves ``policy``'s rows, its policy kept in
+        ``self._passes``: a pass reads each row's budget (or window) from the store, so the
+        policies that differ only there share one pass (and one captured graph)."""
+        key = (type(policy), *((f.name, getattr(policy, f.name)) for f in dataclasses.fields(policy)
+                               if f.name not in ("budget", "window")))
+        self._passes.setdefault(key, policy)
+        return key
 
     def _hold(self, req: RowRequest, policy: Policy) -> int:
         """The most tokens a head of the request's row holds (module doc of the policies: a

@@ -146,11 +146,17 @@ def check_policy_fits(model: Decoder, policy: Policy) -> None:
 
 
 def paged_store_for(
-    model: Decoder, batch: int, prompt_len: int, max_new_tokens: int, policy: Policy, page_size: int = 16
+    model: Decoder, batch: int, prompt_len: int, max_new_tokens: int, policy: Policy, page_size: int = 16,
+    *, score_decay: float | None = None,
 ) -> PagedStore:
     """A paged store for ``policy``: room for the prompt, and a pool and table no larger
-    than the policy's bound (plus the steps between evictions) once the prompt is cut."""
+    than the policy's bound (plus the steps between evictions) once the prompt is cut.
+    ``score_decay``: record attention scores with this decay although the policy ranks by
+    none (a sequence that joins a shared store which records them); ``None``: the policy's."""
     check_policy_fits(model, policy)
+    if score_decay is not None and policy.score_decay not in (None, score_decay):
+        raise ValueError(f"a {type(policy).__name__} policy records scores with decay {policy.score_decay}, "
+                         f"not {score_decay}")
     total = prompt_len + max_new_tokens
     policy.check_context(prompt_len, total)
     bound = policy.max_tokens(prompt_len)
@@ -163,7 +169,7 @@ def paged_store_for(
         max_tokens=per_head,
         pages=pages,
         page_size=page_size,
-        score_decay=policy.score_decay,
+        score_decay=policy.score_decay if score_decay is None else score_decay,
     )
 
 

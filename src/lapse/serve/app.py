@@ -114,25 +114,34 @@ def build_app(engine: Engine, tokenizer, model: ServedModel, metrics: ServerMetr
                                f"{model.max_context} tokens", param="max_tokens" if room >= 1 else "prompt",
                                code="context_length_exceeded")
         n = asked if asked is not None else (room if chat else min(16, room))
-        budget = _budget(req.lapse, len(prompt))
+        policy, budget = _policy(req.lapse, len(prompt))
         try:
             row = model.make_request(prompt=prompt, max_new_tokens=n, temperature=req.temperature,
-                                     top_k=req.top_k_or_none(), top_p=req.top_p, seed=req.seed, budget=budget)
+                                     top_k=req.top_k_or_none(), top_p=req.top_p, seed=req.seed, budget=budget,
+                                     policy=policy)
         except ValueError as e:
             raise RequestError(400, str(e)) from None
         prefix = "chatcmpl-" if chat else "cmpl-"
         return Job(rid=prefix + secrets.token_hex(12), request=row, stops=req.stops(),
                    loop=asyncio.get_running_loop(), events=asyncio.Queue())
 
-    def _budget(options, prompt_len: int) -> float | int | None:
+    def _policy(options, prompt_len: int) -> tuple[object | None, float | int | None]:
+        """The request's own policy (``None``: the server's) and budget from ``"lapse"``."""
         if options is None:
-            return None
+            return None, None
+        own = None
         if options.policy is not None and options.policy != model.policy_name:
-            raise RequestError(400, f"lapse.policy: this server runs {model.policy_name!r}; start the server "
-                               f"with --policy {options.policy} for it", param="lapse.policy")
+            from lapse.generation.policies import POLICIES, PolicyOptions
+
+            if options.policy not in POLICIES:
+                raise RequestError(400, f"lapse.policy must be one of {', '.join(POLICIES)}, got "
+                                   f"{options.policy!r}", param="lapse.policy")
+            own = PolicyOptions(policy=options.policy).make_policy()  # the kind's defaults
+        base = model.policy if own is None else own
+        name = options.policy or model.policy_name
         if options.budget is None:
-            return None
-        fields = {f.name for f in dataclasses.fields(model.policy)}
+            return own, None
+        fields = {f.name for f in dataclasses.fields(base)}
         b = options.budget
         if "budget" in fields:
             if b > 1 and b != int(b):
@@ -145,13 +154,13 @@ def build_app(engine: Engine, tokenizer, model: ServedModel, metrics: ServerMetr
                                    f"an integer, got {b}", param="lapse.budget")
             budget, changes = int(b), {"window": int(b)}
         else:
-            raise RequestError(400, f"lapse.budget: the {model.policy_name} policy takes no budget (h2o, "
+            raise RequestError(400, f"lapse.budget: the {name} policy takes no budget (h2o, "
                                "a2sf and window do)", param="lapse.budget")
         try:
-            dataclasses.replace(model.policy, **changes).check_context(prompt_len, prompt_len + 1)
+            dataclasses.replace(base, **changes).check_context(prompt_len, prompt_len + 1)
         except ValueError as e:
             raise RequestError(400, f"lapse.budget: {e}", param="lapse.budget") from None
-        return budget
+        return own, budget
 
     async def _whole(request: Request, job: Job, chat: bool, rid: str) -> Response:
         text, done, gone = [], None, asyncio.create_task(_disconnected(request))

@@ -5,7 +5,7 @@ client that sends one (``user``, a newer API's field) gets its answer, and the s
 one warning naming what it ignored. Fields whose other values change what OpenAI would
 answer (``n``, ``logprobs``, ``echo``, penalties) are refused unless left at their
 defaults. ``lapse`` carries the policy settings of one request: ``{"policy": NAME,
-"budget": B}``, ``policy`` the server's own kind (it cannot change per request yet).
+"budget": B}``.
 """
 
 from __future__ import annotations
@@ -52,7 +52,10 @@ class LapseOptions(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
     policy: str | None = None
-    """The server's policy kind (a check: requests cannot change it)."""
+    """This request's eviction policy (a kind of ``lapse generate --policy``): the server's
+    own settings for the server's kind, the kind's defaults for another; it must fit the
+    model and the server's store (h2o and a2sf only on a server that ranks by the same
+    scores)."""
     budget: float | None = Field(default=None, gt=0)
     """h2o / a2sf: the tokens this request keeps per head (a share of its prompt if <= 1)."""
 
