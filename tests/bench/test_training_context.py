@@ -76,6 +76,17 @@ def test_data_parallel_processes_share_the_rows(one_process, tmp_path):
     assert "2 data-parallel groups of 1 rows" in (tmp_path / "results.md").read_text().splitlines()[0]
 
 
+def test_data_groups_of_context_parallel_processes_take_the_one_process_steps(one_process, tmp_path):
+    """4 processes with ``--cp 2``: 2 data-parallel groups, each splitting its row over 2."""
+    result = _bench(["--cp", "2", *COMMON], 4, tmp_path)
+    assert result["context_parallel"]["cp"] == 2 and result["device"].startswith("4 x ")
+    rows = {r["variant"]: r for r in result["rows"]}
+    for r in one_process["rows"]:
+        assert rows[r["variant"]]["loss"] == pytest.approx(r["loss"], rel=REL), r["variant"]
+    first = (tmp_path / "results.md").read_text().splitlines()[0]
+    assert "context parallel over 2 processes" in first and "2 data-parallel groups of 1 rows" in first
+
+
 @pytest.mark.parametrize(
     "args,message",
     [
