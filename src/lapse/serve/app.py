@@ -13,6 +13,7 @@ the result; the engine releases the row and its pages.
 from __future__ import annotations
 
 import asyncio
+import collections
 import dataclasses
 import json
 import logging
@@ -214,15 +215,23 @@ def build_app(engine: Engine, tokenizer, model: ServedModel, metrics: ServerMetr
             if chat:
                 yield chunk([{"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
                               "finish_reason": None}])
+            here: collections.deque = collections.deque()  # events taken off the queue, not yet sent
             while True:
-                event = await job.events.get()
+                event = here.popleft() if here else await job.events.get()
+                while not job.events.empty():
+                    here.append(job.events.get_nowait())
                 if isinstance(event, Failed):
                     finished = True
                     yield f"data: {json.dumps(error_body(event.message, event.type, code=event.code))}\n\n"
                     break
                 if isinstance(event, Delta):
-                    if event.text:
-                        yield chunk([piece(event.text, None)])
+                    # the text of every delta already here in one chunk: when the loop falls
+                    # behind the engine, fewer, larger writes catch it up
+                    text = [event.text]
+                    while here and isinstance(here[0], Delta):
+                        text.append(here.popleft().text)
+                    if any(text):
+                        yield chunk([piece("".join(text), None)])
                     continue
                 finished = True
                 yield chunk([piece(None, event.finish_reason)])

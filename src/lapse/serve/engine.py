@@ -4,7 +4,8 @@ Every torch call happens on this thread (grad mode and CUDA graphs are per threa
 HTTP side talks to it through two queues: :meth:`Engine.submit` and :meth:`Engine.abort`
 put ``Submit``/``Abort`` on a thread-safe queue the engine drains between steps, and each
 request gets its events (:class:`Delta`, :class:`Done`, :class:`Failed`) on its own
-``asyncio.Queue``, fed through ``loop.call_soon_threadsafe``.
+``asyncio.Queue``, fed through ``loop.call_soon_threadsafe``: the events of one
+iteration go together, one wake-up of the loop, not one a token.
 
 One iteration: drain the queue; admit waiting requests first come, first served while the
 batcher has a free row and the pages for the head of the line (``can_admit``: a request
@@ -135,8 +136,19 @@ class Job:
     """Tokens drawn, the end of text included."""
 
     def put(self, event: Delta | Done | Failed) -> None:
-        with contextlib.suppress(RuntimeError):  # the loop closed: nobody is listening any more
-            self.loop.call_soon_threadsafe(self.events.put_nowait, event)
+        """Hands ``event`` to the request's loop at once (one wake-up of the loop)."""
+        _deliver(self.loop, [(self, event)])
+
+
+def _deliver(loop: asyncio.AbstractEventLoop, events: list[tuple[Job, Delta | Done | Failed]]) -> None:
+    """Puts every event on its request's queue from the loop's own thread, in order: one
+    wake-up of the loop for all of them."""
+    def put_all() -> None:
+        for job, event in events:
+            job.events.put_nowait(event)
+
+    with contextlib.suppress(RuntimeError):  # the loop closed: nobody is listening any more
+        loop.call_soon_threadsafe(put_all)
 
 
 class Engine:
@@ -162,6 +174,7 @@ class Engine:
         self._finished: collections.Counter[str] = collections.Counter()
         self._recent: collections.deque[tuple[float, int]] = collections.deque()
         self._stop = threading.Event()
+        self._outbox: list[tuple[Job, Delta | Done | Failed]] = []  # this iteration's events
         self.error: BaseException | None = None
         self._thread = threading.Thread(target=self._run, name="lapse-engine", daemon=True)
 
@@ -212,10 +225,12 @@ class Engine:
                         tokens += self._step()
                     if tokens and self.observer is not None:
                         self.observer.iteration(tokens)
+                    self._flush()
                     self._publish()
         except BaseException as e:  # the engine is dead: every request hears it, /health says 503
             log.exception("the engine thread failed")
             self.error = e
+            self._flush()  # what this iteration finished still reaches its requests
             for job in [*self._waiting, *self._running.values()]:
                 job.put(Failed(500, f"the engine failed: {type(e).__name__}: {e}", "internal_server_error"))
             self._waiting.clear()
@@ -250,7 +265,7 @@ class Engine:
                 check(job.request)
         except ValueError as e:
             self._dequeued()
-            job.put(Failed(400, str(e)))
+            self._post(job, Failed(400, str(e)))
             return
         self._waiting.append(job)
 
@@ -264,6 +279,19 @@ class Engine:
             if job.rid == rid:
                 self._end(job)
                 return
+
+    def _post(self, job: Job, event: Delta | Done | Failed) -> None:
+        """Queues ``event`` for the end of this iteration (:meth:`_flush`)."""
+        self._outbox.append((job, event))
+
+    def _flush(self) -> None:
+        """This iteration's events to their loops: one wake-up a loop, not one a token."""
+        by_loop: dict[asyncio.AbstractEventLoop, list] = {}
+        for job, event in self._outbox:
+            by_loop.setdefault(job.loop, []).append((job, event))
+        self._outbox = []
+        for loop, events in by_loop.items():
+            _deliver(loop, events)
 
     def _dequeued(self) -> None:
         with self._lock:
@@ -287,7 +315,7 @@ class Engine:
             try:
                 row, token = self.batcher.admit(job.request)
             except ValueError as e:
-                job.put(Failed(400, str(e)))
+                self._post(job, Failed(400, str(e)))
                 continue
             job.row, job.admitted = row, time.perf_counter()
             prefilled += len(job.request.prompt)
@@ -328,7 +356,7 @@ class Engine:
         length = len(job.ids) >= job.request.max_new_tokens
         cut = _first_stop(text, job.stops, job.sent)
         if cut is not None:
-            job.put(Delta(text[job.sent : cut], 1))
+            self._post(job, Delta(text[job.sent : cut], 1))
             job.sent = cut
             self._finish(job, "stop", flush=False)
             return
@@ -336,20 +364,20 @@ class Engine:
             self._finish(job, "length", flush=True, text=text)
             return
         if text.endswith("\ufffd"):  # an unfinished UTF-8 sequence: wait for its next bytes
-            job.put(Delta("", 1))
+            self._post(job, Delta("", 1))
             return
         end = len(text) - _held_back(text, job.stops, job.sent)
-        job.put(Delta(text[job.sent : end], 1))
+        self._post(job, Delta(text[job.sent : end], 1))
         job.sent = end
 
     def _finish(self, job: Job, reason: str, *, flush: bool, text: str | None = None) -> None:
         if flush:
             text = self.tokenizer.decode(job.ids) if text is None else text
             if len(text) > job.sent:
-                job.put(Delta(text[job.sent :], 0))
+                self._post(job, Delta(text[job.sent :], 0))
                 job.sent = len(text)
         self._finished[reason] += 1
-        job.put(Done(reason, len(job.request.prompt), job.drawn))
+        self._post(job, Done(reason, len(job.request.prompt), job.drawn))
         if self.observer is not None:
             now = time.perf_counter()
             self.observer.finished(job.admitted - job.arrived, now - job.arrived)
