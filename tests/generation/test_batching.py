@@ -133,8 +133,8 @@ def test_requests_of_other_kinds_in_one_batch_equal_each_alone(model):
 
 def test_a_request_policy_the_store_cannot_run_is_refused(model):
     window = RowBatcher(model, SinkWindow(sinks=2, window=6), rows=2, max_context=40)
-    with pytest.raises(ValueError, match="ranks tokens by attention scores with decay 1.0, and this batcher's "
-                                         "store records no attention scores"):
+    with pytest.raises(ValueError, match="ranks tokens by attention scores with decay 1.0, and this "
+                                         "batcher's store records no attention scores"):
         window.check(RowRequest([1, 2, 3], 2, policy=H2O(budget=0.5)))
     h2o = RowBatcher(model, H2O(budget=0.5), rows=2, max_context=40)
     with pytest.raises(ValueError, match="decay 0.8, and this batcher's store records scores with decay 1.0"):

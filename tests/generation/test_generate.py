@@ -15,7 +15,14 @@ from __future__ import annotations
 import pytest
 import torch
 
-from lapse.generation import compiled_decode_one_token, decode_one_token, generate, prefill, sample, sample_rows
+from lapse.generation import (
+    compiled_decode_one_token,
+    decode_one_token,
+    generate,
+    prefill,
+    sample,
+    sample_rows,
+)
 from lapse.kv import DenseStore, GateState, ShiftState
 from lapse.models import ARCHS, Decoder, preset
 

@@ -104,7 +104,7 @@ def serving(app):
 
 def fake_server(**batcher):
     """A server over a :class:`FakeBatcher` (``batcher``: its settings; ``max_waiting``,
-    ``max_prefill_tokens``)."""
+    ``max_prefill_tokens``, ``warmup``)."""
     from lapse.generation.batching import RowRequest
     from lapse.generation.policies import H2O
     from lapse.serve.app import ServedModel, build_app
@@ -113,9 +113,10 @@ def fake_server(**batcher):
 
     max_waiting = batcher.pop("max_waiting", 8)
     max_prefill_tokens = batcher.pop("max_prefill_tokens", None)
+    warmup = batcher.pop("warmup", None)
     metrics = ServerMetrics("fake")
     engine = Engine(FakeBatcher(**batcher), ByteTokenizer(), eos_id=256, max_waiting=max_waiting,
-                    max_prefill_tokens=max_prefill_tokens, observer=metrics).start()
+                    max_prefill_tokens=max_prefill_tokens, warmup=warmup, observer=metrics).start()
     model = ServedModel(name="fake", max_context=256, vocab_size=258, policy=H2O(budget=0.5, recent=8),
                         policy_name="h2o", make_request=RowRequest)
     return build_app(engine, ByteTokenizer(), model, metrics), engine

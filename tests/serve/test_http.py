@@ -9,7 +9,10 @@ import concurrent.futures
 import json
 import logging
 import socket
+import threading
 import time
+import urllib.error
+import urllib.request
 
 import openai
 import pytest
@@ -152,6 +155,25 @@ def test_a_client_that_goes_away_before_a_whole_answer_frees_its_row():
         start = time.monotonic()
         assert wait_for(lambda: engine.stats().running == 0 and engine.stats().pages_used == 0)
         assert time.monotonic() - start < 1.5  # aborted, not finished
+    engine.stop()
+
+
+def test_health_is_503_while_the_engine_warms_up_and_requests_wait_for_it():
+    gate = threading.Event()
+    app, engine = fake_server(rows=2, pages=64, warmup=lambda: gate.wait(10))
+    with serving(app) as url:
+        with pytest.raises(urllib.error.HTTPError) as e:
+            urllib.request.urlopen(url + "/health", timeout=10)
+        assert e.value.code == 503 and e.value.headers["Retry-After"] == "1"
+        assert "warming up" in json.loads(e.value.read())["error"]["message"]
+        with concurrent.futures.ThreadPoolExecutor(1) as pool:
+            answer = pool.submit(
+                lambda: client(url).completions.create(model="fake", prompt="hi", max_tokens=3))
+            time.sleep(0.2)
+            assert not answer.done()  # waits in the line
+            gate.set()
+            assert answer.result(timeout=10).choices[0].text == "abc"
+        assert get(url, "/health")[0] == 200
     engine.stop()
 
 

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import openai
 import pytest
+import torch
 from server_helpers import client, get, metric, post, serving, wait_for
 
 from lapse.cli import main
@@ -111,7 +112,8 @@ def test_metrics_after_requests(served):
     grew = {name: metric(text, name) - before[name] for name in names}
     assert grew["request_prefill_time_seconds_count"] == 1 and grew["request_prefill_time_seconds_sum"] > 0
     # every token an iteration ran: the prompt, and each drawn token but the prefill's own
-    assert grew["iteration_tokens_total_sum"] == grew["prompt_tokens_total"] + grew["generation_tokens_total"] - 1
+    iterated = grew["prompt_tokens_total"] + grew["generation_tokens_total"] - 1
+    assert grew["iteration_tokens_total_sum"] == iterated
     assert metric(text, "generation_tokens_total") >= 4
     assert metric(text, "prompt_tokens_total") >= len(PROMPTS[0])
     assert metric(text, "time_to_first_token_seconds_count") >= 1
@@ -147,8 +149,9 @@ def test_a_request_budget_is_lapse_generates_flag(served, tmp_path_factory):
                                             seed=4, extra_body={"lapse": lapse})
     assert answer.choices[0].text == generated(f"{policy}-{budget}", PROMPTS[0], 4, tmp_path_factory)
     if policy == "h2o":  # another kind: its defaults with the request's budget, beside the h2o rows
+        window = {"lapse": {"policy": "window", "budget": 6}}
         answer = client(url).completions.create(model="fox", prompt=PROMPTS[0], max_tokens=NEW, temperature=1,
-                                                seed=4, extra_body={"lapse": {"policy": "window", "budget": 6}})
+                                                seed=4, extra_body=window)
         assert answer.choices[0].text == generated("window-6-defaults", PROMPTS[0], 4, tmp_path_factory)
     else:  # h2o ranks by scores that a window server's store does not record
         with pytest.raises(openai.BadRequestError, match="store records no attention scores"):
@@ -197,3 +200,26 @@ def test_a_bounded_load_finishes_and_leaves_the_pool_full(served):
     assert set(reasons) <= {"stop", "length"} and len(reasons) == 48
     assert wait_for(lambda: engine.stats().running == 0 and engine.stats().pages_used == 0)
     assert engine.stats().pages_free == engine.batcher.pages_total()
+
+
+@pytest.mark.parametrize("policy", ["dense", "h2o", "window"])
+def test_warm_up_takes_one_request_through_a_pass_and_gives_everything_back(policy):
+    """What a compiled server runs before /health says 200: one request admitted, stepped
+    past its policy's first eviction pass, released; the batcher is as it was."""
+    from lapse.generation.batching import RowBatcher
+    from lapse.generation.command import load_run_model
+    from lapse.generation.policies import PolicyOptions
+    from lapse.serve.command import warm_up
+
+    model, _ = load_run_model(RUN, torch.device("cpu"))
+    flags = {"window": 8, "every": 4} if policy == "window" else {}
+    made = PolicyOptions(policy=policy, **flags).make_policy()
+    batcher = RowBatcher(model, made, rows=3, max_context=64)
+    steps = []
+    step = batcher.step
+    batcher.step = lambda: steps.append(1) or step()
+    warm_up(batcher)
+    want = 1 if made.keeps_all else made.every + 1
+    assert len(steps) == want
+    assert batcher.free_rows() == 3 and batcher.pages_used() == 0
+    assert batcher.pages_free() == batcher.pages_total()

@@ -212,7 +212,8 @@ async def _load(cfg: ServeBenchConfig, url: str, model: str, max_len: int) -> tu
 
     async def fault(kind: str) -> dict:
         async with limit:
-            return {"ok": False, "fault": kind, "status": await _fault(client, url, model, kind, max_len, cfg)}
+            status = await _fault(client, url, model, kind, max_len, cfg)
+            return {"ok": False, "fault": kind, "status": status}
 
     try:
         for i in range(cfg.warmup):  # other prompts than the timed ones, the same lengths
@@ -277,7 +278,8 @@ async def _fault(client, url: str, model: str, kind: str, max_len: int, cfg: Ser
 
 
 IDLE_METRICS = ("kv_pages_used", "kv_pages_free", "request_prefill_time_seconds_sum",
-                "request_prefill_time_seconds_count", "iteration_tokens_total_sum", "iteration_tokens_total_count")
+                "request_prefill_time_seconds_count", "iteration_tokens_total_sum",
+                "iteration_tokens_total_count")
 """What ``/metrics`` holds once the server is idle, read before and after the load: the pages
 held, and the sums the prefill time and tokens a step come from."""
 
@@ -446,7 +448,8 @@ ROWS = [
     ("ITL p50 / p90 / p99 (ms, between chunks)", ("itl_ms_p50", "itl_ms_p90", "itl_ms_p99"), "{:.1f}"),
     ("end-to-end p50 / p99 (ms)", ("e2e_ms_p50", "e2e_ms_p99"), "{:.1f}"),
     ("prefill a request, mean (ms; lapse:request_prefill_time_seconds)", "prefill_ms_mean", "{:.1f}"),
-    ("engine iterations/s, tokens an iteration (mean)", ("iterations_per_s", "tokens_per_iteration_mean"), "{:.1f}"),
+    ("engine iterations/s, tokens an iteration (mean)", ("iterations_per_s", "tokens_per_iteration_mean"),
+     "{:.1f}"),
     ("peak lapse:kv_pages_used", "peak_kv_pages_used", "{:g}"),
     ("peak lapse:num_requests_running", "peak_num_requests_running", "{:g}"),
 ]
@@ -478,5 +481,6 @@ def markdown_table(results: dict) -> str:
         else "| lapse:kv_pages_used / kv_pages_free, idle before / after | n/a |",
     ]
     if s["faults"]:
-        lines.append("| faults (kind: answer) | " + ", ".join(f"{k} x {n}" for k, n in s["faults"].items()) + " |")
+        faults = ", ".join(f"{k} x {n}" for k, n in s["faults"].items())
+        lines.append(f"| faults (kind: answer) | {faults} |")
     return "\n".join(lines) + "\n"

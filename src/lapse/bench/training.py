@@ -174,8 +174,8 @@ def run(cfg: TrainBenchConfig) -> dict:
         if spread:
             _shard(model)
         opt = torch.optim.AdamW(optimizer_groups(model, 0.1), lr=cfg.lr, betas=(0.9, 0.95), fused=cuda)
-        states[name] = {"model": model, "opt": opt, "regularizer": regularizer, "times": [], "fastest": [], "losses": [],
-                        "checked": False}
+        states[name] = {"model": model, "opt": opt, "regularizer": regularizer, "times": [], "fastest": [],
+                        "losses": [], "checked": False}
 
     def step(name: str, i: int, timed: bool) -> None:
         s = states[name]

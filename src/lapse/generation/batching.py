@@ -16,8 +16,8 @@ checks each request's worst case in pages, layer by layer (:meth:`RowBatcher.pag
 the prompt and new tokens, or the policy's bound), and once the prompt is cut keeps reserved
 only what the row can still grow to: each head's kept tokens plus the new ones (and one
 reservation ahead), so a policy without a bound (ACP, DCP) that kept little of its prompt
-frees the rest for other requests. A step never runs out of pages: no preemption. Not thread-safe: one thread owns the batcher (and
-the model, and every torch call on them).
+frees the rest for other requests. A step never runs out of pages: no preemption. Not
+thread-safe: one thread owns the batcher (and the model, and every torch call on them).
 
 Legend: T prompt length, N new tokens, S page size, H kv heads, L layers.
 """
@@ -267,7 +267,8 @@ class RowBatcher:
         grow = np.minimum(kept + n + self.ahead, hold)
         pages = ((grow + self.page_size - 1) // self.page_size).sum(axis=1)  # [L]
         token = int(first)
-        self._rows[row] = _Row(req, policy, generator, token, 0, np.minimum(pages, self._worst_per_layer(req)))
+        pages = np.minimum(pages, self._worst_per_layer(req))
+        self._rows[row] = _Row(req, policy, generator, token, 0, pages)
         return row, token
 
     @torch.no_grad()

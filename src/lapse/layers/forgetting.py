@@ -185,7 +185,8 @@ class ForgettingAttention(Attention):
                 q0 = chunk * n
                 limit = (rising[:, :, q0] + delta)[..., None]  # [B, H, 1]: keep j iff -c_j >= this
                 firsts.append(torch.searchsorted(rising, limit).amin().clamp_max(q0))
-        starts, intervals, (keys, values, kept_gates) = ctx.gather_ranges(torch.stack(firsts), k, v, log_fgate)
+        starts, intervals, (keys, values, kept_gates) = ctx.gather_ranges(
+            torch.stack(firsts), k, v, log_fgate)
 
         def rows_of(lo: int, hi: int) -> slice:  # [lo, hi) as indices of the gathered tokens
             at = 0

@@ -61,6 +61,9 @@ def build_app(engine: Engine, tokenizer, model: ServedModel, metrics: ServerMetr
     async def health(request: Request) -> Response:
         if not engine.alive:
             return JSONResponse(error_body("the engine is not running", "internal_server_error"), 503)
+        if not engine.ready.is_set():
+            return JSONResponse(error_body("the engine is warming up (compiling its decode step)",
+                                           "service_unavailable"), 503, headers={"Retry-After": "1"})
         return JSONResponse({})
 
     async def models(request: Request) -> Response:

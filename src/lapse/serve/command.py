@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import warnings
 from dataclasses import dataclass
 
 import torch
@@ -104,11 +105,45 @@ def build_server(cfg: ServeConfig, loaded=None) -> Server:
                          compile=cfg.compile)
     name = cfg.model_name()
     metrics = ServerMetrics(name)
+    warm = cfg.compile or device.type == "cuda"  # compiled steps, graphs and Triton kernels
     engine = Engine(batcher, tokenizer, eos_id=tokenizer.eos_id, max_waiting=cfg.max_waiting,
-                    max_prefill_tokens=cfg.max_prefill_tokens, observer=metrics, setup=lambda: _decoding(model, cfg.compile)).start()
+                    max_prefill_tokens=cfg.max_prefill_tokens,
+                    warmup=(lambda: warm_up(batcher)) if warm else None,
+                    observer=metrics, setup=lambda: _decoding(model, cfg.compile)).start()
     served = ServedModel(name=name, max_context=max_context, vocab_size=model.config.vocab_size,
                          policy=policy, policy_name=cfg.policy, make_request=RowRequest)
     return Server(build_app(engine, tokenizer, served, metrics), engine, served)
+
+
+def warm_up(batcher: RowBatcher) -> None:
+    """One request through ``batcher``, then its row released: the decode step compiles and
+    records its CUDA graph, the eviction pass its own (a request long enough for one pass),
+    and the Triton kernels build, before the first client waits for them. A batcher that
+    can take no such request is left cold (logged)."""
+    import time
+
+    policy = batcher.policy
+    steps = min(2 if policy.keeps_all else policy.every + 2, batcher.max_context - 2)
+    for length in (min(1024, batcher.max_context // 2), batcher.max_context - steps - 1):
+        req = RowRequest([0] * max(length, 1), steps)
+        try:
+            batcher.check(req)
+        except ValueError:
+            continue
+        if batcher.can_admit(req):
+            break
+    else:
+        log.warning("no warm-up request fits this server: the first requests compile the decode step")
+        return
+    start = time.perf_counter()
+    log.info("warming up: one request of %d + %d tokens through the decode step", len(req.prompt), steps)
+    with warnings.catch_warnings():  # a policy's remarks on this made-up request are not the user's
+        warnings.simplefilter("ignore")
+        row, _ = batcher.admit(req)
+        for _ in range(steps - 1):
+            batcher.step()
+        batcher.release(row)
+    log.info("warmed up in %.1f s", time.perf_counter() - start)
 
 
 def run_serve(cfg: ServeConfig) -> None:

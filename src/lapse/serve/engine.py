@@ -155,15 +155,20 @@ class Engine:
     """The engine thread around ``batcher``; ``tokenizer`` decodes the new tokens, ``eos_id``
     ends a request, ``max_waiting`` bounds the line of requests without a row,
     ``max_prefill_tokens`` the prompt tokens admitted between two decode steps (``None``: no
-    bound)."""
+    bound); ``warmup`` runs on the engine thread before the first request (requests that
+    come meanwhile wait in the line)."""
 
     def __init__(self, batcher: Batcher, tokenizer, *, eos_id: int | None, max_waiting: int,
-                 max_prefill_tokens: int | None = None, observer: Observer | None = None, setup: Callable[[], contextlib.AbstractContextManager]
+                 max_prefill_tokens: int | None = None, warmup: Callable[[], None] | None = None,
+                 observer: Observer | None = None, setup: Callable[[], contextlib.AbstractContextManager]
                  | None = None):
         self.batcher, self.tokenizer, self.eos_id = batcher, tokenizer, eos_id
         self.max_waiting, self.observer = max_waiting, observer
         self.max_prefill_tokens = max_prefill_tokens
         self._setup = setup or contextlib.nullcontext
+        self._warmup = warmup
+        self.ready = threading.Event()
+        """Set once the warm-up ran (compiling the step before the first request waits)."""
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._lock = threading.Lock()
         self._queued = 0  # submitted and not yet admitted, ended or aborted (the line's length)
@@ -218,6 +223,9 @@ class Engine:
     def _run(self) -> None:
         try:
             with self._setup():
+                if self._warmup is not None:
+                    self._warmup()
+                self.ready.set()
                 while not self._stop.is_set():
                     self._drain(block=not self._running and not self._waiting)
                     tokens = self._admit()

@@ -39,11 +39,13 @@ class ServerMetrics:
         self._e2e = Histogram("lapse:e2e_request_latency_seconds", "Arrival to last token (s).", labels,
                               buckets=E2E_BUCKETS, registry=self.registry).labels(model_name)
         self._prefill = Histogram("lapse:request_prefill_time_seconds",
-                                  "Time a request's prompt took to prefill, the first token drawn (s).", labels,
+                                  "Time a request's prompt took to prefill, the first token drawn (s).",
+                                  labels,
                                   buckets=E2E_BUCKETS, registry=self.registry).labels(model_name)
         self._iteration = Histogram("lapse:iteration_tokens_total",
                                     "Tokens an engine iteration ran: prompts prefilled and tokens decoded.",
-                                    labels, buckets=ITERATION_TOKENS_BUCKETS, registry=self.registry).labels(model_name)
+                                    labels, buckets=ITERATION_TOKENS_BUCKETS,
+                                    registry=self.registry).labels(model_name)
         self._queue = Histogram("lapse:request_queue_time_seconds", "Time waiting for a row (s).", labels,
                                 buckets=E2E_BUCKETS, registry=self.registry).labels(model_name)
         self._rejected = Counter("lapse:requests_rejected", "Requests refused before running.",
