@@ -133,11 +133,11 @@ def test_requests_of_other_kinds_in_one_batch_equal_each_alone(model):
 
 def test_a_request_policy_the_store_cannot_run_is_refused(model):
     window = RowBatcher(model, SinkWindow(sinks=2, window=6), rows=2, max_context=40)
-    with pytest.raises(ValueError, match="ranks tokens by attention scores with decay 1.0, and this "
-                                         "batcher's store records no attention scores"):
+    with pytest.raises(ValueError, match="H2O ranks tokens by attention scores with decay 1.0, and the "
+                                         "shared KV store records no attention scores"):
         window.check(RowRequest([1, 2, 3], 2, policy=H2O(budget=0.5)))
     h2o = RowBatcher(model, H2O(budget=0.5), rows=2, max_context=40)
-    with pytest.raises(ValueError, match="decay 0.8, and this batcher's store records scores with decay 1.0"):
+    with pytest.raises(ValueError, match="decay 0.8, and the shared KV store records scores with decay 1.0"):
         h2o.check(RowRequest([1, 2, 3], 2, policy=A2SF(budget=0.5, alpha=0.8)))
     with pytest.raises(ValueError, match="DCP"):
         h2o.check(RowRequest([1, 2, 3], 2, policy=DCPDrop()))

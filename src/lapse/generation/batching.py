@@ -349,8 +349,8 @@ class RowBatcher:
             held = ("records no attention scores" if self.store.score_decay is None
                     else f"records scores with decay {self.store.score_decay}")
             raise ValueError(
-                f"a {type(policy).__name__} request ranks tokens by attention scores with decay {decay}, "
-                f"and this batcher's store {held} (its policy is {type(self.policy).__name__})"
+                f"{type(policy).__name__} ranks tokens by attention scores with decay {decay}, and the "
+                f"shared KV store {held} (it serves the {type(self.policy).__name__} policy)"
             )
 
     def _pass_for(self, policy: Policy) -> tuple:
