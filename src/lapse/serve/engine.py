@@ -132,6 +132,12 @@ class Job:
     ids: list[int] = field(default_factory=list)
     sent: int = 0
     """Characters of the decoded text handed out so far."""
+    text: str = ""
+    """The text of ``ids[:read]``, decoded a few tokens at a time (:func:`_detokenize`)."""
+    window: int = 0
+    read: int = 0
+    """``ids[window:read]``: the tokens decoded with the next ones, so that a token's text
+    comes out as it does inside the whole text (a leading space, a split UTF-8 sequence)."""
     drawn: int = 0
     """Tokens drawn, the end of text included."""
 
@@ -360,7 +366,7 @@ class Engine:
             self._finish(job, "stop", flush=True)
             return
         job.ids.append(token)
-        text = self.tokenizer.decode(job.ids)
+        text = _detokenize(self.tokenizer, job)
         length = len(job.ids) >= job.request.max_new_tokens
         cut = _first_stop(text, job.stops, job.sent)
         if cut is not None:
@@ -408,6 +414,23 @@ class Engine:
         )
         with self._lock:
             self._stats = stats
+
+
+def _detokenize(tokenizer, job: Job) -> str:
+    """The text of all of ``job.ids``, decoding only the tokens since the last complete
+    character (not the whole text again at every token): the text of ``ids[window:]``
+    past that of ``ids[window:read]`` is what the new tokens add. A text that ends in an
+    unfinished UTF-8 sequence (U+FFFD) is returned as it is and decoded again with the
+    next token."""
+    before = tokenizer.decode(job.ids[job.window : job.read])
+    now = tokenizer.decode(job.ids[job.window :])
+    if now.startswith(before):
+        text = job.text + now[len(before) :]
+    else:  # the window's own text changed (a tokenizer that reads further back): all of it
+        text = tokenizer.decode(job.ids)
+    if not text.endswith("\ufffd"):
+        job.text, job.window, job.read = text, job.read, len(job.ids)
+    return text
 
 
 def _first_stop(text: str, stops: list[str], sent: int) -> int | None:
