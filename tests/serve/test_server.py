@@ -114,6 +114,9 @@ def test_metrics_after_requests(served):
     # every token an iteration ran: the prompt, and each drawn token but the prefill's own
     iterated = grew["prompt_tokens_total"] + grew["generation_tokens_total"] - 1
     assert grew["iteration_tokens_total_sum"] == iterated
+    # the tokens of the last 10 s, this request's among them
+    recent = 10 * metric(text, "avg_generation_throughput_toks_per_s")
+    assert grew["generation_tokens_total"] <= recent + 1e-9 <= metric(text, "generation_tokens_total") + 1e-9
     assert metric(text, "generation_tokens_total") >= 4
     assert metric(text, "prompt_tokens_total") >= len(PROMPTS[0])
     assert metric(text, "time_to_first_token_seconds_count") >= 1

@@ -183,7 +183,10 @@ class Engine:
         self._stats = Stats(pages_total=batcher.pages_total(), pages_free=batcher.pages_free())
         self._counts = {"prompt": 0, "generation": 0}
         self._finished: collections.Counter[str] = collections.Counter()
+        # tokens of each iteration of the last THROUGHPUT_WINDOW seconds, and their sum
         self._recent: collections.deque[tuple[float, int]] = collections.deque()
+        self._recent_total = 0
+        self._drawn = 0  # tokens drawn since the last _publish
         self._stop = threading.Event()
         self._outbox: list[tuple[Job, Delta | Done | Failed]] = []  # this iteration's events
         self.error: BaseException | None = None
@@ -361,7 +364,7 @@ class Engine:
         """Takes one new token of ``job``: its text out, and the row released when it ends."""
         self._counts["generation"] += 1
         job.drawn += 1
-        self._recent.append((time.perf_counter(), 1))
+        self._drawn += 1
         if token == self.eos_id:
             self._finish(job, "stop", flush=True)
             return
@@ -403,14 +406,17 @@ class Engine:
 
     def _publish(self) -> None:
         now = time.perf_counter()
+        if self._drawn:
+            self._recent.append((now, self._drawn))
+            self._recent_total, self._drawn = self._recent_total + self._drawn, 0
         while self._recent and self._recent[0][0] < now - THROUGHPUT_WINDOW:
-            self._recent.popleft()
+            self._recent_total -= self._recent.popleft()[1]
         b = self.batcher
         stats = Stats(
             running=len(self._running), waiting=len(self._waiting), pages_total=b.pages_total(),
             pages_used=b.pages_used(), pages_free=b.pages_free(), prompt_tokens=self._counts["prompt"],
             generation_tokens=self._counts["generation"], finished=dict(self._finished),
-            throughput=sum(n for _, n in self._recent) / THROUGHPUT_WINDOW,
+            throughput=self._recent_total / THROUGHPUT_WINDOW,
         )
         with self._lock:
             self._stats = stats
