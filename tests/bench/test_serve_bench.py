@@ -60,6 +60,22 @@ def test_started_server_serves_the_load_and_is_stopped(tmp_path, capsys):
     assert not [c for c in _children() if "lapse.cli" in c]  # the server is gone
 
 
+def test_several_concurrency_levels_load_one_server_in_turn(tmp_path):
+    pytest.importorskip("uvicorn")
+    pytest.importorskip("openai")
+    cli_main(["bench", "serve", "--serve", SERVE, "--num-requests", "6", "--concurrency", "1", "4",
+              "--prompt-len", "8", "--output-len", "6", "--metrics-interval", "0.02", "--out-dir", str(tmp_path)])
+    results = json.loads((tmp_path / "results.json").read_text())
+    levels = results["levels"]
+    assert [level["concurrency"] for level in levels] == [1, 4]
+    assert all(level["summary"]["requests_ok"] == 6 for level in levels)
+    assert results["summary"] == levels[0]["summary"]
+    assert levels[0]["summary"]["peak_num_requests_running"] <= 1
+    assert "--concurrency 1 4" in results["env"]["command"]
+    table = (tmp_path / "results.md").read_text()
+    assert "| figure | 1 in flight | 4 in flight |" in table and "| requests ok | 6 | 6 |" in table
+
+
 def test_faults_get_their_answers_and_leave_no_page_held(tmp_path):
     """Every fault kind twice among the load: each refused body gets a 400, each dropped
     stream is left after its first chunk; no 5xx, and once idle the pool is what it was."""

@@ -8,6 +8,7 @@ options from this module alone.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import shlex
 from dataclasses import dataclass
@@ -416,8 +417,9 @@ class ServeBenchConfig:
     and BPE tokenizer has)."""
     output_len: int = 128
     """``max_tokens`` of each request (fewer come back where the model ends its text)."""
-    concurrency: Annotated[int | None, _given("INT", 8)] = None
-    """At most this many requests in flight. Not with ``--rate``."""
+    concurrency: Annotated[tuple[int, ...] | None, _given("INT [INT ...]", 8)] = None
+    """At most this many requests in flight; several values: one load at each, against the
+    same server, one after another (a column each in the table). Not with ``--rate``."""
     rate: float | None = None
     """Instead of ``--concurrency``: Poisson arrivals, this many requests per second on average."""
     temperature: float = 1.0
@@ -455,8 +457,8 @@ class ServeBenchConfig:
             raise ValueError(f"warmup must be at least 0, got {self.warmup}")
         if self.concurrency is not None and self.rate is not None:
             raise ValueError("give --concurrency or --rate, not both")
-        if self.concurrency is not None and self.concurrency < 1:
-            raise ValueError(f"concurrency must be at least 1, got {self.concurrency}")
+        if self.concurrency is not None and (not self.concurrency or min(self.concurrency) < 1):
+            raise ValueError(f"concurrency must be one or more counts of at least 1, got {self.concurrency}")
         if self.rate is not None and not (math.isfinite(self.rate) and self.rate > 0):
             raise ValueError(f"rate must be a positive number of requests per second, got {self.rate}")
         if not self.temperature >= 0:
@@ -470,5 +472,11 @@ class ServeBenchConfig:
         return (self.url or "http://127.0.0.1:8000").rstrip("/")
 
     def in_flight(self) -> int | None:
-        """The concurrency limit; ``None`` under ``--rate``."""
-        return None if self.rate is not None else self.concurrency or 8
+        """The concurrency limit of a load of one level (the first); ``None`` under ``--rate``."""
+        return None if self.rate is not None else (self.concurrency or (8,))[0]
+
+    def levels(self) -> list[ServeBenchConfig]:
+        """One config per concurrency level (one under ``--rate``)."""
+        if self.concurrency is None or len(self.concurrency) == 1:
+            return [self]
+        return [dataclasses.replace(self, concurrency=(c,)) for c in self.concurrency]

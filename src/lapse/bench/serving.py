@@ -62,7 +62,10 @@ def run(cfg: ServeBenchConfig) -> dict:
         if cfg.prompt_len + cfg.output_len > max_len:
             raise ValueError(f"--prompt-len {cfg.prompt_len} + --output-len {cfg.output_len} exceeds the "
                              f"server's max_model_len {max_len}")
-        records, wall, peaks = asyncio.run(_load(cfg, url, model, max_len))
+        summaries = []
+        for level in cfg.levels():
+            records, wall, peaks = asyncio.run(_load(level, url, model, max_len))
+            summaries.append(summarize(records, wall, peaks))
     results = {
         "env": {
             "command": command_line(cfg),
@@ -74,8 +77,11 @@ def run(cfg: ServeBenchConfig) -> dict:
             "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
         },
         "config": {k: (str(v) if v is not None else None) for k, v in asdict(cfg).items()},
-        "summary": summarize(records, wall, peaks),
+        "summary": summaries[0],
     }
+    if len(summaries) > 1:
+        results["levels"] = [{"concurrency": c, "summary": one}
+                             for c, one in zip(cfg.concurrency, summaries, strict=True)]
     write_text_atomic(cfg.out_dir / "results.json", json.dumps(results, indent=2))
     table = markdown_table(results)
     write_text_atomic(cfg.out_dir / "results.md", table)
@@ -89,7 +95,8 @@ def command_line(cfg: ServeBenchConfig) -> str:
     for field in dataclasses.fields(cfg):
         value = getattr(cfg, field.name)
         if value != field.default:
-            args += [f"--{field.name.replace('_', '-')}", str(value)]
+            given = [str(v) for v in value] if isinstance(value, tuple) else [str(value)]
+            args += [f"--{field.name.replace('_', '-')}", *given]
     return shlex.join(args)
 
 
@@ -456,31 +463,43 @@ ROWS = [
 
 
 def markdown_table(results: dict) -> str:
-    """The run's command lines, commit and date, then one row per figure."""
-    env, s = results["env"], results["summary"]
+    """The run's command lines, commit and date, then one row per figure: one value column,
+    or one column per concurrency level."""
+    env = results["env"]
+    levels = results.get("levels") or [{"concurrency": None, "summary": results["summary"]}]
 
-    def cell(keys, fmt: str) -> str:
+    def cell(s: dict, keys, fmt: str) -> str:
         keys = (keys,) if isinstance(keys, str) else keys
         return " / ".join("n/a" if s[k] is None else fmt.format(s[k]) for k in keys)
 
-    failed = ", ".join(f"{status}: {n}" for status, n in s["requests_failed"].items()) or "none"
+    def pages(s: dict) -> str:
+        if s["before_kv_pages_used"] is None or s["after_kv_pages_used"] is None:
+            return "n/a"
+        return (f"{s['before_kv_pages_used']:g} / {s['before_kv_pages_free']:g}, "
+                f"{s['after_kv_pages_used']:g} / {s['after_kv_pages_free']:g}")
+
+    rows = [(label, [cell(one["summary"], keys, fmt) for one in levels]) for label, keys, fmt in ROWS]
+    def counts(counter: dict) -> str:
+        return ", ".join(f"{k}: {n}" for k, n in counter.items()) or "none"
+
+    summaries = [one["summary"] for one in levels]
+    rows += [
+        ("requests failed", [counts(s["requests_failed"]) for s in summaries]),
+        ("answers 5xx (all requests)", [str(s["server_errors"]) for s in summaries]),
+        ("lapse:kv_pages_used / kv_pages_free, idle before / after", [pages(s) for s in summaries]),
+    ]
+    if any(s["faults"] for s in summaries):
+        rows.append(("faults (kind: answer)",
+                     [", ".join(f"{k} x {n}" for k, n in s["faults"].items()) or "none" for s in summaries]))
+    head = ["value"] if len(levels) == 1 else [f"{one['concurrency']} in flight" for one in levels]
     lines = [
         f"`{env['command']}`",
         "",
         f"Server: `{env['server_command']}`" if env["server_command"] else f"Server: {env['url']} (running)",
         f"model {env['model']} (max_model_len {env['max_model_len']}), commit {env['commit']}, {env['date']}",
         "",
-        "| figure | value |",
-        "| --- | --- |",
-        *(f"| {label} | {cell(keys, fmt)} |" for label, keys, fmt in ROWS),
-        f"| requests failed | {failed} |",
-        f"| answers 5xx (all requests) | {s['server_errors']} |",
-        f"| lapse:kv_pages_used / kv_pages_free, idle before / after | {s['before_kv_pages_used']:g} / "
-        f"{s['before_kv_pages_free']:g}, {s['after_kv_pages_used']:g} / {s['after_kv_pages_free']:g} |"
-        if s["before_kv_pages_used"] is not None and s["after_kv_pages_used"] is not None
-        else "| lapse:kv_pages_used / kv_pages_free, idle before / after | n/a |",
+        "| figure | " + " | ".join(head) + " |",
+        "|---" * (len(head) + 1) + "|" if len(levels) > 1 else "| --- | --- |",
+        *(f"| {label} | " + " | ".join(values) + " |" for label, values in rows),
     ]
-    if s["faults"]:
-        faults = ", ".join(f"{k} x {n}" for k, n in s["faults"].items())
-        lines.append(f"| faults (kind: answer) | {faults} |")
     return "\n".join(lines) + "\n"
