@@ -64,7 +64,8 @@ def test_several_concurrency_levels_load_one_server_in_turn(tmp_path):
     pytest.importorskip("uvicorn")
     pytest.importorskip("openai")
     cli_main(["bench", "serve", "--serve", SERVE, "--num-requests", "6", "--concurrency", "1", "4",
-              "--prompt-len", "8", "--output-len", "6", "--metrics-interval", "0.02", "--out-dir", str(tmp_path)])
+              "--prompt-len", "8", "--output-len", "6", "--metrics-interval", "0.02",
+              "--out-dir", str(tmp_path)])
     results = json.loads((tmp_path / "results.json").read_text())
     levels = results["levels"]
     assert [level["concurrency"] for level in levels] == [1, 4]

@@ -170,9 +170,11 @@ def _stop(proc: subprocess.Popen) -> None:
             proc.wait()
 
 
-def _get(url: str, timeout: float = 10.0) -> tuple[int, str]:
+def _get(url: str, timeout: float = 10.0, data: bytes | None = None) -> tuple[int, str]:
+    """The status and body of a GET, or of a POST of the JSON ``data``."""
+    request = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json"})
     try:
-        with urllib.request.urlopen(url, timeout=timeout) as answer:
+        with urllib.request.urlopen(request, timeout=timeout) as answer:
             return answer.status, answer.read().decode()
     except urllib.error.HTTPError as e:
         return e.code, e.read().decode(errors="replace")
@@ -278,7 +280,7 @@ async def _fault(client, url: str, model: str, kind: str, max_len: int, cfg: Ser
             body["prompt"], body["max_tokens"] = [65] * max_len, 1
         data = json.dumps(body).encode()
     try:
-        status, _ = await asyncio.to_thread(_post, f"{url}/v1/completions", data, cfg.request_timeout)
+        status, _ = await asyncio.to_thread(_get, f"{url}/v1/completions", cfg.request_timeout, data)
     except (OSError, http.client.HTTPException):
         return "connection"
     return str(status)
@@ -306,15 +308,6 @@ async def _idle(url: str, timeout: float) -> dict[str, float | None]:
                 or time.monotonic() > deadline:
             return {k: found.get(k) for k in IDLE_METRICS}
         await asyncio.sleep(0.05)
-
-
-def _post(url: str, data: bytes, timeout: float) -> tuple[int, str]:
-    request = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json"})
-    try:
-        with urllib.request.urlopen(request, timeout=timeout) as answer:
-            return answer.status, answer.read().decode()
-    except urllib.error.HTTPError as e:
-        return e.code, e.read().decode(errors="replace")
 
 
 async def _request(client, model: str, prompt: list[int], seed: int, cfg: ServeBenchConfig) -> dict:
@@ -499,7 +492,7 @@ def markdown_table(results: dict) -> str:
         f"model {env['model']} (max_model_len {env['max_model_len']}), commit {env['commit']}, {env['date']}",
         "",
         "| figure | " + " | ".join(head) + " |",
-        "|---" * (len(head) + 1) + "|" if len(levels) > 1 else "| --- | --- |",
+        "| --- " * (len(head) + 1) + "|",
         *(f"| {label} | " + " | ".join(values) + " |" for label, values in rows),
     ]
     return "\n".join(lines) + "\n"

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import time
 import warnings
 from dataclasses import dataclass
 
@@ -120,8 +121,6 @@ def warm_up(batcher: RowBatcher) -> None:
     records its CUDA graph, the eviction pass its own (a request long enough for one pass),
     and the Triton kernels build, before the first client waits for them. A batcher that
     can take no such request is left cold (logged)."""
-    import time
-
     policy = batcher.policy
     steps = min(2 if policy.keeps_all else policy.every + 2, batcher.max_context - 2)
     for length in (min(1024, batcher.max_context // 2), batcher.max_context - steps - 1):
