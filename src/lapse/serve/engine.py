@@ -12,9 +12,10 @@ batcher has a free row and the pages for the head of the line (``can_admit``: a 
 never runs out of pages mid-decode) and the iteration's prompt tokens stay within
 ``max_prefill_tokens`` (the first admission always goes); one decode step over every
 running row; per row, the new token's text, checked against the end of text,
-``max_tokens`` and the stop strings, and the row released when it ends. The waiting line is bounded (``max_waiting``): one more
-request is refused at once (:class:`Busy`: HTTP 429). The engine publishes a
-:class:`Stats` snapshot each iteration, which ``/metrics`` reads.
+``max_tokens`` and the stop strings, and the row released when it ends. The waiting line
+is bounded (``max_waiting``): one more request is refused at once (:class:`Busy`: HTTP
+429). The engine publishes a :class:`Stats` snapshot each iteration, which ``/metrics``
+reads.
 """
 
 from __future__ import annotations
